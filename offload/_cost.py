@@ -1,0 +1,62 @@
+"""Measured costs, as plain numbers: what the planner reads and the probe writes.
+
+This module owns the data shapes shared by the probe (which measures a machine),
+the profiler (which measures a model's regions) and the planner (which turns both
+into decisions). Nothing here touches a device; every field carries its unit.
+
+    probe()  ──▶ MachineProfile ─┐
+                                 ├──▶ planner ──▶ Plan
+    profile step ──▶ RegionProfile[] ┘
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["MachineProfile", "RegionProfile"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MachineProfile:
+    """Bandwidths and fixed costs of moving activation bytes on one machine.
+
+    On a CUDA device the offload link is device->host / host->device over pinned
+    memory; on the CPU the "link" is the spill directory (write / read).
+    """
+
+    device_type: str
+    """``"cuda"`` or ``"cpu"``: which tier sits behind the compute device."""
+    device_name: str = ""
+    """Human-readable name of the compute device (``torch.cuda.get_device_name`` or the CPU model)."""
+    d2h_gb_per_s: float = 0.0
+    """Device -> pinned host copy bandwidth, GB/s (1e9 bytes). 0 where there is no such link (CPU)."""
+    h2d_gb_per_s: float = 0.0
+    """Pinned host -> device copy bandwidth, GB/s. 0 where there is no such link (CPU)."""
+    disk_write_gb_per_s: float = 0.0
+    """Spill-directory write bandwidth, GB/s."""
+    disk_read_gb_per_s: float = 0.0
+    """Spill-directory read bandwidth, GB/s."""
+    per_tensor_overhead_us: float = 0.0
+    """Fixed engine cost per saved tensor moved (pack + unpack bookkeeping), microseconds."""
+
+    def offload_gb_per_s(self) -> tuple[float, float]:
+        """(out, back) bandwidth of the first tier behind the compute device, GB/s."""
+        if self.device_type == "cuda":
+            return self.d2h_gb_per_s, self.h2d_gb_per_s
+        return self.disk_write_gb_per_s, self.disk_read_gb_per_s
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RegionProfile:
+    """What one region (e.g. one transformer block) costs, measured on one step."""
+
+    name: str
+    """Qualified module name, e.g. ``"blocks.3"``."""
+    saved_bytes: int
+    """Bytes of distinct activation storages the region saves for backward (engine-eligible only)."""
+    input_bytes: int = 0
+    """Bytes a recomputed region still keeps: its inputs (those not already counted elsewhere)."""
+    forward_ms: float = 0.0
+    """Wall time of the region's forward, milliseconds (CUDA events on GPU, perf_counter on CPU)."""
+    num_tensors: int = 0
+    """Number of saved tensors (for per-tensor overheads)."""
