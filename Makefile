@@ -1,0 +1,42 @@
+# Build, test and demo targets. A fresh clone needs only python3:
+#   make test       create .venv, install torch and the package, run the tests
+#   make demo       run the built-in demo (offload.bench --demo)
+#   make bench      run the benchmarks in bench/
+#   make gpu-check  run the device checks, results under out/gpu
+# Pick another torch with: make test TORCH_SPEC='torch==2.5.1'
+
+PYTHON ?= python3
+VENV ?= .venv
+# Without a CUDA driver, pin the CPU build this project is tested against;
+# with one, take any supported torch that pip resolves for the machine.
+TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,torch==2.13.0)
+
+VENV_PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench gpu-check clean
+
+install: $(STAMP)
+
+# torch goes in first so that the editable install does not pull a different build.
+$(STAMP): pyproject.toml
+	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
+	$(VENV_PYTHON) -m pip install '$(TORCH_SPEC)'
+	$(VENV_PYTHON) -m pip install -e '.[test,plot]'
+	touch $@
+
+test: $(STAMP)
+	$(VENV_PYTHON) -m pytest -q tests
+
+demo: $(STAMP)
+	$(VENV_PYTHON) -m offload.bench --demo
+
+bench: $(STAMP)
+	$(VENV_PYTHON) -m pytest bench -q --benchmark-only
+
+gpu-check: $(STAMP)
+	bash bench/gpu_check.sh out/gpu
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .benchmarks
+	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -exec rm -rf {} +
