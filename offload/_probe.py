@@ -1,0 +1,387 @@
+"""Measure what moving activation bytes costs on this machine, once, and remember it.
+
+The planner needs three kinds of numbers it must not guess (links differ between machines,
+and host->device is often slower than device->host):
+
+    compute device ──d2h──▶ pinned host ──write──▶ spill directory
+                   ◀─h2d───             ◀─read───
+    + a fixed cost per saved tensor (the saved_tensors_hooks round trip)
+
+How each figure is taken:
+
+- d2h / h2d (CUDA only): one pinned host buffer and one device buffer of ``size_mb``, allocated
+  once; one warm-up copy each way; then ``repeats`` copies per direction on a side stream, timed
+  with CUDA events; the median wins. 0 on the CPU, where there is no such link.
+- disk write / read: a fresh private file (``O_EXCL``, mode 0600) in the spill directory per
+  repeat, ``size_mb`` of random bytes (so a compressing file system cannot flatter itself),
+  written with ``os.write`` and read back at once; median of ``repeats``; the file is removed.
+  The figures returned are the *buffered* ones: a write without fsync and a read that the page
+  cache can serve. That is what the engine's spill thread sees while the host has page cache to
+  spare. The durable figures (write + fsync, and a read after the pages were dropped with
+  ``posix_fadvise``) are measured in the same pass and logged at INFO; they are what it sees once
+  the host is short of memory, which is also when spilling matters most.
+- per-tensor overhead: a forward and backward through a chain of tiny ops that each save one
+  tensor, with identity pack/unpack hooks and without; the difference per tensor, in
+  microseconds, best of ``repeats``, clamped at 0. It is a host-side cost, so it is measured on
+  the CPU whatever the device.
+
+Results are cached in a JSON file (``$XDG_CACHE_HOME/offload/probe.json``, else
+``~/.cache/offload/probe.json``) so that a restarted job does not measure again. Link figures are
+keyed by host name, device name and torch version; disk figures by host name and the spill
+directory's real path. The host name is in both keys because a home directory (and so the cache)
+is often shared by the nodes of a cluster whose disks and links are not. The file is replaced
+atomically, so concurrent ranks can lose each other's entries but never corrupt the file; a file
+that cannot be read or parsed is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ._cost import MachineProfile
+
+__all__ = ["probe", "default_cache_path"]
+
+log = logging.getLogger(__name__)
+
+_CACHE_FORMAT = 1
+"""Version of the cache file layout; a file with another version is ignored."""
+_OVERHEAD_NUM_TENSORS = 2000
+"""Saved tensors per overhead run: enough that the hook cost (~1 us each) dwarfs timer noise."""
+_BYTES_PER_MB = 1 << 20
+_BYTES_PER_GB = 1e9
+_SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+_LINK_FIELDS = ("d2h_gb_per_s", "h2d_gb_per_s", "per_tensor_overhead_us")
+_DISK_FIELDS = ("disk_write_gb_per_s", "disk_read_gb_per_s")
+
+
+def probe(
+    device: str | torch.device | None = None,
+    *,
+    spill_dir: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
+    cache_path: str | os.PathLike[str] | None = None,
+    size_mb: int = 64,
+    repeats: int = 3,
+) -> MachineProfile:
+    """Measure (or read from the cache) the costs of moving activation bytes on this machine.
+
+    Args:
+        device: the compute device. ``None`` means ``"cuda"`` when CUDA is available, else
+            ``"cpu"``. Link bandwidths are measured only for a CUDA device.
+        spill_dir: where the engine will spill to disk; default ``tempfile.gettempdir()``.
+            Must be an existing, writable directory.
+        refresh: measure again even when the cache holds figures for this machine.
+        cache_path: the cache file; default ``$XDG_CACHE_HOME/offload/probe.json`` or
+            ``~/.cache/offload/probe.json``.
+        size_mb: bytes per transfer, MiB. Larger is steadier and slower to measure.
+        repeats: timed runs per figure (the median, or the best for the per-tensor overhead).
+
+    Returns:
+        A :class:`MachineProfile`. Disk figures are the buffered ones (no fsync, page-cache
+        reads); see the module docstring for what that means and where the durable ones go.
+
+    Raises:
+        ValueError: an argument is out of range, the device is not ``cpu`` / ``cuda``, CUDA was
+            asked for but is not available, or ``spill_dir`` is not a writable directory.
+    """
+    if isinstance(size_mb, bool) or not isinstance(size_mb, int) or size_mb <= 0:
+        raise ValueError(f"size_mb={size_mb!r}: must be an integer > 0 (MiB per transfer), e.g. 64")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: must be an integer >= 1, e.g. 3")
+    device = _resolve_device(device)
+    spill_dir = _resolve_spill_dir(spill_dir)
+    cache_file = Path(cache_path) if cache_path is not None else default_cache_path()
+    nbytes = size_mb * _BYTES_PER_MB
+
+    device_name = _device_name(device)
+    host = platform.node()
+    link_key = f"{host}|{device.type}:{device_name}|torch {torch.__version__}"
+    disk_key = f"{host}|{spill_dir}"
+
+    cache = {} if refresh else _read_cache(cache_file)
+    link = _valid_entry(cache.get("link", {}).get(link_key), _LINK_FIELDS)
+    disk = _valid_entry(cache.get("disk", {}).get(disk_key), _DISK_FIELDS)
+    measured: dict[tuple[str, str], dict[str, float]] = {}
+    if link is None:
+        d2h, h2d = _measure_link(device, nbytes, repeats) if device.type == "cuda" else (0.0, 0.0)
+        link = {
+            "d2h_gb_per_s": d2h,
+            "h2d_gb_per_s": h2d,
+            "per_tensor_overhead_us": _measure_per_tensor_overhead_us(repeats),
+        }
+        measured["link", link_key] = link
+    if disk is None:
+        write, read = _measure_disk(spill_dir, nbytes, repeats)
+        disk = {"disk_write_gb_per_s": write, "disk_read_gb_per_s": read}
+        measured["disk", disk_key] = disk
+    if measured:
+        _write_cache(cache_file, measured, size_mb=size_mb)
+    else:
+        log.debug("probe: using cached figures from %s", cache_file)
+
+    return MachineProfile(device_type=device.type, device_name=device_name, **link, **disk)
+
+
+def default_cache_path() -> Path:
+    """``$XDG_CACHE_HOME/offload/probe.json``, else ``~/.cache/offload/probe.json``."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec says a relative value is invalid and must be ignored.
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "offload" / "probe.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        # is_available() asks the driver for a device count; it does not initialize CUDA.
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r}: not a torch device ({e}); pass 'cpu' or 'cuda'") from e
+    if resolved.type not in _SUPPORTED_DEVICE_TYPES:
+        raise ValueError(
+            f"device={device!r}: type {resolved.type!r} is not supported; "
+            f"pass one of {', '.join(repr(t) for t in _SUPPORTED_DEVICE_TYPES)}"
+        )
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA is not available on this machine; pass device='cpu'")
+        count = torch.cuda.device_count()
+        index = resolved.index if resolved.index is not None else torch.cuda.current_device()
+        if index >= count:
+            raise ValueError(
+                f"device={device!r}: this machine has {count} CUDA device(s); pass cuda:0..cuda:{count - 1}"
+            )
+        resolved = torch.device("cuda", index)
+    return resolved
+
+
+def _resolve_spill_dir(spill_dir: str | os.PathLike[str] | None) -> str:
+    path = tempfile.gettempdir() if spill_dir is None else os.fspath(spill_dir)
+    if not os.path.isdir(path):
+        raise ValueError(f"spill_dir={path!r}: not an existing directory; create it or pass another")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"spill_dir={path!r}: not writable by this user; pass a directory you can write to")
+    return os.path.realpath(path)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass  # not Linux: fall back to what platform knows
+    return platform.processor() or platform.machine() or "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+
+def _measure_link(device: torch.device, nbytes: int, repeats: int) -> tuple[float, float]:
+    """(d2h, h2d) GB/s between pinned host memory and ``device``: median of ``repeats`` copies."""
+    # Pinning is slow and may synchronize the device: allocate once, reuse for every copy.
+    x_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    x_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # x_device's memory may still be in use there
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        x_host.copy_(x_device, non_blocking=True)  # warm-up: first copies pay for lazy setup
+        x_device.copy_(x_host, non_blocking=True)
+        stream.synchronize()
+
+        def median_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
+            times_ms = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(stream)
+                end.synchronize()
+                times_ms.append(start.elapsed_time(end))
+            return statistics.median(times_ms)
+
+        d2h_ms = median_ms(x_host, x_device)
+        h2d_ms = median_ms(x_device, x_host)
+    d2h, h2d = _gb_per_s(nbytes, d2h_ms / 1e3), _gb_per_s(nbytes, h2d_ms / 1e3)
+    log.info("probe %s: d2h %.2f GB/s, h2d %.2f GB/s (pinned, %d MiB)", device, d2h, h2d, nbytes // _BYTES_PER_MB)
+    return d2h, h2d
+
+
+def _measure_disk(spill_dir: str, nbytes: int, repeats: int) -> tuple[float, float]:
+    """(write, read) GB/s of ``spill_dir``, buffered: medians of ``repeats`` fresh files.
+
+    Also measures write + fsync and a read after dropping the file's pages, and logs them.
+    """
+    data = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8)
+    back = np.empty(nbytes, dtype=np.uint8)
+    write_s, durable_s, read_s, cold_s = [], [], [], []
+    for _ in range(repeats):
+        fd, path = tempfile.mkstemp(prefix="offload-probe-", suffix=".bin", dir=spill_dir)  # O_EXCL, 0600
+        try:
+            with io.FileIO(fd, "r+", closefd=True) as f:
+                t0 = time.perf_counter()
+                _write_all(f, memoryview(data))
+                t1 = time.perf_counter()
+                os.fsync(f.fileno())
+                t2 = time.perf_counter()
+                f.seek(0)
+                _read_all(f, memoryview(back))
+                t3 = time.perf_counter()
+                if hasattr(os, "posix_fadvise"):  # clean pages only: hence after the fsync
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                f.seek(0)
+                t4 = time.perf_counter()
+                _read_all(f, memoryview(back))
+                t5 = time.perf_counter()
+        finally:
+            os.unlink(path)
+        write_s.append(t1 - t0)
+        durable_s.append(t2 - t0)
+        read_s.append(t3 - t2)
+        cold_s.append(t5 - t4)
+    if not np.array_equal(data, back):
+        raise OSError(f"probe: the file read back from {spill_dir!r} differs from what was written")
+    write, durable, read, cold = (_gb_per_s(nbytes, statistics.median(s)) for s in (write_s, durable_s, read_s, cold_s))
+    log.info(
+        "probe %s: write %.2f GB/s buffered (%.2f with fsync), read %.2f GB/s cached (%.2f after dropping pages)",
+        spill_dir, write, durable, read, cold,
+    )
+    return write, read
+
+
+def _write_all(f: io.FileIO, view: memoryview) -> None:
+    done = 0
+    while done < len(view):  # a large write may be partial
+        done += f.write(view[done:])
+
+
+def _read_all(f: io.FileIO, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise OSError(f"probe: unexpected end of file after {done} of {len(view)} bytes")
+        done += n
+
+
+def _measure_per_tensor_overhead_us(repeats: int) -> float:
+    """Cost of one saved_tensors_hooks pack + unpack round trip, microseconds, clamped at 0."""
+    x = torch.ones(1, requires_grad=True)
+
+    def step() -> None:
+        y = x
+        for _ in range(_OVERHEAD_NUM_TENSORS):
+            y = y.sin()  # saves its input: one pack in forward, one unpack in backward
+        y.backward()
+
+    def with_hooks() -> None:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            step()
+
+    def best_s(fn) -> float:
+        fn()  # warm-up
+        times_s = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times_s.append(time.perf_counter() - t0)
+        return min(times_s)  # the least disturbed run: noise only ever adds time
+
+    overhead_s = best_s(with_hooks) - best_s(step)
+    return max(0.0, overhead_s / _OVERHEAD_NUM_TENSORS * 1e6)
+
+
+def _gb_per_s(nbytes: int, seconds: float) -> float:
+    return nbytes / max(seconds, 1e-9) / _BYTES_PER_GB
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache
+
+
+def _read_cache(cache_file: Path) -> dict:
+    """The parsed cache, or ``{}`` when it is missing, unreadable or not in our format."""
+    try:
+        text = cache_file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as e:
+        log.warning("probe: ignoring unreadable cache %s (%s); measuring again", cache_file, e)
+        return {}
+    try:
+        cache = json.loads(text)
+    except ValueError as e:
+        log.warning("probe: ignoring corrupt cache %s (%s); measuring again", cache_file, e)
+        return {}
+    if (
+        not isinstance(cache, dict)
+        or cache.get("format") != _CACHE_FORMAT
+        or not isinstance(cache.get("link", {}), dict)
+        or not isinstance(cache.get("disk", {}), dict)
+    ):
+        log.warning("probe: ignoring cache %s: not in format %d; measuring again", cache_file, _CACHE_FORMAT)
+        return {}
+    return cache
+
+
+def _valid_entry(entry: object, fields: tuple[str, ...]) -> dict[str, float] | None:
+    """The entry's figures, or None when it is missing or any figure is not a finite number >= 0."""
+    if not isinstance(entry, dict):
+        return None
+    figures = {}
+    for field in fields:
+        value = entry.get(field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            log.warning("probe: ignoring cached entry with %s=%r; measuring again", field, value)
+            return None
+        figures[field] = float(value)
+    return figures
+
+
+def _write_cache(cache_file: Path, measured: dict[tuple[str, str], dict[str, float]], *, size_mb: int) -> None:
+    """Merge fresh ``(section, key) -> figures`` into the cache file, replacing it atomically.
+
+    A failure to write only warns: the cache saves time, the figures are still right.
+    """
+    cache = _read_cache(cache_file) or {"format": _CACHE_FORMAT}
+    stamp = {"size_mb": size_mb, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    for (section, key), figures in measured.items():
+        cache.setdefault(section, {})[key] = {**figures, **stamp}
+    tmp_path = None
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_path = tempfile.mkstemp(prefix=".probe-", suffix=".json", dir=cache_file.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(cache, f, indent=2, sort_keys=True)
+        os.replace(tmp_path, cache_file)  # readers see the old file or the new, never half of one
+        tmp_path = None
+    except OSError as e:
+        log.warning("probe: could not write cache %s (%s); the next run will measure again", cache_file, e)
+    finally:
+        if tmp_path is not None:
+            try:
+                os.unlink(tmp_path)
+            except OSError:
+                pass

@@ -1,0 +1,257 @@
+"""The machine probe: figures, the cache, argument checks and the ``python -m offload probe`` CLI.
+
+Real measurements use small transfers (``SIZE_MB``); the cache tests replace the measuring
+functions with counting fakes, so they check "measured or not" without timing anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload import _probe
+from offload.__main__ import main
+from offload._cost import MachineProfile
+from offload._probe import probe
+
+SIZE_MB = 8
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FAKE_LINK = (12.5, 11.0)
+FAKE_DISK = (3.0, 6.0)
+FAKE_OVERHEAD_US = 1.5
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Replace the three measurements with fakes that count their calls."""
+    counts = {"link": 0, "disk": 0, "overhead": 0}
+
+    def fake_link(device, nbytes, repeats):
+        counts["link"] += 1
+        return FAKE_LINK
+
+    def fake_disk(spill_dir, nbytes, repeats):
+        counts["disk"] += 1
+        return FAKE_DISK
+
+    def fake_overhead(repeats):
+        counts["overhead"] += 1
+        return FAKE_OVERHEAD_US
+
+    monkeypatch.setattr(_probe, "_measure_link", fake_link)
+    monkeypatch.setattr(_probe, "_measure_disk", fake_disk)
+    monkeypatch.setattr(_probe, "_measure_per_tensor_overhead_us", fake_overhead)
+    return counts
+
+
+def test_cpu_probe_measures_disk_and_has_no_link(tmp_path):
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    profile = probe("cpu", spill_dir=spill, cache_path=tmp_path / "probe.json", size_mb=SIZE_MB, repeats=1)
+    assert isinstance(profile, MachineProfile)
+    assert profile.device_type == "cpu" and profile.device_name
+    assert profile.disk_write_gb_per_s > 0 and profile.disk_read_gb_per_s > 0
+    assert profile.d2h_gb_per_s == 0.0 and profile.h2d_gb_per_s == 0.0
+    assert profile.per_tensor_overhead_us >= 0.0
+    assert profile.offload_gb_per_s() == (profile.disk_write_gb_per_s, profile.disk_read_gb_per_s)
+    assert list(spill.iterdir()) == [], "the probe file must be removed"
+
+
+def test_cache_is_written_and_reused(tmp_path, calls):
+    cache = tmp_path / "probe.json"
+    first = probe("cpu", spill_dir=tmp_path, cache_path=cache)
+    assert calls == {"link": 0, "disk": 1, "overhead": 1}
+    assert cache.is_file()
+    assert (first.disk_write_gb_per_s, first.disk_read_gb_per_s) == FAKE_DISK
+    assert first.per_tensor_overhead_us == FAKE_OVERHEAD_US
+
+    second = probe("cpu", spill_dir=tmp_path, cache_path=cache)
+    assert calls == {"link": 0, "disk": 1, "overhead": 1}, "a cached probe must not measure again"
+    assert second == first
+
+
+def test_new_spill_dir_measures_only_the_disk(tmp_path, calls):
+    cache = tmp_path / "probe.json"
+    other = tmp_path / "other"
+    other.mkdir()
+    probe("cpu", spill_dir=tmp_path, cache_path=cache)
+    probe("cpu", spill_dir=other, cache_path=cache)
+    assert calls == {"link": 0, "disk": 2, "overhead": 1}
+    probe("cpu", spill_dir=tmp_path, cache_path=cache)  # both spill dirs are cached now
+    assert calls == {"link": 0, "disk": 2, "overhead": 1}
+
+
+def test_refresh_measures_again(tmp_path, calls):
+    cache = tmp_path / "probe.json"
+    probe("cpu", spill_dir=tmp_path, cache_path=cache)
+    probe("cpu", spill_dir=tmp_path, cache_path=cache, refresh=True)
+    assert calls == {"link": 0, "disk": 2, "overhead": 2}
+
+
+def test_cache_path_defaults_to_xdg_cache_home(tmp_path, monkeypatch, calls):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    probe("cpu", spill_dir=tmp_path)
+    assert (tmp_path / "xdg" / "offload" / "probe.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        "[1, 2, 3]",
+        '{"format": 999}',
+        '{"format": 1, "link": [], "disk": {}}',
+        b"\xff\xfe\x00garbage",
+    ],
+    ids=["syntax", "not-a-dict", "other-format", "bad-section", "not-utf8"],
+)
+def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, calls, caplog, content):
+    cache = tmp_path / "probe.json"
+    if isinstance(content, bytes):
+        cache.write_bytes(content)
+    else:
+        cache.write_text(content)
+    with caplog.at_level(logging.WARNING, logger=_probe.__name__):
+        profile = probe("cpu", spill_dir=tmp_path, cache_path=cache)
+    assert (profile.disk_write_gb_per_s, profile.disk_read_gb_per_s) == FAKE_DISK
+    assert calls["disk"] == 1
+    assert any("cache" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert json.loads(cache.read_text())["format"] == 1, "the corrupt file is replaced by a good one"
+
+
+def test_cached_entry_with_bad_figures_is_measured_again(tmp_path, calls, caplog):
+    cache = tmp_path / "probe.json"
+    probe("cpu", spill_dir=tmp_path, cache_path=cache)
+    data = json.loads(cache.read_text())
+    for entry in data["disk"].values():
+        entry["disk_write_gb_per_s"] = "fast"
+    cache.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger=_probe.__name__):
+        probe("cpu", spill_dir=tmp_path, cache_path=cache)
+    assert calls == {"link": 0, "disk": 2, "overhead": 1}
+    assert any("disk_write_gb_per_s" in r.getMessage() for r in caplog.records)
+
+
+def test_unwritable_cache_only_warns(tmp_path, calls, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING, logger=_probe.__name__):
+        profile = probe("cpu", spill_dir=tmp_path, cache_path=blocker / "probe.json")
+    assert profile.disk_write_gb_per_s == FAKE_DISK[0]
+    assert any("could not write cache" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"size_mb": 0}, "size_mb=0"),
+        ({"size_mb": -3}, "size_mb=-3"),
+        ({"size_mb": 1.5}, "size_mb=1.5"),
+        ({"repeats": 0}, "repeats=0"),
+        ({"device": "meta"}, "device='meta'"),
+        ({"device": "not-a-device"}, "device='not-a-device'"),
+        ({"spill_dir": "/nonexistent/offload-probe"}, "spill_dir='/nonexistent/offload-probe'"),
+    ],
+)
+def test_bad_arguments_raise_value_error(tmp_path, calls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        probe(cache_path=tmp_path / "probe.json", **kwargs)
+    assert calls == {"link": 0, "disk": 0, "overhead": 0}
+
+
+def test_spill_dir_that_is_a_file_is_rejected(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("")
+    with pytest.raises(ValueError, match="not an existing directory"):
+        probe("cpu", spill_dir=path, cache_path=tmp_path / "probe.json")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when CUDA is missing")
+def test_cuda_without_cuda_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="device='cuda'.*device='cpu'"):
+        probe("cuda", cache_path=tmp_path / "probe.json")
+
+
+def test_cli_prints_a_table(tmp_path, monkeypatch, calls):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["probe", "--device", "cpu", "--spill-dir", str(tmp_path)])
+    assert code == 0
+    text = out.getvalue()
+    assert "disk write" in text and "3.00 GB/s" in text and "6.00 GB/s" in text
+    assert "n/a" in text  # no device link on the CPU
+
+
+def test_cli_json(tmp_path, monkeypatch, calls):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["probe", "--device", "cpu", "--spill-dir", str(tmp_path), "--json"])
+    assert code == 0
+    data = json.loads(out.getvalue())
+    assert MachineProfile(**data) == probe("cpu", spill_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["nope"],
+        ["probe", "--size-mb", "x"],
+        ["probe", "--size-mb", "0"],
+        ["probe", "--spill-dir", "/nonexistent/x"],
+    ],
+)
+def test_cli_bad_input_exits_2_with_a_message(tmp_path, monkeypatch, calls, capsys, argv):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(argv) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def _subprocess_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def test_cli_subprocess_json(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "offload", "probe", "--json", "--size-mb", str(SIZE_MB), "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        env=_subprocess_env(tmp_path),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    profile = MachineProfile(**json.loads(result.stdout))
+    assert profile.disk_write_gb_per_s > 0 and profile.disk_read_gb_per_s > 0
+    assert (tmp_path / "cache" / "offload" / "probe.json").is_file()
+
+
+def test_import_does_not_initialize_cuda(tmp_path):
+    code = "import torch, offload._probe, offload.__main__; assert not torch.cuda.is_initialized()"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_subprocess_env(tmp_path), timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_probe_measures_both_link_directions(tmp_path):
+    profile = probe("cuda", spill_dir=tmp_path, cache_path=tmp_path / "probe.json", size_mb=SIZE_MB, repeats=3)
+    assert profile.device_type == "cuda" and profile.device_name
+    assert profile.d2h_gb_per_s > 0 and profile.h2d_gb_per_s > 0
+    assert profile.offload_gb_per_s() == (profile.d2h_gb_per_s, profile.h2d_gb_per_s)
+    assert profile.disk_write_gb_per_s > 0 and profile.disk_read_gb_per_s > 0
