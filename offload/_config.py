@@ -1,0 +1,131 @@
+"""Validated, frozen configuration of one engine.
+
+Everything a user can set lives here, once, with its unit and trade-off. The
+engine reads it; nothing mutates it. Validation raises ``ValueError`` or
+``TypeError`` naming the field, the value given, the valid range and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+__all__ = ["Config"]
+
+MB = 1 << 20
+"""Bytes in one MB as the API counts it (MiB, like ``torch.cuda.memory_allocated`` tables)."""
+
+DEFAULT_MIN_OFFLOAD_BYTES = 64 * 1024
+"""Saved tensors smaller than this stay where they are: below ~64 KiB a copy (CUDA launch,
+event, pool lookup) or a spill file costs more in fixed overhead than the bytes it frees."""
+
+DEFAULT_SPILL_WORKERS = 2
+"""Threads writing and reading spill files. Two keep one write and one read in flight at once
+without fighting the compute threads for cores on small machines."""
+
+
+def _check_mb(name: str, value, *, allow_none: bool = True) -> Optional[float]:
+    if value is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name} must be a number of megabytes, got None")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name} must be a number of megabytes (int or float) or None for no limit, "
+            f"got {value!r} of type {type(value).__name__}"
+        )
+    value = float(value)
+    if math.isnan(value) or value < 0 or math.isinf(value):
+        raise ValueError(
+            f"{name} must be a finite number >= 0 (megabytes), got {value!r}; "
+            f"use None for no limit or 0 to move everything eligible off the device"
+        )
+    return value
+
+
+def _check_spill_dir(spill_dir) -> Optional[Path]:
+    if spill_dir is None:
+        return None
+    if not isinstance(spill_dir, (str, os.PathLike)):
+        raise TypeError(f"spill_dir must be a path (str or os.PathLike) or None, got {spill_dir!r}")
+    path = Path(spill_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"spill_dir {str(path)!r} exists and is not a directory; pass a directory path")
+    if not path.exists():
+        try:
+            path.mkdir(parents=True, mode=0o700)
+        except OSError as e:
+            raise ValueError(f"spill_dir {str(path)!r} does not exist and cannot be created: {e}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"spill_dir {str(path)!r} is not writable by this process; pass a writable directory "
+            f"or None for a private temporary one"
+        )
+    return path
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """How one engine behaves. Build it through ``offload.engine(...)``."""
+
+    budget_bytes: Optional[int] = None
+    """Engine-managed activation bytes allowed on the compute device, copies in flight
+    included. None: no limit (the hooks only count). 0: move everything eligible."""
+    spill_dir: Optional[Path] = None
+    """Parent directory for spill files; None: a private directory under the system temp dir.
+    On the CPU the disk is the tier behind the budget; on CUDA it takes what exceeds host memory."""
+    host_budget_bytes: Optional[int] = None
+    """Pinned host bytes the engine may hold (CUDA). None: bounded only by available RAM
+    (psutil), keeping a reserve so the host never swaps. Beyond it tensors spill to disk."""
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
+    """Saved storages smaller than this pass through untouched (fixed costs beat the savings)."""
+    device: Optional[torch.device] = None
+    """Compute device whose tensors the engine manages. None: the device of the first eligible
+    tensor saved. Tensors on other devices pass through."""
+    prefetch: bool = True
+    """Bring moved tensors back ahead of use in backward (reverse save order), within the budget.
+    False: reload each one only when backward asks for it (slower; for debugging)."""
+    spill_workers: int = DEFAULT_SPILL_WORKERS
+    """Threads doing spill-file writes and reads."""
+
+    @classmethod
+    def from_user(
+        cls,
+        budget_mb=None,
+        *,
+        spill_dir=None,
+        host_budget_mb=None,
+        min_offload_bytes=DEFAULT_MIN_OFFLOAD_BYTES,
+        device=None,
+        prefetch=True,
+        spill_workers=DEFAULT_SPILL_WORKERS,
+    ) -> "Config":
+        budget = _check_mb("budget_mb", budget_mb)
+        host_budget = _check_mb("host_budget_mb", host_budget_mb)
+        if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
+            raise ValueError(f"min_offload_bytes must be an int >= 0 (bytes), got {min_offload_bytes!r}")
+        if isinstance(spill_workers, bool) or not isinstance(spill_workers, int) or spill_workers < 1:
+            raise ValueError(f"spill_workers must be an int >= 1, got {spill_workers!r}")
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device {device!r} is not a torch device; pass e.g. 'cuda', 'cuda:1' or 'cpu'") from e
+            if device.type not in ("cpu", "cuda"):
+                raise ValueError(f"device {str(device)!r} is not supported; valid device types are 'cpu' and 'cuda'")
+        return cls(
+            budget_bytes=None if budget is None else int(budget * MB),
+            spill_dir=_check_spill_dir(spill_dir),
+            host_budget_bytes=None if host_budget is None else int(host_budget * MB),
+            min_offload_bytes=min_offload_bytes,
+            device=device,
+            prefetch=prefetch,
+            spill_workers=spill_workers,
+        )

@@ -1,0 +1,182 @@
+"""The public engine: one object a user makes once and enters every step.
+
+Owns the user-facing lifecycle: building the config, installing the hooks (context manager or
+decorator), binding the store to a compute device, stats and cleanup. The work itself is in
+``_hooks`` (what to take) and ``_store`` (where it lives).
+
+    eng = offload.engine(budget_mb=512)
+    for batch in data:
+        with eng:                      # hooks on: saves go to the store
+            loss = model(batch)
+        loss.backward()                # hooks off; unpacks still come to the store
+        print(eng.stats)               # a frozen snapshot
+    eng.close()                        # or let it be collected; spill files go either way
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Optional
+
+import torch
+
+from ._config import Config
+from ._hooks import Eligibility, make_hooks
+from ._stats import Counters, Stats
+from ._store import Store
+
+__all__ = ["Engine", "engine"]
+
+_GAUGES = ("resident_bytes", "host_bytes", "spill_files")
+
+
+class Engine:
+    """Keeps saved activations under a byte budget on the compute device.
+
+    Use it as a context manager around the forward pass, or as a decorator on a function or a
+    module's ``forward``. One engine serves many steps; backward may run after the ``with`` ends.
+    Build it with :func:`offload.engine`.
+    """
+
+    def __init__(self, config: Config, model: Optional[torch.nn.Module] = None) -> None:
+        self.config = config
+        self._counters = Counters()
+        self._eligible = Eligibility(config.device, config.min_offload_bytes)
+        self._stores: dict[torch.device, Store] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._models: list[torch.nn.Module] = []
+        if model is not None:
+            self.watch(model)
+        self._hooks = make_hooks(self._take, self._pack, self._unpack, self._passthrough)
+        self._closed = False
+
+    # ------------------------------------------------------------------ user API
+
+    def watch(self, module: torch.nn.Module) -> "Engine":
+        """Treat ``module``'s parameters and buffers as never movable (they are kept anyway)."""
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"watch() takes an nn.Module, got {type(module).__name__}")
+        self._models.append(module)
+        return self
+
+    def __enter__(self) -> "Engine":
+        if self._closed:
+            raise RuntimeError("this offload engine was closed; make a new one with offload.engine(...)")
+        for module in self._models:  # storages can change between steps (to(), load_state_dict)
+            self._eligible.skip_module(module)
+        ctx = torch.autograd.graph.saved_tensors_hooks(*self._hooks)
+        ctx.__enter__()
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        stack.append(ctx)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._local.stack.pop().__exit__(*exc)
+
+    def __call__(self, fn):
+        """Decorate a function, or a module (its ``forward``), so each call runs under the engine."""
+        if isinstance(fn, torch.nn.Module):
+            module = fn
+            self.watch(module)
+            module.forward = self(module.forward)
+            return module
+        if not callable(fn):
+            raise TypeError(f"an offload engine decorates a function or an nn.Module, got {fn!r}")
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    @property
+    def stats(self) -> Stats:
+        """What the engine did since it was made or since ``reset_stats()`` (a frozen snapshot)."""
+        for store in list(self._stores.values()):
+            store.settle()
+        self._counters.host_bytes = sum(s.pool.held_bytes for s in self._stores.values() if s.pool is not None)
+        self._counters.spill_files = sum(s.spill_files for s in self._stores.values())
+        return self._counters.snapshot()
+
+    def reset_stats(self) -> None:
+        """Start a new count (e.g. per step); current gauges (resident bytes, ...) are kept."""
+        self._counters.reset(keep=_GAUGES)
+        self._counters.peak_resident_bytes = self._counters.resident_bytes
+
+    def close(self) -> None:
+        """Finish copies in flight, free pinned buffers and remove spill files. Idempotent."""
+        for store in list(self._stores.values()):
+            store.close()
+        self._closed = True
+
+    def __repr__(self) -> str:
+        budget = "None" if self.config.budget_bytes is None else f"{self.config.budget_bytes / 2**20:g} MB"
+        return f"offload.Engine(budget={budget}, device={self._eligible.device})"
+
+    # ------------------------------------------------------------------ hook plumbing
+
+    def _take(self, t: torch.Tensor) -> bool:
+        return self._eligible(t)
+
+    def _store_for(self, device: torch.device) -> Store:
+        store = self._stores.get(device)
+        if store is None:
+            with self._lock:
+                store = self._stores.get(device)
+                if store is None:
+                    store = self._stores[device] = Store(self.config, device, self._counters)
+        return store
+
+    def _pack(self, t: torch.Tensor):
+        return self._store_for(t.device).pack(t)
+
+    def _unpack(self, handle):
+        return handle.store.unpack(handle)
+
+    def _passthrough(self) -> None:
+        self._counters.passthrough_tensors += 1
+
+
+def engine(
+    budget_mb=None,
+    *,
+    spill_dir=None,
+    host_budget_mb=None,
+    min_offload_bytes: int = Config.min_offload_bytes,
+    device=None,
+    prefetch: bool = True,
+    spill_workers: int = Config.spill_workers,
+    model: Optional[torch.nn.Module] = None,
+) -> Engine:
+    """Make an engine that keeps at most ``budget_mb`` MB of saved activations on the device.
+
+    Args:
+        budget_mb: MB (2**20 bytes) of engine-managed activations allowed on the compute device,
+            copies in flight included. None: no limit (the engine only counts). 0: move everything
+            eligible off the device.
+        spill_dir: directory for spill files (the disk tier). None: a private temporary directory.
+        host_budget_mb: cap on pinned host memory (CUDA); beyond it tensors spill to disk.
+            None: as much as the host can spare (psutil), never into swap.
+        min_offload_bytes: storages smaller than this stay where they are.
+        device: the compute device to manage ('cpu', 'cuda', 'cuda:1'); None: the device of the
+            first tensor saved. Tensors elsewhere pass through.
+        prefetch: bring tensors back ahead of use in backward (default True).
+        spill_workers: threads for spill-file I/O.
+        model: a module whose parameters and buffers are never moved (they are detected without
+            it too, except buffers: pass the model when it has large buffers).
+    """
+    config = Config.from_user(
+        budget_mb,
+        spill_dir=spill_dir,
+        host_budget_mb=host_budget_mb,
+        min_offload_bytes=min_offload_bytes,
+        device=device,
+        prefetch=prefetch,
+        spill_workers=spill_workers,
+    )
+    return Engine(config, model=model)

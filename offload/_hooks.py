@@ -1,0 +1,97 @@
+"""The interception point: which saved tensors the engine takes, and the hook pair itself.
+
+Owns the eligibility rules and the pack/unpack functions handed to
+``torch.autograd.graph.saved_tensors_hooks``. A tensor the engine does not take passes through:
+pack returns it unchanged and unpack returns what it was given, exactly as without hooks.
+
+Passed through, and why:
+- parameters, leaves that require grad, views of those (``weight.t()``), and storages of
+  registered modules' parameters and buffers: something else keeps them alive, so moving them
+  frees nothing;
+- storages under ``min_offload_bytes``: fixed costs beat the savings;
+- tensors on another device than the engine's; meta, sparse, quantized, nested, conj/neg-bit and
+  functorch-wrapped tensors; tensor subclasses (FakeTensor and FunctionalTensor while tracing,
+  DTensor): the engine handles plain dense storages only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["Eligibility", "no_offload"]
+
+_is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
+
+
+class Eligibility:
+    """Decides, per saved tensor, whether the engine manages it."""
+
+    def __init__(self, device: Optional[torch.device], min_bytes: int) -> None:
+        self.device = device
+        self.min_bytes = min_bytes
+        self.skip_storages: set[int] = set()
+
+    def skip_module(self, module: torch.nn.Module) -> None:
+        """Never move the storages of this module's parameters and buffers."""
+        for t in list(module.parameters()) + list(module.buffers()):
+            self.skip_storages.add(t.untyped_storage()._cdata)
+
+    def __call__(self, t: torch.Tensor) -> bool:
+        if type(t) is not torch.Tensor:  # Parameters and subclasses (fake, functional, DTensor)
+            return False
+        if t.requires_grad and t.is_leaf:
+            return False
+        base = t._base
+        if base is not None and (type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf)):
+            return False
+        device = t.device
+        if self.device is not None and device != self.device:
+            return False
+        if (
+            t.layout is not torch.strided
+            or device.type == "meta"
+            or t.is_quantized
+            or t.is_nested
+            or t.is_conj()
+            or t.is_neg()
+            or _is_functorch_wrapped(t)
+        ):
+            return False
+        storage = t.untyped_storage()
+        if storage.nbytes() < self.min_bytes or storage._cdata in self.skip_storages:
+            return False
+        if self.device is None and device.type in ("cpu", "cuda"):
+            self.device = device if device.type == "cpu" or device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        return device == self.device
+
+
+def _identity(x):
+    return x
+
+
+def no_offload():
+    """A context in which saved tensors stay where they are (e.g. around an LM head).
+
+    It installs pass-through saved-tensor hooks; only the innermost hooks are active, so an
+    engine around it does not see what is saved inside.
+    """
+    return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+
+
+def make_hooks(take: Callable[[torch.Tensor], bool], pack_entry, unpack_entry, on_passthrough):
+    """The (pack, unpack) pair for ``saved_tensors_hooks``."""
+
+    def pack(t):
+        if take(t):
+            return pack_entry(t)
+        on_passthrough()
+        return t
+
+    def unpack(packed):
+        if type(packed) is torch.Tensor or isinstance(packed, torch.Tensor):
+            return packed
+        return unpack_entry(packed)
+
+    return pack, unpack

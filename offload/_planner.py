@@ -1,0 +1,371 @@
+"""The planner: per-region decisions from measured numbers, and the cost model that ranks them.
+
+Numbers in, plan out. Nothing here touches torch, a device or a file, so every rule can be
+tested with made-up profiles on any machine. This module owns the decision shapes
+(``Decision``, ``RegionPlan``, ``Plan``), the timeline cost model (``simulate``) and the entry
+point (``make_plan``); *how* decisions are chosen lives in the policies of ``_policy``.
+
+Each region (e.g. one transformer block) is, for one training step:
+
+    KEEP       its saved activations stay on the device: costs memory, no time
+    OFFLOAD    they are copied out after its forward and back before its backward: costs link
+               time, which is free when it hides behind compute
+    RECOMPUTE  only its inputs stay; backward re-runs its forward first: costs one forward
+
+The timeline (regions r0..r3; r0, r1 OFFLOAD, r2, r3 KEEP):
+
+    compute   |r0 fwd|r1 fwd|r2 fwd|r3 fwd|r3 bwd.....|r2 bwd.....|wait|r1 bwd.....|r0 bwd.....|
+    out-link         |copy r0|copy r1|
+    back-link                              |load r1..............|   |load r0...|
+                                          ^ backward starts when forward compute ends
+
+Assumptions, all of them:
+
+- One compute stream. Forward runs regions in order; backward in reverse, each region taking
+  ``BACKWARD_TO_FORWARD`` times its forward, plus one more forward first if it is recomputed.
+  Without an engine a step is forward + backward = 3x the forward sum (the baseline).
+- Copies out start when a region's forward ends and queue in order on one out-link; the
+  forward of later regions runs concurrently. The link does *not* have to drain before
+  backward begins: a copy still in flight only delays the reload of its own region, and keeps
+  its bytes on the device until it lands.
+- Reloads run on a separate back-link (full duplex: out and back never slow each other; on
+  real PCIe both at once can cost either up to half, so a plan whose copies spill into backward
+  is optimistic). They go in reverse region order, at most one ahead of use: the reload of an
+  offloaded region is issued no earlier than the backward start of the offloaded region after
+  it (or the end of the forward, for the last one), no earlier than its own copy out has landed,
+  and otherwise as late as still lands it on time (an ideal prefetcher). A region's backward
+  cannot start before its reload lands; that wait is its exposed transfer time.
+- The per-tensor engine cost (``machine.per_tensor_overhead_us * num_tensors``) is paid on the
+  compute stream, during the forward of each OFFLOAD region.
+- A link with 0 GB/s either way is unusable: an OFFLOAD over it would never come back, so
+  ``simulate`` refuses it (``ValueError``); policies choose RECOMPUTE there instead.
+- Memory counts the saved activations the plan is about, nothing else (no weights, no
+  transient tensors inside a region's forward). A region's bytes appear when its forward ends
+  and leave when its backward ends. Resident at any instant: KEEP regions' bytes, RECOMPUTE
+  regions' inputs, OFFLOAD bytes whose copy out is still in flight, reloaded bytes from the
+  moment their reload is issued, and a RECOMPUTE region's bytes during its own backward.
+  Where a free and an allocation fall at the same instant the free goes first.
+
+Exposed time adds up: ``predicted_step_ms = baseline_step_ms + sum(region.exposed_ms)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Union
+
+from ._cost import MachineProfile, RegionProfile
+
+if TYPE_CHECKING:
+    from ._policy import Policy
+
+__all__ = ["Decision", "Plan", "RegionPlan", "make_plan", "simulate"]
+
+logger = logging.getLogger(__name__)
+
+BACKWARD_TO_FORWARD = 2.0
+"""Backward time over forward time of a region: each forward matmul becomes two in backward
+(gradient of the input and of the weight), so ~2x."""
+
+_BYTES_PER_GB = 1e9
+"""GB as bandwidths count it (``MachineProfile`` fields are GB/s of 1e9 bytes)."""
+_BYTES_PER_MB = 1 << 20
+"""MB as the API counts budgets (``budget_mb`` is MiB); used only to print plans."""
+_MS_PER_S = 1e3
+_MS_PER_US = 1e-3
+
+
+class Decision(enum.Enum):
+    """What happens to one region's saved activations."""
+
+    KEEP = "keep"
+    OFFLOAD = "offload"
+    RECOMPUTE = "recompute"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RegionPlan:
+    """One region's decision and what the cost model predicts it costs."""
+
+    name: str
+    """Qualified module name of the region, e.g. ``"blocks.3"``."""
+    decision: Decision
+    saved_bytes: int
+    """Bytes the region saves for backward (from its profile)."""
+    forward_ms: float
+    """Measured forward time of the region, milliseconds."""
+    transfer_ms: float
+    """Link time to move its saved bytes out and back, ms, whatever the decision (inf: no link)."""
+    exposed_ms: float
+    """Step time this region adds, ms: 0 for KEEP, one forward for RECOMPUTE, per-tensor cost
+    plus the wait for its reload for OFFLOAD (0 when the transfer hides)."""
+    resident_bytes: int
+    """Bytes it keeps on the device between its forward and backward: all for KEEP, its inputs
+    for RECOMPUTE, 0 for OFFLOAD (once its copy has landed)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Decisions for every region, with the step time and peak the cost model predicts."""
+
+    regions: tuple[RegionPlan, ...]
+    policy: str
+    """Name of the policy that chose the decisions."""
+    budget_bytes: int | None
+    """Activation bytes allowed on the device; None: no limit."""
+    baseline_step_ms: float
+    """Forward + backward without the engine: 3x the forward sum."""
+    predicted_step_ms: float
+    predicted_overhead_ms: float
+    """``predicted_step_ms - baseline_step_ms``: the sum of the regions' exposed time."""
+    predicted_peak_bytes: int
+    """Most saved-activation bytes on the device at any instant of the step."""
+    fits_budget: bool
+    """``predicted_peak_bytes <= budget_bytes`` (True without a budget)."""
+
+    @property
+    def decisions(self) -> tuple[Decision, ...]:
+        return tuple(region.decision for region in self.regions)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values: decisions as their strings, an infinite time as None."""
+
+        def finite(ms: float) -> float | None:
+            return ms if math.isfinite(ms) else None
+
+        return {
+            "policy": self.policy,
+            "budget_bytes": self.budget_bytes,
+            "baseline_step_ms": finite(self.baseline_step_ms),
+            "predicted_step_ms": finite(self.predicted_step_ms),
+            "predicted_overhead_ms": finite(self.predicted_overhead_ms),
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "fits_budget": self.fits_budget,
+            "regions": [
+                {
+                    "name": r.name,
+                    "decision": r.decision.value,
+                    "saved_bytes": r.saved_bytes,
+                    "forward_ms": finite(r.forward_ms),
+                    "transfer_ms": finite(r.transfer_ms),
+                    "exposed_ms": finite(r.exposed_ms),
+                    "resident_bytes": r.resident_bytes,
+                }
+                for r in self.regions
+            ],
+        }
+
+    def __str__(self) -> str:
+        name_width = max([len("region")] + [len(r.name) for r in self.regions])
+        header = (
+            f"{'region':<{name_width}}  {'MB':>10}  {'fwd ms':>9}  {'transfer ms':>11}"
+            f"  {'decision':<9}  {'exposed ms':>10}"
+        )
+        budget = "none" if self.budget_bytes is None else f"{_mb(self.budget_bytes)} MB"
+        lines = [f"offload plan: policy {self.policy}, budget {budget}", header, "-" * len(header)]
+        for r in self.regions:
+            lines.append(
+                f"{r.name:<{name_width}}  {_mb(r.saved_bytes):>10}  {r.forward_ms:>9.3f}"
+                f"  {r.transfer_ms:>11.3f}  {r.decision.value:<9}  {r.exposed_ms:>10.3f}"
+            )
+        lines.append("-" * len(header))
+        percent = 100.0 * self.predicted_overhead_ms / self.baseline_step_ms if self.baseline_step_ms > 0 else 0.0
+        lines.append(
+            f"predicted overhead: {self.predicted_overhead_ms:.3f} ms "
+            f"({percent:.1f}% of the {self.baseline_step_ms:.3f} ms baseline step)"
+        )
+        verdict = "" if self.budget_bytes is None else ("  (fits)" if self.fits_budget else "  (OVER BUDGET)")
+        lines.append(f"predicted peak: {_mb(self.predicted_peak_bytes)} MB vs budget {budget}{verdict}")
+        return "\n".join(lines)
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / _BYTES_PER_MB:,.1f}"
+
+
+# -- cost model ------------------------------------------------------------------------------
+
+
+def link_usable(machine: MachineProfile) -> bool:
+    """True when bytes can go out *and* come back (both bandwidths > 0)."""
+    out_gb_per_s, back_gb_per_s = machine.offload_gb_per_s()
+    return out_gb_per_s > 0 and back_gb_per_s > 0
+
+
+def _link_ms(nbytes: int, gb_per_s: float) -> float:
+    if gb_per_s <= 0:
+        return math.inf
+    return nbytes / (gb_per_s * _BYTES_PER_GB) * _MS_PER_S
+
+
+def transfer_ms(region: RegionProfile, machine: MachineProfile) -> tuple[float, float]:
+    """(out, back) link time of the region's saved bytes, ms; inf over an unusable link."""
+    out_gb_per_s, back_gb_per_s = machine.offload_gb_per_s()
+    return _link_ms(region.saved_bytes, out_gb_per_s), _link_ms(region.saved_bytes, back_gb_per_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Timeline:
+    step_ms: float
+    peak_bytes: int
+    exposed_ms: tuple[float, ...]
+
+
+def _run_timeline(
+    regions: Sequence[RegionProfile], decisions: Sequence[Decision], machine: MachineProfile
+) -> _Timeline:
+    if len(decisions) != len(regions):
+        raise ValueError(f"got {len(decisions)} decisions for {len(regions)} regions; pass one per region")
+    if Decision.OFFLOAD in decisions and not link_usable(machine):
+        out_gb_per_s, back_gb_per_s = machine.offload_gb_per_s()
+        raise ValueError(
+            f"cannot OFFLOAD over a link of {out_gb_per_s} GB/s out, {back_gb_per_s} GB/s back "
+            f"(device {machine.device_type!r}): bytes would never come back; use RECOMPUTE or KEEP"
+        )
+    events: list[tuple[float, int]] = []  # (time_ms, +bytes allocated / -bytes freed)
+    exposed_ms = [0.0] * len(regions)
+    copy_landed_ms = [0.0] * len(regions)
+
+    # Forward: compute runs region after region; copies out queue on the out-link.
+    now_ms = 0.0
+    out_link_free_ms = 0.0
+    for i, (region, decision) in enumerate(zip(regions, decisions)):
+        now_ms += region.forward_ms
+        if decision is Decision.OFFLOAD:
+            overhead_ms = machine.per_tensor_overhead_us * region.num_tensors * _MS_PER_US
+            now_ms += overhead_ms
+            exposed_ms[i] += overhead_ms
+            out_ms, _ = transfer_ms(region, machine)
+            copy_start_ms = max(now_ms, out_link_free_ms)
+            out_link_free_ms = copy_landed_ms[i] = copy_start_ms + out_ms
+            events.append((now_ms, region.saved_bytes))
+            events.append((copy_landed_ms[i], -region.saved_bytes))
+        elif decision is Decision.RECOMPUTE:
+            events.append((now_ms, region.input_bytes))
+        else:
+            events.append((now_ms, region.saved_bytes))
+
+    # Backward: reverse order; an offloaded region waits for its reload (see the docstring).
+    prefetch_floor_ms = now_ms
+    for i in reversed(range(len(regions))):
+        region, decision = regions[i], decisions[i]
+        needed_ms = now_ms
+        start_ms = needed_ms
+        if decision is Decision.OFFLOAD:
+            _, back_ms = transfer_ms(region, machine)
+            issue_ms = max(copy_landed_ms[i], prefetch_floor_ms, needed_ms - back_ms)
+            start_ms = max(needed_ms, issue_ms + back_ms)
+            exposed_ms[i] += start_ms - needed_ms
+            prefetch_floor_ms = start_ms
+            events.append((issue_ms, region.saved_bytes))
+        elif decision is Decision.RECOMPUTE:
+            exposed_ms[i] += region.forward_ms
+            events.append((start_ms, region.saved_bytes))
+            events.append((start_ms + region.forward_ms + BACKWARD_TO_FORWARD * region.forward_ms, -region.input_bytes))
+        now_ms = start_ms + exposed_ms[i] * (decision is Decision.RECOMPUTE) + BACKWARD_TO_FORWARD * region.forward_ms
+        events.append((now_ms, -region.saved_bytes))
+
+    resident_bytes = peak_bytes = 0
+    for _, delta_bytes in sorted(events, key=lambda event: (event[0], event[1] > 0)):
+        resident_bytes += delta_bytes
+        peak_bytes = max(peak_bytes, resident_bytes)
+    return _Timeline(step_ms=now_ms, peak_bytes=peak_bytes, exposed_ms=tuple(exposed_ms))
+
+
+def simulate(
+    regions: Sequence[RegionProfile], decisions: Sequence[Decision], machine: MachineProfile
+) -> tuple[float, int]:
+    """(step_ms, peak_bytes) of one training step under ``decisions``, per the module docstring.
+
+    Raises ``ValueError`` for an OFFLOAD over an unusable (0 GB/s) link.
+    """
+    timeline = _run_timeline(regions, decisions, machine)
+    return timeline.step_ms, timeline.peak_bytes
+
+
+# -- entry point -----------------------------------------------------------------------------
+
+
+def _check_inputs(regions: Sequence[RegionProfile], machine: MachineProfile, budget_bytes: int | None) -> None:
+    if budget_bytes is not None and (
+        isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0
+    ):
+        raise ValueError(f"budget_bytes must be None (no limit) or an int >= 0, got {budget_bytes!r}")
+    for region in regions:
+        for field in ("saved_bytes", "input_bytes", "num_tensors"):
+            if getattr(region, field) < 0:
+                raise ValueError(f"region {region.name!r}: {field} must be >= 0, got {getattr(region, field)!r}")
+        if not (math.isfinite(region.forward_ms) and region.forward_ms >= 0):
+            raise ValueError(f"region {region.name!r}: forward_ms must be finite and >= 0, got {region.forward_ms!r}")
+    for field in ("d2h_gb_per_s", "h2d_gb_per_s", "disk_write_gb_per_s", "disk_read_gb_per_s", "per_tensor_overhead_us"):
+        value = getattr(machine, field)
+        if math.isnan(value) or value < 0:
+            raise ValueError(f"machine profile: {field} must be >= 0 (0: unusable), got {value!r}")
+
+
+def make_plan(
+    regions: Sequence[RegionProfile],
+    machine: MachineProfile,
+    budget_bytes: int | None,
+    policy: Union[str, "Policy"] = "auto",
+) -> Plan:
+    """Choose a decision per region with ``policy`` (a registered name or a policy object) and
+    predict what the step costs. ``budget_bytes``: activation bytes allowed on the device, None
+    for no limit. Raises ``ValueError`` for bad numbers or a policy that cannot honour them."""
+    # _policy builds on this module's cost model; importing it here keeps that layering one-way.
+    from ._policy import get_policy
+
+    regions = tuple(regions)
+    _check_inputs(regions, machine, budget_bytes)
+    chosen = get_policy(policy) if isinstance(policy, str) else policy
+    decisions = tuple(chosen.plan(regions, machine, budget_bytes))
+    if len(decisions) != len(regions) or not all(isinstance(d, Decision) for d in decisions):
+        raise ValueError(
+            f"policy {chosen.name!r} returned {decisions!r}; it must return one Decision per region ({len(regions)})"
+        )
+    plan = _build_plan(regions, decisions, machine, budget_bytes, chosen.name)
+    logger.debug("planned %d regions with policy %r:\n%s", len(regions), chosen.name, plan)
+    return plan
+
+
+def _build_plan(
+    regions: tuple[RegionProfile, ...],
+    decisions: tuple[Decision, ...],
+    machine: MachineProfile,
+    budget_bytes: int | None,
+    policy_name: str,
+) -> Plan:
+    timeline = _run_timeline(regions, decisions, machine)
+    region_plans = []
+    for region, decision, exposed_ms in zip(regions, decisions, timeline.exposed_ms):
+        resident_bytes = {
+            Decision.KEEP: region.saved_bytes,
+            Decision.RECOMPUTE: region.input_bytes,
+            Decision.OFFLOAD: 0,
+        }[decision]
+        region_plans.append(
+            RegionPlan(
+                name=region.name,
+                decision=decision,
+                saved_bytes=region.saved_bytes,
+                forward_ms=region.forward_ms,
+                transfer_ms=sum(transfer_ms(region, machine)),
+                exposed_ms=exposed_ms,
+                resident_bytes=resident_bytes,
+            )
+        )
+    baseline_step_ms = (1.0 + BACKWARD_TO_FORWARD) * sum(region.forward_ms for region in regions)
+    return Plan(
+        regions=tuple(region_plans),
+        policy=policy_name,
+        budget_bytes=budget_bytes,
+        baseline_step_ms=baseline_step_ms,
+        predicted_step_ms=timeline.step_ms,
+        predicted_overhead_ms=timeline.step_ms - baseline_step_ms,
+        predicted_peak_bytes=timeline.peak_bytes,
+        fits_budget=budget_bytes is None or timeline.peak_bytes <= budget_bytes,
+    )
