@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from offload.models import GPTConfig, MiniGPT, batches, load_corpus
+from offload.models import Block, GPTConfig, MiniGPT, batches, load_corpus
 from offload.models import corpus as corpus_module
 
 SMALL = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16)
@@ -67,8 +67,6 @@ def test_output_head_is_tied_to_embedding():
 
 
 def test_blocks_are_a_module_list_of_blocks():
-    from offload.models import Block
-
     model = _model()
     assert isinstance(model.blocks, torch.nn.ModuleList)
     assert len(model.blocks) == SMALL.n_layer
