@@ -438,6 +438,8 @@ class Store:
             e = self._moved[s]
             if e.device_bytes is not None or e.device_ready is not None:
                 continue
+            if e.load_gen and e.pending <= 0:
+                continue  # already handed to all its users in this pass; a later unpack is a miss
             if room is not None:
                 if e.nbytes > room:
                     return

@@ -1,0 +1,218 @@
+"""The recompute tier: drop a region's saved tensors in forward, re-run its forward in backward.
+
+Why our own instead of ``torch.utils.checkpoint``: its non-reentrant variant holds the region's
+inputs by Python reference and installs its own saved-tensor hooks, so an outer engine sees
+neither the inputs nor anything inside; a recomputed region would pin its inputs on the device.
+Here the inputs go through whatever saved-tensor hooks are outside (the engine's store, or
+another library's), so a recomputed region whose inputs are offloaded leaves nothing on the
+device. The results equal ``torch.utils.checkpoint(use_reentrant=False)``: the same forward re-run
+with the CPU and device RNG states and the autocast state of the original call.
+
+    forward:  inputs ──outer pack──▶ store (any tier)
+              fn(inputs) under placeholder hooks: each save ──▶ Slot(i) + (shape, dtype) noted
+    backward: unpack Slot(i) ──▶ first one in this pass? re-run fn once (RNG, autocast restored),
+              capture every save in order, check count/shape/dtype ──▶ value i
+              values are dropped once every live slot has been unpacked in this pass
+
+A region's backward re-runs its forward at most once per backward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import torch
+
+from ._errors import OffloadError
+
+__all__ = ["checkpoint"]
+
+
+def _record(name: str):
+    return torch.autograd.profiler.record_function(name)
+
+
+class _RNGState:
+    """CPU and CUDA generator states at the region's forward, restored for its recompute."""
+
+    def __init__(self, tensors: list) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda_devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+        self.cuda = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+
+    @contextlib.contextmanager
+    def restored(self):
+        with torch.random.fork_rng(devices=self.cuda_devices):
+            torch.set_rng_state(self.cpu)
+            for d, state in zip(self.cuda_devices, self.cuda):
+                torch.cuda.set_rng_state(state, d)
+            yield
+
+
+class _AutocastState:
+    """Autocast on/off and dtype for CPU and CUDA at the region's forward."""
+
+    def __init__(self) -> None:
+        self.states = [
+            (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
+        ]
+
+    @contextlib.contextmanager
+    def restored(self):
+        with contextlib.ExitStack() as stack:
+            for dev, enabled, dtype in self.states:
+                if enabled or torch.is_autocast_enabled(dev):
+                    stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+            yield
+
+
+class _Slot:
+    """What autograd holds in place of one tensor saved inside a recomputed region."""
+
+    __slots__ = ("frame", "index", "seen_gen", "__weakref__")
+
+    def __init__(self, frame: "_Frame", index: int) -> None:
+        self.frame, self.index, self.seen_gen = frame, index, -1
+
+    def __del__(self) -> None:
+        self.frame.slot_dead(self)
+
+
+class _Frame:
+    """One call of a recomputed region: its inputs (through the outer hooks) and how to re-run it."""
+
+    def __init__(self, fn: Callable, name: str, args: tuple, kwargs: dict) -> None:
+        self.fn, self.name = fn, name
+        self.args, self.kwargs = args, kwargs
+        flat = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        self.rng = _RNGState(flat)
+        self.autocast = _AutocastState()
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.inputs: list = []          # per tensor argument: (packed, requires_grad)
+        self.meta: list = []            # per saved tensor: (shape, dtype), from the original forward
+        self.values: Optional[list] = None
+        self.gen = 0
+        self.live = 0                   # slots autograd still holds
+        self.pending = 0                # live slots not yet unpacked in this pass
+
+    def _pack_input(self, t: torch.Tensor):
+        detached = t.detach()
+        return self.outer[0](detached) if self.outer is not None else detached
+
+    def _unpack_input(self, packed) -> torch.Tensor:
+        return self.outer[1](packed) if self.outer is not None else packed
+
+    def run(self):
+        def template(a):
+            if isinstance(a, torch.Tensor):
+                self.inputs.append((self._pack_input(a), a.requires_grad))
+                return _ARG
+            return a
+
+        arg_template = tuple(template(a) for a in self.args)
+        kw_template = {k: template(v) for k, v in self.kwargs.items()}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack_placeholder, self._unpack_placeholder):
+            out = self.fn(*self.args, **self.kwargs)
+        self.args, self.kwargs = arg_template, kw_template  # drop references to the real inputs
+        return out
+
+    def _pack_placeholder(self, t: torch.Tensor) -> _Slot:
+        self.meta.append((t.shape, t.dtype))
+        self.live += 1
+        return _Slot(self, len(self.meta) - 1)
+
+    def _unpack_placeholder(self, slot: _Slot) -> torch.Tensor:
+        if self.values is None:
+            self._recompute()
+        value = self.values[slot.index]
+        if slot.seen_gen != self.gen:
+            slot.seen_gen = self.gen
+            self.pending -= 1
+            if self.pending <= 0:
+                self.values = None
+        return value
+
+    def slot_dead(self, slot: _Slot) -> None:
+        self.live -= 1
+        if slot.seen_gen != self.gen and self.values is not None:
+            self.pending -= 1
+            if self.pending <= 0:
+                self.values = None
+
+    def _rebuild_args(self):
+        tensors = iter(self.inputs)
+
+        def fill(a):
+            if a is _ARG:
+                packed, requires_grad = next(tensors)
+                return self._unpack_input(packed).detach().requires_grad_(requires_grad)
+            return a
+
+        args = tuple(fill(a) for a in self.args)
+        kwargs = {k: fill(v) for k, v in self.kwargs.items()}
+        return args, kwargs
+
+    def _recompute(self) -> None:
+        captured: list = []
+        total = len(self.meta)
+
+        def capture(t: torch.Tensor):
+            captured.append(t.detach())
+            if len(captured) == total:
+                raise _StopRecompute  # everything backward needs exists; skip the rest of the region
+            return None
+
+        def forbid(_):
+            raise OffloadError(f"offload: region {self.name!r} unpacked a saved tensor while being recomputed")
+
+        with _record("offload::recompute"):
+            args, kwargs = self._rebuild_args()
+            with self.rng.restored(), self.autocast.restored(), torch.enable_grad():
+                with torch.autograd.graph.saved_tensors_hooks(capture, forbid):
+                    try:
+                        self.fn(*args, **kwargs)
+                    except _StopRecompute:
+                        pass
+        if len(captured) != len(self.meta) or any(
+            c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(captured, self.meta)
+        ):
+            got = [(tuple(c.shape), c.dtype) for c in captured]
+            want = [(tuple(s), d) for s, d in self.meta]
+            raise OffloadError(
+                f"offload: recomputing region {self.name!r} saved {len(got)} tensors {got[:4]}... but its forward "
+                f"saved {len(want)} tensors {want[:4]}...; the region's forward must be deterministic in what it "
+                f"saves (no data-dependent branches on mutable state); exclude it from regions or fix the branch"
+            )
+        self.values = captured
+        self.gen += 1
+        self.pending = self.live
+
+
+class _StopRecompute(Exception):
+    """Raised from the capture hook once every saved tensor is back: the rest need not run."""
+
+
+_ARG = object()
+"""Placeholder for a tensor argument in a frame's stored argument template."""
+
+
+def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: Any):
+    """Run ``fn(*args, **kwargs)`` keeping only its inputs; re-run it in backward for the rest.
+
+    Same results as ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``, with the
+    CPU/CUDA RNG and autocast state of this call restored for the recompute (dropout matches
+    bitwise). Inside an ``offload.engine`` the inputs go through the engine's tiers, so they can
+    be offloaded too. Outside one, the inputs are kept by reference.
+
+    Args:
+        fn: the region's forward; it must save the same tensors (count, shapes, dtypes) when
+            re-run, or backward raises ``OffloadError`` naming the region.
+        name: the region's name in error messages and traces (default: ``fn``'s name).
+    """
+    if not callable(fn):
+        raise TypeError(f"checkpoint() needs a callable first argument, got {fn!r}")
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    region = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+    return _Frame(fn, region, args, kwargs).run()
