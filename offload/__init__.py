@@ -4,13 +4,37 @@
     with offload.engine(budget_mb=512):
         loss = model(batch)
     loss.backward()
+
+Per region, measured: ``offload.engine(budget_mb=512, regions=model.blocks)`` profiles each block
+on the first step and keeps, offloads or recomputes it, whichever is cheapest under the budget.
 """
 
-from ._engine import Engine, engine
+from ._cost import MachineProfile, RegionProfile
+from ._engine import Engine, engine, explain
 from ._errors import OffloadError
 from ._hooks import no_offload
+from ._planner import Decision, Plan
+from ._policy import Policy, register_policy
+from ._policy import policy_names as policies
+from ._probe import probe
 from ._recompute import checkpoint
 from ._stats import Stats
 
-__all__ = ["Engine", "OffloadError", "Stats", "checkpoint", "engine", "no_offload"]
+__all__ = [
+    "Decision",
+    "Engine",
+    "MachineProfile",
+    "OffloadError",
+    "Plan",
+    "Policy",
+    "RegionProfile",
+    "Stats",
+    "checkpoint",
+    "engine",
+    "explain",
+    "no_offload",
+    "policies",
+    "probe",
+    "register_policy",
+]
 __version__ = "0.1.0"

@@ -92,6 +92,9 @@ class Config:
     False: reload each one only when backward asks for it (slower; for debugging)."""
     spill_workers: int = DEFAULT_SPILL_WORKERS
     """Threads doing spill-file writes and reads."""
+    policy: str = "offload"
+    """How regions meet the budget: "none" (keep, only count), "offload" (move tensors), "recompute"
+    (checkpoint every region), "auto" (measure, then choose per region), or a registered policy."""
 
     @classmethod
     def from_user(
@@ -104,6 +107,8 @@ class Config:
         device=None,
         prefetch=True,
         spill_workers=DEFAULT_SPILL_WORKERS,
+        policy="offload",
+        has_regions=False,
     ) -> "Config":
         budget = _check_mb("budget_mb", budget_mb)
         host_budget = _check_mb("host_budget_mb", host_budget_mb)
@@ -120,7 +125,23 @@ class Config:
                 raise ValueError(f"device {device!r} is not a torch device; pass e.g. 'cuda', 'cuda:1' or 'cpu'") from e
             if device.type not in ("cpu", "cuda"):
                 raise ValueError(f"device {str(device)!r} is not supported; valid device types are 'cpu' and 'cuda'")
+        from ._policy import get_policy, policy_names  # the registry may be extended by users
+
+        if not isinstance(policy, str):
+            raise TypeError(f"policy must be a policy name, one of {list(policy_names())}; got {policy!r}")
+        get_policy(policy)  # unknown name -> ValueError listing the valid ones
+        if policy == "none" and budget is not None:
+            raise ValueError(
+                f"policy='none' keeps everything and only counts, but budget_mb={budget_mb!r} was given; "
+                f"use budget_mb=None, or another policy ('offload', 'recompute', 'auto')"
+            )
+        if policy not in ("none", "offload") and not has_regions:
+            raise ValueError(
+                f"policy={policy!r} chooses per region and needs regions= (e.g. regions=model.blocks); "
+                f"without regions use policy='offload'"
+            )
         return cls(
+            policy=policy,
             budget_bytes=None if budget is None else int(budget * MB),
             spill_dir=_check_spill_dir(spill_dir),
             host_budget_bytes=None if host_budget is None else int(host_budget * MB),

@@ -22,11 +22,14 @@ from typing import Optional
 import torch
 
 from ._config import Config
+from ._cost import MachineProfile
 from ._hooks import Eligibility, make_hooks
+from ._planner import Plan
+from ._regions import Regions, resolve_regions
 from ._stats import Counters, Stats
 from ._store import Store
 
-__all__ = ["Engine", "engine"]
+__all__ = ["Engine", "engine", "explain"]
 
 _GAUGES = ("resident_bytes", "host_bytes", "spill_files")
 
@@ -39,7 +42,13 @@ class Engine:
     Build it with :func:`offload.engine`.
     """
 
-    def __init__(self, config: Config, model: Optional[torch.nn.Module] = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        model: Optional[torch.nn.Module] = None,
+        regions=None,
+        machine: Optional[MachineProfile] = None,
+    ) -> None:
         self.config = config
         self._counters = Counters()
         self._eligible = Eligibility(config.device, config.min_offload_bytes)
@@ -51,6 +60,19 @@ class Engine:
             self.watch(model)
         self._hooks = make_hooks(self._take, self._pack, self._unpack, self._passthrough)
         self._closed = False
+        self._machine = machine
+        self._regions = None
+        if regions is not None:
+            self._regions = Regions(
+                resolve_regions(regions, model),
+                policy=config.policy,
+                budget_bytes=config.budget_bytes,
+                machine=self._machine_profile,
+                active=self._active,
+                eager=self._set_eager,
+                on_recompute=self._count_recompute,
+                saved_bytes=lambda: (self._counters.saved_bytes, self._counters.saved_tensors),
+            )
 
     # ------------------------------------------------------------------ user API
 
@@ -95,6 +117,18 @@ class Engine:
         return wrapper
 
     @property
+    def plan(self) -> Optional[Plan]:
+        """The plan in force for the latest step's input shapes (None before the first step with
+        regions, or without regions). ``print(eng.plan)`` shows region, bytes, forward ms, transfer
+        ms, decision, and the predicted overhead and peak."""
+        return None if self._regions is None else self._regions.plan
+
+    @property
+    def plans(self) -> dict:
+        """Every plan made so far, keyed by the first region's input signature."""
+        return {} if self._regions is None else dict(self._regions.plans)
+
+    @property
     def stats(self) -> Stats:
         """What the engine did since it was made or since ``reset_stats()`` (a frozen snapshot)."""
         for store in list(self._stores.values()):
@@ -112,6 +146,8 @@ class Engine:
         """Finish copies in flight, free pinned buffers and remove spill files. Idempotent."""
         for store in list(self._stores.values()):
             store.close()
+        if self._regions is not None:
+            self._regions.restore()
         self._closed = True
 
     def __repr__(self) -> str:
@@ -133,7 +169,26 @@ class Engine:
         return store
 
     def _pack(self, t: torch.Tensor):
-        return self._store_for(t.device).pack(t)
+        return self._store_for(t.device).pack(t, getattr(self._local, "eager", False))
+
+    def _active(self) -> bool:
+        """True while this thread is inside ``with self`` (the hooks may be shadowed by inner ones)."""
+        return bool(getattr(self._local, "stack", None))
+
+    def _set_eager(self, eager: bool) -> bool:
+        previous = getattr(self._local, "eager", False)
+        self._local.eager = eager
+        return previous
+
+    def _count_recompute(self) -> None:
+        self._counters.recomputed_regions += 1
+
+    def _machine_profile(self) -> MachineProfile:
+        if self._machine is None:
+            from ._probe import probe  # measuring is deferred to the first plan, then cached on disk
+
+            self._machine = probe(self._eligible.device)
+        return self._machine
 
     def _unpack(self, handle):
         return handle.store.unpack(handle)
@@ -152,6 +207,9 @@ def engine(
     prefetch: bool = True,
     spill_workers: int = Config.spill_workers,
     model: Optional[torch.nn.Module] = None,
+    policy: Optional[str] = None,
+    regions=None,
+    machine: Optional[MachineProfile] = None,
 ) -> Engine:
     """Make an engine that keeps at most ``budget_mb`` MB of saved activations on the device.
 
@@ -169,7 +227,17 @@ def engine(
         spill_workers: threads for spill-file I/O.
         model: a module whose parameters and buffers are never moved (they are detected without
             it too, except buffers: pass the model when it has large buffers).
+        policy: how regions meet the budget, one of ``offload.policies()``: "none" (keep and
+            count; no budget), "offload" (move tensors; the default without regions), "recompute"
+            (checkpoint every region), "auto" (measure each region on the first step, then keep,
+            offload or recompute each by cost; the default with regions).
+        regions: the units the policy decides on: an iterable of modules (``model.blocks``), or a
+            filter ``(module, qualified_name) -> bool`` together with ``model=``.
+        machine: a ``MachineProfile`` to plan with instead of measuring this machine with
+            ``offload.probe()`` (measured once, then cached on disk).
     """
+    if policy is None:
+        policy = "auto" if regions is not None else "offload"
     config = Config.from_user(
         budget_mb,
         spill_dir=spill_dir,
@@ -178,5 +246,19 @@ def engine(
         device=device,
         prefetch=prefetch,
         spill_workers=spill_workers,
+        policy=policy,
+        has_regions=regions is not None,
     )
-    return Engine(config, model=model)
+    if machine is not None and not isinstance(machine, MachineProfile):
+        raise TypeError(f"machine must be an offload MachineProfile (from offload.probe()), got {machine!r}")
+    return Engine(config, model=model, regions=regions, machine=machine)
+
+
+def explain(what) -> str:
+    """The plan table of an engine (its latest plan) or of a ``Plan``, as text."""
+    plan = what.plan if isinstance(what, Engine) else what
+    if plan is None:
+        return "no plan yet: an engine plans after its first step with regions= (policy 'auto' or 'offload')"
+    if not isinstance(plan, Plan):
+        raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")
+    return str(plan)

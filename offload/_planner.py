@@ -12,12 +12,12 @@ Each region (e.g. one transformer block) is, for one training step:
                time, which is free when it hides behind compute
     RECOMPUTE  only its inputs stay; backward re-runs its forward first: costs one forward
 
-The timeline (regions r0..r3; r0, r1 OFFLOAD, r2, r3 KEEP):
+The timeline (regions r0..r3; r0, r1 OFFLOAD, r2, r3 KEEP; the link slower than compute):
 
-    compute   |r0 fwd|r1 fwd|r2 fwd|r3 fwd|r3 bwd.....|r2 bwd.....|wait|r1 bwd.....|r0 bwd.....|
-    out-link         |copy r0|copy r1|
-    back-link                              |load r1..............|   |load r0...|
-                                          ^ backward starts when forward compute ends
+    compute    |r0 fwd|r1 fwd|r2 fwd|r3 fwd|r3 bwd......|r2 bwd......|wait|r1 bwd......|r0 bwd......|
+    out-link          |copy r0....|copy r1....|
+    back-link                                |load r1....................| |load r0...|
+                                           ^ forward ends, backward starts; copy r1 still in flight
 
 Assumptions, all of them:
 
@@ -63,7 +63,7 @@ from ._cost import MachineProfile, RegionProfile
 if TYPE_CHECKING:
     from ._policy import Policy
 
-__all__ = ["Decision", "Plan", "RegionPlan", "make_plan", "simulate"]
+__all__ = ["Decision", "Plan", "RegionPlan", "link_usable", "make_plan", "region_transfer_ms", "simulate"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def _link_ms(nbytes: int, gb_per_s: float) -> float:
     return nbytes / (gb_per_s * _BYTES_PER_GB) * _MS_PER_S
 
 
-def transfer_ms(region: RegionProfile, machine: MachineProfile) -> tuple[float, float]:
+def region_transfer_ms(region: RegionProfile, machine: MachineProfile) -> tuple[float, float]:
     """(out, back) link time of the region's saved bytes, ms; inf over an unusable link."""
     out_gb_per_s, back_gb_per_s = machine.offload_gb_per_s()
     return _link_ms(region.saved_bytes, out_gb_per_s), _link_ms(region.saved_bytes, back_gb_per_s)
@@ -220,13 +220,14 @@ def _run_timeline(
 ) -> _Timeline:
     if len(decisions) != len(regions):
         raise ValueError(f"got {len(decisions)} decisions for {len(regions)} regions; pass one per region")
+    out_gb_per_s, back_gb_per_s = machine.offload_gb_per_s()
     if Decision.OFFLOAD in decisions and not link_usable(machine):
-        out_gb_per_s, back_gb_per_s = machine.offload_gb_per_s()
         raise ValueError(
             f"cannot OFFLOAD over a link of {out_gb_per_s} GB/s out, {back_gb_per_s} GB/s back "
             f"(device {machine.device_type!r}): bytes would never come back; use RECOMPUTE or KEEP"
         )
-    events: list[tuple[float, int]] = []  # (time_ms, +bytes allocated / -bytes freed)
+    overhead_ms_per_tensor = machine.per_tensor_overhead_us * _MS_PER_US
+    events: list[tuple[float, bool, int]] = []  # (time_ms, is_allocation, +/- bytes): frees sort first
     exposed_ms = [0.0] * len(regions)
     copy_landed_ms = [0.0] * len(regions)
 
@@ -236,18 +237,17 @@ def _run_timeline(
     for i, (region, decision) in enumerate(zip(regions, decisions)):
         now_ms += region.forward_ms
         if decision is Decision.OFFLOAD:
-            overhead_ms = machine.per_tensor_overhead_us * region.num_tensors * _MS_PER_US
+            overhead_ms = overhead_ms_per_tensor * region.num_tensors
             now_ms += overhead_ms
             exposed_ms[i] += overhead_ms
-            out_ms, _ = transfer_ms(region, machine)
             copy_start_ms = max(now_ms, out_link_free_ms)
-            out_link_free_ms = copy_landed_ms[i] = copy_start_ms + out_ms
-            events.append((now_ms, region.saved_bytes))
-            events.append((copy_landed_ms[i], -region.saved_bytes))
+            out_link_free_ms = copy_landed_ms[i] = copy_start_ms + _link_ms(region.saved_bytes, out_gb_per_s)
+            events.append((now_ms, True, region.saved_bytes))
+            events.append((copy_landed_ms[i], False, -region.saved_bytes))
         elif decision is Decision.RECOMPUTE:
-            events.append((now_ms, region.input_bytes))
+            events.append((now_ms, True, region.input_bytes))
         else:
-            events.append((now_ms, region.saved_bytes))
+            events.append((now_ms, True, region.saved_bytes))
 
     # Backward: reverse order; an offloaded region waits for its reload (see the docstring).
     prefetch_floor_ms = now_ms
@@ -256,23 +256,25 @@ def _run_timeline(
         needed_ms = now_ms
         start_ms = needed_ms
         if decision is Decision.OFFLOAD:
-            _, back_ms = transfer_ms(region, machine)
+            back_ms = _link_ms(region.saved_bytes, back_gb_per_s)
             issue_ms = max(copy_landed_ms[i], prefetch_floor_ms, needed_ms - back_ms)
             start_ms = max(needed_ms, issue_ms + back_ms)
             exposed_ms[i] += start_ms - needed_ms
             prefetch_floor_ms = start_ms
-            events.append((issue_ms, region.saved_bytes))
-        elif decision is Decision.RECOMPUTE:
-            exposed_ms[i] += region.forward_ms
-            events.append((start_ms, region.saved_bytes))
-            events.append((start_ms + region.forward_ms + BACKWARD_TO_FORWARD * region.forward_ms, -region.input_bytes))
-        now_ms = start_ms + exposed_ms[i] * (decision is Decision.RECOMPUTE) + BACKWARD_TO_FORWARD * region.forward_ms
-        events.append((now_ms, -region.saved_bytes))
+            events.append((issue_ms, True, region.saved_bytes))
+        recompute_ms = region.forward_ms if decision is Decision.RECOMPUTE else 0.0
+        exposed_ms[i] += recompute_ms
+        now_ms = start_ms + recompute_ms + BACKWARD_TO_FORWARD * region.forward_ms
+        if decision is Decision.RECOMPUTE:
+            events.append((start_ms, True, region.saved_bytes))
+            events.append((now_ms, False, -region.input_bytes))
+        events.append((now_ms, False, -region.saved_bytes))
 
     resident_bytes = peak_bytes = 0
-    for _, delta_bytes in sorted(events, key=lambda event: (event[0], event[1] > 0)):
+    for _, _, delta_bytes in sorted(events):
         resident_bytes += delta_bytes
-        peak_bytes = max(peak_bytes, resident_bytes)
+        if resident_bytes > peak_bytes:
+            peak_bytes = resident_bytes
     return _Timeline(step_ms=now_ms, peak_bytes=peak_bytes, exposed_ms=tuple(exposed_ms))
 
 
@@ -353,7 +355,7 @@ def _build_plan(
                 decision=decision,
                 saved_bytes=region.saved_bytes,
                 forward_ms=region.forward_ms,
-                transfer_ms=sum(transfer_ms(region, machine)),
+                transfer_ms=sum(region_transfer_ms(region, machine)),
                 exposed_ms=exposed_ms,
                 resident_bytes=resident_bytes,
             )

@@ -44,6 +44,8 @@ class Stats:
     """Host-side time pack spent waiting for copies to drain to stay within the budget."""
     spill_files: int = 0
     """Spill files on disk now."""
+    recomputed_regions: int = 0
+    """Region forwards run as recompute (inputs kept, the rest re-run in backward)."""
 
     def to_dict(self) -> dict:
         """The fields as a plain dict, for CSV or JSON writers."""

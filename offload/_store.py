@@ -160,7 +160,8 @@ class Store:
 
     # ------------------------------------------------------------------ forward
 
-    def pack(self, t: torch.Tensor) -> Handle:
+    def pack(self, t: torch.Tensor, eager: bool = False) -> Handle:
+        """Take a saved tensor; ``eager``: start its copy out now (a region planned OFFLOAD)."""
         with self._lock:
             self._drain_dead()
             storage = t.untyped_storage()
@@ -180,7 +181,9 @@ class Store:
             entry.refs += 1
             self.counters.saved_tensors += 1
             handle = Handle(self, entry, t)
-            if self.budget is not None:
+            if eager and entry.hot:
+                self._evict(entry)
+            if self.budget is not None or eager:
                 self._poll()
                 self._enforce_budget()
             self._drain_dead()
@@ -188,6 +191,8 @@ class Store:
             return handle
 
     def _enforce_budget(self) -> None:
+        if self.budget is None:
+            return
         while self._hot and self._hot_bytes + self._loaded_bytes > self.evict_at:
             self._evict(next(iter(self._hot.values())))
         if self.counters.resident_bytes > self.budget and self._inflight:

@@ -1,0 +1,263 @@
+"""Policies: how each region's decision is chosen, one class per policy, chosen by name.
+
+A policy turns profiles and a budget into one ``Decision`` per region; ``_planner.make_plan``
+looks it up here and prices the result with the cost model. The fixed policies are the
+references every benchmark compares against; "auto" is the planner proper.
+
+    "none"       keep everything (no engine; no budget allowed)
+    "offload"    keep the newest regions hot while they fit, offload the rest
+    "recompute"  recompute every region (classic full activation checkpointing)
+    "auto"       mix all three by measured cost, within the budget
+
+Register your own with ``@register_policy`` on a class with a ``name`` and a
+``plan(regions, machine, budget_bytes)`` method; it must be constructible without arguments.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import ClassVar
+
+from ._cost import MachineProfile, RegionProfile
+from ._planner import Decision, link_usable, simulate
+
+__all__ = ["AutoPolicy", "Policy", "get_policy", "policy_names", "register_policy"]
+
+_REGISTRY: dict[str, type] = {}
+"""Policy classes by name. The one module-level table: registration is how users extend it."""
+
+_STEP_DIGITS = 9
+"""Step times are compared after rounding to 1e-9 ms, so float noise in sums never decides."""
+
+
+class Policy(abc.ABC):
+    """Chooses one decision per region. Subclass, set ``name``, implement ``plan``."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def plan(
+        self, regions: Sequence[RegionProfile], machine: MachineProfile, budget_bytes: int | None
+    ) -> tuple[Decision, ...]:
+        """One decision per region, in region order."""
+
+
+def register_policy(cls: type) -> type:
+    """Class decorator: make ``cls`` available by ``cls.name``. A taken name is a ``ValueError``."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"policy class {cls!r} needs a non-empty string attribute 'name'")
+    if not callable(getattr(cls, "plan", None)):
+        raise TypeError(f"policy class {cls!r} needs a method plan(regions, machine, budget_bytes)")
+    if name in _REGISTRY:
+        raise ValueError(
+            f"a policy named {name!r} is already registered ({_REGISTRY[name].__qualname__}); choose another name"
+        )
+    _REGISTRY[name] = cls
+    return cls
+
+
+def get_policy(name: str) -> Policy:
+    """A fresh instance of the policy registered as ``name`` (its default configuration)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown policy {name!r}; valid policies are: {', '.join(policy_names())}")
+    return _REGISTRY[name]()
+
+
+def policy_names() -> tuple[str, ...]:
+    """Registered policy names, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+@register_policy
+class NonePolicy(Policy):
+    """Keep every region on the device: the model without the engine."""
+
+    name = "none"
+
+    def plan(self, regions, machine, budget_bytes):
+        if budget_bytes is not None:
+            raise ValueError(
+                f"policy 'none' keeps every activation on the device, so it cannot honour "
+                f"budget_bytes={budget_bytes}; use policy 'auto' (or 'offload' / 'recompute'), or budget_mb=None"
+            )
+        return (Decision.KEEP,) * len(regions)
+
+
+@register_policy
+class OffloadPolicy(Policy):
+    """Keep the last regions hot while the predicted peak fits the budget, offload all earlier ones.
+
+    The newest regions are needed first in backward, when there is no compute left to hide
+    their reload behind, so the hot regions are a suffix: the longest whose predicted peak fits
+    (copies still in flight count), or, when none fits, the one with the least peak. Without a
+    budget, keep everything. Over an unusable link it raises rather than pretend.
+    """
+
+    name = "offload"
+
+    def plan(self, regions, machine, budget_bytes):
+        n = len(regions)
+        keep_all = (Decision.KEEP,) * n
+        if budget_bytes is None or simulate(regions, keep_all, machine)[1] <= budget_bytes:
+            return keep_all
+        if not link_usable(machine):
+            out_gb_per_s, back_gb_per_s = machine.offload_gb_per_s()
+            raise ValueError(
+                f"policy 'offload' needs a link, but this machine moves {out_gb_per_s} GB/s out and "
+                f"{back_gb_per_s} GB/s back; use policy 'recompute' or 'auto'"
+            )
+        candidates = [(Decision.OFFLOAD,) * (n - num_kept) + (Decision.KEEP,) * num_kept for num_kept in range(n)]
+        peaks = [simulate(regions, decisions, machine)[1] for decisions in candidates]
+        fitting = [decisions for decisions, peak in zip(candidates, peaks) if peak <= budget_bytes]
+        if fitting:
+            return fitting[-1]  # the most regions kept hot
+        return candidates[peaks.index(min(peaks))]
+
+
+@register_policy
+class RecomputePolicy(Policy):
+    """Recompute every region in backward (full activation checkpointing), whatever the budget."""
+
+    name = "recompute"
+
+    def plan(self, regions, machine, budget_bytes):
+        return (Decision.RECOMPUTE,) * len(regions)
+
+
+@register_policy
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoPolicy(Policy):
+    """The planner: the fastest predicted step whose peak fits the budget.
+
+    Rules, in the order they apply:
+
+    1. No budget: keep everything. Everything fits: keep everything.
+    2. Greedy. Start from all KEEP; while the predicted peak exceeds the budget, take one more
+       KEEP region off the device, choosing the region and action (OFFLOAD, or RECOMPUTE) that
+       adds the least step time per byte it frees. An offload whose copy hides behind the
+       forward that follows it and whose reload hides behind backward adds nothing, so those go
+       first, earliest region first; the newest regions, with no compute left to hide behind,
+       stay hot. Beyond that the cheaper of exposed transfer and recompute wins, and among
+       recomputes the ones that free the most bytes per ms of recompute go first. Over an
+       unusable link (0 GB/s) only RECOMPUTE is considered.
+    3. Local search from the greedy result: repeatedly move to the first better neighbour (one
+       region changed, or two regions swapping decisions) until none is better. Better means,
+       in order: fewer bytes over budget, a shorter step, fewer regions moved, a lower peak;
+       so when nothing fits, the least peak found wins.
+    4. Safety net: if the best fixed policy (none, offload, recompute) still ranks better,
+       search again from it and return that. So "auto" never predicts a slower step than a
+       fixed policy that fits, and fits whenever one of them does.
+
+    Every prediction comes from ``_planner.simulate``; see its module for the cost model.
+    """
+
+    name = "auto"
+    max_search_moves: int = 1000
+    """Local-search moves at most, per starting point. Finding each move simulates up to O(n^2)
+    neighbours (n regions); more moves can only improve the plan, at planning time's expense.
+    0 returns the greedy plan (or the best fixed policy's, where that ranks better)."""
+
+    def __post_init__(self):
+        moves = self.max_search_moves
+        if isinstance(moves, bool) or not isinstance(moves, int) or moves < 0:
+            raise ValueError(f"max_search_moves must be an int >= 0, got {moves!r}; 0 keeps the greedy plan")
+
+    def plan(self, regions, machine, budget_bytes):
+        n = len(regions)
+        keep_all = (Decision.KEEP,) * n
+        if budget_bytes is None:
+            return keep_all
+        search = _Search(regions, machine, budget_bytes)
+        if search.fits(keep_all):
+            return keep_all
+        actions = (Decision.OFFLOAD, Decision.RECOMPUTE) if link_usable(machine) else (Decision.RECOMPUTE,)
+        fixed = [keep_all, (Decision.RECOMPUTE,) * n]
+        if link_usable(machine):
+            fixed.append(OffloadPolicy().plan(regions, machine, budget_bytes))
+        greedy, best_fixed = search.greedy(actions), min(fixed, key=search.rank)
+        starts = [greedy] if best_fixed == greedy else [greedy, best_fixed]
+        results = [search.improve(start, actions, self.max_search_moves) for start in starts]
+        return min(results, key=search.rank)
+
+
+class _Search:
+    """Memoized cost model over one problem (regions, machine, budget), and the moves of "auto"."""
+
+    def __init__(self, regions: Sequence[RegionProfile], machine: MachineProfile, budget_bytes: int):
+        self._regions = tuple(regions)
+        self._machine = machine
+        self._budget_bytes = budget_bytes
+        self._costs: dict[tuple[Decision, ...], tuple[float, int]] = {}
+
+    def cost(self, decisions: tuple[Decision, ...]) -> tuple[float, int]:
+        """(step_ms, peak_bytes), simulated once per distinct assignment."""
+        if decisions not in self._costs:
+            self._costs[decisions] = simulate(self._regions, decisions, self._machine)
+        return self._costs[decisions]
+
+    def fits(self, decisions: tuple[Decision, ...]) -> bool:
+        return self.cost(decisions)[1] <= self._budget_bytes
+
+    def rank(self, decisions: tuple[Decision, ...]) -> tuple:
+        """Smaller is better: bytes over budget, step time, regions moved, peak."""
+        step_ms, peak_bytes = self.cost(decisions)
+        moved = sum(d is not Decision.KEEP for d in decisions)
+        return (max(0, peak_bytes - self._budget_bytes), round(step_ms, _STEP_DIGITS), moved, peak_bytes)
+
+    def greedy(self, actions: tuple[Decision, ...]) -> tuple[Decision, ...]:
+        """Rule 2 of ``AutoPolicy``: move regions off, least ms per freed byte first, until it fits."""
+        decisions = (Decision.KEEP,) * len(self._regions)
+        while not self.fits(decisions):
+            step_ms, peak_bytes = self.cost(decisions)
+            best = None  # (ms per byte the peak drops, region index, action); ties keep the earliest
+            for i, region in enumerate(self._regions):
+                if decisions[i] is not Decision.KEEP:
+                    continue
+                for action in actions:
+                    trial = decisions[:i] + (action,) + decisions[i + 1 :]
+                    trial_step_ms, trial_peak_bytes = self.cost(trial)
+                    if trial_peak_bytes >= peak_bytes:
+                        continue
+                    added_ms = max(0.0, round(trial_step_ms - step_ms, _STEP_DIGITS))
+                    ms_per_byte = added_ms / (peak_bytes - trial_peak_bytes)
+                    if best is None or ms_per_byte < best[0]:
+                        best = (ms_per_byte, i, action)
+            if best is None:
+                break  # no single move lowers the peak; local search takes it from here
+            decisions = decisions[: best[1]] + (best[2],) + decisions[best[1] + 1 :]
+        return decisions
+
+    def improve(
+        self, decisions: tuple[Decision, ...], actions: tuple[Decision, ...], max_moves: int
+    ) -> tuple[Decision, ...]:
+        """Rule 3 of ``AutoPolicy``: take the first better neighbour, scanning on cyclically from
+        the last move, until a full cycle finds none (a local optimum) or ``max_moves`` are made."""
+        n = len(decisions)
+        choices = (Decision.KEEP,) + actions
+        moves = [(i, choice) for i in range(n) for choice in choices]  # set region i to choice
+        moves += [(i, j) for i in range(n) for j in range(i + 1, n)]  # swap regions i and j
+        current, current_rank = decisions, self.rank(decisions)
+        made = tried_since_move = position = 0
+        while moves and made < max_moves and tried_since_move < len(moves):
+            i, other = moves[position]
+            position = (position + 1) % len(moves)
+            tried_since_move += 1
+            if isinstance(other, Decision):
+                if current[i] is other:
+                    continue
+                neighbour = current[:i] + (other,) + current[i + 1 :]
+            else:
+                if current[i] is current[other]:
+                    continue
+                swapped = list(current)
+                swapped[i], swapped[other] = current[other], current[i]
+                neighbour = tuple(swapped)
+            neighbour_rank = self.rank(neighbour)
+            if neighbour_rank < current_rank:
+                current, current_rank = neighbour, neighbour_rank
+                made += 1
+                tried_since_move = 0
+        return current
