@@ -68,6 +68,7 @@ class _Entry:
 
     __slots__ = (
         "seq", "nbytes", "key", "guard", "version", "describe", "refs", "pending", "load_gen",
+        "owner",          # weakref to the tensor whose version counter ``version`` was read from
         "storage",        # the original's UntypedStorage while it is hot
         "device_bytes",   # uint8 device tensor: a reloaded copy (or the adopted source)
         "device_ready",   # event/future the device copy waits on, or None
@@ -87,6 +88,7 @@ class _Entry:
         self.refs = 0
         self.pending = 0
         self.load_gen = 0
+        self.owner = None
         self.device_bytes = self.device_ready = self.keepalive = self.out_ready = None
         self.host_bytes = self.host_ready = self.disk_path = self.disk_ready = None
         self.host_pooled = False
@@ -95,6 +97,24 @@ class _Entry:
     @property
     def hot(self) -> bool:
         return self.storage is not None
+
+    def holds_as_saved(self, owner: torch.Tensor, version: int) -> bool:
+        """Whether this entry's data is what a tensor of ``owner``'s version counter at ``version`` holds.
+
+        A hot entry is the storage itself, so it holds whatever is there now. A moved entry is a
+        snapshot: it matches only a tensor on the same version counter at the same version.
+        Tensors can share a storage without sharing a counter (``unsafe_chunk`` in the CPU GRU cell,
+        ``.data``): there, equal version numbers say nothing, and the snapshot may predate an
+        in-place write the other counter never saw.
+        """
+        if self.version != version:
+            return False
+        return self.hot or self.owner() is owner
+
+
+def _version_owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose version counter ``t`` uses: a view shares its base's, anything else has its own."""
+    return t if t._base is None else t._base
 
 
 class Handle:
@@ -167,12 +187,14 @@ class Store:
             storage = t.untyped_storage()
             key = storage._cdata
             version = t._version
+            owner = _version_owner(t)
             entry = self._by_key.get(key)
-            if entry is None or entry.version != version or entry.dead:
+            if entry is None or entry.dead or not entry.holds_as_saved(owner, version):
                 nbytes = storage.nbytes()
                 self._seq += 1
                 entry = _Entry(self._seq, nbytes, key, StorageWeakRef(storage), version, storage,
                                f"{tuple(t.shape)} {t.dtype} on {t.device}")
+                entry.owner = weakref.ref(owner)
                 self._by_key[key] = entry
                 self._hot[entry.seq] = entry
                 self._hot_bytes += nbytes
