@@ -44,7 +44,8 @@ Assumptions, all of them:
   and leave when its backward ends. Resident at any instant: KEEP regions' bytes, RECOMPUTE
   regions' inputs, OFFLOAD bytes whose copy out is still in flight, reloaded bytes from the
   moment their reload is issued, and a RECOMPUTE region's bytes during its own backward.
-  Where a free and an allocation fall at the same instant the free goes first.
+  Where a free and an allocation fall at the same instant the free goes first. So the peak
+  never drops below the largest region: its own backward needs all of its bytes.
 
 Exposed time adds up: ``predicted_step_ms = baseline_step_ms + sum(region.exposed_ms)``.
 """
@@ -56,7 +57,7 @@ import enum
 import logging
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from ._cost import MachineProfile, RegionProfile
 
@@ -303,7 +304,8 @@ def _check_inputs(regions: Sequence[RegionProfile], machine: MachineProfile, bud
                 raise ValueError(f"region {region.name!r}: {field} must be >= 0, got {getattr(region, field)!r}")
         if not (math.isfinite(region.forward_ms) and region.forward_ms >= 0):
             raise ValueError(f"region {region.name!r}: forward_ms must be finite and >= 0, got {region.forward_ms!r}")
-    for field in ("d2h_gb_per_s", "h2d_gb_per_s", "disk_write_gb_per_s", "disk_read_gb_per_s", "per_tensor_overhead_us"):
+    machine_fields = ("d2h_gb_per_s", "h2d_gb_per_s", "disk_write_gb_per_s", "disk_read_gb_per_s")
+    for field in machine_fields + ("per_tensor_overhead_us",):
         value = getattr(machine, field)
         if math.isnan(value) or value < 0:
             raise ValueError(f"machine profile: {field} must be >= 0 (0: unusable), got {value!r}")
@@ -313,7 +315,7 @@ def make_plan(
     regions: Sequence[RegionProfile],
     machine: MachineProfile,
     budget_bytes: int | None,
-    policy: Union[str, "Policy"] = "auto",
+    policy: str | Policy = "auto",
 ) -> Plan:
     """Choose a decision per region with ``policy`` (a registered name or a policy object) and
     predict what the step costs. ``budget_bytes``: activation bytes allowed on the device, None

@@ -137,7 +137,7 @@ class AutoPolicy(Policy):
     1. No budget: keep everything. Everything fits: keep everything.
     2. Greedy. Start from all KEEP; while the predicted peak exceeds the budget, take one more
        KEEP region off the device, choosing the region and action (OFFLOAD, or RECOMPUTE) that
-       adds the least step time per byte it frees. An offload whose copy hides behind the
+       adds the least step time per byte it takes off the predicted peak. An offload whose copy hides behind the
        forward that follows it and whose reload hides behind backward adds nothing, so those go
        first, earliest region first; the newest regions, with no compute left to hide behind,
        stay hot. Beyond that the cheaper of exposed transfer and recompute wins, and among
@@ -145,13 +145,17 @@ class AutoPolicy(Policy):
        unusable link (0 GB/s) only RECOMPUTE is considered.
     3. Local search from the greedy result: repeatedly move to the first better neighbour (one
        region changed, or two regions swapping decisions) until none is better. Better means,
-       in order: fewer bytes over budget, a shorter step, fewer regions moved, a lower peak;
-       so when nothing fits, the least peak found wins.
+       in order: fewer bytes over budget, a shorter step, then fewer regions moved when within
+       the budget (touch no more than needed) or more when over it (move whatever is free),
+       then a lower peak.
     4. Safety net: if the best fixed policy (none, offload, recompute) still ranks better,
-       search again from it and return that. So "auto" never predicts a slower step than a
-       fixed policy that fits, and fits whenever one of them does.
+       search again from it. So "auto" never predicts a slower step than a fixed policy that
+       fits, and fits whenever one of them does.
+    5. Nothing fits: search again from all-OFFLOAD and all-RECOMPUTE and return the least peak
+       found (a local search: the least peak it finds, not a proven minimum).
 
     Every prediction comes from ``_planner.simulate``; see its module for the cost model.
+    Planning is pure Python: a few dozen regions take well under a second, ~80 a few seconds.
     """
 
     name = "auto"
@@ -173,14 +177,20 @@ class AutoPolicy(Policy):
         search = _Search(regions, machine, budget_bytes)
         if search.fits(keep_all):
             return keep_all
-        actions = (Decision.OFFLOAD, Decision.RECOMPUTE) if link_usable(machine) else (Decision.RECOMPUTE,)
+        can_offload = link_usable(machine)
+        actions = (Decision.OFFLOAD, Decision.RECOMPUTE) if can_offload else (Decision.RECOMPUTE,)
         fixed = [keep_all, (Decision.RECOMPUTE,) * n]
-        if link_usable(machine):
+        if can_offload:
             fixed.append(OffloadPolicy().plan(regions, machine, budget_bytes))
-        greedy, best_fixed = search.greedy(actions), min(fixed, key=search.rank)
-        starts = [greedy] if best_fixed == greedy else [greedy, best_fixed]
-        results = [search.improve(start, actions, self.max_search_moves) for start in starts]
-        return min(results, key=search.rank)
+        best = search.improve(search.greedy(actions), actions, self.max_search_moves)
+        best_fixed = min(fixed, key=search.rank)
+        if search.rank(best_fixed) < search.rank(best):
+            best = search.improve(best_fixed, actions, self.max_search_moves)
+        if not search.fits(best):
+            for action in actions:
+                other = search.improve((action,) * n, actions, self.max_search_moves)
+                best = min(best, other, key=search.rank)
+        return best
 
 
 class _Search:
@@ -202,10 +212,12 @@ class _Search:
         return self.cost(decisions)[1] <= self._budget_bytes
 
     def rank(self, decisions: tuple[Decision, ...]) -> tuple:
-        """Smaller is better: bytes over budget, step time, regions moved, peak."""
+        """Smaller is better: bytes over budget, step time, then regions moved (fewer within the
+        budget: touch no more than needed; more over it: whatever moves for free should), peak."""
         step_ms, peak_bytes = self.cost(decisions)
+        over_bytes = max(0, peak_bytes - self._budget_bytes)
         moved = sum(d is not Decision.KEEP for d in decisions)
-        return (max(0, peak_bytes - self._budget_bytes), round(step_ms, _STEP_DIGITS), moved, peak_bytes)
+        return (over_bytes, round(step_ms, _STEP_DIGITS), -moved if over_bytes else moved, peak_bytes)
 
     def greedy(self, actions: tuple[Decision, ...]) -> tuple[Decision, ...]:
         """Rule 2 of ``AutoPolicy``: move regions off, least ms per freed byte first, until it fits."""
@@ -237,8 +249,9 @@ class _Search:
         the last move, until a full cycle finds none (a local optimum) or ``max_moves`` are made."""
         n = len(decisions)
         choices = (Decision.KEEP,) + actions
-        moves = [(i, choice) for i in range(n) for choice in choices]  # set region i to choice
-        moves += [(i, j) for i in range(n) for j in range(i + 1, n)]  # swap regions i and j
+        # A move is (i, Decision): set region i to it, or (i, j): swap the decisions of i and j.
+        moves: list[tuple[int, Decision | int]] = [(i, choice) for i in range(n) for choice in choices]
+        moves += [(i, j) for i in range(n) for j in range(i + 1, n)]
         current, current_rank = decisions, self.rank(decisions)
         made = tried_since_move = position = 0
         while moves and made < max_moves and tried_since_move < len(moves):

@@ -1,0 +1,307 @@
+"""The planner with numbers alone: the cost model's arithmetic, the fixed policies, and "auto".
+
+No torch and no device: profiles are made up, or derived from DESIGN.md's transformer arithmetic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from offload import _policy
+from offload._cost import MachineProfile, RegionProfile
+from offload._planner import Decision, Plan, make_plan, simulate
+from offload._policy import Policy, get_policy, policy_names, register_policy
+
+KEEP, OFFLOAD, RECOMPUTE = Decision.KEEP, Decision.OFFLOAD, Decision.RECOMPUTE
+MB = 10**6
+TIME_TOL_MS = 1e-9
+"""Step times are sums of a few dozen floats; anything closer than this is equal."""
+
+
+def cuda_machine(gb_per_s: float, back_gb_per_s: float | None = None, overhead_us: float = 0.0) -> MachineProfile:
+    back = gb_per_s if back_gb_per_s is None else back_gb_per_s
+    return MachineProfile(
+        device_type="cuda", d2h_gb_per_s=gb_per_s, h2d_gb_per_s=back, per_tensor_overhead_us=overhead_us
+    )
+
+
+def uniform_regions(n: int, saved_bytes: int = 100 * MB, forward_ms: float = 5.0) -> list[RegionProfile]:
+    return [
+        RegionProfile(name=f"blocks.{i}", saved_bytes=saved_bytes, input_bytes=saved_bytes // 20,
+                      forward_ms=forward_ms, num_tensors=10)
+        for i in range(n)
+    ]
+
+
+def gpt_layer(name: str, *, h: int = 4096, s: int = 4096, b: int = 1, flop_per_s: float = 600e12) -> RegionProfile:
+    """One transformer layer per DESIGN.md: ~34*s*b*h bytes saved in bf16, 24*b*s*h^2*(1 + s/6h) FLOPs."""
+    forward_flops = 24 * b * s * h**2 * (1 + s / (6 * h))
+    return RegionProfile(name=name, saved_bytes=34 * s * b * h, input_bytes=2 * s * b * h,
+                         forward_ms=forward_flops / flop_per_s * 1e3, num_tensors=0)
+
+
+def random_problem(rng: np.random.Generator, max_regions: int):
+    regions = []
+    for i in range(int(rng.integers(1, max_regions + 1))):
+        saved = int(rng.integers(1 * MB, 1000 * MB))
+        regions.append(RegionProfile(name=f"r{i}", saved_bytes=saved, input_bytes=int(saved * rng.uniform(0, 0.3)),
+                                     forward_ms=float(rng.uniform(0.05, 10)), num_tensors=int(rng.integers(0, 40))))
+    out = float(rng.choice([0.0, 1.0, 10.0, 50.0, 340.0, math.inf]))
+    machine = cuda_machine(out, out * rng.uniform(0.5, 1.2), overhead_us=float(rng.uniform(0, 20)))
+    budget_bytes = int(sum(r.saved_bytes for r in regions) * rng.uniform(0, 1.1))
+    return regions, machine, budget_bytes
+
+
+# -- registry ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Registrations inside a test go to a copy of the registry, gone after it."""
+    monkeypatch.setattr(_policy, "_REGISTRY", dict(_policy._REGISTRY))
+
+
+def test_builtin_policies_are_registered_sorted():
+    names = policy_names()
+    assert {"auto", "none", "offload", "recompute"} <= set(names)
+    assert list(names) == sorted(names)
+
+
+def test_unknown_policy_lists_the_valid_names_sorted():
+    valid = ", ".join(policy_names())
+    with pytest.raises(ValueError, match="'fastest'") as info:
+        get_policy("fastest")
+    assert valid in str(info.value)
+    with pytest.raises(ValueError) as info:
+        make_plan(uniform_regions(2), cuda_machine(50), None, policy="fastest")
+    assert valid in str(info.value)
+
+
+def test_duplicate_policy_name_is_rejected(scratch_registry):
+    with pytest.raises(ValueError, match="'offload' is already registered"):
+
+        @register_policy
+        class AnotherOffload(Policy):
+            name = "offload"
+
+            def plan(self, regions, machine, budget_bytes):
+                return (OFFLOAD,) * len(regions)
+
+
+def test_user_policy_registers_and_plans(scratch_registry):
+    @register_policy
+    class RecomputeFirst(Policy):
+        name = "recompute-first"
+
+        def plan(self, regions, machine, budget_bytes):
+            return (RECOMPUTE,) + (KEEP,) * (len(regions) - 1)
+
+    assert "recompute-first" in policy_names()
+    plan = make_plan(uniform_regions(3), cuda_machine(50), None, policy="recompute-first")
+    assert plan.policy == "recompute-first"
+    assert plan.decisions == (RECOMPUTE, KEEP, KEEP)
+
+
+# -- the fixed policies ------------------------------------------------------------------------
+
+
+def test_none_policy_with_a_budget_says_what_to_use_instead():
+    with pytest.raises(ValueError, match="budget_mb=None"):
+        make_plan(uniform_regions(2), cuda_machine(50), 10**12, policy="none")
+
+
+@pytest.mark.parametrize("policy", ["auto", "offload", "none"])
+def test_no_budget_keeps_everything(policy):
+    plan = make_plan(uniform_regions(4), cuda_machine(50), None, policy=policy)
+    assert plan.decisions == (KEEP,) * 4
+    assert plan.fits_budget
+    assert plan.predicted_overhead_ms == pytest.approx(0.0, abs=TIME_TOL_MS)
+
+
+def test_offload_policy_keeps_the_last_regions_hot():
+    regions = uniform_regions(8)
+    plan = make_plan(regions, cuda_machine(340), 4 * 100 * MB, policy="offload")
+    decisions = plan.decisions
+    num_offloaded = decisions.count(OFFLOAD)
+    assert 0 < num_offloaded < 8
+    assert decisions == (OFFLOAD,) * num_offloaded + (KEEP,) * (8 - num_offloaded)
+    assert plan.fits_budget
+
+
+def test_recompute_policy_recomputes_everything():
+    plan = make_plan(uniform_regions(3), cuda_machine(50), 0, policy="recompute")
+    assert plan.decisions == (RECOMPUTE,) * 3
+    assert plan.predicted_overhead_ms == pytest.approx(3 * 5.0)
+
+
+# -- the cost model ----------------------------------------------------------------------------
+
+
+def test_all_keep_step_is_the_baseline_and_peak_is_everything():
+    regions = uniform_regions(5, forward_ms=1.5) + [RegionProfile(name="head", saved_bytes=7 * MB, forward_ms=0.25)]
+    step_ms, peak_bytes = simulate(regions, (KEEP,) * 6, cuda_machine(50))
+    assert step_ms == pytest.approx(3 * (5 * 1.5 + 0.25))
+    assert peak_bytes == 5 * 100 * MB + 7 * MB
+
+
+def test_timeline_by_hand_offload_then_keep():
+    # 1e6 bytes over 1 GB/s is 1 ms each way. r0's copy runs 0.5 -> 1.5 while r1 computes; backward
+    # of r1 runs 1.0 -> 2.0; r0's reload cannot start before its copy lands (1.5), lands at 2.5:
+    # 0.5 ms exposed. Peak: both regions at 1.0 (r0's copy still in flight).
+    regions = [RegionProfile(name="r0", saved_bytes=10**6, forward_ms=0.5),
+               RegionProfile(name="r1", saved_bytes=10**6, forward_ms=0.5)]
+    step_ms, peak_bytes = simulate(regions, (OFFLOAD, KEEP), cuda_machine(1.0))
+    assert step_ms == pytest.approx(3.5)
+    assert peak_bytes == 2 * 10**6
+
+
+def test_timeline_by_hand_recompute_holds_its_bytes_in_backward():
+    regions = [RegionProfile(name="r0", saved_bytes=10**6, input_bytes=10**5, forward_ms=0.5),
+               RegionProfile(name="r1", saved_bytes=10**6, forward_ms=0.5)]
+    step_ms, peak_bytes = simulate(regions, (RECOMPUTE, KEEP), cuda_machine(1.0))
+    assert step_ms == pytest.approx(3 * 1.0 + 0.5)
+    assert peak_bytes == 10**6 + 10**5  # r1 kept + r0's inputs; later r0's inputs + its recomputed bytes
+
+
+def test_per_tensor_overhead_is_paid_on_the_compute_stream():
+    regions = [RegionProfile(name="r0", saved_bytes=MB, forward_ms=1.0, num_tensors=50),
+               RegionProfile(name="r1", saved_bytes=MB, forward_ms=1.0, num_tensors=50)]
+    plan = make_plan(regions, cuda_machine(math.inf, overhead_us=20.0), 0, policy="offload")
+    assert plan.decisions == (OFFLOAD, OFFLOAD)
+    assert plan.predicted_overhead_ms == pytest.approx(2 * 50 * 20.0 / 1000)
+
+
+def test_exposed_times_add_up_to_the_overhead():
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        regions, machine, budget_bytes = random_problem(rng, max_regions=6)
+        plan = make_plan(regions, machine, budget_bytes)
+        assert sum(r.exposed_ms for r in plan.regions) == pytest.approx(plan.predicted_overhead_ms, abs=1e-6)
+        assert plan.predicted_step_ms == pytest.approx(plan.baseline_step_ms + plan.predicted_overhead_ms)
+
+
+def test_offload_over_an_unusable_link_is_refused():
+    regions = uniform_regions(2)
+    with pytest.raises(ValueError, match="0.0 GB/s"):
+        simulate(regions, (OFFLOAD, KEEP), cuda_machine(0.0, 10.0))
+    with pytest.raises(ValueError, match="use policy 'recompute' or 'auto'"):
+        make_plan(regions, cuda_machine(0.0), 0, policy="offload")
+
+
+# -- "auto" ------------------------------------------------------------------------------------
+
+
+def test_budget_zero_over_an_infinitely_fast_link_offloads_everything():
+    regions = uniform_regions(6)
+    plan = make_plan(regions, cuda_machine(math.inf), 0)
+    assert plan.decisions == (OFFLOAD,) * 6
+    assert plan.predicted_overhead_ms == pytest.approx(0.0, abs=TIME_TOL_MS)
+    # Backward of a region needs its own bytes on the device: one region is the floor.
+    assert plan.predicted_peak_bytes == 100 * MB
+    assert not plan.fits_budget
+
+
+def test_zero_bandwidth_recomputes_instead_of_offloading():
+    regions = uniform_regions(6)
+    plan = make_plan(regions, cuda_machine(0.0), 2 * 100 * MB)
+    assert OFFLOAD not in plan.decisions
+    assert RECOMPUTE in plan.decisions
+    assert plan.fits_budget
+    assert all(math.isinf(r.transfer_ms) for r in plan.regions)
+
+
+def test_cheap_to_recompute_regions_are_recomputed_expensive_ones_offloaded():
+    # Alternating norm-like (0.1 ms per 100 MB) and matmul-like (10 ms per 100 MB) regions over a
+    # 16 GB/s link: one 6.25 ms copy per pair hides behind the matmul's forward, two do not. Only
+    # the very first copy finds the link idle, so past it every moved norm should be recomputed.
+    regions = []
+    for i in range(6):
+        regions.append(RegionProfile(name=f"norm.{i}", saved_bytes=100 * MB, input_bytes=8 * MB, forward_ms=0.1))
+        regions.append(RegionProfile(name=f"mlp.{i}", saved_bytes=100 * MB, input_bytes=8 * MB, forward_ms=10.0))
+    plan = make_plan(regions, cuda_machine(16.0), 350 * MB)
+    assert plan.fits_budget
+    norms = [r.decision for r in plan.regions[2:] if r.name.startswith("norm")]
+    mlps = [r.decision for r in plan.regions if r.name.startswith("mlp")]
+    assert OFFLOAD not in norms and norms.count(RECOMPUTE) >= 3
+    assert RECOMPUTE not in mlps and mlps.count(OFFLOAD) >= 3
+    assert plan.predicted_overhead_ms == pytest.approx(0.1 * norms.count(RECOMPUTE))
+
+
+def test_7b_layer_offload_hides_over_a_fast_link_but_not_over_pcie():
+    layers = [gpt_layer(f"layers.{i}") for i in range(8)]
+    budget_bytes = 4 * layers[0].saved_bytes
+    # DESIGN.md: h + s/6 >= (17/12) P/B decides; at 340 GB/s the copy (~1.7 ms) beats the
+    # ~3.2 ms forward, at 50 GB/s (~11.4 ms) it does not.
+    assert layers[0].saved_bytes / 340e9 * 1e3 < layers[0].forward_ms < layers[0].saved_bytes / 50e9 * 1e3
+
+    fast = make_plan(layers, cuda_machine(340.0), budget_bytes, policy="offload")
+    assert fast.decisions.count(OFFLOAD) >= 3
+    assert all(r.exposed_ms == pytest.approx(0.0, abs=TIME_TOL_MS) for r in fast.regions)
+    assert fast.fits_budget
+    fast_auto = make_plan(layers, cuda_machine(340.0), budget_bytes)
+    assert fast_auto.predicted_overhead_ms == pytest.approx(0.0, abs=TIME_TOL_MS)
+
+    slow = make_plan(layers, cuda_machine(50.0), budget_bytes, policy="offload")
+    assert sum(r.exposed_ms for r in slow.regions if r.decision is OFFLOAD) > 0
+    slow_auto = make_plan(layers, cuda_machine(50.0), budget_bytes)
+    recompute_all = make_plan(layers, cuda_machine(50.0), budget_bytes, policy="recompute")
+    assert slow_auto.fits_budget
+    assert 0 < slow_auto.predicted_overhead_ms < recompute_all.predicted_overhead_ms
+
+
+def test_auto_is_never_worse_than_a_fixed_policy():
+    rng = np.random.default_rng(2024)
+    for _ in range(80):
+        regions, machine, budget_bytes = random_problem(rng, max_regions=8)
+        auto = make_plan(regions, machine, budget_bytes)
+        keep_step_ms, keep_peak_bytes = simulate(regions, (KEEP,) * len(regions), machine)
+        fixed = [(keep_step_ms, keep_peak_bytes)]
+        for name in ("offload", "recompute"):
+            if name == "offload" and machine.d2h_gb_per_s == 0:
+                continue
+            plan = make_plan(regions, machine, budget_bytes, policy=name)
+            fixed.append((plan.predicted_step_ms, plan.predicted_peak_bytes))
+        fitting_steps = [step_ms for step_ms, peak_bytes in fixed if peak_bytes <= budget_bytes]
+        if fitting_steps:
+            assert auto.fits_budget and auto.predicted_peak_bytes <= budget_bytes
+            assert auto.predicted_step_ms <= min(fitting_steps) + TIME_TOL_MS
+        else:
+            assert auto.predicted_peak_bytes <= min(peak_bytes for _, peak_bytes in fixed)
+
+
+def test_auto_fits_whenever_any_assignment_fits():
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        regions, machine, budget_bytes = random_problem(rng, max_regions=5)
+        choices = (KEEP, RECOMPUTE) if machine.d2h_gb_per_s == 0 else (KEEP, OFFLOAD, RECOMPUTE)
+        any_fits = any(simulate(regions, decisions, machine)[1] <= budget_bytes
+                       for decisions in itertools.product(choices, repeat=len(regions)))
+        assert make_plan(regions, machine, budget_bytes).fits_budget == any_fits
+
+
+# -- presentation ------------------------------------------------------------------------------
+
+
+def test_str_shows_every_region_and_decision():
+    regions = uniform_regions(6)
+    plan = make_plan(regions, cuda_machine(20.0), 250 * MB)
+    text = str(plan)
+    for region in plan.regions:
+        assert region.name in text
+        assert region.decision.value in text
+    assert "predicted overhead" in text and "predicted peak" in text
+    assert len({d for d in plan.decisions}) >= 2  # the table is not trivially one word
+
+
+def test_to_dict_round_trips_through_json():
+    plan = make_plan(uniform_regions(4), cuda_machine(0.0), 200 * MB)  # infinite transfer times
+    data = plan.to_dict()
+    assert json.loads(json.dumps(data, allow_nan=False)) == data
+    assert [r["decision"] for r in data["regions"]] == [d.value for d in plan.decisions]
+    assert data["regions"][0]["transfer_ms"] is None
+    assert isinstance(plan, Plan)
