@@ -1,0 +1,485 @@
+"""Shared pieces of the benchmarks: the machine description, timing, and the per-layer measurements.
+
+Used by ``overhead.py``, ``layers.py`` (plain-python runner) and ``test_layers.py`` (the
+pytest-benchmark suite), so that every runner times the same functions and writes the same JSON.
+
+Timing discipline (STYLE.md): warm up first, synchronize the device before reading the clock,
+report medians, and interleave the variants being compared (A B C A B C ...) so that slow drift
+(thermal, page cache, a noisy neighbour) hits every variant alike.
+
+What a layer measurement is (see ``LayerBench``)::
+
+    keep       x ──fwd──▶ out ──bwd──▶ grads                      (no engine: the reference step)
+    offload    x ──fwd under engine(budget 0)──▶ out ──bwd──▶     (every saved storage goes to the
+                                                                   tier and comes back: disk on the
+                                                                   CPU, pinned host on CUDA)
+    recompute  x ──fwd, grad enabled──▶ out                        (what a recompute re-runs)
+
+    transfer_ms  = offload − keep     the round trip of the layer's saved bytes, not hidden
+    recompute_ms = recompute          one extra forward, as torch.utils.checkpoint would run it
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import psutil
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run from a checkout without installing (PYTHONPATH=. works too)
+    sys.path.insert(0, str(REPO_ROOT))
+
+import offload  # noqa: E402
+
+MB = 1 << 20
+"""Bytes per MB, as the engine's ``budget_mb`` counts them."""
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+"""Where committed results live."""
+
+OUT_ENV = "OFFLOAD_BENCH_OUT"
+"""Environment variable: path of the layer-suite JSON (default ``results/layers-<device>.json``)."""
+DEVICE_ENV = "OFFLOAD_BENCH_DEVICE"
+"""Environment variable: device for the layer suite (default: cuda when available, else cpu)."""
+SIZES_ENV = "OFFLOAD_BENCH_SIZES"
+"""Environment variable: size preset for the layer suite: 'cpu', 'cuda' or 'tiny' (plumbing checks)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# machine and timing
+
+
+def default_device() -> str:
+    return os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device to finish queued work, so the host clock reads real time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _filesystem(path: str) -> str:
+    """Type of the filesystem holding ``path`` (the CPU tier's speed depends on it), '' if unknown."""
+    best, fstype = "", ""
+    real = os.path.realpath(path)
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint
+        if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+            best, fstype = mount, part.fstype
+    return fstype
+
+
+def environment(device: torch.device) -> dict:
+    """Hardware, versions and date: what a committed result must name."""
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "host_cpu": _cpu_model(),
+        "cpu_cores_logical": psutil.cpu_count(logical=True),
+        "cpu_cores_physical": psutil.cpu_count(logical=False),
+        "torch_threads": torch.get_num_threads(),
+        "ram_gb": round(psutil.virtual_memory().total / 1e9, 1),
+        "load_avg_1m": round(os.getloadavg()[0], 2),  # > cores: something else shared the machine
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "offload": offload.__version__,
+        "git_commit": _git_commit(),
+        "device": str(device),
+        "spill_dir_fs": f"{tempfile.gettempdir()} ({_filesystem(tempfile.gettempdir())})",
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(
+            gpu=props.name,
+            gpu_memory_gb=round(props.total_memory / 1e9, 1),
+            cuda=torch.version.cuda,
+        )
+    return env
+
+
+def describe_machine(env: dict) -> str:
+    """One line naming the hardware and versions, for table headers."""
+    where = env.get("gpu") or f"{env['host_cpu']} ({env['cpu_cores_logical']} cores)"
+    return f"{where}, torch {env['torch']}, python {env['python']}, {env['date_utc']}"
+
+
+def interleaved_ms(
+    fns: dict[str, Callable[[], None]], *, rounds: int, warmup: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Time each function ``rounds`` times, interleaved (A B C A B C ...), after ``warmup`` rounds.
+
+    Each call is bracketed by device synchronizations. Returns milliseconds per call, per name.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(warmup + rounds):
+        for name, fn in fns.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            if i >= warmup:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def median(values) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# the layers
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, hidden width 8/3 of the input rounded up to 64."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        hidden = -(-(8 * dim // 3) // 64) * 64
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Attention(nn.Module):
+    """Fused qkv projection, causal scaled-dot-product attention, output projection."""
+
+    def __init__(self, dim: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = (
+            t.view(batch, seq, self.n_head, dim // self.n_head).transpose(1, 2)
+            for t in self.qkv(x).split(dim, dim=-1)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
+
+
+def _gpt_block(dim: int, n_head: int, seq: int) -> nn.Module:
+    from offload.models.gpt import Block, GPTConfig
+
+    return Block(GPTConfig(n_layer=1, n_head=n_head, n_embd=dim, seq_len=seq))
+
+
+def _conv_bn_relu(channels: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()
+    )
+
+
+TOKEN_LAYERS: dict[str, Callable[[int, int, int], nn.Module]] = {
+    "linear": lambda dim, n_head, seq: nn.Linear(dim, dim, bias=False),
+    "swiglu_mlp": lambda dim, n_head, seq: SwiGLU(dim),
+    "attention": lambda dim, n_head, seq: Attention(dim, n_head),
+    "rmsnorm": lambda dim, n_head, seq: nn.RMSNorm(dim),
+    "layernorm": lambda dim, n_head, seq: nn.LayerNorm(dim),
+    "gpt_block": _gpt_block,
+}
+"""Layers fed a (batch, seq, dim) activation: name -> builder(dim, n_head, seq)."""
+
+IMAGE_LAYERS: dict[str, Callable[[int], nn.Module]] = {"conv_bn_relu": _conv_bn_relu}
+"""Layers fed a (batch, channels, height, width) activation: name -> builder(channels)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One size of the layers: token shape (batch, seq, dim, heads) and image shape (batch, ch, hw)."""
+
+    name: str
+    batch: int
+    seq: int
+    dim: int
+    n_head: int
+    img_batch: int
+    channels: int
+    hw: int
+
+
+SIZE_PRESETS: dict[str, tuple[Size, ...]] = {
+    # fp32 on a small CPU: the whole suite stays near a minute on 2 cores.
+    "cpu": (
+        Size("S", batch=1, seq=256, dim=256, n_head=4, img_batch=8, channels=32, hw=32),
+        Size("M", batch=2, seq=512, dim=512, n_head=8, img_batch=16, channels=64, hw=32),
+        Size("L", batch=1, seq=1024, dim=768, n_head=12, img_batch=16, channels=128, hw=32),
+    ),
+    # bf16 on one large GPU: up to a 7B-class layer (hidden 4096, seq 4096).
+    "cuda": (
+        Size("S", batch=1, seq=1024, dim=1024, n_head=8, img_batch=32, channels=64, hw=56),
+        Size("M", batch=1, seq=4096, dim=2048, n_head=16, img_batch=64, channels=128, hw=56),
+        Size("L", batch=1, seq=4096, dim=4096, n_head=32, img_batch=128, channels=256, hw=56),
+    ),
+    # seconds, to check the plumbing (gpu_check.sh on a CPU, CI).
+    "tiny": (Size("T", batch=1, seq=32, dim=64, n_head=2, img_batch=2, channels=8, hw=8),),
+}
+
+ROUNDS = {"cpu": (1, 7), "cuda": (2, 10)}
+"""(warm-up rounds, timed rounds) per timed variant, by device type."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    layer: str
+    size: Size
+
+    @property
+    def id(self) -> str:
+        return f"{self.layer}-{self.size.name}"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s = self.size
+        if self.layer in IMAGE_LAYERS:
+            return (s.img_batch, s.channels, s.hw, s.hw)
+        return (s.batch, s.seq, s.dim)
+
+    def build(self) -> nn.Module:
+        s = self.size
+        if self.layer in IMAGE_LAYERS:
+            return IMAGE_LAYERS[self.layer](s.channels)
+        return TOKEN_LAYERS[self.layer](s.dim, s.n_head, s.seq)
+
+
+def size_preset(device: torch.device) -> str:
+    return os.environ.get(SIZES_ENV) or device.type
+
+
+def cases(device: torch.device) -> list[Case]:
+    preset = size_preset(device)
+    if preset not in SIZE_PRESETS:
+        raise ValueError(f"{SIZES_ENV}={preset!r} is not a size preset; valid: {', '.join(SIZE_PRESETS)}")
+    layers = list(TOKEN_LAYERS) + list(IMAGE_LAYERS)
+    return [Case(layer, size) for layer in layers for size in SIZE_PRESETS[preset]]
+
+
+def layer_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on the CPU (what CPU training uses), bf16 on CUDA (what GPU training uses)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def layer_rounds(device: torch.device) -> tuple[int, int]:
+    return ROUNDS.get(device.type, ROUNDS["cpu"])
+
+
+class LayerBench:
+    """One layer at one size on one device, and the three functions the runners time.
+
+    The input is a non-leaf (``x_leaf.clone()``), as inside a model, so the engine may take it
+    and its gradient is computed. Gradients are cleared before each step, so every step does the
+    same work. The offload engine is made once and reused across steps, as in training.
+    """
+
+    KINDS = ("keep", "offload", "recompute")
+
+    def __init__(self, case: Case, device: torch.device, seed: int = 0) -> None:
+        self.case = case
+        self.device = device
+        self.dtype = layer_dtype(device)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            self.module = case.build().to(self.dtype).train()
+            self.x_leaf = torch.randn(case.shape, dtype=self.dtype, requires_grad=True)
+        with torch.no_grad():
+            out = self.module(self.x_leaf)
+        self.grad_out = torch.randn_like(out)
+        self.engine = offload.engine(budget_mb=0, min_offload_bytes=0, device=device)
+
+    def _zero_grad(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+        self.x_leaf.grad = None
+
+    def keep(self) -> None:
+        self._zero_grad()
+        out = self.module(self.x_leaf.clone())
+        out.backward(self.grad_out)
+
+    def offload(self) -> None:
+        self._zero_grad()
+        x = self.x_leaf.clone()
+        with self.engine:
+            out = self.module(x)
+        out.backward(self.grad_out)
+
+    def recompute(self) -> None:
+        out = self.module(self.x_leaf.clone())  # grad enabled: builds the graph a recompute rebuilds
+        del out
+
+    def step(self, kind: str) -> Callable[[], None]:
+        """The function to time for ``kind``, synchronizing the device before it returns."""
+        fn = getattr(self, kind)
+
+        def timed() -> None:
+            fn()
+            sync(self.device)
+
+        return timed
+
+    def facts(self) -> dict:
+        """Untimed figures: saved bytes (engine at budget None), forward FLOPs, one offload step's stats."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = offload.engine(budget_mb=None, min_offload_bytes=0, device=self.device)
+        self._zero_grad()
+        x = self.x_leaf.clone()
+        with counter:
+            out = self.module(x)
+        out.backward(self.grad_out)
+        del out
+        saved = counter.stats
+        counter.close()
+
+        flops = FlopCounterMode(display=False)
+        with flops:
+            self.module(self.x_leaf.clone())
+
+        self.engine.reset_stats()
+        self.offload()
+        sync(self.device)
+        moved = self.engine.stats
+        return {
+            "saved_bytes": saved.saved_bytes,
+            "saved_tensors": saved.saved_tensors,
+            "passthrough_tensors": saved.passthrough_tensors,
+            "fwd_flops": flops.get_total_flops(),
+            "offloaded_bytes": moved.offloaded_bytes,
+            "reloaded_bytes": moved.reloaded_bytes,
+            "evict_wait_ms": round(moved.evict_wait_ms, 3),
+            "reload_wait_ms": round(moved.reload_wait_ms, 3),
+        }
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def layer_row(case: Case, device: torch.device, medians_ms: dict[str, float], facts: dict) -> dict:
+    """One result row: the measured medians, the derived costs and the winner."""
+    keep, offloaded, recompute = (medians_ms.get(k, float("nan")) for k in LayerBench.KINDS)
+    transfer = offloaded - keep
+    saved = facts.get("saved_bytes", 0)
+    winner = ""
+    if not (math.isnan(transfer) or math.isnan(recompute)):
+        winner = "offload" if max(transfer, 0.0) < recompute else "recompute"
+    return {
+        "layer": case.layer,
+        "size": case.size.name,
+        "shape": list(case.shape),
+        "dtype": str(layer_dtype(device)).replace("torch.", ""),
+        "keep_ms": round(keep, 3),
+        "offload_ms": round(offloaded, 3),
+        "transfer_ms": round(transfer, 3),
+        "recompute_ms": round(recompute, 3),
+        "round_trip_gb_per_s": round(2 * saved / (transfer * 1e-3) / 1e9, 3) if transfer > 0 else None,
+        "winner": winner,
+        **facts,
+    }
+
+
+def layers_table(rows: list[dict]) -> str:
+    """The human table: layer, size, saved MB, keep, transfer, recompute, winner."""
+    header = ("layer", "size", "shape", "saved MB", "keep ms", "transfer ms", "recompute ms", "GB/s", "winner")
+    lines = [header]
+    for r in rows:
+        gbps = r.get("round_trip_gb_per_s")
+        lines.append(
+            (
+                r["layer"],
+                r["size"],
+                "x".join(str(d) for d in r["shape"]),
+                f"{r.get('saved_bytes', 0) / MB:.2f}",
+                f"{r['keep_ms']:.2f}",
+                f"{r['transfer_ms']:.2f}",
+                f"{r['recompute_ms']:.2f}",
+                "-" if gbps is None else f"{gbps:.2f}",
+                r["winner"],
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for n, line in enumerate(lines):
+        out.append("  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def layers_payload(rows: list[dict], device: torch.device, runner: str) -> dict:
+    warmup, rounds = layer_rounds(device)
+    return {
+        "benchmark": "layers",
+        "runner": runner,
+        "size_preset": size_preset(device),
+        "warmup_rounds": warmup,
+        "rounds": rounds,
+        "definitions": {
+            "keep_ms": "median forward+backward without the engine",
+            "offload_ms": "median forward+backward under engine(budget_mb=0, min_offload_bytes=0)",
+            "transfer_ms": "offload_ms - keep_ms: unhidden round trip of the saved bytes to the tier and back",
+            "recompute_ms": "median forward with grad enabled (the extra work of recomputing the layer)",
+            "saved_bytes": "engine stats.saved_bytes at budget None (distinct storages, parameters excluded)",
+            "round_trip_gb_per_s": "2 * saved_bytes / transfer_ms",
+            "winner": "offload if max(transfer_ms, 0) < recompute_ms else recompute",
+        },
+        "env": environment(device),
+        "rows": rows,
+    }
+
+
+def layers_out_path(device: torch.device) -> Path:
+    return Path(os.environ.get(OUT_ENV) or RESULTS_DIR / f"layers-{device.type}.json")
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+
+
+def parse_device(name: Optional[str]) -> torch.device:
+    device = torch.device(name or default_device())
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"device {device} asked for, but torch.cuda.is_available() is False here")
+    return device

@@ -1,0 +1,82 @@
+"""pytest configuration of the benchmark suite: import paths, the result collector, the summary.
+
+``pytest bench`` (from the repo root) collects only this directory; ``make test`` runs
+``pytest tests`` and never sees it. At the end of the session the layer measurements gathered by
+``test_layers.py`` are printed as one comparison table and written as JSON (see ``common.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parent
+for path in (BENCH_DIR, BENCH_DIR.parent):  # `import common` and `import offload` without installing
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import common  # noqa: E402
+
+_RESULTS = pytest.StashKey["LayerResults"]()
+
+
+class LayerResults:
+    """Medians and untimed facts per (layer, size), filled by the tests, read at session end."""
+
+    def __init__(self) -> None:
+        self.cases: dict[str, common.Case] = {}
+        self.medians_ms: dict[str, dict[str, float]] = {}
+        self.facts: dict[str, dict] = {}
+        self.device = None
+
+    def record(self, case: common.Case, device, kind: str, median_ms: float, facts: dict | None = None) -> None:
+        self.device = device
+        self.cases[case.id] = case
+        self.medians_ms.setdefault(case.id, {})[kind] = median_ms
+        if facts:
+            self.facts[case.id] = facts
+
+    def rows(self) -> list[dict]:
+        return [
+            common.layer_row(case, self.device, self.medians_ms[case_id], self.facts.get(case_id, {}))
+            for case_id, case in self.cases.items()
+        ]
+
+    def complete(self) -> bool:
+        expected = {case.id for case in common.cases(self.device)}
+        return expected <= set(self.cases) and all(
+            len(m) == len(common.LayerBench.KINDS) and not any(math.isnan(v) for v in m.values())
+            for m in self.medians_ms.values()
+        )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_RESULTS] = LayerResults()
+
+
+@pytest.fixture(scope="session")
+def layer_results(request: pytest.FixtureRequest) -> LayerResults:
+    return request.config.stash[_RESULTS]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    results = config.stash.get(_RESULTS, None)
+    if results is None or not results.cases:
+        return
+    rows = results.rows()
+    payload = common.layers_payload(rows, results.device, runner="pytest bench (pytest-benchmark)")
+    write = terminalreporter.write_line
+    write("")
+    write(f"layers on {common.describe_machine(payload['env'])}")
+    for line in common.layers_table(rows).splitlines():
+        write(line)
+    if results.complete() or os.environ.get(common.OUT_ENV):
+        out = common.layers_out_path(results.device)
+        common.write_json(out, payload)
+        write(f"wrote {out}")
+    else:
+        write(f"partial run: results not written (set {common.OUT_ENV}=PATH to keep them)")

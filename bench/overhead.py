@@ -1,0 +1,257 @@
+"""What the engine costs when it has nothing to do, and what moving everything costs.
+
+    python bench/overhead.py [--device cpu|cuda] [--steps N] [--repeats R] [--json-out PATH]
+
+Two measurements, each interleaved (A B C ... A B C ...) after a warm-up so drift hits every
+variant alike, each reported as a median:
+
+1. Per saved tensor. A chain of ``CHAIN_LENGTH`` tiny ``sin`` ops (each saves its input; all
+   eligible with ``min_offload_bytes=0``), forward and backward, timed under each variant and
+   without hooks. Per tensor = median over repeats of (variant - no hooks, same repeat) / chain
+   length, in microseconds. Variants: identity hooks (the floor any saved_tensors_hooks user
+   pays), ``torch.autograd.graph.save_on_cpu`` (pin_memory=False on the CPU, where it copies
+   nothing: a reference hook pair in Python), the engine at budget None (bookkeeping only) and at
+   budget 0 (every tensor to the tier and back: a spill file each on the CPU, a pooled pinned
+   buffer and two copies each on CUDA).
+
+2. Per training step. A MiniGPT step (zero_grad, forward, backward, AdamW step; bf16 autocast on
+   CUDA) without the engine and under engines at budget None, 25 % of the step's saved bytes, and
+   0 (everything to the tier), default ``min_offload_bytes``. One engine per variant, reused
+   across steps. The figure of merit is the overhead at budget None: the price of having the
+   engine installed when the budget is not binding; the target is <= 3 %.
+
+Prints a table and, as the last line, one JSON object with every figure, the hardware, the
+versions and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+import common
+import torch
+
+import offload
+from offload.models.gpt import GPTConfig, MiniGPT
+
+CHAIN_LENGTH = 2000
+"""Saved tensors per chain run: enough that ~1-10 us per tensor dwarfs the timer's noise."""
+CHAIN_NUMEL = 16
+"""Elements per chained tensor: tiny, so the op itself costs next to nothing."""
+STEP_TARGET_OVERHEAD = 0.03
+"""Step-time overhead allowed at budget None (3 %)."""
+PARTIAL_BUDGET_FRACTION = 0.25
+"""The 'partial' variant's budget, as a share of one step's saved bytes."""
+
+GPT_PRESETS = {
+    # The defaults of GPTConfig: trains in a few tens of ms per step on a small CPU.
+    "cpu": dict(config=dict(n_layer=4, n_head=4, n_embd=128, seq_len=128), batch=16),
+    # A GPU-sized small GPT (~100M parameters), bf16 autocast.
+    "cuda": dict(config=dict(n_layer=8, n_head=16, n_embd=1024, seq_len=1024), batch=8),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. per saved tensor
+
+
+def _chain(x: torch.Tensor) -> None:
+    y = x.clone()  # a non-leaf, so the first sin's saved input is eligible too
+    for _ in range(CHAIN_LENGTH):
+        y = y.sin()
+    y.sum().backward()
+
+
+def per_tensor(device: torch.device, repeats: int, warmup: int) -> dict:
+    x = torch.ones(CHAIN_NUMEL, device=device, requires_grad=True)
+    counting = offload.engine(budget_mb=None, min_offload_bytes=0, device=device)
+    moving = offload.engine(budget_mb=0, min_offload_bytes=0, device=device)
+    contexts = {
+        "no hooks": contextlib.nullcontext,
+        "identity hooks": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"),
+        "engine budget None": lambda: counting,
+        "engine budget 0": lambda: moving,
+    }
+
+    def run(make_context):
+        def fn() -> None:
+            x.grad = None
+            with make_context():
+                _chain(x)
+
+        return fn
+
+    times = common.interleaved_ms({name: run(ctx) for name, ctx in contexts.items()}, rounds=repeats, warmup=warmup, device=device)
+    counting.reset_stats()
+    with counting:
+        _chain(x)
+    saved = counting.stats.saved_tensors
+    counting.close()
+    moving.close()
+    if saved != CHAIN_LENGTH:
+        raise RuntimeError(f"expected the engine to take {CHAIN_LENGTH} saved tensors, it took {saved}")
+
+    base = times["no hooks"]
+    out = {"chain_length": CHAIN_LENGTH, "numel": CHAIN_NUMEL, "repeats": repeats, "no_hooks_ms": round(common.median(base), 3)}
+    for name, ms in times.items():
+        if name == "no hooks":
+            continue
+        paired_us = [(v - b) * 1e3 / saved for v, b in zip(ms, base)]
+        out[name.replace(" ", "_") + "_us"] = round(common.median(paired_us), 3)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. per training step
+
+
+class GPTStep:
+    """One MiniGPT training step, run under a given engine (or none)."""
+
+    def __init__(self, device: torch.device, preset: dict, seed: int = 0) -> None:
+        self.device = device
+        torch.manual_seed(seed)
+        self.config = GPTConfig(**preset["config"])
+        with torch.device(device):
+            self.model = MiniGPT(self.config)
+            self.idx = torch.randint(self.config.vocab_size, (preset["batch"], self.config.seq_len))
+            self.targets = torch.randint(self.config.vocab_size, (preset["batch"], self.config.seq_len))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.batch = preset["batch"]
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def __call__(self, engine=None) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        with self._autocast(), engine if engine is not None else contextlib.nullcontext():
+            _, loss = self.model(self.idx, self.targets)
+        loss.backward()
+        self.optimizer.step()
+
+
+def step_overhead(device: torch.device, steps: int, warmup: int) -> dict:
+    preset = GPT_PRESETS["cuda" if device.type == "cuda" else "cpu"]
+    step = GPTStep(device, preset)
+
+    counting = offload.engine(budget_mb=None, device=device, model=step.model)
+    for _ in range(warmup):
+        step(counting)
+    common.sync(device)
+    counting.reset_stats()
+    step(counting)
+    saved = counting.stats
+    partial_mb = PARTIAL_BUDGET_FRACTION * saved.saved_bytes / common.MB
+    engines = {
+        "budget None": counting,
+        f"budget {partial_mb:.1f} MB (25%)": offload.engine(budget_mb=partial_mb, device=device, model=step.model),
+        "budget 0": offload.engine(budget_mb=0, device=device, model=step.model),
+    }
+    fns = {"no engine": lambda: step(None)}
+    fns.update({name: (lambda e=e: step(e)) for name, e in engines.items()})
+    for e in engines.values():
+        e.reset_stats()
+    times = common.interleaved_ms(fns, rounds=steps, warmup=warmup, device=device)
+    stats = {name: e.stats for name, e in engines.items()}
+    for e in engines.values():
+        e.close()
+
+    base_ms = common.median(times["no engine"])
+    variants = {}
+    for name, ms in times.items():
+        med = common.median(ms)
+        paired = common.median([v / b - 1 for v, b in zip(ms, times["no engine"])])
+        row = {"median_ms": round(med, 3), "overhead": round(med / base_ms - 1, 4), "paired_overhead": round(paired, 4)}
+        if name in stats:
+            s = stats[name]
+            calls = warmup + steps
+            row.update(
+                offloaded_mb_per_step=round(s.offloaded_bytes / calls / common.MB, 2),
+                peak_resident_mb=round(s.peak_resident_bytes / common.MB, 2),
+                evict_wait_ms_per_step=round(s.evict_wait_ms / calls, 3),
+                reload_wait_ms_per_step=round(s.reload_wait_ms / calls, 3),
+            )
+        variants[name] = row
+    none_row = variants["budget None"]
+    return {
+        "model": dict(preset["config"], batch=preset["batch"], params=step.model.num_params()),
+        "autocast": "bf16" if device.type == "cuda" else None,
+        "steps": steps,
+        "warmup": warmup,
+        "saved_bytes_per_step": saved.saved_bytes,
+        "saved_tensors_per_step": saved.saved_tensors,
+        "passthrough_tensors_per_step": saved.passthrough_tensors,
+        "no_engine_ms": round(base_ms, 3),
+        "engine_none_ms": none_row["median_ms"],
+        "overhead_budget_none": none_row["overhead"],
+        "target_overhead": STEP_TARGET_OVERHEAD,
+        "within_target": none_row["overhead"] <= STEP_TARGET_OVERHEAD,
+        "variants": variants,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _table(rows: list[tuple], header: tuple) -> str:
+    lines = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default: 30)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed chain runs per variant (default: 15)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up runs per variant (default: 3)")
+    parser.add_argument("--json-out", default=None, help="also write the JSON object to this file")
+    args = parser.parse_args(argv)
+    for name in ("steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    device = common.parse_device(args.device)
+
+    tensor = per_tensor(device, args.repeats, args.warmup)
+    step = step_overhead(device, args.steps, args.warmup)
+    env = common.environment(device)
+
+    print(f"offload overhead on {common.describe_machine(env)}")
+    print()
+    print(f"per saved tensor: chain of {CHAIN_LENGTH} sin ops on {CHAIN_NUMEL} floats, "
+          f"no hooks {tensor['no_hooks_ms']:.2f} ms, median of {args.repeats} paired repeats")
+    rows = [(k[:-3].replace("_", " "), f"{v:.2f}") for k, v in tensor.items() if k.endswith("_us")]
+    print(_table(rows, ("hooks", "pack+unpack us")))
+    print()
+    m = step["model"]
+    print(f"per step: MiniGPT n_layer={m['n_layer']} n_embd={m['n_embd']} seq_len={m['seq_len']} batch={m['batch']} "
+          f"({m['params'] / 1e6:.1f}M params), {step['saved_tensors_per_step']} saved tensors "
+          f"({step['saved_bytes_per_step'] / common.MB:.1f} MB) per step, median of {args.steps} interleaved steps")
+    rows = [
+        (name, f"{v['median_ms']:.2f}", f"{100 * v['overhead']:+.2f}%", f"{100 * v['paired_overhead']:+.2f}%",
+         v.get("offloaded_mb_per_step", "-"), v.get("peak_resident_mb", "-"))
+        for name, v in step["variants"].items()
+    ]
+    print(_table(rows, ("variant", "step ms", "overhead", "paired", "moved MB/step", "peak resident MB")))
+    verdict = "within" if step["within_target"] else "OVER"
+    print(f"\nbudget None overhead {100 * step['overhead_budget_none']:+.2f}% "
+          f"({verdict} the {100 * STEP_TARGET_OVERHEAD:.0f}% target)")
+
+    payload = {"benchmark": "overhead", "env": env, "per_tensor": tensor, "step": step}
+    if args.json_out:
+        common.write_json(args.json_out, payload)
+        print(f"wrote {args.json_out}")
+    print(json.dumps(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Per layer: the cost of moving its saved activations out and back, versus recomputing it.
+
+    pytest bench -q                                  # CPU here; CUDA when available
+    OFFLOAD_BENCH_DEVICE=cpu OFFLOAD_BENCH_SIZES=tiny pytest bench -q   # seconds, plumbing only
+
+For each typical layer (Linear, SwiGLU MLP, causal SDPA attention with its projections, RMSNorm,
+LayerNorm, Conv2d+BatchNorm+ReLU, a whole GPT block) at two or three sizes, three functions are
+timed with pytest-benchmark (pedantic mode, warm-up rounds, device synchronized inside the timed
+function), adjacent to each other so drift hits them alike:
+
+- ``keep``: forward + backward without the engine: the reference step.
+- ``offload``: the same step under ``offload.engine(budget_mb=0, min_offload_bytes=0)``. At a
+  zero budget every saved storage leaves the device the moment it is saved, pack waits for the
+  copy to land, and every unpack in backward is a reload the layer waits for (there is no room
+  to prefetch into). So ``transfer = offload - keep`` is the whole round trip of the layer's
+  saved bytes to the tier and back, through the engine's real code path (hooks, bookkeeping,
+  copies), with nothing hidden behind compute. On the CPU the tier is the spill directory (disk,
+  through the page cache); on CUDA it is pinned host memory over the side stream. In a whole
+  model part of this hides behind the next layer's compute; this is the exposed upper bound that
+  the planner weighs against recompute, and the figure the cost model (bytes / bandwidth + a
+  fixed cost per tensor) should predict.
+- ``recompute``: one forward with grad enabled, graph built and dropped: the extra work a
+  recompute of the layer does in backward (torch.utils.checkpoint re-runs the forward with grad
+  enabled to rebuild the saved tensors).
+
+Untimed, once per layer: saved bytes (``stats.saved_bytes`` of an engine at budget None:
+distinct storages, parameters excluded), forward FLOPs (FlopCounterMode), and the stats of one
+offload step. Why a difference of medians rather than timing pack and unpack alone: only the
+whole step includes what the tier really costs (waiting on the copy, the reload, the allocator),
+and it is the quantity a user pays.
+
+At the end of the session ``conftest.py`` prints the comparison table (layer, size, saved MB,
+transfer ms, recompute ms, winner) and writes ``bench/results/layers-<device>.json`` (or
+``$OFFLOAD_BENCH_OUT``). Without pytest-benchmark this module is skipped; ``python bench/layers.py``
+runs the same measurements in plain Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installed; run python bench/layers.py")
+
+import common  # noqa: E402
+import torch  # noqa: E402
+
+DEVICE = torch.device(common.default_device())
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip(f"{common.DEVICE_ENV}={DEVICE} but CUDA is not available", allow_module_level=True)
+
+PARAMS = [
+    pytest.param(case, kind, id=f"{case.id}-{kind}")
+    for case in common.cases(DEVICE)
+    for kind in common.LayerBench.KINDS
+]
+
+
+@pytest.mark.parametrize(("case", "kind"), PARAMS)
+def test_layer(benchmark, layer_results, case: common.Case, kind: str) -> None:
+    bench = common.LayerBench(case, DEVICE)
+    try:
+        facts = bench.facts() if kind == "offload" else None
+        benchmark.group = f"{case.layer} ({DEVICE.type})"
+        benchmark.extra_info.update(layer=case.layer, size=case.size.name, kind=kind, **(facts or {}))
+        warmup, rounds = common.layer_rounds(DEVICE)
+        benchmark.pedantic(bench.step(kind), rounds=rounds, warmup_rounds=warmup, iterations=1)
+    finally:
+        bench.close()
+    if benchmark.stats is not None:  # None under --benchmark-disable
+        layer_results.record(case, DEVICE, kind, benchmark.stats.stats.median * 1e3, facts)
