@@ -69,6 +69,9 @@ class _Entry:
     __slots__ = (
         "seq", "nbytes", "key", "guard", "version", "describe", "refs", "pending", "load_gen",
         "owner",          # weakref to the tensor whose version counter ``version`` was read from
+        "watching",       # the data is still the original storage, See Note: [version watch]
+        "handles",        # weakrefs to the handles holding a version alias while watching
+        "adopted",        # device_bytes is the original storage, taken back from a copy in flight
         "storage",        # the original's UntypedStorage while it is hot
         "device_bytes",   # uint8 device tensor: a reloaded copy (or the adopted source)
         "device_ready",   # event/future the device copy waits on, or None
@@ -89,6 +92,7 @@ class _Entry:
         self.pending = 0
         self.load_gen = 0
         self.owner = None
+        self.watching, self.handles, self.adopted = True, [], False
         self.device_bytes = self.device_ready = self.keepalive = self.out_ready = None
         self.host_bytes = self.host_ready = self.disk_path = self.disk_ready = None
         self.host_pooled = False
@@ -117,20 +121,48 @@ def _version_owner(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
+# Note: [version watch]
+#     Saved-tensor hooks turn off autograd's own check that a saved tensor was not modified in
+#     place, so the store does it. Reading ``_version`` needs a tensor on the same version counter,
+#     and the tensor pack was given is often a temporary (a view saved by an op) that dies at once,
+#     while its base lives on and can be modified. So each handle holds ``alias = t.detach()``
+#     (same counter and storage, no grad_fn, so no reference cycle) for as long as the entry's data
+#     is the original storage: while hot, while its copy out is in flight, while adopted back.
+#     That costs no memory: the entry holds the same storage then anyway. When the copy has
+#     landed, the store compares the versions one last time (an in-place write during the copy
+#     may have torn it: the handle becomes ``stale``) and lets the alias go, so the storage can be
+#     freed; from then on the handle reads the snapshot, i.e. the values as saved.
+
+
 class Handle:
     """What pack returns to autograd: one saved tensor's view onto an entry.
 
     When autograd drops it (after the node's backward, or with the graph), the entry loses a user.
     """
 
-    __slots__ = ("store", "entry", "dtype", "size", "stride", "offset", "version", "source", "seen_gen", "__weakref__")
+    __slots__ = (
+        "store", "entry", "dtype", "size", "stride", "offset", "version", "alias", "stale", "seen_gen", "__weakref__",
+    )
 
     def __init__(self, store: "Store", entry: _Entry, t: torch.Tensor) -> None:
         self.store, self.entry = store, entry
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
         self.version = t._version
-        self.source = weakref.ref(t)
+        self.alias = t.detach() if entry.watching else None  # See Note: [version watch]
+        self.stale = False
         self.seen_gen = -1
+        if entry.watching:
+            entry.handles.append(weakref.ref(self))
+
+    def modified(self) -> bool:
+        """True if the saved tensor was modified in place after it was saved (and before it was copied)."""
+        return self.stale or (self.alias is not None and self.alias._version != self.version)
+
+    def stop_watching(self) -> None:
+        """The entry's copy has landed: last version check, then let the original storage go."""
+        if self.alias is not None:
+            self.stale = self.stale or self.alias._version != self.version
+            self.alias = None
 
     def __del__(self) -> None:
         try:
@@ -244,6 +276,7 @@ class Store:
             # No pinned memory left: copy through pageable memory (synchronous) and spill that.
             with _record("offload::d2h_pageable"):
                 host = source.to("cpu")
+            self._stop_watching(e)
             self.counters.resident_bytes -= e.nbytes
             e.host_bytes, e.host_pooled = host, False
             self._start_write(e, host)
@@ -252,6 +285,15 @@ class Store:
         self._start_write(e, source)
         e.keepalive, e.out_ready = source, e.disk_ready
         self._inflight.append(e)
+
+    def _stop_watching(self, e: _Entry) -> None:
+        """The entry's data is a finished copy now. See Note: [version watch]."""
+        e.watching = False
+        for ref in e.handles:
+            h = ref()
+            if h is not None:
+                h.stop_watching()
+        e.handles = []
 
     def _start_write(self, e: _Entry, data: torch.Tensor) -> None:
         """Start writing ``data`` (CPU bytes) to a spill file; ``data`` must live until the write lands."""
@@ -318,6 +360,8 @@ class Store:
             e.disk_ready = None
         elif e.host_bytes is not None and e.disk_path is None and not e.dead:
             self._host_lru[e.seq] = e
+        if not e.adopted:  # an adopted original is still the data handed out: keep watching it
+            self._stop_watching(e)
         if e.keepalive is not None:
             e.keepalive = None
             self.counters.resident_bytes -= e.nbytes
@@ -363,11 +407,11 @@ class Store:
         with self._lock:
             self._drain_dead()
             e = h.entry
-            source = h.source()
-            if source is not None and source._version != h.version:
+            if h.modified():  # See Note: [version watch]
+                now = "a later version" if h.alias is None else f"version {h.alias._version}"
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: {e.describe} is at version {source._version}; expected version {h.version} "
+                    f"operation: {e.describe} is at {now}; expected version {h.version} "
                     "instead (offload checked this because saved-tensor hooks turn off PyTorch's own check)"
                 )
             if e.hot:
@@ -403,6 +447,7 @@ class Store:
             # Its copy out is still in flight: the source holds the same bytes (and is counted as
             # resident already); adopt it back instead of reading what is not written yet.
             e.device_bytes, e.keepalive = e.keepalive, None
+            e.adopted = True
             return
         self.counters.resident_bytes += e.nbytes
         self.counters.reloaded_bytes += e.nbytes
@@ -482,6 +527,10 @@ class Store:
         e.device_bytes = None
         self._loaded_bytes -= e.nbytes
         self.counters.resident_bytes -= e.nbytes
+        if e.adopted:
+            e.adopted = False
+            if e.out_ready is None:  # its copy landed while adopted: later unpacks read that copy
+                self._stop_watching(e)
 
     # ------------------------------------------------------------------ release
 
