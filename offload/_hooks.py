@@ -41,10 +41,14 @@ class Eligibility:
     def __call__(self, t: torch.Tensor) -> bool:
         if type(t) is not torch.Tensor:  # Parameters and subclasses (fake, functional, DTensor)
             return False
-        if t.requires_grad and t.is_leaf:
-            return False
+        # A leaf that requires grad is the user's (a parameter, an input); so is a view of one. A
+        # view is judged by its base alone: views made under no_grad (inside a custom Function's
+        # forward) of an activation require grad and count as leaves, yet free memory when moved.
         base = t._base
-        if base is not None and (type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf)):
+        if base is None:
+            if t.requires_grad and t.is_leaf:
+                return False
+        elif type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf):
             return False
         device = t.device
         if self.device is not None and device != self.device:
