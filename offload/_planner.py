@@ -39,11 +39,14 @@ Assumptions, all of them:
   compute stream, during the forward of each OFFLOAD region.
 - A link with 0 GB/s either way is unusable: an OFFLOAD over it would never come back, so
   ``simulate`` refuses it (``ValueError``); policies choose RECOMPUTE there instead.
-- Memory counts the saved activations the plan is about, nothing else (no weights, no
-  transient tensors inside a region's forward). A region's bytes appear when its forward ends
-  and leave when its backward ends. Resident at any instant: KEEP regions' bytes, RECOMPUTE
-  regions' inputs, OFFLOAD bytes whose copy out is still in flight, reloaded bytes from the
-  moment their reload is issued, and a RECOMPUTE region's bytes during its own backward.
+- Memory counts what the engine holds *for later*, which is what the budget bounds: KEEP
+  regions' saved bytes and RECOMPUTE regions' inputs, from the end of the region's forward to the
+  end of its backward. OFFLOAD regions add nothing: the engine streams them tensor by tensor,
+  evicting at save time with copies in flight bounded inside the budget, and prefetches them
+  back only into room left under the budget, handing each to autograd as it is unpacked. Working
+  memory of the region being run (its forward's temporaries, a recomputed or reloaded region's
+  tensors during its own backward) is not counted: it exists with or without the engine. The
+  time model above ignores the stalls a tiny budget forces on streamed copies.
   Where a free and an allocation fall at the same instant the free goes first. So the peak
   never drops below the largest region: its own backward needs all of its bytes.
 
@@ -243,8 +246,6 @@ def _run_timeline(
             exposed_ms[i] += overhead_ms
             copy_start_ms = max(now_ms, out_link_free_ms)
             out_link_free_ms = copy_landed_ms[i] = copy_start_ms + _link_ms(region.saved_bytes, out_gb_per_s)
-            events.append((now_ms, True, region.saved_bytes))
-            events.append((copy_landed_ms[i], False, -region.saved_bytes))
         elif decision is Decision.RECOMPUTE:
             events.append((now_ms, True, region.input_bytes))
         else:
@@ -262,14 +263,13 @@ def _run_timeline(
             start_ms = max(needed_ms, issue_ms + back_ms)
             exposed_ms[i] += start_ms - needed_ms
             prefetch_floor_ms = start_ms
-            events.append((issue_ms, True, region.saved_bytes))
         recompute_ms = region.forward_ms if decision is Decision.RECOMPUTE else 0.0
         exposed_ms[i] += recompute_ms
         now_ms = start_ms + recompute_ms + BACKWARD_TO_FORWARD * region.forward_ms
         if decision is Decision.RECOMPUTE:
-            events.append((start_ms, True, region.saved_bytes))
             events.append((now_ms, False, -region.input_bytes))
-        events.append((now_ms, False, -region.saved_bytes))
+        elif decision is Decision.KEEP:
+            events.append((now_ms, False, -region.saved_bytes))
 
     resident_bytes = peak_bytes = 0
     for _, _, delta_bytes in sorted(events):
