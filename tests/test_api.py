@@ -1,0 +1,319 @@
+"""The public surface: argument checks, the three ways to apply an engine, stats, close, import.
+
+Validation errors must name the argument and what was passed, so a user can fix the call from
+the message alone. Every use of an engine is checked against the model without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from zoo import assert_same, files_under, mlp, run_step, wait_clean
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def x_input():
+    return torch.randn(16, 64)
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (-1, ValueError),
+        (-0.5, ValueError),
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        (-math.inf, ValueError),
+        (True, TypeError),
+        (False, TypeError),
+        ("512", TypeError),
+        ([512], TypeError),
+    ],
+    ids=repr,
+)
+def test_bad_budget_is_refused_by_name(bad, error):
+    with pytest.raises(error, match="budget_mb") as info:
+        offload.engine(budget_mb=bad)
+    assert repr(bad) in str(info.value) or str(float(bad)) in str(info.value), "the message shows the value given"
+
+
+@pytest.mark.parametrize("good", [None, 0, 0.25, 1, 512, 1e6])
+def test_good_budgets_are_taken(good):
+    eng = offload.engine(budget_mb=good)
+    expected = None if good is None else int(good * (1 << 20))
+    assert eng.config.budget_bytes == expected
+    eng.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"host_budget_mb": -1}, "host_budget_mb"),
+        ({"host_budget_mb": "1"}, "host_budget_mb"),
+        ({"min_offload_bytes": -1}, "min_offload_bytes"),
+        ({"min_offload_bytes": 1.5}, "min_offload_bytes"),
+        ({"spill_workers": 0}, "spill_workers"),
+        ({"prefetch": "yes"}, "prefetch"),
+        ({"device": "not-a-device"}, "device"),
+        ({"device": "meta"}, "device"),
+        ({"spill_dir": 42}, "spill_dir"),
+    ],
+    ids=lambda v: repr(v),
+)
+def test_other_bad_arguments_are_refused_by_name(kwargs, name):
+    with pytest.raises((ValueError, TypeError), match=name):
+        offload.engine(**kwargs)
+
+
+def test_spill_dir_that_is_a_file_is_refused_with_its_path(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("not a directory")
+    with pytest.raises(ValueError, match="spill_dir") as info:
+        offload.engine(0, spill_dir=path)
+    assert str(path) in str(info.value)
+
+
+def test_unwritable_spill_dir_is_refused_with_its_path(tmp_path):
+    path = tmp_path / "read-only"
+    path.mkdir()
+    path.chmod(0o500)
+    try:
+        if os.access(path, os.W_OK):
+            pytest.skip("this process ignores directory permissions (root)")
+        with pytest.raises(ValueError, match="spill_dir") as info:
+            offload.engine(0, spill_dir=path)
+        assert str(path) in str(info.value)
+    finally:
+        path.chmod(0o700)
+
+
+def test_missing_spill_dir_is_created_private(tmp_path):
+    path = tmp_path / "new" / "spill"
+    eng = offload.engine(0, spill_dir=path)
+    assert path.is_dir()
+    eng.close()
+
+
+# ---------------------------------------------------------------------------------- ways to apply
+
+
+def test_context_manager_and_backward_outside(spill_dir):
+    model = mlp()
+    ref = run_step(copy.deepcopy(model), x_input)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    got = run_step(model, x_input, eng)  # forward in `with eng`, backward after it
+    assert_same(ref, got)
+    assert eng.stats.offloaded_bytes > 0
+    eng.close()
+
+
+def test_decorated_function(spill_dir):
+    model = mlp()
+    ref = run_step(copy.deepcopy(model), x_input, loss_fn=torch.sum)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+
+    @eng
+    def forward(x):
+        return model(x)
+
+    assert forward.__name__ == "forward"
+    got = run_step(_Call(forward, model), x_input, loss_fn=torch.sum)
+    assert_same(ref, got)
+    assert eng.stats.offloaded_bytes > 0
+    eng.close()
+
+
+class _Call(nn.Module):
+    """Calls ``fn`` as its forward, owning ``model``'s parameters under the same names."""
+
+    def __init__(self, fn, model):
+        super().__init__()
+        self.fn = fn
+        for name, child in model.named_children():
+            self.add_module(name, child)
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def test_decorated_module(spill_dir):
+    model = mlp()
+    ref = run_step(copy.deepcopy(model), x_input, loss_fn=torch.sum)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    assert eng(model) is model
+    got = run_step(model, x_input, loss_fn=torch.sum)  # no `with`: the module's forward enters it
+    assert_same(ref, got)
+    stats = eng.stats
+    assert stats.offloaded_bytes > 0
+    assert stats.saved_tensors > 0
+    eng.close()
+
+
+def test_decorated_forward_method(spill_dir):
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = mlp()
+
+        @eng
+        def forward(self, x):
+            return self.body(x)
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = mlp()
+
+        def forward(self, x):
+            return self.body(x)
+
+    ref = run_step(Plain(), x_input, loss_fn=torch.sum)
+    got = run_step(Net(), x_input, loss_fn=torch.sum)
+    assert_same(ref, got)
+    assert eng.stats.offloaded_bytes > 0
+    eng.close()
+
+
+def test_decorating_something_else_is_refused():
+    eng = offload.engine(0)
+    with pytest.raises(TypeError, match="offload engine"):
+        eng(42)
+    eng.close()
+
+
+def test_engine_nests_and_reenters(spill_dir):
+    """The same engine entered twice (nested) and then again: the hooks come off exactly once each."""
+    model = mlp()
+    ref = run_step(copy.deepcopy(model), x_input)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    with eng:
+        got = run_step(model, x_input, eng)
+    assert_same(ref, got)
+    before = eng.stats.saved_tensors
+    torch.tanh(torch.randn(64, 64, requires_grad=True) * 2).sum().backward()  # outside: not seen
+    assert eng.stats.saved_tensors == before
+    eng.close()
+
+
+# ---------------------------------------------------------------------------------- stats
+
+
+def test_stats_snapshot_to_dict_and_reset(spill_dir):
+    model = mlp()
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    run_step(model, x_input, eng)
+    stats = eng.stats
+    assert isinstance(stats, offload.Stats)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.saved_bytes = 0
+    as_dict = stats.to_dict()
+    assert as_dict == {f.name: getattr(stats, f.name) for f in dataclasses.fields(offload.Stats)}
+    assert as_dict["saved_bytes"] > 0 and as_dict["offloaded_bytes"] == as_dict["saved_bytes"]
+    assert stats.reload_wait_ms >= 0 and stats.evict_wait_ms >= 0
+    eng.reset_stats()
+    after = eng.stats
+    assert after.saved_bytes == after.offloaded_bytes == after.saved_tensors == 0
+    assert after.peak_resident_bytes == after.resident_bytes == 0
+    run_step(model, x_input, eng)
+    assert eng.stats.saved_bytes == stats.saved_bytes, "a second step counts the same bytes from zero"
+    eng.close()
+
+
+def test_reset_stats_keeps_current_gauges(spill_dir):
+    eng = offload.engine(None, min_offload_bytes=0, spill_dir=spill_dir)
+    w = torch.randn(64, 64, requires_grad=True)
+    with eng:
+        y = torch.tanh(w * 2)  # tanh's output stays saved while y's graph lives
+    resident = eng.stats.resident_bytes
+    assert resident == 64 * 64 * 4
+    eng.reset_stats()
+    stats = eng.stats
+    assert stats.resident_bytes == resident and stats.peak_resident_bytes == resident
+    assert stats.saved_bytes == 0
+    del y
+    wait_clean(eng)
+    eng.close()
+
+
+def test_repr_names_budget():
+    eng = offload.engine(2)
+    assert "2 MB" in repr(eng)
+    eng.close()
+
+
+# ---------------------------------------------------------------------------------- close
+
+
+def test_close_removes_the_spill_dir(spill_dir):
+    model = mlp()
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    with eng:
+        loss = model(torch.randn(16, 64)).sum()
+    made = [p for p in spill_dir.iterdir()]
+    assert len(made) == 1 and made[0].is_dir(), "one private directory under spill_dir"
+    assert files_under(spill_dir), "budget 0: the activations are in spill files now"
+    eng.close()
+    assert not made[0].exists(), "close() removes the private spill directory"
+    eng.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        with eng:
+            pass
+    del loss
+    assert list(spill_dir.iterdir()) == []
+
+
+def test_engine_collected_removes_the_spill_dir(spill_dir):
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    with eng:
+        loss = mlp()(torch.randn(16, 64)).sum()
+    assert files_under(spill_dir)
+    del loss, eng
+    import gc
+
+    gc.collect()
+    assert files_under(spill_dir) == []
+
+
+# ---------------------------------------------------------------------------------- import
+
+
+def test_import_does_not_initialize_cuda():
+    code = "import offload, torch; assert not torch.cuda.is_initialized(), 'import offload initialized CUDA'"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_making_and_using_a_cpu_engine_does_not_initialize_cuda():
+    code = (
+        "import offload, torch\n"
+        "eng = offload.engine(0, min_offload_bytes=0)\n"
+        "w = torch.randn(64, 64, requires_grad=True)\n"
+        "with eng:\n"
+        "    loss = torch.tanh(w * 2).sum()\n"
+        "loss.backward()\n"
+        "print(eng.stats.offloaded_bytes)\n"
+        "eng.close()\n"
+        "assert not torch.cuda.is_initialized(), 'a CPU engine initialized CUDA'\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.strip()) > 0
