@@ -89,16 +89,21 @@ class _Frame:
         self.rng = _RNGState(flat)
         self.autocast = _AutocastState()
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        self.inputs: list = []          # per tensor argument: (packed, requires_grad)
+        self.inputs: list = []          # per tensor argument: (packed, version to check or None, requires_grad)
         self.meta: list = []            # per saved tensor: (shape, dtype), from the original forward
         self.values: Optional[list] = None
         self.gen = 0
         self.live = 0                   # slots autograd still holds
         self.pending = 0                # live slots not yet unpacked in this pass
 
-    def _pack_input(self, t: torch.Tensor):
-        detached = t.detach()
-        return self.outer[0](detached) if self.outer is not None else detached
+    def _pack_input(self, t: torch.Tensor) -> tuple:
+        """(packed, version to check at unpack or None). The outer hooks get the input itself, not
+        a detached alias, so they apply their own rules to it (an engine leaves a leaf that requires
+        grad where it is, since the caller holds it anyway) and check its version themselves."""
+        if self.outer is None:
+            return t.detach(), t._version  # the alias shares t's version counter
+        packed = self.outer[0](t)
+        return packed, (t._version if packed is t else None)
 
     def _unpack_input(self, packed) -> torch.Tensor:
         return self.outer[1](packed) if self.outer is not None else packed
@@ -106,7 +111,7 @@ class _Frame:
     def run(self):
         def template(a):
             if isinstance(a, torch.Tensor):
-                self.inputs.append((self._pack_input(a), a.requires_grad))
+                self.inputs.append((*self._pack_input(a), a.requires_grad))
                 return _ARG
             return a
 
@@ -141,11 +146,17 @@ class _Frame:
                 self.values = None
 
     def _rebuild_args(self):
-        tensors = iter(self.inputs)
+        tensors = enumerate(self.inputs)
 
         def fill(a):
             if a is _ARG:
-                packed, requires_grad = next(tensors)
+                i, (packed, version, requires_grad) = next(tensors)
+                if version is not None and packed._version != version:
+                    raise RuntimeError(
+                        f"one of the variables needed for gradient computation has been modified by an inplace "
+                        f"operation: tensor input {i} of region {self.name!r} is at version {packed._version}; "
+                        f"expected version {version} instead"
+                    )
                 return self._unpack_input(packed).detach().requires_grad_(requires_grad)
             return a
 
