@@ -80,6 +80,7 @@ class _Entry:
         "host_bytes",     # pinned (or pageable) uint8 host buffer holding the data (CUDA)
         "host_pooled",    # host_bytes came from the pool
         "host_ready",     # future of a disk read into host_bytes, or None
+        "host_busy",      # event of the last h2d copy reading host_bytes (CUDA), or None
         "disk_path",      # spill file, once a write started
         "disk_ready",     # future of that write, or None once landed
         "dead",
@@ -96,6 +97,7 @@ class _Entry:
         self.device_bytes = self.device_ready = self.keepalive = self.out_ready = None
         self.host_bytes = self.host_ready = self.disk_path = self.disk_ready = None
         self.host_pooled = False
+        self.host_busy = None
         self.dead = False
 
     @property
@@ -191,6 +193,7 @@ class Store:
         self._moved: dict[int, _Entry] = {}       # seq -> entry, eviction order == save order
         self._inflight: collections.deque = collections.deque()   # entries with a copy out in flight
         self._writes: collections.deque = collections.deque()     # CUDA: host -> disk writes in flight
+        self._reading: collections.deque = collections.deque()    # CUDA: disk -> host reads in flight
         self._host_lru: dict[int, _Entry] = {}    # CUDA: entries whose only copy is in host memory
         self._retiring: list = []                 # (waitable, callback) for released entries' copies
         self._seq = 0
@@ -323,7 +326,7 @@ class Store:
     def _spill_host(self, e: _Entry) -> None:
         """CUDA: write a host-only entry to disk; its pool buffer returns when the write lands."""
         del self._host_lru[e.seq]
-        self._start_write(e, e.host_bytes)
+        self._start_write(e, e.host_bytes[: e.nbytes])  # a pool buffer can be longer than the data
         self._writes.append(e)
 
     # ------------------------------------------------------------------ completion
@@ -395,11 +398,16 @@ class Store:
         self._write_failed = True
 
     def _free_host(self, e: _Entry) -> None:
+        """Give the entry's host buffer back, once no h2d copy still reads it."""
         if e.host_bytes is not None:
-            if e.host_pooled:
-                self.pool.release(e.host_bytes)
-            e.host_bytes = None
+            buf, busy = e.host_bytes, e.host_busy
+            e.host_bytes = e.host_busy = None
             self._host_lru.pop(e.seq, None)
+            if e.host_pooled:
+                if busy is not None and not is_done(busy):
+                    self._retiring.append((busy, lambda buf=buf: self.pool.release(buf)))
+                else:
+                    self.pool.release(buf)
 
     # ------------------------------------------------------------------ backward
 
@@ -472,11 +480,13 @@ class Store:
             buf = torch.empty(e.nbytes, dtype=torch.uint8)
         e.host_bytes = buf
         with _record("offload::read"):
-            e.host_ready = self.spill.read(e.disk_path, buf)
+            e.host_ready = self.spill.read(e.disk_path, buf[: e.nbytes])
+        self._reading.append(e)
 
     def _h2d(self, e: _Entry) -> None:
         with _record("offload::h2d"):
             e.device_bytes, e.device_ready = self.link.h2d(e.host_bytes, e.nbytes)
+        e.host_busy = e.device_ready  # See Note: [keep-alive until the copy event]: the buffer too
         self._host_lru.pop(e.seq, None)
 
     def _ready(self, e: _Entry) -> None:
@@ -503,6 +513,13 @@ class Store:
 
     def _prefetch(self, seq: int) -> None:
         """Start reloading the entries saved just before ``seq`` while they fit the budget."""
+        while self._reading and self._reading[0].host_ready is None:
+            self._reading.popleft()  # finished at its use already
+        while self._reading and self._reading[0].host_ready.done():
+            e = self._reading.popleft()
+            if not e.dead and e.host_ready.exception() is None:
+                e.host_ready = None
+                self._h2d(e)  # the disk read of an earlier prefetch landed: start its h2d now
         room = None if self.budget is None else self.budget - self.counters.resident_bytes
         for s in reversed(self._moved):
             if s >= seq:
