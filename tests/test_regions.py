@@ -1,0 +1,324 @@
+"""Regions and policies in the engine, on the built-in MiniGPT.
+
+Oracle: the same model from the same seed without the engine, the RNG reseeded before every
+step so dropout masks match. Every policy changes only where saved activations live, or re-runs
+a block's forward with its RNG state restored, so on the CPU in fp32 the gradients must be
+bitwise equal (``torch.equal``), step after step. The machine profile is fixed numbers, so no
+probe runs and the plans do not depend on this machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+import offload
+from offload.models.gpt import Block, GPTConfig, MiniGPT
+
+CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=64, dropout=0.1, attention="math")
+BATCH = 4
+STEPS = 3
+LR = 0.1
+SEED = 1234
+"""Seed set before each step's forward: the dropout masks of every run match."""
+
+MACHINE = offload.MachineProfile(
+    device_type="cpu",
+    device_name="test machine",
+    disk_write_gb_per_s=1.0,
+    disk_read_gb_per_s=2.0,
+    per_tensor_overhead_us=2.0,
+)
+"""Fixed costs: no probe, and the same plans on any machine."""
+
+BUDGET_FRACTIONS = {"medium": 0.5, "small": 0.1}
+"""Budgets as a fraction of the activation bytes the model saves at budget None."""
+
+SETTLE_TIMEOUT_S = 5.0
+
+
+def make_model() -> MiniGPT:
+    torch.manual_seed(0)
+    return MiniGPT(CONFIG)
+
+
+def batch(seq: int = CONFIG.seq_len, step: int = 0):
+    g = torch.Generator().manual_seed(100 + step)
+    idx = torch.randint(0, CONFIG.vocab_size, (BATCH, seq + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def train(model: MiniGPT, eng=None, steps: int = STEPS, seq: int = CONFIG.seq_len, on_step=None):
+    """``steps`` SGD steps; returns every step's loss and gradients. ``on_step(eng)`` after each."""
+    history = []
+    for i in range(steps):
+        x, y = batch(seq, i)
+        model.zero_grad(set_to_none=True)
+        if eng is not None:
+            eng.reset_stats()
+        torch.manual_seed(SEED + i)
+        if eng is None:
+            _, loss = model(x, y)
+        else:
+            with eng:
+                _, loss = model(x, y)
+        loss.backward()
+        history.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        if on_step is not None:
+            on_step(eng)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return history
+
+
+def assert_same_history(got, want, what: str) -> None:
+    for step, ((loss_g, grads_g), (loss_w, grads_w)) in enumerate(zip(got, want)):
+        assert torch.equal(loss_g, loss_w), f"{what}: loss differs at step {step}"
+        for i, (a, b) in enumerate(zip(grads_g, grads_w)):
+            assert torch.equal(a, b), f"{what}: grad of parameter {i} differs at step {step}"
+
+
+def activation_bytes() -> int:
+    model = make_model()
+    eng = offload.engine(None, policy="none", regions=model.blocks, model=model, machine=MACHINE)
+    x, y = batch()
+    with eng:
+        _, loss = model(x, y)
+    nbytes = eng.stats.saved_bytes
+    del loss
+    eng.close()
+    return nbytes
+
+
+@pytest.fixture(scope="module")
+def saved_bytes() -> int:
+    return activation_bytes()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train(make_model())
+
+
+def budget_mb(saved_bytes: int, name: str):
+    return None if name == "none" else saved_bytes * BUDGET_FRACTIONS[name] / 2**20
+
+
+def settle(eng) -> offload.Stats:
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:
+        stats = eng.stats
+        if (stats.resident_bytes == 0 and stats.spill_files == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------------------- equality
+
+
+CASES = [("none", "none")] + [
+    (policy, budget) for policy in ("offload", "recompute", "auto") for budget in ("none", "medium", "small")
+]
+
+
+@pytest.mark.parametrize("policy,budget", CASES, ids=[f"{p}-{b}" for p, b in CASES])
+def test_policy_gradients_equal_no_engine(policy, budget, saved_bytes, reference, spill_dir):
+    model = make_model()
+    eng = offload.engine(
+        budget_mb(saved_bytes, budget),
+        policy=policy,
+        regions=model.blocks,
+        model=model,
+        machine=MACHINE,
+        spill_dir=spill_dir,
+    )
+    recomputed = []
+    history = train(model, eng, on_step=lambda e: recomputed.append(e.stats.recomputed_regions))
+    assert_same_history(history, reference, f"policy {policy!r} at budget {budget}")
+    if policy == "recompute":
+        assert recomputed == [CONFIG.n_layer] * STEPS, "policy 'recompute' must checkpoint every block, every step"
+    elif policy in ("none", "offload") or budget == "none":
+        assert recomputed == [0] * STEPS
+    if policy in ("auto", "offload"):
+        assert eng.plan is not None
+        assert len(eng.plan.regions) == CONFIG.n_layer
+        # Steps after the first carry the plan out: as many recomputes as it has RECOMPUTE regions.
+        planned = eng.plan.decisions.count(offload.Decision.RECOMPUTE)
+        assert recomputed[1:] == [planned] * (STEPS - 1)
+    stats = settle(eng)
+    assert stats.resident_bytes == 0 and stats.spill_files == 0
+    eng.close()
+
+
+SLOW_DISK = offload.MachineProfile(
+    device_type="cpu", device_name="slow disk", disk_write_gb_per_s=5e-4, disk_read_gb_per_s=5e-4
+)
+"""0.5 MB/s: moving a block's activations takes seconds, far longer than recomputing it."""
+NO_DISK = offload.MachineProfile(device_type="cpu", device_name="no disk")
+"""0 GB/s: offload is impossible, only keep and recompute are left."""
+
+
+@pytest.mark.parametrize("machine", [SLOW_DISK, NO_DISK], ids=["slow-disk", "no-disk"])
+@pytest.mark.parametrize("budget", ["medium", "small"])
+def test_auto_recomputes_when_moving_costs_more(machine, budget, saved_bytes, reference, spill_dir):
+    model = make_model()
+    eng = offload.engine(
+        budget_mb(saved_bytes, budget), policy="auto", regions=model.blocks, model=model, machine=machine,
+        spill_dir=spill_dir,
+    )
+    recomputed = []
+    history = train(model, eng, on_step=lambda e: recomputed.append(e.stats.recomputed_regions))
+    assert_same_history(history, reference, f"auto on a {machine.device_name} at budget {budget}")
+    decisions = eng.plan.decisions
+    assert offload.Decision.OFFLOAD not in decisions, str(eng.plan)
+    assert offload.Decision.RECOMPUTE in decisions, str(eng.plan)
+    assert recomputed[1:] == [decisions.count(offload.Decision.RECOMPUTE)] * (STEPS - 1)
+    eng.close()
+
+
+def test_recompute_policy_saves_only_block_inputs(saved_bytes, spill_dir):
+    """With every block recomputed the engine sees each block's input, not what is inside it."""
+    model = make_model()
+    eng = offload.engine(None, policy="recompute", regions=model.blocks, model=model, machine=MACHINE)
+    x, y = batch()
+    torch.manual_seed(SEED)
+    with eng:
+        _, loss = model(x, y)
+    assert eng.stats.saved_bytes < saved_bytes / 2
+    loss.backward()
+    eng.close()
+
+
+# ------------------------------------------------------------------------------- arguments
+
+
+def test_unknown_policy_lists_the_valid_ones():
+    model = make_model()
+    with pytest.raises(ValueError) as info:
+        offload.engine(10, policy="fastest", regions=model.blocks, model=model, machine=MACHINE)
+    message = str(info.value)
+    assert "fastest" in message
+    for name in ("none", "offload", "recompute", "auto"):
+        assert name in message
+    assert set(offload.policies()) >= {"none", "offload", "recompute", "auto"}
+
+
+def test_policy_none_with_a_budget_is_refused():
+    model = make_model()
+    with pytest.raises(ValueError, match="none"):
+        offload.engine(10, policy="none", regions=model.blocks, model=model, machine=MACHINE)
+
+
+@pytest.mark.parametrize("policy", ["auto", "recompute"])
+def test_region_policies_need_regions(policy):
+    with pytest.raises(ValueError, match="regions"):
+        offload.engine(10, policy=policy)
+
+
+def test_regions_as_a_filter_with_model(saved_bytes, reference, spill_dir):
+    model = make_model()
+    eng = offload.engine(
+        saved_bytes * 0.1 / 2**20,
+        policy="auto",
+        regions=lambda module, name: isinstance(module, Block),
+        model=model,
+        machine=MACHINE,
+        spill_dir=spill_dir,
+    )
+    history = train(model, eng)
+    assert_same_history(history, reference, "regions given as a filter")
+    assert [r.name for r in eng.plan.regions] == [f"blocks.{i}" for i in range(CONFIG.n_layer)]
+    eng.close()
+
+
+def test_regions_filter_without_model_is_refused():
+    with pytest.raises(ValueError, match="model="):
+        offload.engine(10, policy="auto", regions=lambda module, name: isinstance(module, Block), machine=MACHINE)
+
+
+def test_regions_filter_selecting_nothing_is_refused():
+    model = make_model()
+    with pytest.raises(ValueError, match="no module"):
+        offload.engine(10, regions=lambda module, name: False, model=model, machine=MACHINE)
+
+
+# ------------------------------------------------------------------------------- plans
+
+
+def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
+    model = make_model()
+    eng = offload.engine(
+        saved_bytes * 0.1 / 2**20, policy="auto", regions=model.blocks, model=model, machine=MACHINE, spill_dir=spill_dir
+    )
+    assert eng.plan is None and eng.plans == {}
+    assert "no plan yet" in offload.explain(eng)
+    train(model, eng, steps=1)
+    first = eng.plan
+    assert first is not None and len(eng.plans) == 1
+    train(model, eng, steps=2)
+    assert eng.plan is first and len(eng.plans) == 1, "same shapes must reuse the plan"
+
+    train(model, eng, steps=1, seq=CONFIG.seq_len // 2)
+    assert len(eng.plans) == 2, "a new sequence length is profiled and planned once more"
+    assert eng.plan is not first
+    assert sum(r.saved_bytes for r in eng.plan.regions) < sum(r.saved_bytes for r in first.regions)
+    train(model, eng, steps=1)
+    assert eng.plan is first and len(eng.plans) == 2
+
+    text, explained = str(eng.plan), offload.explain(eng)
+    assert explained == text
+    for i in range(CONFIG.n_layer):
+        assert f"blocks.{i}" in text
+    for decision in eng.plan.decisions:
+        assert decision.value in text
+    assert "predicted" in text and "budget" in text
+    assert any(d is not offload.Decision.KEEP for d in eng.plan.decisions), "a 10% budget cannot keep everything"
+    assert offload.explain(eng.plan) == text
+    eng.close()
+
+
+def test_close_restores_the_modules_forward(spill_dir):
+    model = make_model()
+    eng = offload.engine(1, policy="auto", regions=model.blocks, model=model, machine=MACHINE, spill_dir=spill_dir)
+    for block in model.blocks:
+        assert getattr(block.forward, "__wrapped__", None) is not None
+    train(model, eng, steps=1)
+    eng.close()
+    for block in model.blocks:
+        assert "forward" not in vars(block)
+        assert block.forward.__func__ is Block.forward
+    with pytest.raises(RuntimeError, match="closed"):
+        with eng:
+            pass
+
+
+def test_regions_run_plainly_outside_the_engine(reference, spill_dir):
+    """The wrapped forwards do nothing outside ``with eng`` (e.g. an eval pass between steps)."""
+    model = make_model()
+    eng = offload.engine(0, policy="recompute", regions=model.blocks, model=model, machine=MACHINE, spill_dir=spill_dir)
+    history = train(model, None)
+    assert eng.stats.recomputed_regions == 0 and eng.stats.saved_tensors == 0
+    assert_same_history(history, reference, "outside the engine")
+    eng.close()
+
+
+# ------------------------------------------------------------------------------- budget
+
+
+@pytest.mark.parametrize("budget", ["medium", "small"])
+@pytest.mark.parametrize("policy", ["auto", "offload", "recompute"])
+def test_budget_is_respected(policy, budget, saved_bytes, spill_dir):
+    """The engine-managed bytes on the device never exceed the budget, in forward or backward."""
+    model = make_model()
+    eng = offload.engine(
+        budget_mb(saved_bytes, budget), policy=policy, regions=model.blocks, model=model, machine=MACHINE, spill_dir=spill_dir
+    )
+    budget_bytes = eng.config.budget_bytes
+    peaks = []
+    train(model, eng, on_step=lambda e: peaks.append(e.stats.peak_resident_bytes))
+    assert all(0 < peak <= budget_bytes for peak in peaks), f"peaks {peaks} vs budget {budget_bytes}"
+    eng.close()
