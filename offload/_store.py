@@ -48,7 +48,7 @@ from ._errors import OffloadError
 from ._pool import PinnedPool
 from ._spill import SpillDir
 from ._stats import Counters
-from ._transfer import CudaLink, is_done, wait
+from ._transfer import CudaLink, is_done, is_event, wait
 
 __all__ = ["Store", "Handle"]
 
@@ -176,15 +176,17 @@ class Handle:
 class Store:
     """Entries, tiers and the budget for one engine on one compute device."""
 
-    def __init__(self, config: Config, device: torch.device, counters: Counters) -> None:
+    def __init__(self, config: Config, device: torch.device, counters: Counters, link=None) -> None:
         self.config = config
         self.device = device
         self.counters = counters
         self.budget = config.budget_bytes
         self.evict_at = None if self.budget is None else int(self.budget * (1 - INFLIGHT_FRACTION))
-        self.cuda = device.type == "cuda"
-        self.link = CudaLink(device) if self.cuda else None
-        self.pool = PinnedPool(config.host_budget_bytes) if self.cuda else None
+        # ``cuda``: a host tier sits between the device and the disk. ``link`` may be given to run
+        # that path with another transport (the tests drive it on the CPU with synchronous copies).
+        self.cuda = device.type == "cuda" or link is not None
+        self.link = link if link is not None else (CudaLink(device) if self.cuda else None)
+        self.pool = PinnedPool(config.host_budget_bytes, pin=device.type == "cuda") if self.cuda else None
         self.spill = SpillDir(config.spill_dir, config.spill_workers)
         self._lock = threading.Lock()
         self._dead: collections.deque = collections.deque()
@@ -355,7 +357,7 @@ class Store:
     def _land_out(self, e: _Entry) -> None:
         """The copy out of the device finished: free its source (unless it was adopted back)."""
         ready, e.out_ready = e.out_ready, None
-        failed = None if isinstance(ready, torch.cuda.Event) else ready.exception()
+        failed = None if is_event(ready) else ready.exception()
         if failed is not None:
             self._write_failure(e, failed)
             return
@@ -442,6 +444,10 @@ class Store:
                 e.pending -= 1
                 if e.pending <= 0:
                     self._drop_device_copy(e)
+            if self.budget is not None and self.counters.resident_bytes > self.budget:
+                # Other users of this storage are still to come, but holding it for them would break
+                # the budget: let it go (autograd holds this view) and read it again for them.
+                self._drop_device_copy(e)
             self._drain_dead()
             self._note_peak()
             return view
@@ -500,7 +506,7 @@ class Store:
                     e.host_ready.result()
                     e.host_ready = None
                     self._h2d(e)
-                if isinstance(e.device_ready, torch.cuda.Event):
+                if is_event(e.device_ready):
                     self.link.wait_on_compute(e.device_ready)
                 else:
                     e.device_ready.result()

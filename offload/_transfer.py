@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CudaLink", "is_done", "wait"]
+__all__ = ["CudaLink", "is_done", "is_event", "wait"]
 
 
 class CudaLink:
@@ -73,16 +73,19 @@ class CudaLink:
         torch.cuda.current_stream(self.device).wait_event(event)
 
 
+def is_event(waitable) -> bool:
+    """True for a stream event (``query``/``synchronize``), False for a future (``done``/``result``)."""
+    return hasattr(waitable, "query")
+
+
 def is_done(waitable) -> bool:
-    """True when a CUDA event or a future has completed (never blocks)."""
-    if isinstance(waitable, torch.cuda.Event):
-        return waitable.query()
-    return waitable.done()
+    """True when a stream event or a future has completed (never blocks)."""
+    return waitable.query() if is_event(waitable) else waitable.done()
 
 
 def wait(waitable) -> None:
-    """Block the host until a CUDA event or a future has completed (a future's error is raised)."""
-    if isinstance(waitable, torch.cuda.Event):
+    """Block the host until a stream event or a future has completed (a future's error is raised)."""
+    if is_event(waitable):
         waitable.synchronize()
     else:
         waitable.result()
