@@ -1,0 +1,249 @@
+"""The CUDA path: side-stream copies, pinned host buffers, the device memory they free.
+
+Every test here needs a CUDA device and is skipped cleanly without one. Oracles:
+
+- the same model without the engine, bitwise (fp32; GEMMs and elementwise kernels on one stream
+  are deterministic, TF32 is switched off; no atomics-based kernels are used);
+- races provoked on purpose: the compute stream is delayed with ``torch.cuda._sleep`` so copies
+  on the side stream would overtake it if they were not ordered, and freed memory is reallocated
+  and filled with NaN at once, so a block freed (or reused) before its copy finished shows up as
+  NaN or wrong numbers in the gradients;
+- the memory identity: peak device memory without the engine minus peak with it at budget 0 is
+  the bytes the engine moved, less what must be on the device anyway at the peak (the tensor in
+  use), within 10% of the bytes moved.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from zoo import MB, wait_clean
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SLEEP_CYCLES = int(1e8)
+"""GPU clock cycles the compute stream spins per delayed layer (~50-100 ms): far longer than any
+copy here, so an unordered copy would certainly run before or after the wrong kernel."""
+
+SCRIBBLES = 4
+"""Tensors allocated and NaN-filled after each delay, to take over any block freed too early."""
+
+PEAK_TOLERANCE = 0.10
+"""Allowed gap between the measured device-memory saving and the engine's moved bytes, as a share
+of the moved bytes (the caching allocator rounds blocks; grads and workspaces are the same in both
+runs, but their timing relative to the peak may differ by a tensor or so)."""
+
+
+@pytest.fixture(autouse=True)
+def _exact_cuda_math():
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    torch.cuda.synchronize()
+
+
+def chain(depth: int, width: int, *, seed: int = 0) -> nn.Module:
+    """Linear + Tanh layers: each layer saves one activation (tanh's output, the next linear's input)."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 1)).cuda()
+
+
+def step(model: nn.Module, x: torch.Tensor, eng=None) -> list[torch.Tensor]:
+    """Forward (under ``eng``) and backward; returns the input's and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)  # a leaf the user holds: never the engine's
+    if eng is None:
+        out = model(x)
+    else:
+        with eng:
+            out = model(x)
+    loss = (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum()
+    loss.backward()
+    torch.cuda.synchronize()
+    return [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+
+
+def assert_grads_equal(ref: list[torch.Tensor], got: list[torch.Tensor], what: str) -> None:
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert not torch.isnan(b).any(), f"{what}: gradient {i} has NaN (a block was used after it was freed)"
+        assert torch.equal(a, b), f"{what}: gradient {i} differs by {(a - b).abs().max().item():.3g}"
+
+
+def budget_mb_for(model: nn.Module, x: torch.Tensor, budget) -> float | None:
+    if budget != "some":
+        return budget
+    eng = offload.engine(None, min_offload_bytes=0)
+    step(copy.deepcopy(model), x, eng)
+    total = eng.stats.saved_bytes
+    eng.close()
+    return total / 3 / MB
+
+
+@pytest.mark.parametrize("budget", [None, 0, "some"], ids=lambda b: f"budget={b}")
+def test_gradients_bitwise_equal_on_cuda(budget, spill_dir):
+    model = chain(depth=8, width=512)
+    x = torch.randn(256, 512, device="cuda")
+    ref = step(copy.deepcopy(model), x)
+    eng = offload.engine(budget_mb_for(model, x, budget), min_offload_bytes=0, spill_dir=spill_dir, model=model)
+    got = step(model, x, eng)
+    assert_grads_equal(ref, got, f"budget {budget}")
+    stats = wait_clean(eng, spill_dir)
+    assert stats.saved_bytes > 0
+    if budget is None:
+        assert stats.offloaded_bytes == 0
+    elif budget == 0:
+        assert stats.offloaded_bytes == stats.saved_bytes and stats.reloaded_bytes == stats.saved_bytes
+        assert stats.host_bytes > 0, "the copies went through the pinned pool"
+    else:
+        assert 0 < stats.offloaded_bytes < stats.saved_bytes
+        assert stats.peak_resident_bytes <= eng.config.budget_bytes
+    eng.close()
+
+
+def test_cpu_engine_passes_cuda_tensors_through():
+    """engine(device='cpu') leaves CUDA tensors alone; gradients are unchanged."""
+    model = chain(depth=2, width=256)
+    x = torch.randn(64, 256, device="cuda")
+    ref = step(copy.deepcopy(model), x)
+    eng = offload.engine(0, min_offload_bytes=0, device="cpu")
+    got = step(model, x, eng)
+    assert_grads_equal(ref, got, "device=cpu")
+    assert eng.stats.saved_bytes == 0 and eng.stats.passthrough_tensors > 0
+    eng.close()
+
+
+# ---------------------------------------------------------------------------------- races
+
+
+class _DelayAndScribble(torch.autograd.Function):
+    """Identity whose forward and backward first delay the compute stream, then take freed memory.
+
+    ``torch.cuda._sleep`` queues a spinning kernel, so everything queued after it on the compute
+    stream (the next layer's kernels, the NaN fills) runs late while the host races ahead and the
+    engine queues copies on its side stream. The NaN-filled tensors, sized like the activations,
+    are allocated from blocks the caching allocator has free now: a block the engine let go of
+    before its copy finished (or a reload destination it handed out before the copy landed) gets
+    NaN written into it.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        _scribble(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        _scribble(grad)
+        return grad
+
+
+def _scribble(like: torch.Tensor) -> None:
+    for _ in range(SCRIBBLES):
+        torch.empty_like(like).fill_(float("nan"))
+
+
+class Delayed(nn.Module):
+    def forward(self, x):
+        return _DelayAndScribble.apply(x)
+
+
+def delayed_chain(depth: int, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh(), Delayed()]
+    return nn.Sequential(*layers, nn.Linear(width, 1)).cuda()
+
+
+@pytest.mark.parametrize("budget", [0, "some"], ids=lambda b: f"budget={b}")
+@pytest.mark.parametrize("prefetch", [True, False], ids=lambda p: f"prefetch={p}")
+def test_delayed_compute_stream_and_reused_memory(budget, prefetch, spill_dir):
+    """No early free, no early use: with the compute stream delayed and freed memory overwritten
+    with NaN, the gradients are still bitwise those of the model without the engine."""
+    model = delayed_chain(depth=6, width=1024)
+    x = torch.randn(512, 1024, device="cuda")
+    ref = step(copy.deepcopy(model), x)
+    eng = offload.engine(
+        budget_mb_for(model, x, budget), min_offload_bytes=0, spill_dir=spill_dir, prefetch=prefetch, model=model,
+    )
+    for i in range(2):  # the second step reuses the pinned pool's buffers
+        got = step(model, x, eng)
+        assert_grads_equal(ref, got, f"budget {budget}, step {i}")
+    stats = wait_clean(eng, spill_dir)
+    assert stats.offloaded_bytes > 0 and stats.reloaded_bytes > 0
+    eng.close()
+
+
+def test_host_tier_full_spills_to_disk_with_delays(spill_dir):
+    """A pinned pool too small for the activations: the rest goes device -> host -> disk and back."""
+    model = delayed_chain(depth=6, width=1024)
+    x = torch.randn(512, 1024, device="cuda")
+    ref = step(copy.deepcopy(model), x)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host_budget_mb=4, model=model)
+    got = step(model, x, eng)
+    assert_grads_equal(ref, got, "host cap 4 MB")
+    stats = wait_clean(eng, spill_dir)
+    assert stats.spilled_bytes > 0, "the host cap forced some tensors to disk"
+    assert stats.host_bytes <= 4 * MB
+    eng.close()
+
+
+# ---------------------------------------------------------------------------------- device memory
+
+
+def _peak_step_bytes(model: nn.Module, x: torch.Tensor, eng=None) -> int:
+    """Device bytes a step allocates above what was allocated before it (model, input)."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step(model, x, eng)
+    model.zero_grad(set_to_none=True)  # step() cloned the grads it returns; those are freed now
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def test_peak_device_memory_drops_by_the_bytes_moved(spill_dir):
+    """Budget 0 on a model whose activations dominate (32 x 16 MiB vs 4 MiB weights per layer):
+
+        peak_without - peak_with  ==  offloaded_bytes - largest_tensor   (within 10% of offloaded)
+
+    The largest tensor is subtracted because at the peak one activation must be on the device
+    with or without the engine (the one the current layer is producing or consuming).
+    """
+    depth, width, batch = 32, 1024, 4096
+    model = chain(depth=depth, width=width)
+    x = torch.randn(batch, width, device="cuda")
+    largest = batch * width * 4
+    step(copy.deepcopy(model), x)  # warm up: cuBLAS workspaces and handles exist in both runs
+    peak_without = _peak_step_bytes(model, x)
+    # 1 MiB floor: the loss's small tensors pass through, so only the 16 MiB activations are moved
+    eng = offload.engine(0, min_offload_bytes=MB, spill_dir=spill_dir, model=model)
+    step(model, x, eng)  # warm up the pinned pool too: its buffers are host memory, not device
+    eng.reset_stats()
+    peak_with = _peak_step_bytes(model, x, eng)
+    stats = wait_clean(eng, spill_dir)
+    assert stats.offloaded_bytes == stats.saved_bytes == depth * largest, stats
+    saving = peak_without - peak_with
+    expected = stats.offloaded_bytes - largest
+    assert abs(saving - expected) <= PEAK_TOLERANCE * stats.offloaded_bytes, (
+        f"peak without {peak_without / MB:.0f} MiB, with {peak_with / MB:.0f} MiB: saved {saving / MB:.0f} MiB; "
+        f"engine moved {stats.offloaded_bytes / MB:.0f} MiB, expected a saving of {expected / MB:.0f} MiB"
+    )
+    eng.close()
