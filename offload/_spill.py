@@ -14,6 +14,7 @@ and at interpreter exit (``weakref.finalize``).
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import os
 import shutil
@@ -69,8 +70,8 @@ def _read_file(path: str, out: torch.Tensor) -> torch.Tensor:
         done = 0
         while done < len(view):
             got = os.readv(fd, [view[done : done + _MAX_IO_CHUNK]])
-            if got == 0:
-                raise EOFError(f"spill file {path} ended after {done} of {len(view)} bytes")
+            if got == 0:  # an OSError, like every other I/O failure the store turns into OffloadError
+                raise OSError(errno.EIO, f"spill file {path} ended after {done} of {len(view)} bytes")
             done += got
     finally:
         os.close(fd)
