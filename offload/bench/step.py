@@ -26,10 +26,13 @@ How memory is measured, and why in a fresh process per configuration on the CPU:
 
 - CUDA: ``torch.cuda.max_memory_allocated``, reset before each step. Configurations may share a
   process because the counter can be reset and the caching allocator's reserve is not counted.
-- CPU: the process's peak resident set size. The kernel's high-water mark (VmHWM) is reset before
-  each step through ``/proc/self/clear_refs`` where Linux allows it; elsewhere ``ru_maxrss``,
-  which never goes down. Either way a configuration's figure must not inherit another's heap, so
-  each runs in its own process. Spill files land in the page cache, which RSS does not count.
+- CPU: the process's peak resident set size. Before each step glibc hands freed heap back to the
+  OS (``malloc_trim``) and the kernel's high-water mark (VmHWM) is reset through
+  ``/proc/self/clear_refs``, where Linux allows it; elsewhere ``ru_maxrss``, which never goes
+  down. Either way a configuration's figure must not inherit another's heap, so each runs in its
+  own process, started with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_BYTES``) so
+  that freed activations leave the RSS. Spill files land in the page cache, which RSS does not
+  count.
 
 Step time is the median over the measured steps, after warm-up steps that are trained and
 recorded (their losses are compared too) but not timed: the engine's regions profile and plan on
@@ -88,6 +91,12 @@ CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 
 _JSON_PREFIX = "@offload-bench "
 """Marks a child's result lines on stdout, so stray prints from libraries are never parsed."""
+
+MALLOC_MMAP_THRESHOLD_BYTES = 128 * 1024
+"""CPU children: glibc serves allocations at least this large with mmap and unmaps them on free.
+glibc's default raises the threshold after each large free (up to 32 MiB), after which freed
+activations stay in the heap and RSS stops tracking live memory; fixing it (``MALLOC_MMAP_THRESHOLD_``)
+makes peak RSS a measure of what was alive. 128 KiB is glibc's own starting value."""
 
 _STDERR_TAIL_CHARS = 4000
 """How much of a failed child's stderr to show."""
@@ -217,7 +226,7 @@ class PeakMemory:
         if device.type == "cuda":
             self.source = "cuda.max_memory_allocated"
         elif _reset_hwm():
-            self.source = "VmHWM (reset per step)"
+            self.source = "VmHWM (malloc_trim, then reset per step)"
         else:
             self.source = "ru_maxrss (whole process)"
 
@@ -225,6 +234,7 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.source.startswith("VmHWM"):
+            _release_free_heap()
             _reset_hwm()
 
     def peak_bytes(self) -> int:
@@ -240,6 +250,20 @@ class PeakMemory:
             return torch.cuda.memory_allocated(self.device)
         rss = _proc_status_bytes("VmRSS")
         return rss if rss else self.peak_bytes()
+
+
+def _release_free_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``), so RSS counts live memory.
+
+    Without it glibc keeps the previous step's freed activations mapped, and every step's peak
+    starts from the largest heap any earlier step reached.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _reset_hwm() -> bool:
@@ -424,6 +448,7 @@ def run_one(
             "activation_bytes": activation_bytes,
             "budget_mb": budget_mb,
             "peak_source": memory.source,
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
             "plan": None if engine is None or engine.plan is None else str(engine.plan),
             "machine": None if machine is None else dataclasses.asdict(machine),
             "trace": trace.samples if trace is not None else [],
@@ -446,12 +471,24 @@ def _device_facts(device: torch.device) -> dict:
     return {"device_name": props.name, "device_memory_gb": round(props.total_memory / 1e9, 1), "cuda": torch.version.cuda}
 
 
+def _apply_determinism(run: RunSettings) -> None:
+    """Deterministic kernels where torch has them (warn where it has not); no NaN-filling of new
+    tensors, a debugging aid that would add a fill to every reload and skew the timings."""
+    if not run.deterministic:
+        return
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        import torch.utils.deterministic as deterministic  # torch >= 2.1
+    except ImportError:
+        return
+    deterministic.fill_uninitialized_memory = False
+
+
 def _child(spec_json: str) -> int:
     """``--one``: run the named configurations in this process, printing one JSON line per record."""
     spec = json.loads(spec_json)
     run = RunSettings(**spec["run"])
-    if run.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    _apply_determinism(run)
     activation_bytes = spec.get("activation_bytes")
 
     def emit(record: dict) -> None:
@@ -515,6 +552,8 @@ def _spawn(run: RunSettings, names: list[str], activation_bytes, on_record: Call
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     if run.deterministic:
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+    if run.device == "cpu":
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD_BYTES))
     with _TempText() as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "offload.bench", "--one", json.dumps(spec)],
@@ -560,8 +599,7 @@ def _collect(run: RunSettings, names: list[str], in_process: bool, progress: _Pr
 
     activation_bytes = None
     if in_process:
-        if run.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=True)
+        _apply_determinism(run)
         data = load_corpus()
         for name in names:
             try:
@@ -802,6 +840,8 @@ def _environment(results: dict[str, dict]) -> dict:
         pass
     for result in results.values():
         summary = result["summary"]
+        if summary and summary.get("malloc_mmap_threshold"):
+            env["malloc_mmap_threshold"] = summary["malloc_mmap_threshold"]
         if summary:
             env.update({k: summary[k] for k in ("device_name", "device_memory_gb", "cuda") if k in summary})
             if summary.get("machine"):
