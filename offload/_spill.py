@@ -124,6 +124,11 @@ class SpillDir:
 
     def read(self, path: str, out: torch.Tensor) -> concurrent.futures.Future:
         """Start reading a whole spill file into the CPU uint8 tensor ``out``; the future yields ``out``."""
+        if self._executor is None:  # close() ran: the file is gone; fail like any read would (OSError)
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            why = "the spill directory was removed by close(); run backward before closing the engine"
+            failed.set_exception(FileNotFoundError(errno.ENOENT, why, path))
+            return failed
         return self._executor.submit(_read_file, path, out)
 
     def remove(self, path: str) -> None:
