@@ -547,6 +547,8 @@ class Store:
         """Every live user has its view: the engine stops holding the reloaded copy."""
         if e.device_bytes is None:
             return
+        if e.disk_path is None and e.host_bytes is None:
+            return  # the only copy (its spill write failed): dropping it would lose the tensor
         e.device_bytes = None
         self._loaded_bytes -= e.nbytes
         self.counters.resident_bytes -= e.nbytes
