@@ -398,6 +398,9 @@ class Store:
         if not self._write_failed:
             log.warning("offload: writing a spill file failed (%s); keeping tensors in memory instead", error)
         self._write_failed = True
+        # The future keeps this error, and waiting on it (in pack) added pack's frames to its
+        # traceback: the saved tensor and its handle would stay alive in that cycle until gc.
+        error.__traceback__ = None
 
     def _free_host(self, e: _Entry) -> None:
         """Give the entry's host buffer back, once no h2d copy still reads it."""
