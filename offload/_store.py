@@ -376,6 +376,7 @@ class Store:
         e.disk_ready = None
         if failed is not None:
             self._host_lru[e.seq] = e  # the host copy is still good; keep it there
+            self.counters.spilled_bytes -= e.nbytes
             self.spill.remove(e.disk_path)
             e.disk_path = None
             self._note_write_failure(failed)
@@ -385,6 +386,8 @@ class Store:
 
     def _write_failure(self, e: _Entry, error: BaseException) -> None:
         """A spill write failed: keep the tensor on the device (over budget) rather than lose it."""
+        self.counters.offloaded_bytes -= e.nbytes  # nothing left the device, nothing was written
+        self.counters.spilled_bytes -= e.nbytes
         self.spill.remove(e.disk_path)
         e.disk_path = e.disk_ready = None
         if e.keepalive is not None and e.device_bytes is None:
