@@ -231,29 +231,35 @@ def test_autograd_grad_on_a_subset_of_inputs(budget, spill_dir):
     eng.close()
 
 
-def _gradient_penalty_step(model, x, eng=None):
-    """WGAN-GP style: loss + ||d out / d x||^2, backward through the first backward (create_graph)."""
+def _gradient_penalty_step(model, x, eng=None, *, backward_inside=False):
+    """WGAN-GP style: loss + ||d out / d x||^2, backward through the first backward (create_graph).
+
+    ``backward_inside``: both backwards run inside the engine too, so the double-backward graph's
+    own saves (some of them tensors the engine just handed back) go through the engine as well.
+    """
     x = x.clone().requires_grad_(True)
-    if eng is None:
+    with contextlib.ExitStack() as stack:
+        if eng is not None:
+            stack.enter_context(eng)
         out = model(x)
-    else:
-        with eng:
-            out = model(x)
-    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-    loss = out.pow(2).mean() + gx.pow(2).sum()
-    loss.backward()
+        if not backward_inside:
+            stack.close()
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = out.pow(2).mean() + gx.pow(2).sum()
+        loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")
-def test_double_backward_gradient_penalty(budget, spill_dir):
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward_outside", "backward_inside"])
+def test_double_backward_gradient_penalty(budget, backward_inside, spill_dir):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Softplus(), nn.Linear(64, 1))
     x = torch.randn(16, 32)
     ref_grads = _gradient_penalty_step(copy.deepcopy(model), x)
     total = saved_bytes(model, lambda: x.clone())
     eng = make_engine(budget, total, spill_dir)
-    grads = _gradient_penalty_step(model, x, eng)
+    grads = _gradient_penalty_step(model, x, eng, backward_inside=backward_inside)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     wait_clean(eng, spill_dir)
     eng.close()

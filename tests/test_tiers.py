@@ -8,9 +8,13 @@ and after an exception. The budget is checked through ``stats.peak_resident_byte
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,3 +176,79 @@ def test_budget_none_keeps_everything_and_counts_it(spill_dir):
     wait_clean(eng, spill_dir)
     assert not spill_dir.exists() or list(spill_dir.iterdir()) == [], "budget None never made a spill dir"
     eng.close()
+
+
+# ---------------------------------------------------------------------------------- disk failures
+
+
+DISK_FULL_STEP = r"""
+import gc, json, logging, resource, signal, sys, copy
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, like a full disk
+import torch
+import offload
+from zoo import assert_same, mlp, run_step
+logging.basicConfig(level=logging.WARNING)
+gc.disable()  # what is released must be released by reference counting, not by a later collection
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+model = mlp(depth=4, width=128)
+make_input = lambda: torch.randn(64, 128)
+ref = run_step(copy.deepcopy(model), make_input)
+eng = offload.engine(0, min_offload_bytes=8192, spill_dir=sys.argv[1])  # every managed tensor > 4 KiB
+got = run_step(model, make_input, eng)
+assert_same(ref, got)
+print(json.dumps(eng.stats.to_dict()))
+"""
+
+
+def test_disk_full_keeps_tensors_in_memory(spill_dir):
+    """Every spill write fails (file size limit): the step is still exact, nothing is counted as
+    moved, nothing is left behind, and the user is told once."""
+    tests_dir = Path(__file__).resolve().parent
+    path = [str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    done = subprocess.run(
+        [sys.executable, "-c", DISK_FULL_STEP, str(spill_dir)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stats["saved_bytes"] > 0
+    assert stats["offloaded_bytes"] == stats["spilled_bytes"] == stats["reloaded_bytes"] == 0, stats
+    assert stats["resident_bytes"] == 0 and stats["spill_files"] == 0, stats
+    assert done.stderr.count("writing a spill file failed") == 1, done.stderr
+    assert files_under(spill_dir) == []
+
+
+def _spilled_step(spill_dir):
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    with eng:
+        loss = deep_mlp()(mlp_input()).sum()
+    files = files_under(spill_dir)
+    assert files
+    return eng, loss, files
+
+
+def test_truncated_spill_file_is_an_offload_error(spill_dir):
+    eng, loss, files = _spilled_step(spill_dir)
+    for path in files:
+        os.truncate(path, 10)
+    with pytest.raises(offload.OffloadError, match=r"\(64, 128\) torch.float32"):
+        loss.backward()
+    del loss
+    eng.close()
+
+
+def test_deleted_spill_file_is_an_offload_error(spill_dir):
+    eng, loss, files = _spilled_step(spill_dir)
+    for path in files:
+        os.unlink(path)
+    with pytest.raises(offload.OffloadError, match="No such file"):
+        loss.backward()
+    del loss
+    eng.close()
+
+
+def test_backward_after_close_is_an_offload_error(spill_dir):
+    eng, loss, _ = _spilled_step(spill_dir)
+    eng.close()
+    with pytest.raises(offload.OffloadError, match=r"close\(\)"):
+        loss.backward()
