@@ -150,6 +150,51 @@ def test_saved_views_come_back_exact_and_storage_moves_once(budget, spill_dir):
         assert stats.spilled_bytes == x.untyped_storage().nbytes(), "moved once, not once per view"
 
 
+class SaveDtypeViews(torch.autograd.Function):
+    """Saves views that reinterpret the bytes (int32, int16 of an offset slice): not autograd views
+    (``_base`` is None), yet the same storage; each must come back bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x):
+        views = (x.view(torch.int32), x[2:].view(torch.int16), x[1:, 3:].view(torch.uint8))
+        ctx.expected = [(v.size(), v.stride(), v.storage_offset(), v.clone()) for v in views]
+        ctx.save_for_backward(*views)
+        return x.sum().reshape(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        for i, (v, (size, stride, offset, values)) in enumerate(zip(ctx.saved_tensors, ctx.expected)):
+            assert (v.size(), v.stride(), v.storage_offset()) == (size, stride, offset), f"view {i} layout"
+            assert torch.equal(v, values), f"view {i} bits"
+        return grad.expand(8, 16).clone()
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=lambda b: f"budget={b}")
+def test_dtype_views_come_back_bit_exact(budget, spill_dir):
+    a = torch.randn(8, 16, requires_grad=True)
+    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    with eng:
+        out = SaveDtypeViews.apply(a * 2)
+    out.backward()
+    assert torch.equal(a.grad, torch.full((8, 16), 2.0))
+    stats = wait_clean(eng, spill_dir)
+    assert stats.saved_tensors == 3
+    eng.close()
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=lambda b: f"budget={b}")
+def test_zero_size_tensors(budget, spill_dir):
+    """An empty batch: every saved storage has 0 bytes (empty spill files, empty reads)."""
+    model = mlp()
+    ref = run_step(copy.deepcopy(model), randn(0, 64))
+    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    got = run_step(model, randn(0, 64), eng)
+    assert_same(ref, got)
+    stats = wait_clean(eng, spill_dir)
+    assert stats.saved_tensors > 0 and stats.saved_bytes == 0
+    eng.close()
+
+
 # ---------------------------------------------------------------------------------- many steps
 
 
@@ -262,6 +307,33 @@ def test_double_backward_gradient_penalty(budget, backward_inside, spill_dir):
     grads = _gradient_penalty_step(model, x, eng, backward_inside=backward_inside)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     wait_clean(eng, spill_dir)
+    eng.close()
+
+
+def _two_chains(eng):
+    """Two independent chains saved in order 1, 2 and backpropagated in order 1, 2: the reverse
+    of what prefetch guesses (it reloads the newest-saved first), so its guesses are wrong."""
+    first, second = mlp(depth=6, width=64, seed=1), mlp(depth=6, width=64, seed=2)
+    torch.manual_seed(0)
+    x = torch.randn(64, 64)
+    with eng if eng is not None else contextlib.nullcontext():
+        loss_first = first(x).pow(2).sum()
+        loss_second = second(x).pow(2).sum()
+    loss_first.backward()
+    loss_second.backward()
+    return [p.grad.clone() for p in [*first.parameters(), *second.parameters()]]
+
+
+@pytest.mark.parametrize("budget_mb", [0, 0.03, 0.1])
+def test_backward_in_save_order_prefetch_guesses_wrong(budget_mb, spill_dir):
+    ref = _two_chains(None)
+    eng = offload.engine(budget_mb, min_offload_bytes=0, spill_dir=spill_dir)
+    got = _two_chains(eng)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    stats = wait_clean(eng, spill_dir)
+    assert stats.offloaded_bytes > 0 and stats.prefetch_misses > 0
+    if budget_mb:
+        assert stats.peak_resident_bytes <= eng.config.budget_bytes, stats
     eng.close()
 
 
