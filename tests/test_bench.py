@@ -122,6 +122,13 @@ def test_a_failing_configuration_is_tabled_and_the_rest_run(tmp_path, capsys, mo
     assert "FAILED: RuntimeError: injected failure" in out
 
 
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        step.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "offload-25%" in capsys.readouterr().out
+
+
 def test_bad_arguments_exit_2(tmp_path, capsys):
     assert step.main(["--configs", "none,bogus", "--out", str(tmp_path)]) == 2
     assert "bogus" in capsys.readouterr().err

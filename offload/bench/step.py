@@ -893,7 +893,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.use_deterministic_algorithms(True, warn_only=True) in every configuration")
     p.add_argument("--spill-dir", help="engine spill directory (default: a private temp dir)")
-    p.add_argument("--configs", help=f"comma-separated, from: {', '.join(VARIANTS)} (default: the preset's, or all)")
+    p.add_argument("--configs", help=f"comma-separated, from: {', '.join(VARIANTS)} (default: the preset's, or all)"
+                   .replace("%", "%%"))  # argparse formats help with %
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     p.add_argument("--in-process", action="store_true",
                    help="run every configuration in this process (faster; CPU peak RSS then carries over)")
