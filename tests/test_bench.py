@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.bench import step
+from offload.bench import report, step
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2",
@@ -66,7 +66,7 @@ def test_in_process_run_writes_everything(tmp_path, capsys):
     assert results["recompute"]["recomputed_regions"] == 2
 
     rows = _read_csv(tmp_path / "metrics.csv")
-    assert tuple(rows[0]) == step.CSV_COLUMNS
+    assert tuple(rows[0]) == report.CSV_COLUMNS
     assert len(rows) == len(configs) * 3  # (1 warm-up + 2 measured) per configuration
     assert [r["config"] for r in rows] == [c for c in configs for _ in range(3)]
     reference = [float(r["loss"]) for r in rows if r["config"] == "none"]
@@ -92,8 +92,8 @@ def test_in_process_run_writes_everything(tmp_path, capsys):
 def test_each_configuration_in_its_own_process(tmp_path):
     """The real path (CPU): bench/step.py spawns one child per configuration and collects JSON lines."""
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "step.py"), *TINY, "--device", "cpu", "--configs", "none,offload-50%",
-         "--out", str(tmp_path)],
+        [sys.executable, str(REPO_ROOT / "bench" / "step.py"), *TINY, "--device", "cpu",
+         "--configs", "none,offload-50%", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
