@@ -164,6 +164,14 @@ class _Frame:
         kwargs = {k: fill(v) for k, v in self.kwargs.items()}
         return args, kwargs
 
+    # Note: [recompute hooks hold no frame]
+    #     The recompute's graph is normally dropped at once, but the region may hand its tensors to
+    #     an object outside it (a Hugging Face KV cache passed as an argument appends the recomputed
+    #     keys). That object then holds the recompute's graph, whose saved variables hold these
+    #     hooks. If the hooks referenced the frame, the cycle frame -> argument -> tensor -> graph ->
+    #     hook -> frame would run through autograd's C++ graph, which Python's collector cannot
+    #     see: the frame, its inputs' handles and their spill files would never be released. So the
+    #     hooks capture only the region's name and a list that is emptied once the values are taken.
     def _recompute(self) -> None:
         captured: list = []
         total = len(self.meta)
@@ -174,8 +182,10 @@ class _Frame:
                 raise _StopRecompute  # everything backward needs exists; skip the rest of the region
             return None
 
+        name = self.name  # the hooks must not reference self: See Note: [recompute hooks hold no frame]
+
         def forbid(_):
-            raise OffloadError(f"offload: region {self.name!r} unpacked a saved tensor while being recomputed")
+            raise OffloadError(f"offload: region {name!r} unpacked a saved tensor while being recomputed")
 
         with _record("offload::recompute"):
             args, kwargs = self._rebuild_args()
@@ -195,7 +205,8 @@ class _Frame:
                 f"saved {len(want)} tensors {want[:4]}...; the region's forward must be deterministic in what it "
                 f"saves (no data-dependent branches on mutable state); exclude it from regions or fix the branch"
             )
-        self.values = captured
+        self.values = list(captured)
+        captured.clear()
         self.gen += 1
         self.pending = self.live
 
