@@ -620,7 +620,9 @@ class Store:
         if e.keepalive is not None:
             e.keepalive = None
             self.counters.resident_bytes -= e.nbytes
-        if e.device_bytes is not None:
+        if e.device_bytes is not None or e.device_ready is not None:
+            # A load is counted from its start: on CUDA a prefetch whose disk read was still in
+            # flight has no device bytes yet (device_ready is that read), but its bytes count.
             e.device_bytes = None
             self._loaded_bytes -= e.nbytes
             self.counters.resident_bytes -= e.nbytes
