@@ -517,11 +517,29 @@ class Store:
                 else:
                     e.device_ready.result()
             except OSError as error:
+                self._forget_load(e)
                 raise OffloadError(
                     f"offload: reading back the saved tensor {e.describe} from spill file tier failed: {error}"
                 ) from error
         e.device_ready = None
         self.counters.reload_wait_ms += (time.perf_counter() - start) * 1e3
+
+    def _forget_load(self, e: _Entry) -> None:
+        """A read back failed: undo the load, so a later unpack reads the file again.
+
+        The entry must not keep the failed future: raising its error here added this thread's
+        frames to the error's traceback, and those frames hold the graph being unpacked, which
+        holds this entry's handles. Kept, the graph, its handles and every spill file would live
+        until the engine closed.
+        """
+        e.device_bytes = e.device_ready = e.host_ready = None
+        if e.host_bytes is not None and e.disk_path is not None:  # a read target only; the file is the copy
+            self._free_host(e)
+        if e in self._reading:
+            self._reading.remove(e)
+        self._loaded_bytes -= e.nbytes
+        self.counters.resident_bytes -= e.nbytes
+        self.counters.reloaded_bytes -= e.nbytes
 
     def _prefetch(self, seq: int) -> None:
         """Start reloading the entries saved just before ``seq`` while they fit the budget."""
