@@ -309,7 +309,11 @@ class Store:
     def _host_buffer(self, nbytes: int) -> Optional[torch.Tensor]:
         """A pinned buffer for a d2h copy; spills the oldest host-only entries to make room."""
         buf = self.pool.acquire(nbytes)
-        while buf is None and self._host_lru:
+        # Each host-only entry is tried once: a failed write puts its entry back in _host_lru, so
+        # with a full disk "while _host_lru" would spin forever.
+        tries = len(self._host_lru)
+        while buf is None and self._host_lru and tries > 0:
+            tries -= 1
             self._spill_host(next(iter(self._host_lru.values())))
             self._poll()
             buf = self.pool.acquire(nbytes)
