@@ -86,7 +86,9 @@ class PinnedPool:
         try:
             buf = torch.empty(cls, dtype=torch.uint8, pin_memory=self._pin)
         except RuntimeError as e:  # pinning refused (locked-memory limit, driver): fall back to disk
-            log.warning("offload: pinning a %d-byte host buffer failed (%s); spilling to disk instead", cls, e)
+            # The message, not the error: a record kept by a handler would keep the error's
+            # traceback, whose frames (pack, the module forwards) hold this step's graph.
+            log.warning("offload: pinning a %d-byte host buffer failed (%s); spilling to disk instead", cls, str(e))
             self.failed = True
             return None
         self.held_bytes += cls
