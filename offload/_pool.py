@@ -31,6 +31,10 @@ MIN_CLASS_BYTES = 1 << 16
 """Smallest buffer handed out (64 KiB): smaller requests round up so free lists stay short."""
 
 
+def _reserve_bytes(total_bytes: int) -> int:
+    return max(int(total_bytes * HOST_RESERVE_FRACTION), HOST_RESERVE_MIN_BYTES)
+
+
 def size_class(nbytes: int) -> int:
     """Round ``nbytes`` up to its size class: 4 classes per power of two, at least 64 KiB."""
     if nbytes <= MIN_CLASS_BYTES:
@@ -50,11 +54,16 @@ class PinnedPool:
         """Bytes of every buffer the pool owns, in use or idle."""
         self.failed = False
         """True once pinning failed: later requests go straight to disk."""
+        self._warned_low_ram = False
+
+    @staticmethod
+    def _ram_room_bytes() -> int:
+        """Host RAM the pool may still take: available now (psutil) minus the reserve."""
+        vm = psutil.virtual_memory()
+        return vm.available - _reserve_bytes(vm.total)
 
     def _room_bytes(self) -> int:
-        vm = psutil.virtual_memory()
-        reserve = max(int(vm.total * HOST_RESERVE_FRACTION), HOST_RESERVE_MIN_BYTES)
-        room = vm.available - reserve
+        room = self._ram_room_bytes()
         if self._cap_bytes is not None:
             room = min(room, self._cap_bytes - self.held_bytes)
         return room
@@ -82,6 +91,14 @@ class PinnedPool:
         if self._room_bytes() < cls:
             self._trim(cls)
             if self._room_bytes() < cls:
+                if not self._warned_low_ram and self._ram_room_bytes() < cls:  # RAM, not the user's cap
+                    log.warning(
+                        "offload: host RAM is low (the pinned pool keeps %d MB free for the system); "
+                        "the pool stops at %d MB and further tensors spill to disk",
+                        _reserve_bytes(psutil.virtual_memory().total) >> 20,
+                        self.held_bytes >> 20,
+                    )
+                    self._warned_low_ram = True
                 return None
         try:
             buf = torch.empty(cls, dtype=torch.uint8, pin_memory=self._pin)
