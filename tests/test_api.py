@@ -294,10 +294,15 @@ def test_engine_collected_removes_the_spill_dir(spill_dir):
 # ---------------------------------------------------------------------------------- import
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with this checkout importable."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
 def test_import_does_not_initialize_cuda():
     code = "import offload, torch; assert not torch.cuda.is_initialized(), 'import offload initialized CUDA'"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = _python(code)
     assert done.returncode == 0, done.stderr
 
 
@@ -313,7 +318,6 @@ def test_making_and_using_a_cpu_engine_does_not_initialize_cuda():
         "eng.close()\n"
         "assert not torch.cuda.is_initialized(), 'a CPU engine initialized CUDA'\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = _python(code)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.strip()) > 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import threading
 
 import pytest

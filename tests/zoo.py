@@ -199,7 +199,8 @@ def assert_same(ref: Result, got: Result, what: str = "") -> None:
         assert ref.input_grad is not None and got.input_grad is not None, f"{prefix}input grad: one is None"
         assert torch.equal(ref.input_grad, got.input_grad), f"{prefix}input grad differs"
     for name, b_ref in ref.buffers.items():
-        assert torch.equal(b_ref, got.buffers[name]), f"{prefix}buffer {name} differs ({_diff(b_ref, got.buffers[name])})"
+        b = got.buffers[name]
+        assert torch.equal(b_ref, b), f"{prefix}buffer {name} differs ({_diff(b_ref, b)})"
 
 
 def saved_bytes(model: nn.Module, make_input, **step_kwargs) -> int:
