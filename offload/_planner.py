@@ -37,6 +37,12 @@ Assumptions, all of them:
   cannot start before its reload lands; that wait is its exposed transfer time.
 - The per-tensor engine cost (``machine.per_tensor_overhead_us * num_tensors``) is paid on the
   compute stream, during the forward of each OFFLOAD region.
+- On the CPU (``machine.device_type == "cpu"``) there is no copy engine: the "link" is the spill
+  threads copying bytes into and out of the page cache, on the same cores the compute uses (torch
+  runs as many threads as there are cores). Nothing hides there: each OFFLOAD region's write is
+  paid on the compute timeline right after its forward, and its read right before its backward.
+  (Measured on a 2-core machine, MiniGPT 6x256, seq 256: the spill threads used ~1 s of CPU per
+  step for ~0.9 GB out and back, as much as the compute itself; see bench/sweep.py.)
 - A link with 0 GB/s either way is unusable: an OFFLOAD over it would never come back, so
   ``simulate`` refuses it (``ValueError``); policies choose RECOMPUTE there instead.
 - Memory counts what the engine holds *for later*, which is what the budget bounds: KEEP
@@ -200,6 +206,12 @@ def link_usable(machine: MachineProfile) -> bool:
     return out_gb_per_s > 0 and back_gb_per_s > 0
 
 
+def copies_share_compute(machine: MachineProfile) -> bool:
+    """True where moving bytes takes the compute's own cores (the CPU device and its disk tier),
+    so a transfer cannot hide behind compute; False where a copy engine moves them (CUDA)."""
+    return machine.device_type == "cpu"
+
+
 def _link_ms(nbytes: int, gb_per_s: float) -> float:
     if gb_per_s <= 0:
         return math.inf
@@ -231,6 +243,7 @@ def _run_timeline(
             f"(device {machine.device_type!r}): bytes would never come back; use RECOMPUTE or KEEP"
         )
     overhead_ms_per_tensor = machine.per_tensor_overhead_us * _MS_PER_US
+    serial = copies_share_compute(machine)
     events: list[tuple[float, bool, int]] = []  # (time_ms, is_allocation, +/- bytes): frees sort first
     exposed_ms = [0.0] * len(regions)
     copy_landed_ms = [0.0] * len(regions)
@@ -244,8 +257,14 @@ def _run_timeline(
             overhead_ms = overhead_ms_per_tensor * region.num_tensors
             now_ms += overhead_ms
             exposed_ms[i] += overhead_ms
-            copy_start_ms = max(now_ms, out_link_free_ms)
-            out_link_free_ms = copy_landed_ms[i] = copy_start_ms + _link_ms(region.saved_bytes, out_gb_per_s)
+            out_ms = _link_ms(region.saved_bytes, out_gb_per_s)
+            if serial:
+                now_ms += out_ms
+                exposed_ms[i] += out_ms
+                copy_landed_ms[i] = now_ms
+            else:
+                copy_start_ms = max(now_ms, out_link_free_ms)
+                out_link_free_ms = copy_landed_ms[i] = copy_start_ms + out_ms
         elif decision is Decision.RECOMPUTE:
             events.append((now_ms, True, region.input_bytes))
         else:
@@ -259,7 +278,7 @@ def _run_timeline(
         start_ms = needed_ms
         if decision is Decision.OFFLOAD:
             back_ms = _link_ms(region.saved_bytes, back_gb_per_s)
-            issue_ms = max(copy_landed_ms[i], prefetch_floor_ms, needed_ms - back_ms)
+            issue_ms = needed_ms if serial else max(copy_landed_ms[i], prefetch_floor_ms, needed_ms - back_ms)
             start_ms = max(needed_ms, issue_ms + back_ms)
             exposed_ms[i] += start_ms - needed_ms
             prefetch_floor_ms = start_ms

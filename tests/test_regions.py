@@ -322,3 +322,46 @@ def test_budget_is_respected(policy, budget, saved_bytes, spill_dir):
     train(model, eng, on_step=lambda e: peaks.append(e.stats.peak_resident_bytes))
     assert all(0 < peak <= budget_bytes for peak in peaks), f"peaks {peaks} vs budget {budget_bytes}"
     eng.close()
+
+
+# ------------------------------------------------------------------------------- the CPU tier in the planner
+
+
+def _block(name: str, forward_ms: float, saved_mb: float = 100.0) -> offload.RegionProfile:
+    return offload.RegionProfile(
+        name=name, saved_bytes=int(saved_mb * 1e6), input_bytes=int(saved_mb * 1e4), forward_ms=forward_ms,
+        num_tensors=10,
+    )
+
+
+CPU_DISK = offload.MachineProfile(device_type="cpu", disk_write_gb_per_s=2.0, disk_read_gb_per_s=1.0)
+"""100 MB out in 50 ms, back in 100 ms: on the CPU both run on the compute's cores."""
+CUDA_LINK = offload.MachineProfile(device_type="cuda", d2h_gb_per_s=2.0, h2d_gb_per_s=1.0)
+"""The same figures behind a copy engine: they can hide behind compute."""
+
+
+def test_cpu_disk_tier_is_paid_on_the_compute_timeline():
+    from offload._planner import simulate
+
+    regions = [_block(f"blocks.{i}", forward_ms=200.0) for i in range(4)]
+    decisions = [offload.Decision.OFFLOAD] * 3 + [offload.Decision.KEEP]
+    baseline_ms = 3 * 4 * 200.0
+    cpu_step_ms, _ = simulate(regions, decisions, CPU_DISK)
+    assert cpu_step_ms == pytest.approx(baseline_ms + 3 * (50.0 + 100.0))
+    cuda_step_ms, _ = simulate(regions, decisions, CUDA_LINK)
+    assert cuda_step_ms == pytest.approx(baseline_ms)  # 200 ms of compute hides each 150 ms round trip
+
+
+@pytest.mark.parametrize("forward_ms,expected", [(100.0, "recompute"), (200.0, "offload")])
+def test_auto_on_the_cpu_weighs_the_round_trip_against_one_forward(forward_ms, expected):
+    """Round trip 150 ms per block: a 100 ms forward is cheaper to re-run, a 200 ms one to move."""
+    from offload._planner import make_plan
+
+    regions = [_block(f"blocks.{i}", forward_ms=forward_ms) for i in range(4)]
+    plan = make_plan(regions, CPU_DISK, budget_bytes=int(50e6), policy="auto")
+    assert plan.fits_budget
+    assert {d.value for d in plan.decisions} == {expected}, str(plan)
+    # Behind a copy engine the same transfers hide behind the next block's compute, so moving
+    # wins at either forward time (but for the newest block, which has nothing left to hide behind).
+    plan_cuda = make_plan(regions, CUDA_LINK, budget_bytes=int(50e6), policy="auto")
+    assert plan_cuda.decisions[:-1] == (offload.Decision.OFFLOAD,) * 3, str(plan_cuda)
