@@ -194,6 +194,27 @@ def test_zero_size_tensors(budget, spill_dir):
     eng.close()
 
 
+@pytest.mark.parametrize("budget", [None, 0], ids=lambda b: f"budget={b}")
+def test_integer_indices_move_and_come_back(budget, spill_dir):
+    """Embedding saves only its int64 indices: they are the one managed tensor, moved at budget 0."""
+    torch.manual_seed(0)
+    embed = nn.Embedding(1000, 16)
+    idx = torch.randint(1000, (4096,))
+    weights = torch.linspace(-1, 1, 4096 * 16).view(4096, 16)
+    ref = copy.deepcopy(embed)
+    (ref(idx) * weights).sum().backward()
+    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir, model=embed)
+    with eng:
+        loss = (embed(idx.clone()) * weights).sum()  # a clone: nothing else holds the indices
+    stats = eng.stats
+    assert stats.saved_bytes == idx.nbytes + weights.nbytes, "the indices and the loss's constant"
+    loss.backward()
+    assert torch.equal(embed.weight.grad, ref.weight.grad)
+    stats = wait_clean(eng, spill_dir)
+    assert stats.reloaded_bytes == (0 if budget is None else idx.nbytes + weights.nbytes)
+    eng.close()
+
+
 # ---------------------------------------------------------------------------------- many steps
 
 
