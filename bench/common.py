@@ -58,10 +58,20 @@ DEVICE_ENV = "OFFLOAD_BENCH_DEVICE"
 """Environment variable: device for the layer suite (default: cuda when available, else cpu)."""
 SIZES_ENV = "OFFLOAD_BENCH_SIZES"
 """Environment variable: size preset for the layer suite: 'cpu', 'cuda' or 'tiny' (plumbing checks)."""
+THREADS_ENV = "OFFLOAD_BENCH_THREADS"
+"""Environment variable: torch intra-op threads for the layer suite (default: torch's choice)."""
 
 
 # ---------------------------------------------------------------------------------------------
 # machine and timing
+
+
+def set_threads(threads: Optional[int]) -> None:
+    """Pin torch's intra-op threads (None: leave torch's default). On a shared machine, 1 thread
+    avoids OpenMP spin-waits against other processes, which can slow a step many times over."""
+    threads = threads or int(os.environ.get(THREADS_ENV) or 0)
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def default_device() -> str:
@@ -141,21 +151,35 @@ def describe_machine(env: dict) -> str:
 
 
 def interleaved_ms(
-    fns: dict[str, Callable[[], None]], *, rounds: int, warmup: int, device: torch.device
+    fns: dict[str, Callable[[], None]],
+    *,
+    rounds: int,
+    warmup: int,
+    device: torch.device,
+    cpu_ms: Optional[dict[str, list[float]]] = None,
 ) -> dict[str, list[float]]:
     """Time each function ``rounds`` times, interleaved (A B C A B C ...), after ``warmup`` rounds.
 
-    Each call is bracketed by device synchronizations. Returns milliseconds per call, per name.
+    Each call is bracketed by device synchronizations. Returns wall milliseconds per call, per
+    name; when ``cpu_ms`` is given, also fills it with this process's CPU milliseconds per call
+    (all threads). CPU time is what a call costs on a shared host whose other tenants steal the
+    wall clock; it misses time spent waiting (on the disk, on the device).
     """
     times: dict[str, list[float]] = {name: [] for name in fns}
+    for name in fns:
+        if cpu_ms is not None:
+            cpu_ms[name] = []
     for i in range(warmup + rounds):
         for name, fn in fns.items():
             sync(device)
+            cpu_start = time.process_time()
             start = time.perf_counter()
             fn()
             sync(device)
             if i >= warmup:
                 times[name].append((time.perf_counter() - start) * 1e3)
+                if cpu_ms is not None:
+                    cpu_ms[name].append((time.process_time() - cpu_start) * 1e3)
     return times
 
 

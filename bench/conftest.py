@@ -63,6 +63,7 @@ def layer_results(request: pytest.FixtureRequest) -> LayerResults:
     return request.config.stash[_RESULTS]
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-benchmark's own tables, so ours is the last word
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     results = config.stash.get(_RESULTS, None)
     if results is None or not results.cases:

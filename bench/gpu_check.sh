@@ -32,7 +32,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
 # Per-part limits in seconds; a part gets less when the whole budget runs short.
-T_ENV=20 T_TESTS=60 T_PROBE=25 T_LAYERS=70 T_OVERHEAD=45 T_STEP=75
+T_ENV=20 T_TESTS=45 T_PROBE=20 T_LAYERS=60 T_OVERHEAD=35 T_STEP=120
 KILL_AFTER_S=5      # SIGKILL this long after the SIGTERM of a timeout
 MIN_PART_S=10       # below this much time left, a part is skipped rather than started
 SUMMARY_RESERVE_S=8 # kept back for writing the summary
@@ -41,7 +41,7 @@ OVERHEAD_ARGS=(--device "$DEVICE")
 LAYER_ARGS=(--device "$DEVICE")
 if [ "$QUICK" = 1 ]; then
     export OFFLOAD_BENCH_SIZES=tiny
-    OVERHEAD_ARGS+=(--steps 3 --repeats 3 --warmup 1)
+    OVERHEAD_ARGS+=(--steps 3 --repeats 3 --warmup 1 --chain 200)
 fi
 
 START_S=$SECONDS
@@ -50,6 +50,7 @@ printf 'part\tstatus\trc\tseconds\tlimit_s\toutput\n' >"$STATUS"
 FAILED=0
 
 # run_part NAME LIMIT_S OUTPUT -- command...   (stdout+stderr go to OUTDIR/NAME.log)
+# Exit status 5 is pytest's "no tests collected": recorded as such, not as a failure.
 run_part() {
     local name=$1 limit=$2 output=$3
     shift 4
@@ -67,6 +68,7 @@ run_part() {
     case $rc in
         0) status=ok ;;
         124 | 137) status=timeout; FAILED=1 ;;
+        5) status=no-tests ;;
         *) status=failed; FAILED=1 ;;
     esac
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((SECONDS - t0))" "$limit" "$output" >>"$STATUS"
@@ -103,9 +105,6 @@ print(json.dumps(env))
 # --- the checks ------------------------------------------------------------------------------
 run_part tests "$T_TESTS" tests.xml -- \
     "$PY" -m pytest -q -m cuda tests -p no:cacheprovider --junitxml "$OUT/tests.xml"
-if grep -q "no tests ran\|deselected" "$OUT/tests.log" 2>/dev/null && ! grep -q "passed\|failed" "$OUT/tests.log"; then
-    echo "[tests] note: no cuda-marked test ran (rc 5 means none were collected)"
-fi
 
 run_part probe "$T_PROBE" probe.json -- \
     sh -c "'$PY' -m offload probe --json --refresh --device '$DEVICE' >'$OUT/probe.json'"
@@ -185,13 +184,14 @@ if layers:
 over = load("overhead.json")
 if over:
     pt, st = over["per_tensor"], over["step"]
-    lines += ["", "## Overhead", "", "Per saved tensor, pack + unpack (us): " +
-              ", ".join(f"{k[:-3].replace('_', ' ')} {v}" for k, v in pt.items() if k.endswith("_us")), ""]
+    lines += ["", "## Overhead", "", "Per saved tensor, pack + unpack, median us: " +
+              ", ".join(f"{name} {v['median_us']}" for name, v in pt["variants"].items()), ""]
     lines.append(f"MiniGPT {st['model']}, {st['saved_tensors_per_step']} saved tensors / step:")
-    lines += ["", "| variant | step ms | overhead | paired overhead | moved MB/step |", "|---|---|---|---|---|"]
+    lines += ["", "| variant | median step ms | overhead | paired overhead | min step ms | moved MB/step |",
+              "|---|---|---|---|---|---|"]
     for name, v in st["variants"].items():
         lines.append(f"| {name} | {v['median_ms']} | {100 * v['overhead']:+.2f}% | {100 * v['paired_overhead']:+.2f}% | "
-                     f"{v.get('offloaded_mb_per_step', '-')} |")
+                     f"{v['min_ms']} | {v.get('offloaded_mb_per_step', '-')} |")
     lines.append("")
     lines.append(f"Budget None overhead {100 * st['overhead_budget_none']:+.2f}% (target <= {100 * st['target_overhead']:.0f}%)")
 

@@ -25,11 +25,13 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--sizes", default=None, help=f"size preset: {', '.join(common.SIZE_PRESETS)}")
     parser.add_argument("--only", default=None, help="comma-separated layer names to run")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--json-out", default=None, help="where to write the JSON (default: results/layers-<device>.json)")
     args = parser.parse_args(argv)
     if args.sizes:
         os.environ[common.SIZES_ENV] = args.sizes
     device = common.parse_device(args.device)
+    common.set_threads(args.threads)
     warmup, rounds = common.layer_rounds(device)
     only = set(args.only.split(",")) if args.only else None
 

@@ -44,6 +44,7 @@ pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installe
 import common  # noqa: E402
 import torch  # noqa: E402
 
+common.set_threads(None)  # $OFFLOAD_BENCH_THREADS, if set
 DEVICE = torch.device(common.default_device())
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
     pytest.skip(f"{common.DEVICE_ENV}={DEVICE} but CUDA is not available", allow_module_level=True)
