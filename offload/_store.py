@@ -577,6 +577,15 @@ class Store:
             return
         if e.disk_path is None and e.host_bytes is None:
             return  # the only copy (its spill write failed): dropping it would lose the tensor
+        if e.adopted and e.out_ready is not None:
+            # Its copy out is still in flight, reading these bytes: See Note: [keep-alive until the
+            # copy event]. Hand them back as the copy's source; they stay resident until it lands.
+            # Freed now, the copy could read reused memory (CUDA), a reload would race the write,
+            # and a write that then failed would leave no copy at all.
+            e.keepalive, e.device_bytes = e.device_bytes, None
+            e.adopted = False
+            self._loaded_bytes -= e.nbytes
+            return
         e.device_bytes = None
         self._loaded_bytes -= e.nbytes
         self.counters.resident_bytes -= e.nbytes
