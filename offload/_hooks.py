@@ -2,7 +2,8 @@
 
 Owns the eligibility rules and the pack/unpack functions handed to
 ``torch.autograd.graph.saved_tensors_hooks``. A tensor the engine does not take passes through:
-pack returns it unchanged and unpack returns what it was given, exactly as without hooks.
+pack keeps a detached alias of it (same storage, no grad_fn) and unpack checks its version and
+returns it, which is what autograd does without hooks.
 
 Passed through, and why:
 - parameters, leaves that require grad, views of those (``weight.t()``), and storages of
@@ -71,17 +72,53 @@ class Eligibility:
         return device == self.device
 
 
-def _identity(x):
-    return x
+# Note: [pass through a detached alias]
+#     A tensor the engine leaves alone must not be handed back to autograd as itself. A node that
+#     saves its own output (tanh, sigmoid, softmax, attention) would then hold that output, whose
+#     grad_fn is the node: a cycle through autograd's C++ graph, which Python's collector cannot
+#     see, so a forward without backward leaked its whole graph. ``t.detach()`` shares storage and
+#     version counter but has no grad_fn (torch's saved_tensors_hooks docs ask for exactly this).
+#     And since saved-tensor hooks switch off autograd's in-place check, unpack checks the version
+#     itself and raises the error PyTorch would.
+
+
+class _Passed:
+    """A saved tensor left where it is: a detached alias and the version it was saved at."""
+
+    __slots__ = ("alias", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.alias = t.detach()
+        self.version = t._version
+
+    def unwrap(self) -> torch.Tensor:
+        now = self.alias._version
+        if now != self.version:
+            a = self.alias
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: {type(a).__name__} {tuple(a.shape)} {a.dtype} on {a.device} is at version {now}; "
+                f"expected version {self.version} instead (offload checked this because saved-tensor hooks turn "
+                "off PyTorch's own check)"
+            )
+        return self.alias
+
+
+def _pass(t: torch.Tensor) -> _Passed:
+    return _Passed(t)
+
+
+def _unpass(packed: _Passed) -> torch.Tensor:
+    return packed.unwrap()
 
 
 def no_offload():
     """A context in which saved tensors stay where they are (e.g. around an LM head).
 
     It installs pass-through saved-tensor hooks; only the innermost hooks are active, so an
-    engine around it does not see what is saved inside.
+    engine around it does not see what is saved inside. See Note: [pass through a detached alias].
     """
-    return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+    return torch.autograd.graph.saved_tensors_hooks(_pass, _unpass)
 
 
 def make_hooks(take: Callable[[torch.Tensor], bool], pack_entry, unpack_entry, on_passthrough):
@@ -91,11 +128,11 @@ def make_hooks(take: Callable[[torch.Tensor], bool], pack_entry, unpack_entry, o
         if take(t):
             return pack_entry(t)
         on_passthrough()
-        return t
+        return _Passed(t)  # See Note: [pass through a detached alias]
 
     def unpack(packed):
-        if type(packed) is torch.Tensor or isinstance(packed, torch.Tensor):
-            return packed
+        if type(packed) is _Passed:
+            return packed.unwrap()
         return unpack_entry(packed)
 
     return pack, unpack
