@@ -438,6 +438,7 @@ def layer_row(case: Case, device: torch.device, medians_ms: dict[str, float], fa
         "recompute_ms": round(recompute, 3),
         "round_trip_gb_per_s": round(2 * saved / (transfer * 1e-3) / 1e9, 3) if transfer > 0 else None,
         "winner": winner,
+        "moved_all": facts.get("offloaded_bytes") == saved,
         **facts,
     }
 
@@ -467,6 +468,12 @@ def layers_table(rows: list[dict]) -> str:
         out.append("  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
+    for r in rows:
+        if not r.get("moved_all", True):
+            out.append(
+                f"WARNING {r['layer']} {r['size']}: the budget-0 engine moved {r.get('offloaded_bytes')} of "
+                f"{r.get('saved_bytes')} saved bytes; its transfer figure is not a full round trip"
+            )
     return "\n".join(out)
 
 
@@ -503,7 +510,12 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def parse_device(name: Optional[str]) -> torch.device:
+    """The device to run on, with its index when it is CUDA (tensors report ``cuda:0``, and an
+    engine given a bare ``cuda`` compares device objects, so the two must be spelled alike)."""
     device = torch.device(name or default_device())
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"device {device} asked for, but torch.cuda.is_available() is False here")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"device {device} asked for, but torch.cuda.is_available() is False here")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device

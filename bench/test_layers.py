@@ -45,9 +45,9 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 common.set_threads(None)  # $OFFLOAD_BENCH_THREADS, if set
-DEVICE = torch.device(common.default_device())
-if DEVICE.type == "cuda" and not torch.cuda.is_available():
-    pytest.skip(f"{common.DEVICE_ENV}={DEVICE} but CUDA is not available", allow_module_level=True)
+if torch.device(common.default_device()).type == "cuda" and not torch.cuda.is_available():
+    pytest.skip(f"{common.DEVICE_ENV}={common.default_device()} but CUDA is not available", allow_module_level=True)
+DEVICE = common.parse_device(None)
 
 PARAMS = [
     pytest.param(case, kind, id=f"{case.id}-{kind}")
