@@ -1,0 +1,160 @@
+"""Hugging Face transformers models under the engine: losses and gradients bitwise equal to none.
+
+Real model classes (``LlamaForCausalLM``, ``GPT2LMHeadModel``) from tiny configs with random
+weights: nothing is downloaded (``HF_HUB_OFFLINE=1``). Each is trained a few steps with the
+engine at budgets None / 0 / small, with and without the model's own gradient checkpointing
+(non-reentrant ``torch.utils.checkpoint``: the engine then sees only each layer's inputs), and
+with the engine's regions over ``model.model.layers``. The reference is the same model, same
+flags, same seeds, without the engine; the math is identical, so ``torch.equal``. GPT-2 keeps
+its dropout (0.1), so RNG replay through checkpointing and recompute is covered too.
+
+Skipped when transformers is not installed (``pip install -e '.[hf]'``; ``make test`` installs it).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never reach the Hub
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import offload  # noqa: E402
+from zoo import MB, wait_clean  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ, VOCAB = 4, 32, 128
+STEPS = 2
+LR = 1e-2
+SEED = 1234
+"""Seed set before each step's batch and forward: every run sees the same data and dropout masks."""
+MIN_OFFLOAD_BYTES = 1024
+"""Below the default 64 KiB so this tiny model's activations (4 x 32 x 64 fp32 = 32 KiB) move."""
+SMALL_FRACTION = 0.2
+"""The small budget, as a fraction of the bytes one step saves at budget None."""
+
+MACHINE = offload.MachineProfile(
+    device_type="cpu", device_name="test machine", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0,
+    per_tensor_overhead_us=2.0,
+)
+"""Fixed costs for policy "auto": no probe, the same plan on any machine."""
+SLOW_DISK = offload.MachineProfile(
+    device_type="cpu", device_name="slow disk", disk_write_gb_per_s=5e-4, disk_read_gb_per_s=5e-4
+)
+"""0.5 MB/s: moving a layer's activations costs far more than recomputing it, so auto recomputes."""
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+MODELS = {"llama": llama, "gpt2": gpt2}
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """The model's own non-reentrant checkpointing (the method was renamed in transformers 5)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def train(model: torch.nn.Module, eng=None) -> list[tuple[torch.Tensor, dict]]:
+    """``STEPS`` SGD steps; per step the loss and every parameter's gradient."""
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    history = []
+    for step in range(STEPS):
+        torch.manual_seed(SEED + step)
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+        if eng is not None:
+            with eng:
+                loss = model(input_ids=ids, labels=ids).loss
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        history.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return history
+
+
+def assert_same(reference, history, what: str) -> None:
+    for step, ((loss_ref, grads_ref), (loss, grads)) in enumerate(zip(reference, history, strict=True)):
+        assert torch.equal(loss_ref, loss), f"{what} step {step}: loss {loss.item()} != {loss_ref.item()}"
+        assert grads_ref.keys() == grads.keys()
+        for name, g in grads_ref.items():
+            assert torch.equal(g, grads[name]), f"{what} step {step}: grad of {name} differs"
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "hf-checkpointing"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_model_equal_no_engine(name, checkpointing, spill_dir):
+    base = MODELS[name]()
+    if checkpointing:
+        enable_checkpointing(base)
+    reference = train(copy.deepcopy(base))
+
+    eng = offload.engine(None, min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir)
+    assert_same(reference, train(copy.deepcopy(base), eng), f"{name} budget None")
+    counted = wait_clean(eng, spill_dir)
+    eng.close()
+    assert counted.saved_tensors > 0 and counted.passthrough_tensors > 0
+
+    small_mb = SMALL_FRACTION * counted.saved_bytes / STEPS / MB
+    for budget in (0, small_mb):
+        eng = offload.engine(budget, min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir)
+        assert_same(reference, train(copy.deepcopy(base), eng), f"{name} budget {budget:g}")
+        stats = wait_clean(eng, spill_dir)
+        eng.close()
+        assert stats.saved_tensors == counted.saved_tensors
+        assert stats.peak_resident_bytes <= budget * MB
+        assert stats.offloaded_bytes >= (1 - SMALL_FRACTION) * stats.saved_bytes
+
+
+@pytest.mark.parametrize(
+    "policy, machine", [("recompute", None), ("auto", MACHINE), ("auto", SLOW_DISK)],
+    ids=["recompute", "auto", "auto-slow-disk"],
+)
+def test_llama_layers_as_regions(policy, machine, spill_dir):
+    base = llama()
+    reference = train(copy.deepcopy(base))
+
+    model = copy.deepcopy(base)
+    eng = offload.engine(None, min_offload_bytes=MIN_OFFLOAD_BYTES)
+    train(copy.deepcopy(base), eng)
+    small_mb = SMALL_FRACTION * eng.stats.saved_bytes / STEPS / MB
+    eng.close()
+
+    eng = offload.engine(
+        small_mb, regions=model.model.layers, model=model, policy=policy, machine=machine,
+        min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir,
+    )
+    assert_same(reference, train(model, eng), f"llama regions policy {policy} on {machine and machine.device_name}")
+    stats = wait_clean(eng, spill_dir)
+    layers = len(model.model.layers)
+    if policy == "recompute":
+        assert stats.recomputed_regions == layers * STEPS
+    else:
+        recompute = eng.plan.decisions.count(offload.Decision.RECOMPUTE)
+        assert stats.recomputed_regions == recompute * (STEPS - 1)  # the first step profiles
+        if machine is SLOW_DISK:
+            assert recompute > 0, f"auto kept or moved every layer on a 0.5 MB/s disk:\n{eng.plan}"
+    eng.close()
+    assert model.model.layers[0].__dict__.get("forward") is None  # close() restored the layers
