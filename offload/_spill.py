@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 import weakref
@@ -78,6 +79,15 @@ def _read_file(path: str, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _is_own_dir(path: str) -> bool:
+    """``path`` is still a real directory (not a symlink) owned by this process's user."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
 def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
@@ -94,7 +104,11 @@ class SpillDir:
         self.files = 0
 
     def _ensure_open(self) -> str:
-        if self._path is None:
+        if self._path is None or not _is_own_dir(self._path):
+            # First spill, or the directory was removed under us (a /tmp cleaner, a user): make a
+            # fresh private one, so spilling resumes rather than every later tensor staying in memory.
+            if self._finalizer is not None:
+                self._finalizer.detach()  # nothing of ours is left there to remove
             path = tempfile.mkdtemp(prefix="offload-", dir=None if self._parent is None else str(self._parent))
             os.chmod(path, 0o700)
             if _filesystem_type(Path(path)) == "tmpfs":
@@ -103,7 +117,8 @@ class SpillDir:
                     "pass spill_dir= on a real disk to take them out of memory", path,
                 )
             self._path = path
-            self._executor = concurrent.futures.ThreadPoolExecutor(self._workers, thread_name_prefix="offload-spill")
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(self._workers, thread_name_prefix="offload-spill")
             self._finalizer = weakref.finalize(self, _remove_tree, path)
         return self._path
 
@@ -117,9 +132,17 @@ class SpillDir:
 
         The caller keeps ``data`` alive until the future is done (See Note: [keep-alive until the copy event]).
         """
-        directory = self._ensure_open()
-        path = os.path.join(directory, uuid.uuid4().hex)
         self.files += 1
+        try:
+            directory = self._ensure_open()
+        except OSError as error:
+            # No directory to spill into (its parent is full, unwritable or gone): this write fails
+            # like any other, so the caller keeps the tensor. The path names nothing that exists.
+            error.__traceback__ = None  # its frames (pack, the forward) would hold the graph
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            failed.set_exception(error)
+            return os.path.join(tempfile.gettempdir(), f"offload-{uuid.uuid4().hex}", uuid.uuid4().hex), failed
+        path = os.path.join(directory, uuid.uuid4().hex)
         return path, self._executor.submit(_write_file, path, data)
 
     def read(self, path: str, out: torch.Tensor) -> concurrent.futures.Future:
