@@ -158,3 +158,15 @@ def test_llama_layers_as_regions(policy, machine, spill_dir):
             assert recompute > 0, f"auto kept or moved every layer on a 0.5 MB/s disk:\n{eng.plan}"
     eng.close()
     assert model.model.layers[0].__dict__.get("forward") is None  # close() restored the layers
+
+
+def test_decorated_model(spill_dir):
+    """``model = offload.engine(...)(model)``: the form that fits a loop one does not own (Trainer)."""
+    base = gpt2()
+    reference = train(copy.deepcopy(base))
+    eng = offload.engine(0, min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir)
+    model = eng(copy.deepcopy(base))
+    assert_same(reference, train(model), "gpt2 decorated")
+    stats = wait_clean(eng, spill_dir)
+    assert stats.saved_tensors > 0 and stats.offloaded_bytes == stats.saved_bytes
+    eng.close()
