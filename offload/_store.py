@@ -547,11 +547,14 @@ class Store:
 
     def _prefetch(self, seq: int) -> None:
         """Start reloading the entries saved just before ``seq`` while they fit the budget."""
-        while self._reading and self._reading[0].host_ready is None:
-            self._reading.popleft()  # finished at its use already
-        while self._reading and self._reading[0].host_ready.done():
-            e = self._reading.popleft()
-            if not e.dead and e.host_ready.exception() is None:
+        while self._reading:
+            # One loop for both cases: a read finished at its use (host_ready None) can sit behind
+            # one still in flight, and surfaces at the head only once that one is popped.
+            e = self._reading[0]
+            if e.host_ready is not None and not e.host_ready.done():
+                break
+            self._reading.popleft()
+            if e.host_ready is not None and not e.dead and e.host_ready.exception() is None:
                 e.host_ready = None
                 self._h2d(e)  # the disk read of an earlier prefetch landed: start its h2d now
         room = None if self.budget is None else self.budget - self.counters.resident_bytes
