@@ -7,6 +7,7 @@ region's inputs, so a new sequence length or batch size is profiled and planned 
 reused.
 
     step with new shapes:  region 0 ─measure─▶ region 1 ─measure─▶ ... last ─▶ make_plan() ─▶ cache
+    (twice: the first measurement carries warm-up costs; the second plan replaces the first)
     later steps:           region i ─▶ KEEP: run as is (the budget still holds per tensor)
                                      ─▶ OFFLOAD: run; each save starts its copy out at once
                                      ─▶ RECOMPUTE: offload.checkpoint(region): only inputs saved
@@ -30,6 +31,11 @@ log = logging.getLogger(__name__)
 
 _PROFILED_POLICIES = ("auto", "offload")
 """Policies whose decisions depend on measured sizes and times; "recompute" and "none" do not."""
+
+PROFILE_STEPS = 2
+"""Steps measured per new input signature. The first pays one-time costs (allocator growth, lazy
+initialisation, kernel selection: 10x the steady forward time of the first block was seen on the
+CPU), so its plan is provisional and the second step's measurement replaces it."""
 
 
 def resolve_regions(regions, model: Optional[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
@@ -90,6 +96,7 @@ class Regions:
         self.plans: dict[tuple, Plan] = {}
         self.plan: Optional[Plan] = None
         self._profiles: Optional[list[RegionProfile]] = None
+        self._measured: dict[tuple, int] = {}
         self._originals = []
         for index, (name, module) in enumerate(regions):
             self._originals.append((module, module.__dict__.get("forward")))
@@ -131,7 +138,8 @@ class Regions:
         key = _signature(args, kwargs)
         self.plan = self.plans.get(key)
         self._key = key
-        self._profiles = [] if self.plan is None and self.policy in _PROFILED_POLICIES else None
+        measuring = self.policy in _PROFILED_POLICIES and self._measured.get(key, 0) < PROFILE_STEPS
+        self._profiles = [] if measuring else None
 
     def _decision(self, index: int) -> Decision:
         if self.plan is not None:
@@ -159,6 +167,7 @@ class Regions:
             )
         )
         if index == len(self.regions) - 1:
+            self._measured[self._key] = self._measured.get(self._key, 0) + 1
             self.plan = self.plans[self._key] = make_plan(self._profiles, self._machine(), self.budget_bytes, self.policy)
             log.info("offload plan for inputs %s:\n%s", self._key, self.plan)
             self._profiles = None
