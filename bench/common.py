@@ -15,7 +15,8 @@ What a layer measurement is (see ``LayerBench``)::
                                                                    CPU, pinned host on CUDA)
     recompute  x ──fwd, grad enabled──▶ out                        (what a recompute re-runs)
 
-    transfer_ms  = offload − keep     the round trip of the layer's saved bytes, not hidden
+    transfer_ms  = median over rounds of (offload_i − keep_i), keep_i run just before offload_i:
+                   the round trip of the layer's saved bytes, not hidden
     recompute_ms = recompute          one extra forward, as torch.utils.checkpoint would run it
 """
 
@@ -376,9 +377,21 @@ class LayerBench:
         """The function to time for ``kind``, synchronizing the device before it returns."""
         fn = getattr(self, kind)
 
-        def timed() -> None:
+        def synced() -> None:
             fn()
             sync(self.device)
+
+        return synced
+
+    def timed(self, kind: str, into: list[float]) -> Callable[[], None]:
+        """Like ``step``, timing itself: appends wall milliseconds to ``into`` (the paired reference)."""
+        fn = self.step(kind)
+
+        def timed() -> None:
+            sync(self.device)
+            start = time.perf_counter()
+            fn()
+            into.append((time.perf_counter() - start) * 1e3)
 
         return timed
 
@@ -419,10 +432,21 @@ class LayerBench:
         self.engine.close()
 
 
-def layer_row(case: Case, device: torch.device, medians_ms: dict[str, float], facts: dict) -> dict:
-    """One result row: the measured medians, the derived costs and the winner."""
+def paired_difference_ms(after_ms: list[float], before_ms: list[float]) -> float:
+    """Median of per-round differences: drift between rounds cancels, as the two ran back to back."""
+    return median([a - b for a, b in zip(after_ms, before_ms)])
+
+
+def layer_row(
+    case: Case, device: torch.device, medians_ms: dict[str, float], transfer_ms: Optional[float], facts: dict
+) -> dict:
+    """One result row: the measured medians, the derived costs and the winner.
+
+    ``transfer_ms`` is the paired estimate (``paired_difference_ms``); when None, the difference
+    of the keep and offload medians stands in.
+    """
     keep, offloaded, recompute = (medians_ms.get(k, float("nan")) for k in LayerBench.KINDS)
-    transfer = offloaded - keep
+    transfer = offloaded - keep if transfer_ms is None else transfer_ms
     saved = facts.get("saved_bytes", 0)
     winner = ""
     if not (math.isnan(transfer) or math.isnan(recompute)):
@@ -488,7 +512,8 @@ def layers_payload(rows: list[dict], device: torch.device, runner: str) -> dict:
         "definitions": {
             "keep_ms": "median forward+backward without the engine",
             "offload_ms": "median forward+backward under engine(budget_mb=0, min_offload_bytes=0)",
-            "transfer_ms": "offload_ms - keep_ms: unhidden round trip of the saved bytes to the tier and back",
+            "transfer_ms": "median over rounds of (offload step - the keep step run just before it): "
+            "unhidden round trip of the saved bytes to the tier and back",
             "recompute_ms": "median forward with grad enabled (the extra work of recomputing the layer)",
             "saved_bytes": "engine stats.saved_bytes at budget None (distinct storages, parameters excluded)",
             "round_trip_gb_per_s": "2 * saved_bytes / transfer_ms",

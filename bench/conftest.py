@@ -30,19 +30,27 @@ class LayerResults:
     def __init__(self) -> None:
         self.cases: dict[str, common.Case] = {}
         self.medians_ms: dict[str, dict[str, float]] = {}
+        self.transfer_ms: dict[str, float] = {}
         self.facts: dict[str, dict] = {}
         self.device = None
 
-    def record(self, case: common.Case, device, kind: str, median_ms: float, facts: dict | None = None) -> None:
+    def record(
+        self, case: common.Case, device, kind: str, median_ms: float,
+        transfer_ms: float | None = None, facts: dict | None = None,
+    ) -> None:
         self.device = device
         self.cases[case.id] = case
         self.medians_ms.setdefault(case.id, {})[kind] = median_ms
+        if transfer_ms is not None:
+            self.transfer_ms[case.id] = transfer_ms
         if facts:
             self.facts[case.id] = facts
 
     def rows(self) -> list[dict]:
         return [
-            common.layer_row(case, self.device, self.medians_ms[case_id], self.facts.get(case_id, {}))
+            common.layer_row(
+                case, self.device, self.medians_ms[case_id], self.transfer_ms.get(case_id), self.facts.get(case_id, {})
+            )
             for case_id, case in self.cases.items()
         ]
 

@@ -41,13 +41,14 @@ def main(argv=None) -> int:
             continue
         bench = common.LayerBench(case, device)
         try:
-            fns = {kind: bench.step(kind) for kind in common.LayerBench.KINDS}
+            fns = {kind: bench.step(kind) for kind in common.LayerBench.KINDS}  # keep runs just before offload
             times = common.interleaved_ms(fns, rounds=rounds, warmup=warmup, device=device)
             facts = bench.facts()
         finally:
             bench.close()
         medians = {kind: common.median(ms) for kind, ms in times.items()}
-        rows.append(common.layer_row(case, device, medians, facts))
+        transfer = common.paired_difference_ms(times["offload"], times["keep"])
+        rows.append(common.layer_row(case, device, medians, transfer, facts))
         print(f"  {case.id}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in medians.items()), file=sys.stderr)
         del bench
         if device.type == "cuda":

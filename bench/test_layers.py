@@ -12,9 +12,11 @@ function), adjacent to each other so drift hits them alike:
 - ``offload``: the same step under ``offload.engine(budget_mb=0, min_offload_bytes=0)``. At a
   zero budget every saved storage leaves the device the moment it is saved, pack waits for the
   copy to land, and every unpack in backward is a reload the layer waits for (there is no room
-  to prefetch into). So ``transfer = offload - keep`` is the whole round trip of the layer's
-  saved bytes to the tier and back, through the engine's real code path (hooks, bookkeeping,
-  copies), with nothing hidden behind compute. On the CPU the tier is the spill directory (disk,
+  to prefetch into). Before each timed round a keep step runs and times itself (pytest-benchmark's
+  ``setup``, untimed by it), so ``transfer`` = median over rounds of (offload_i - keep_i): the
+  whole round trip of the layer's saved bytes to the tier and back, through the engine's real
+  code path (hooks, bookkeeping, copies), with nothing hidden behind compute, and with drift
+  between rounds cancelled by the pairing. On the CPU the tier is the spill directory (disk,
   through the page cache); on CUDA it is pinned host memory over the side stream. In a whole
   model part of this hides behind the next layer's compute; this is the exposed upper bound that
   the planner weighs against recompute, and the figure the cost model (bytes / bandwidth + a
@@ -59,13 +61,21 @@ PARAMS = [
 @pytest.mark.parametrize(("case", "kind"), PARAMS)
 def test_layer(benchmark, layer_results, case: common.Case, kind: str) -> None:
     bench = common.LayerBench(case, DEVICE)
+    warmup, rounds = common.layer_rounds(DEVICE)
+    keep_before_ms: list[float] = []
+    setup = bench.timed("keep", keep_before_ms) if kind == "offload" else None  # the paired reference
     try:
         facts = bench.facts() if kind == "offload" else None
         benchmark.group = f"{case.layer} ({DEVICE.type})"
         benchmark.extra_info.update(layer=case.layer, size=case.size.name, kind=kind, **(facts or {}))
-        warmup, rounds = common.layer_rounds(DEVICE)
-        benchmark.pedantic(bench.step(kind), rounds=rounds, warmup_rounds=warmup, iterations=1)
+        benchmark.pedantic(bench.step(kind), setup=setup, rounds=rounds, warmup_rounds=warmup, iterations=1)
     finally:
         bench.close()
-    if benchmark.stats is not None:  # None under --benchmark-disable
-        layer_results.record(case, DEVICE, kind, benchmark.stats.stats.median * 1e3, facts)
+    if benchmark.stats is None:  # --benchmark-disable: nothing was timed
+        return
+    timed_ms = [s * 1e3 for s in benchmark.stats.stats.data]
+    transfer_ms = None
+    if kind == "offload":
+        transfer_ms = common.paired_difference_ms(timed_ms, keep_before_ms[warmup : warmup + rounds])
+        benchmark.extra_info["transfer_ms"] = transfer_ms
+    layer_results.record(case, DEVICE, kind, common.median(timed_ms), transfer_ms, facts)
