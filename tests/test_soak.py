@@ -1,0 +1,153 @@
+"""Soak: hundreds of steps with changing shapes under a budget that spills every step.
+
+A leak of one buffer, one file or one descriptor per step is invisible in a three-step test and
+fatal in a week-long run. Here every step must end with the engine holding nothing (resident bytes
+0, no spill files, no entries), and what the process holds (resident set, open descriptors, pinned
+pool) must stay flat: the mean over the last 50 steps may exceed the mean over steps 50-100 by
+at most a named slack. Steps 0-50 are warm-up (allocator caches, thread pools, lazy imports).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+import offload
+from test_host_tier import DeferredLink, _engine_with_host_tier
+
+STEPS = 300
+WIDTH = 64
+BATCHES = (1, 3, 8, 16)
+SEQS = (5, 16, 32, 64)
+"""Batch and sequence length, drawn per step. A few values each, not a range: torch's CPU kernels
+cache per shape, so a new shape every step grows the resident set with or without the engine; 16
+shapes are all seen during warm-up, and what grows after that is a leak."""
+BUDGET_MB = 0.25
+"""About one largest activation (16 x 64 x 64 fp32 = 256 KiB): most of every step spills."""
+RSS_SLACK_BYTES = 8 << 20
+"""Allowed growth of the mean resident set. A leak of one largest activation per step over the
+200 steps compared would be ~50 MB; allocator noise on this model stays well under 8 MiB."""
+FD_SLACK = 2
+"""Allowed growth of open descriptors (a worker thread's transient file at the moment of sampling)."""
+POOL_SLACK_BYTES = 256 << 10
+"""Allowed growth of the pool: one buffer of the largest size class (a shape first drawn late)."""
+SETTLE_TIMEOUT_S = 2.0
+"""How long a spill write still in flight for a released tensor may take to land."""
+CHECK_EVERY = 25
+"""Steps between comparisons against the model without the engine."""
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: these tensors are tiny, and on a busy machine torch's thread pool spends
+    far longer spinning for a core than computing (300 steps: ~4 s instead of ~80 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class TinyLM(nn.Module):
+    """Embedding, two residual MLP blocks, a head: every activation scales with batch x seq."""
+
+    def __init__(self, vocab: int = 97) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+            for _ in range(2)
+        )
+        self.head = nn.Linear(WIDTH, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = h + block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), idx.roll(-1, dims=1).flatten())
+
+
+def _step(model, idx, eng=None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    if eng is None:
+        loss = model(idx)
+    else:
+        with eng:
+            loss = model(idx)
+    loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _settled(eng) -> offload.Stats:
+    """Stats once the writes still in flight for released tensors have landed (no gc: nothing cycles)."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:
+        stats = eng.stats
+        if (stats.resident_bytes == 0 and stats.spill_files == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.001)
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return psutil.Process().num_fds()
+
+
+def _flat(name: str, series: list, slack) -> None:
+    early = sum(series[50:100]) / 50
+    late = sum(series[-50:]) / 50
+    assert late <= early + slack, f"{name} grew: mean {early:.0f} over steps 50-100, {late:.0f} over the last 50"
+
+
+def _soak(eng, steps: int, spill_dir, pool=None) -> None:
+    model = TinyLM()
+    rng = random.Random(0)
+    process = psutil.Process()
+    rss, fds, pool_bytes = [], [], []
+    store = None
+    for step in range(steps):
+        torch.manual_seed(step)
+        idx = torch.randint(0, 97, (rng.choice(BATCHES), rng.choice(SEQS)))
+        grads = _step(model, idx, eng)
+        if step % CHECK_EVERY == 0:
+            want = _step(model, idx)
+            assert all(torch.equal(a, b) for a, b in zip(grads, want)), f"step {step}: gradients differ"
+        stats = _settled(eng)
+        assert stats.resident_bytes == 0 and stats.spill_files == 0, f"step {step}: {stats}"
+        store = store or eng._stores[torch.device("cpu")]
+        assert not (store._by_key or store._hot or store._moved or store._inflight or store._retiring), f"step {step}"
+        assert [p for p in spill_dir.rglob("*") if p.is_file()] == [], f"step {step}: files left"
+        rss.append(process.memory_info().rss)
+        fds.append(_open_fds())
+        if pool is not None:
+            pool_bytes.append(pool().held_bytes)
+    stats = eng.stats
+    assert stats.spilled_bytes > 0 and stats.reloaded_bytes > 0, "the budget made the larger steps spill"
+    _flat("resident set (bytes)", rss, RSS_SLACK_BYTES)
+    _flat("open descriptors", fds, FD_SLACK)
+    if pool is not None:
+        assert max(pool_bytes) <= pool()._cap_bytes, "the pool never passes its cap"
+        _flat("pinned pool (bytes)", pool_bytes, POOL_SLACK_BYTES)
+
+
+def test_soak_cpu_spill(spill_dir):
+    eng = offload.engine(BUDGET_MB, min_offload_bytes=0, spill_dir=spill_dir)
+    _soak(eng, STEPS, spill_dir)
+    eng.close()
+    assert list(spill_dir.iterdir()) == []
+
+
+def test_soak_host_tier(spill_dir):
+    """The CUDA path's pinned pool and host cap, emulated on the CPU: the pool reaches a size and stays."""
+    eng = _engine_with_host_tier(DeferredLink(2), budget_mb=BUDGET_MB, host_budget_mb=4 * BUDGET_MB, spill_dir=spill_dir)
+    _soak(eng, STEPS, spill_dir, pool=lambda: eng._stores[torch.device("cpu")].pool)
+    assert eng.stats.host_bytes <= 4 * BUDGET_MB * 2**20
+    eng.close()
