@@ -501,6 +501,36 @@ def layers_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def transfer_fit(rows: list[dict]) -> Optional[dict]:
+    """Least-squares fit transfer_ms ~ a * saved MB + b * saved tensors: the two numbers a cost model
+    of moving needs (round-trip bandwidth and fixed cost per tensor), as this run measured them."""
+    import numpy as np
+
+    rows = [r for r in rows if r.get("saved_bytes") and not math.isnan(r["transfer_ms"])]
+    if len(rows) < 3:
+        return None
+    a = np.array([[r["saved_bytes"] / MB, r["saved_tensors"]] for r in rows], dtype=float)
+    y = np.array([r["transfer_ms"] for r in rows], dtype=float)
+    (ms_per_mb, ms_per_tensor), *_ = np.linalg.lstsq(a, y, rcond=None)
+    fitted = a @ np.array([ms_per_mb, ms_per_tensor])
+    return {
+        "ms_per_mb": round(float(ms_per_mb), 4),
+        "ms_per_tensor": round(float(ms_per_tensor), 4),
+        "round_trip_gb_per_s": round(2 * MB / 1e9 / (ms_per_mb * 1e-3), 3) if ms_per_mb > 0 else None,
+        "median_abs_error_ms": round(float(np.median(np.abs(fitted - y))), 3),
+    }
+
+
+def describe_fit(fit: Optional[dict]) -> str:
+    if not fit:
+        return ""
+    return (
+        f"fit: transfer ms = {fit['ms_per_mb']:.3f} x saved MB + {fit['ms_per_tensor']:.3f} x saved tensors "
+        f"(round trip {fit['round_trip_gb_per_s']} GB/s, {1e3 * fit['ms_per_tensor']:.0f} us per tensor; "
+        f"median error {fit['median_abs_error_ms']} ms)"
+    )
+
+
 def layers_payload(rows: list[dict], device: torch.device, runner: str) -> dict:
     warmup, rounds = layer_rounds(device)
     return {
@@ -520,6 +550,7 @@ def layers_payload(rows: list[dict], device: torch.device, runner: str) -> dict:
             "winner": "offload if max(transfer_ms, 0) < recompute_ms else recompute",
         },
         "env": environment(device),
+        "transfer_fit": transfer_fit(rows),
         "rows": rows,
     }
 

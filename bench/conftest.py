@@ -83,6 +83,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     write(f"layers on {common.describe_machine(payload['env'])}")
     for line in common.layers_table(rows).splitlines():
         write(line)
+    write(common.describe_fit(payload["transfer_fit"]))
     if results.complete() or os.environ.get(common.OUT_ENV):
         out = common.layers_out_path(results.device)
         common.write_json(out, payload)

@@ -20,9 +20,9 @@
 set -u
 
 OUT=${1:?usage: bash bench/gpu_check.sh OUTDIR}
-cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$OUT" || exit 2
-OUT=$(cd "$OUT" && pwd)
+OUT=$(cd "$OUT" && pwd)  # absolute, relative to where we were called from
+cd "$(dirname "$0")/.." || exit 2
 
 PY=${PYTHON:-python}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
@@ -104,7 +104,7 @@ print(json.dumps(env))
 
 # --- the checks ------------------------------------------------------------------------------
 run_part tests "$T_TESTS" tests.xml -- \
-    "$PY" -m pytest -q -m cuda tests -p no:cacheprovider --junitxml "$OUT/tests.xml"
+    "$PY" -m pytest -q -m cuda tests -p no:cacheprovider --continue-on-collection-errors --junitxml "$OUT/tests.xml"
 
 run_part probe "$T_PROBE" probe.json -- \
     sh -c "'$PY' -m offload probe --json --refresh --device '$DEVICE' >'$OUT/probe.json'"
@@ -180,6 +180,10 @@ if layers:
         lines.append(f"| {r['layer']} | {r['size']} | {shape} | {r['dtype']} | {r.get('saved_bytes', 0) / 2**20:.1f} | "
                      f"{r['keep_ms']:.2f} | {r['transfer_ms']:.2f} | {r['recompute_ms']:.2f} | "
                      f"{r.get('round_trip_gb_per_s') or '-'} | {r['winner']} |")
+    fit = layers.get("transfer_fit")
+    if fit:
+        lines += ["", f"Fit: transfer ms = {fit['ms_per_mb']} x saved MB + {fit['ms_per_tensor']} x saved tensors "
+                      f"(round trip {fit['round_trip_gb_per_s']} GB/s; median error {fit['median_abs_error_ms']} ms)."]
 
 over = load("overhead.json")
 if over:

@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     payload = common.layers_payload(rows, device, runner="bench/layers.py")
     print(f"layers on {common.describe_machine(payload['env'])}")
     print(common.layers_table(rows))
+    print(common.describe_fit(payload["transfer_fit"]))
     out = args.json_out or common.layers_out_path(device)
     common.write_json(out, payload)
     print(f"wrote {out}")
