@@ -32,7 +32,7 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
 # Per-part limits in seconds; a part gets less when the whole budget runs short.
-T_ENV=20 T_TESTS=45 T_PROBE=20 T_LAYERS=60 T_OVERHEAD=35 T_STEP=120
+T_ENV=20 T_TESTS=60 T_PROBE=20 T_LAYERS=60 T_OVERHEAD=35 T_STEP=120
 KILL_AFTER_S=5      # SIGKILL this long after the SIGTERM of a timeout
 MIN_PART_S=10       # below this much time left, a part is skipped rather than started
 SUMMARY_RESERVE_S=8 # kept back for writing the summary
