@@ -101,6 +101,7 @@ class SpillDir:
         self._path: Optional[str] = None
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._finalizer: Optional[weakref.finalize] = None
+        self._warned_remove = False
         self.files = 0
 
     def _ensure_open(self) -> str:
@@ -160,6 +161,13 @@ class SpillDir:
             os.unlink(path)
         except FileNotFoundError:
             pass
+        except OSError as error:
+            # The directory turned unwritable (chmod) or the disk is failing. Failing here would
+            # fail the step (this runs in pack, unpack and autograd's release) for a file the
+            # engine no longer needs: it is left to close(), which removes the whole directory.
+            if not self._warned_remove:
+                log.warning("offload: removing a spill file failed (%s); it stays until the engine closes", str(error))
+                self._warned_remove = True
         self.files -= 1
 
     def close(self) -> None:
