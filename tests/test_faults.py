@@ -88,6 +88,8 @@ class FaultyOS:
         """... after this many opens for writing succeeded."""
         self.read_error = None
         """errno for every read (EIO)."""
+        self.unlink_error = None
+        """errno for removing a spill file (EACCES: the directory turned unwritable)."""
         self.writes = self.opens = 0
         self._lock = threading.Lock()
 
@@ -111,6 +113,11 @@ class FaultyOS:
                 return os.open(path, flags, *args)
             raise OSError(self.open_error, os.strerror(self.open_error), path)
         return os.open(path, flags, *args)
+
+    def unlink(self, path):
+        if self.unlink_error is not None:
+            raise OSError(self.unlink_error, os.strerror(self.unlink_error), path)
+        return os.unlink(path)
 
     def readv(self, fd, buffers):
         if self.read_error is not None:
@@ -222,6 +229,23 @@ def test_open_refused_mid_run_keeps_tensors_in_memory(faulty, spill_dir, caplog)
     assert eng.stats.spilled_bytes == DEPTH * NBYTES
     wait_clean(eng, spill_dir)
     eng.close()
+
+
+def test_remove_refused_leaves_files_to_close(faulty, spill_dir, caplog):
+    """Spill files that cannot be removed (EACCES on unlink) do not fail the step: exact gradients,
+    one warning, and close() takes them with the directory."""
+    ref = chain_step()
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    faulty.unlink_error = errno.EACCES
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        assert_same(ref, chain_step(eng), "unlink refused")
+        assert_same(ref, chain_step(eng), "unlink refused, second step")
+    assert eng.stats.resident_bytes == 0 and eng.stats.spill_files == 0, "the engine holds none of them"
+    assert len(files_under(spill_dir)) == 2 * DEPTH, "they wait for close()"
+    messages = warnings_from(caplog, "offload._spill")
+    assert len(messages) == 1 and os.strerror(errno.EACCES) in messages[0], messages
+    eng.close()
+    assert list(spill_dir.iterdir()) == []
 
 
 def test_chmod_unwritable_mid_run(spill_dir, caplog):
