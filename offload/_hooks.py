@@ -53,7 +53,12 @@ class Eligibility:
             return False
         device = t.device
         if self.device is not None and device != self.device:
-            return False
+            if not (self.device.index is None and device.type == self.device.type == "cuda"):
+                return False
+            # device="cuda" names the current CUDA device: pin the index now that CUDA is in use
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            if device != self.device:
+                return False
         if (
             t.layout is not torch.strided
             or device.type == "meta"

@@ -41,7 +41,6 @@ import weakref
 from typing import Optional
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._config import Config
 from ._errors import OffloadError
@@ -67,7 +66,7 @@ class _Entry:
     """One distinct saved storage and every copy of it the engine holds."""
 
     __slots__ = (
-        "seq", "nbytes", "key", "guard", "version", "describe", "refs", "pending", "load_gen",
+        "seq", "nbytes", "key", "version", "shape", "dtype", "device", "refs", "pending", "load_gen",
         "owner",          # weakref to the tensor whose version counter ``version`` was read from
         "watching",       # the data is still the original storage, See Note: [version watch]
         "handles",        # weakrefs to the handles holding a version alias while watching
@@ -86,9 +85,14 @@ class _Entry:
         "dead",
     )
 
-    def __init__(self, seq: int, nbytes: int, key: int, guard, version: int, storage, describe: str) -> None:
-        self.seq, self.nbytes, self.key, self.guard = seq, nbytes, key, guard
-        self.version, self.storage, self.describe = version, storage, describe
+    def __init__(self, seq: int, nbytes: int, key: int, version: int, storage, t: torch.Tensor) -> None:
+        # Note: [storage key without a weak guard]
+        #     ``key`` is the StorageImpl address, which the allocator can reuse once the storage is
+        #     freed. No weak reference is needed to keep keys unique: while hot the entry holds the
+        #     storage itself; once moved it matches only the same live owner tensor
+        #     (``holds_as_saved``), and a live owner keeps the storage, so its address, in use.
+        self.seq, self.nbytes, self.key, self.version, self.storage = seq, nbytes, key, version, storage
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
         self.refs = 0
         self.pending = 0
         self.load_gen = 0
@@ -103,6 +107,11 @@ class _Entry:
     @property
     def hot(self) -> bool:
         return self.storage is not None
+
+    @property
+    def describe(self) -> str:
+        """The first saved tensor's shape and dtype, for messages (never its values)."""
+        return f"{tuple(self.shape)} {self.dtype} on {self.device}"
 
     def holds_as_saved(self, owner: torch.Tensor, version: int) -> bool:
         """Whether this entry's data is what a tensor of ``owner``'s version counter at ``version`` holds.
@@ -148,13 +157,29 @@ class Handle:
 
     def __init__(self, store: "Store", entry: _Entry, t: torch.Tensor) -> None:
         self.store, self.entry = store, entry
-        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
         self.version = t._version
-        self.alias = t.detach() if entry.watching else None  # See Note: [version watch]
         self.stale = False
         self.seen_gen = -1
-        if entry.watching:
+        if entry.watching:  # See Note: [version watch]; the alias also carries the layout until then
+            self.alias = t.detach()
             entry.handles.append(weakref.ref(self))
+        else:
+            self.alias = None
+            self._take_layout(t)
+
+    def _take_layout(self, t: torch.Tensor) -> None:
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+
+    def rebuild(self, data: torch.Tensor) -> torch.Tensor:
+        """This saved tensor's exact view (dtype, size, stride, storage offset) onto ``data``'s storage."""
+        if self.alias is not None:
+            a = self.alias
+            return torch.empty(0, dtype=a.dtype, device=data.device).set_(
+                data.untyped_storage(), a.storage_offset(), a.size(), a.stride()
+            )
+        return torch.empty(0, dtype=self.dtype, device=data.device).set_(
+            data.untyped_storage(), self.offset, self.size, self.stride
+        )
 
     def modified(self) -> bool:
         """True if the saved tensor was modified in place after it was saved (and before it was copied)."""
@@ -164,6 +189,7 @@ class Handle:
         """The entry's copy has landed: last version check, then let the original storage go."""
         if self.alias is not None:
             self.stale = self.stale or self.alias._version != self.version
+            self._take_layout(self.alias)
             self.alias = None
 
     def __del__(self) -> None:
@@ -229,8 +255,7 @@ class Store:
             if entry is None or entry.dead or not entry.holds_as_saved(owner, version):
                 nbytes = storage.nbytes()
                 self._seq += 1
-                entry = _Entry(self._seq, nbytes, key, StorageWeakRef(storage), version, storage,
-                               f"{tuple(t.shape)} {t.dtype} on {t.device}")
+                entry = _Entry(self._seq, nbytes, key, version, storage, t)
                 entry.owner = weakref.ref(owner)
                 self._by_key[key] = entry
                 self._hot[entry.seq] = entry
@@ -435,7 +460,7 @@ class Store:
                     "instead (offload checked this because saved-tensor hooks turn off PyTorch's own check)"
                 )
             if e.hot:
-                return torch.empty(0, dtype=h.dtype, device=self.device).set_(e.storage, h.offset, h.size, h.stride)
+                return h.alias  # the live tensor itself, detached (autograd makes its own shallow copy)
             self._poll()
             if e.device_bytes is None and e.device_ready is None:
                 self.counters.prefetch_misses += 1
@@ -446,9 +471,7 @@ class Store:
                 self._prefetch(e.seq)
             self._ready(e)
             data = e.device_bytes
-            view = torch.empty(0, dtype=h.dtype, device=self.device).set_(
-                data.untyped_storage(), h.offset, h.size, h.stride
-            )
+            view = h.rebuild(data)
             if h.seen_gen != e.load_gen:
                 h.seen_gen = e.load_gen
                 e.pending -= 1

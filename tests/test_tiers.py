@@ -134,7 +134,10 @@ def test_prefetch_off_means_every_reload_is_a_miss(prefetch, spill_dir):
     run_step(TanhChain(16), chain_input, eng, loss_fn=torch.sum)
     stats = wait_clean(eng, spill_dir)
     moved = stats.offloaded_bytes // nbytes
-    assert moved > 4 and stats.reloaded_bytes == stats.offloaded_bytes
+    # Each moved storage comes back by a read, except that the newest may still be on its way out
+    # when backward starts: the store then adopts its source instead of reading the file. The
+    # budget (2 tensors, hot + in flight) leaves room for at most one write in flight.
+    assert moved > 4 and stats.offloaded_bytes - nbytes <= stats.reloaded_bytes <= stats.offloaded_bytes
     if prefetch:
         assert stats.prefetch_misses < moved / 2, stats
     else:
