@@ -58,7 +58,7 @@ class Engine:
         self._models: list[torch.nn.Module] = []
         if model is not None:
             self.watch(model)
-        self._hooks = make_hooks(self._take, self._pack, self._unpack, self._passthrough)
+        self._hooks = make_hooks(self._eligible, self._pack, self._unpack, self._passthrough)
         self._closed = False
         self._machine = machine
         self._regions = None
@@ -156,9 +156,6 @@ class Engine:
 
     # ------------------------------------------------------------------ hook plumbing
 
-    def _take(self, t: torch.Tensor) -> bool:
-        return self._eligible(t)
-
     def _store_for(self, device: torch.device) -> Store:
         store = self._stores.get(device)
         if store is None:
@@ -169,7 +166,8 @@ class Engine:
         return store
 
     def _pack(self, t: torch.Tensor):
-        return self._store_for(t.device).pack(t, getattr(self._local, "eager", False))
+        store = self._stores.get(t.device) or self._store_for(t.device)
+        return store.pack(t, getattr(self._local, "eager", False))
 
     def _active(self) -> bool:
         """True while this thread is inside ``with self`` (the hooks may be shadowed by inner ones)."""
