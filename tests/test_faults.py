@@ -249,7 +249,8 @@ def test_remove_refused_leaves_files_to_close(faulty, spill_dir, caplog):
 
 
 def test_chmod_unwritable_mid_run(spill_dir, caplog):
-    """The real thing: chmod 0500 on the spill directory mid-forward (skipped where it has no effect, e.g. root)."""
+    """The real thing: chmod 0500 on the spill directory mid-run (skipped where it has no effect, e.g.
+    root; as root run it with ``setpriv --bounding-set -dac_override,-dac_read_search``)."""
     ref = chain_step()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     model = TanhChain()
