@@ -5,6 +5,16 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
+
+INTRA_OP_THREADS = 1
+"""The tests' ops are tiny: on a 2-core machine torch's intra-op pool spends far longer spinning for
+cores than computing (a 300-step soak: ~80 s with 2 threads under load, ~4 s with 1). Reference and
+engine runs share the setting, so exact comparisons are unaffected. Benchmarks (bench/) set their own."""
+
+
+def pytest_configure(config):
+    torch.set_num_threads(INTRA_OP_THREADS)
 
 
 @pytest.fixture
