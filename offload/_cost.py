@@ -60,3 +60,10 @@ class RegionProfile:
     """Wall time of the region's forward, milliseconds (CUDA events on GPU, perf_counter on CPU)."""
     num_tensors: int = 0
     """Number of saved tensors (for per-tensor overheads)."""
+    backward_ms: float = 0.0
+    """Wall time of the region's backward, milliseconds, measured with gradient hooks on its output
+    and input. 0: not measured; the planner then assumes ``BACKWARD_TO_FORWARD`` x ``forward_ms``."""
+
+    def backward_or_estimate_ms(self, backward_to_forward: float) -> float:
+        """The measured backward time, or ``backward_to_forward`` x the forward where none was measured."""
+        return self.backward_ms if self.backward_ms > 0 else backward_to_forward * self.forward_ms

@@ -121,12 +121,18 @@ class Engine:
         """The plan in force for the latest step's input shapes (None before the first step with
         regions, or without regions). ``print(eng.plan)`` shows region, bytes, forward ms, transfer
         ms, decision, and the predicted overhead and peak."""
-        return None if self._regions is None else self._regions.plan
+        if self._regions is None:
+            return None
+        self._regions.finish_pending()
+        return self._regions.plan
 
     @property
     def plans(self) -> dict:
         """Every plan made so far, keyed by the first region's input signature."""
-        return {} if self._regions is None else dict(self._regions.plans)
+        if self._regions is None:
+            return {}
+        self._regions.finish_pending()
+        return dict(self._regions.plans)
 
     @property
     def stats(self) -> Stats:

@@ -21,9 +21,10 @@ The timeline (regions r0..r3; r0, r1 OFFLOAD, r2, r3 KEEP; the link slower than 
 
 Assumptions, all of them:
 
-- One compute stream. Forward runs regions in order; backward in reverse, each region taking
-  ``BACKWARD_TO_FORWARD`` times its forward, plus one more forward first if it is recomputed.
-  Without an engine a step is forward + backward = 3x the forward sum (the baseline).
+- One compute stream. Forward runs regions in order; backward in reverse, each region taking its
+  measured ``backward_ms`` (or ``BACKWARD_TO_FORWARD`` times its forward where none was measured),
+  plus one more forward first if it is recomputed. Without an engine a step is the forward and
+  backward sums plus ``other_ms``, the measured rest of the step (the baseline).
 - Copies out start when a region's forward ends and queue in order on one out-link; the
   forward of later regions runs concurrently. The link does *not* have to drain before
   backward begins: a copy still in flight only delays the reload of its own region, and keeps
@@ -284,7 +285,7 @@ def _run_timeline(
             prefetch_floor_ms = start_ms
         recompute_ms = region.forward_ms if decision is Decision.RECOMPUTE else 0.0
         exposed_ms[i] += recompute_ms
-        now_ms = start_ms + recompute_ms + BACKWARD_TO_FORWARD * region.forward_ms
+        now_ms = start_ms + recompute_ms + region.backward_or_estimate_ms(BACKWARD_TO_FORWARD)
         if decision is Decision.RECOMPUTE:
             events.append((now_ms, False, -region.input_bytes))
         elif decision is Decision.KEEP:
@@ -335,10 +336,16 @@ def make_plan(
     machine: MachineProfile,
     budget_bytes: int | None,
     policy: str | Policy = "auto",
+    *,
+    other_ms: float = 0.0,
 ) -> Plan:
     """Choose a decision per region with ``policy`` (a registered name or a policy object) and
     predict what the step costs. ``budget_bytes``: activation bytes allowed on the device, None
-    for no limit. Raises ``ValueError`` for bad numbers or a policy that cannot honour them."""
+    for no limit. ``other_ms``: measured time of the step outside the regions (embedding, head,
+    loss, optimizer), added to the baseline and the prediction alike. Raises ``ValueError`` for
+    bad numbers or a policy that cannot honour them."""
+    if not (math.isfinite(other_ms) and other_ms >= 0):
+        raise ValueError(f"other_ms must be finite and >= 0, got {other_ms!r}")
     # _policy builds on this module's cost model; importing it here keeps that layering one-way.
     from ._policy import get_policy
 
@@ -350,7 +357,7 @@ def make_plan(
         raise ValueError(
             f"policy {chosen.name!r} returned {decisions!r}; it must return one Decision per region ({len(regions)})"
         )
-    plan = _build_plan(regions, decisions, machine, budget_bytes, chosen.name)
+    plan = _build_plan(regions, decisions, machine, budget_bytes, chosen.name, other_ms)
     logger.debug("planned %d regions with policy %r:\n%s", len(regions), chosen.name, plan)
     return plan
 
@@ -361,6 +368,7 @@ def _build_plan(
     machine: MachineProfile,
     budget_bytes: int | None,
     policy_name: str,
+    other_ms: float = 0.0,
 ) -> Plan:
     timeline = _run_timeline(regions, decisions, machine)
     region_plans = []
@@ -381,14 +389,14 @@ def _build_plan(
                 resident_bytes=resident_bytes,
             )
         )
-    baseline_step_ms = (1.0 + BACKWARD_TO_FORWARD) * sum(region.forward_ms for region in regions)
+    baseline_step_ms = other_ms + sum(r.forward_ms + r.backward_or_estimate_ms(BACKWARD_TO_FORWARD) for r in regions)
     return Plan(
         regions=tuple(region_plans),
         policy=policy_name,
         budget_bytes=budget_bytes,
         baseline_step_ms=baseline_step_ms,
-        predicted_step_ms=timeline.step_ms,
-        predicted_overhead_ms=timeline.step_ms - baseline_step_ms,
+        predicted_step_ms=other_ms + timeline.step_ms,
+        predicted_overhead_ms=other_ms + timeline.step_ms - baseline_step_ms,
         predicted_peak_bytes=timeline.peak_bytes,
         fits_budget=budget_bytes is None or timeline.peak_bytes <= budget_bytes,
     )

@@ -20,10 +20,13 @@ How each figure is taken:
   spare. The durable figures (write + fsync, and a read after the pages were dropped with
   ``posix_fadvise``) are measured in the same pass and logged at INFO; they are what it sees once
   the host is short of memory, which is also when spilling matters most.
-- per-tensor overhead: a forward and backward through a chain of tiny ops that each save one
-  tensor, with identity pack/unpack hooks and without; the difference per tensor, in
-  microseconds, best of ``repeats``, clamped at 0. It is a host-side cost, so it is measured on
-  the CPU whatever the device.
+- per-tensor overhead: the fixed cost of moving one saved tensor out and back through the engine
+  itself (bookkeeping, events or a spill file's create/write/read/unlink and two thread hand-offs):
+  a forward and backward through a chain of ops that each save one small (64 KiB) tensor on the
+  device, under an engine at budget 0 and at budget None; the difference per tensor, minus the
+  tensor's byte time at the measured bandwidths, best of ``repeats``, clamped at 0. The hook
+  round trip alone is ~50x smaller on the CPU, where a spill file per tensor dominates; planning
+  with it made small tensors look free to move.
 
 Results are cached in a JSON file (``$XDG_CACHE_HOME/offload/probe.json``, else
 ``~/.cache/offload/probe.json``) so that a restarted job does not measure again. Link figures are
@@ -58,8 +61,10 @@ log = logging.getLogger(__name__)
 
 _CACHE_FORMAT = 1
 """Version of the cache file layout; a file with another version is ignored."""
-_OVERHEAD_NUM_TENSORS = 2000
-"""Saved tensors per overhead run: enough that the hook cost (~1 us each) dwarfs timer noise."""
+_OVERHEAD_NUM_TENSORS = 200
+"""Saved tensors per overhead run: at ~0.1-1 ms each, enough to dwarf timer noise, short enough to wait for."""
+_OVERHEAD_TENSOR_BYTES = 64 * 1024
+"""Bytes per tensor in the overhead run: the engine's default ``min_offload_bytes``, the smallest it moves."""
 _BYTES_PER_MB = 1 << 20
 _BYTES_PER_GB = 1e9
 _SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
@@ -108,25 +113,29 @@ def probe(
 
     device_name = _device_name(device)
     host = platform.node()
-    link_key = f"{host}|{device.type}:{device_name}|torch {torch.__version__}"
+    # The per-tensor overhead is measured through the tier behind the device, which on the CPU is
+    # the spill directory: the link key names it too, and the intra-op thread count, since torch's
+    # spinning pool competes with the spill threads for the same cores.
+    link_key = f"{host}|{device.type}:{device_name}|torch {torch.__version__}|{spill_dir}|threads {torch.get_num_threads()}"
     disk_key = f"{host}|{spill_dir}"
 
     cache = {} if refresh else _read_cache(cache_file)
     link = _valid_entry(cache.get("link", {}).get(link_key), _LINK_FIELDS)
     disk = _valid_entry(cache.get("disk", {}).get(disk_key), _DISK_FIELDS)
     measured: dict[tuple[str, str], dict[str, float]] = {}
-    if link is None:
-        d2h, h2d = _measure_link(device, nbytes, repeats) if device.type == "cuda" else (0.0, 0.0)
-        link = {
-            "d2h_gb_per_s": d2h,
-            "h2d_gb_per_s": h2d,
-            "per_tensor_overhead_us": _measure_per_tensor_overhead_us(repeats),
-        }
-        measured["link", link_key] = link
     if disk is None:
         write, read = _measure_disk(spill_dir, nbytes, repeats)
         disk = {"disk_write_gb_per_s": write, "disk_read_gb_per_s": read}
         measured["disk", disk_key] = disk
+    if link is None:
+        d2h, h2d = _measure_link(device, nbytes, repeats) if device.type == "cuda" else (0.0, 0.0)
+        out_gbps, back_gbps = (d2h, h2d) if device.type == "cuda" else (disk["disk_write_gb_per_s"], disk["disk_read_gb_per_s"])
+        link = {
+            "d2h_gb_per_s": d2h,
+            "h2d_gb_per_s": h2d,
+            "per_tensor_overhead_us": _measure_per_tensor_overhead_us(device, spill_dir, repeats, out_gbps, back_gbps),
+        }
+        measured["link", link_key] = link
     if measured:
         _write_cache(cache_file, measured, size_mb=size_mb)
     else:
@@ -286,19 +295,35 @@ def _read_all(f: io.FileIO, view: memoryview) -> None:
         done += n
 
 
-def _measure_per_tensor_overhead_us(repeats: int) -> float:
-    """Cost of one saved_tensors_hooks pack + unpack round trip, microseconds, clamped at 0."""
-    x = torch.ones(1, requires_grad=True)
+def _measure_per_tensor_overhead_us(
+    device: torch.device, spill_dir: str, repeats: int, out_gb_per_s: float, back_gb_per_s: float
+) -> float:
+    """Fixed cost of moving one saved tensor out and back through the engine, microseconds, >= 0."""
+    from ._engine import engine  # the probe measures the engine itself; imported late (no cycle)
+
+    x = torch.ones(_OVERHEAD_TENSOR_BYTES // 4, device=device, requires_grad=True)
+    # As a region planned OFFLOAD runs: every save starts its copy out at once, nothing waits for
+    # a budget, and backward prefetches. That is the cost the planner charges per moved tensor.
+    moving = engine(None, min_offload_bytes=0, spill_dir=spill_dir, device=device)
+    counting = engine(None, min_offload_bytes=0, device=device)
+
+    def chain(eng) -> None:
+        with eng:
+            eager = eng._set_eager(eng is moving)
+            y = x
+            for _ in range(_OVERHEAD_NUM_TENSORS):
+                y = y.sin()  # saves its input: one pack in forward, one unpack in backward
+            loss = y.sum()
+            eng._set_eager(eager)
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def step() -> None:
-        y = x
-        for _ in range(_OVERHEAD_NUM_TENSORS):
-            y = y.sin()  # saves its input: one pack in forward, one unpack in backward
-        y.backward()
+        chain(counting)
 
     def with_hooks() -> None:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            step()
+        chain(moving)
 
     def best_s(fn) -> float:
         fn()  # warm-up
@@ -309,8 +334,13 @@ def _measure_per_tensor_overhead_us(repeats: int) -> float:
             times_s.append(time.perf_counter() - t0)
         return min(times_s)  # the least disturbed run: noise only ever adds time
 
-    overhead_s = best_s(with_hooks) - best_s(step)
-    return max(0.0, overhead_s / _OVERHEAD_NUM_TENSORS * 1e6)
+    try:
+        overhead_s = best_s(with_hooks) - best_s(step)
+    finally:
+        moving.close()
+        counting.close()
+    byte_s = sum(_OVERHEAD_TENSOR_BYTES / (gbps * _BYTES_PER_GB) for gbps in (out_gb_per_s, back_gb_per_s) if gbps > 0)
+    return max(0.0, (overhead_s / _OVERHEAD_NUM_TENSORS - byte_s) * 1e6)
 
 
 def _gb_per_s(nbytes: int, seconds: float) -> float:

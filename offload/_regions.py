@@ -95,8 +95,12 @@ class Regions:
         self._saved = saved_bytes
         self.plans: dict[tuple, Plan] = {}
         self.plan: Optional[Plan] = None
-        self._profiles: Optional[list[RegionProfile]] = None
+        self._profiles: Optional[list[_Measurement]] = None
         self._measured: dict[tuple, int] = {}
+        self._pending: Optional[tuple[tuple, list[_Measurement]]] = None  # measured, backward still to run
+        self._step_start: Optional[float] = None
+        self._step_profiled = False
+        self._other_ms = 0.0
         self._originals = []
         for index, (name, module) in enumerate(regions):
             self._originals.append((module, module.__dict__.get("forward")))
@@ -135,11 +139,36 @@ class Regions:
         return region_forward
 
     def _begin_step(self, args, kwargs) -> None:
+        now = time.perf_counter()
+        if self._step_profiled and self._step_start is not None and self._pending is not None:
+            # The measured step ran from its first region to now: whatever its regions' forward and
+            # backward did not cover (embedding, head, loss, optimizer) is the rest of the step.
+            step_ms = (now - self._step_start) * 1e3
+            self._other_ms = max(0.0, step_ms - sum(m.forward_ms + m.backward_ms() for m in self._pending[1]))
+        self.finish_pending()
+        self._step_start = now
         key = _signature(args, kwargs)
         self.plan = self.plans.get(key)
         self._key = key
         measuring = self.policy in _PROFILED_POLICIES and self._measured.get(key, 0) < PROFILE_STEPS
         self._profiles = [] if measuring else None
+        self._step_profiled = measuring
+
+    def finish_pending(self) -> None:
+        """Plan from the last measured step, now that its backward has run (or will not be timed)."""
+        if self._pending is None:
+            return
+        key, measurements = self._pending
+        self._pending = None
+        for m in measurements:
+            m.remove_hooks()
+        profiles = [m.profile() for m in measurements]
+        self._measured[key] = self._measured.get(key, 0) + 1
+        plan = make_plan(profiles, self._machine(), self.budget_bytes, self.policy, other_ms=self._other_ms)
+        self.plans[key] = plan
+        if self._key == key:
+            self.plan = plan
+        log.info("offload plan for inputs %s:\n%s", key, plan)
 
     def _decision(self, index: int) -> Decision:
         if self.plan is not None:
@@ -157,18 +186,78 @@ class Regions:
             torch.cuda.synchronize()
         forward_ms = (time.perf_counter() - start) * 1e3
         bytes_after, tensors_after = self._saved()
-        self._profiles.append(
-            RegionProfile(
-                name=name,
-                saved_bytes=bytes_after - bytes_before,
-                input_bytes=_input_bytes(args, kwargs),
-                forward_ms=forward_ms,
-                num_tensors=tensors_after - tensors_before,
-            )
+        m = _Measurement(
+            name=name,
+            saved_bytes=bytes_after - bytes_before,
+            input_bytes=_input_bytes(args, kwargs),
+            forward_ms=forward_ms,
+            num_tensors=tensors_after - tensors_before,
         )
+        m.time_backward(args, kwargs, out, cuda)
+        self._profiles.append(m)
         if index == len(self.regions) - 1:
-            self._measured[self._key] = self._measured.get(self._key, 0) + 1
-            self.plan = self.plans[self._key] = make_plan(self._profiles, self._machine(), self.budget_bytes, self.policy)
-            log.info("offload plan for inputs %s:\n%s", self._key, self.plan)
-            self._profiles = None
+            self._pending, self._profiles = (self._key, self._profiles), None
         return out
+
+
+def _tensors(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+class _Measurement:
+    """One region on a measured step: forward figures now, backward time when its hooks fire.
+
+    The region's backward runs between the gradient reaching its output (hook on the output) and
+    the gradient of its inputs being complete (hooks on the inputs). On CUDA the hooks synchronize,
+    which is acceptable on the measured steps only.
+    """
+
+    def __init__(self, *, name, saved_bytes, input_bytes, forward_ms, num_tensors) -> None:
+        self.name, self.saved_bytes, self.input_bytes = name, saved_bytes, input_bytes
+        self.forward_ms, self.num_tensors = forward_ms, num_tensors
+        self._start = self._end = None
+        self._hooks = []
+
+    def time_backward(self, args, kwargs, out, cuda: bool) -> None:
+        outputs = [t for t in _tensors(out) if t.requires_grad]
+        inputs = [t for t in _tensors(list(args) + list(kwargs.values())) if t.requires_grad]
+        if not (outputs and inputs):
+            return
+
+        def stamp():
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def at_output(grad):
+            if self._start is None:
+                self._start = stamp()
+
+        def at_input(grad):
+            self._end = stamp()
+
+        self._hooks.append(outputs[0].register_hook(at_output))
+        self._hooks.extend(t.register_hook(at_input) for t in inputs)
+
+    def backward_ms(self) -> float:
+        """Measured backward time, or 0 where the hooks did not both fire (the planner then estimates)."""
+        if self._start is None or self._end is None or self._end <= self._start:
+            return 0.0
+        return (self._end - self._start) * 1e3
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def profile(self) -> RegionProfile:
+        return RegionProfile(
+            name=self.name, saved_bytes=self.saved_bytes, input_bytes=self.input_bytes,
+            forward_ms=self.forward_ms, num_tensors=self.num_tensors, backward_ms=self.backward_ms(),
+        )

@@ -43,7 +43,7 @@ def calls(monkeypatch):
         counts["disk"] += 1
         return FAKE_DISK
 
-    def fake_overhead(repeats):
+    def fake_overhead(device, spill_dir, repeats, out_gb_per_s, back_gb_per_s):
         counts["overhead"] += 1
         return FAKE_OVERHEAD_US
 
@@ -79,15 +79,29 @@ def test_cache_is_written_and_reused(tmp_path, calls):
     assert second == first
 
 
-def test_new_spill_dir_measures_only_the_disk(tmp_path, calls):
+def test_new_spill_dir_measures_the_disk_and_the_moves_through_it(tmp_path, calls):
+    # On the CPU a moved tensor goes through the spill directory, so its per-tensor cost is
+    # measured again with the disk; the link (CUDA only) is not measured at all.
     cache = tmp_path / "probe.json"
     other = tmp_path / "other"
     other.mkdir()
     probe("cpu", spill_dir=tmp_path, cache_path=cache)
     probe("cpu", spill_dir=other, cache_path=cache)
-    assert calls == {"link": 0, "disk": 2, "overhead": 1}
+    assert calls == {"link": 0, "disk": 2, "overhead": 2}
     probe("cpu", spill_dir=tmp_path, cache_path=cache)  # both spill dirs are cached now
-    assert calls == {"link": 0, "disk": 2, "overhead": 1}
+    assert calls == {"link": 0, "disk": 2, "overhead": 2}
+
+
+def test_thread_count_is_part_of_the_key(tmp_path, calls):
+    cache = tmp_path / "probe.json"
+    threads = torch.get_num_threads()
+    try:
+        probe("cpu", spill_dir=tmp_path, cache_path=cache)
+        torch.set_num_threads(threads + 1)
+        probe("cpu", spill_dir=tmp_path, cache_path=cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == {"link": 0, "disk": 1, "overhead": 2}
 
 
 def test_refresh_measures_again(tmp_path, calls):
