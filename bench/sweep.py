@@ -10,9 +10,9 @@ holds the budget, and how close the planner's predicted step time is to the meas
                  for policy in offload, recompute, auto:  --one <policy> <budget MB>
              table + results/sweep-cpu.{md,json} + last-line JSON
     child:   fresh process ─▶ build model ─▶ first step (profiles, plans) ─▶ warm-up ─▶ timed steps
-             ─▶ one JSON line: median step ms, peak RSS (ru_maxrss), engine stats, plan
+             ─▶ one JSON line: median step ms, peak RSS (VmHWM), engine stats, plan
 
-Every configuration runs in a fresh process so its peak resident set size (``ru_maxrss``) is its
+Every configuration runs in a fresh process so its peak resident set size (``VmHWM``) is its
 own: a process's high-water mark never goes down. The planner plans with the real machine
 profile from ``offload.probe()`` (measured once, then cached on disk).
 
@@ -99,6 +99,19 @@ class Setup:
 # one configuration, in this (fresh) process
 
 
+
+def _peak_rss_bytes() -> int:
+    """This process's own peak resident set (VmHWM). ``ru_maxrss`` is carried over from the parent
+    across fork + exec on Linux, so a small configuration would report the parent's size."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
 def _rss_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -150,7 +163,7 @@ def run_one(setup: Setup, policy: str, budget_mb: Optional[float]) -> dict:
         "step_ms": statistics.median(steps_ms),
         "steps_ms": [round(ms, 2) for ms in steps_ms],
         "cpu_ms": statistics.median(cpu_ms),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB,
+        "peak_rss_mb": _peak_rss_bytes() / MB,
         "rss_before_steps_mb": rss_before_bytes / MB,
         "torch_threads": torch.get_num_threads(),
     }
@@ -269,7 +282,7 @@ def _fmt(value, spec: str) -> str:
 LEGEND = """\
 step ms: median wall time of the timed steps (forward, backward, SGD step). CPU ms: process CPU time
 per step, all threads (compute and spill I/O); unlike wall time it barely moves when other processes
-share the cores. peak RSS: ru_maxrss of the configuration's own fresh process. engine peak: the most
+share the cores. peak RSS: VmHWM of the configuration's own fresh process. engine peak: the most
 engine-managed activation bytes resident at once (stats.peak_resident_bytes). decisions: the plan,
 one letter per block (K keep, O offload, R recompute). predicted ms: the plan's predicted_step_ms.
 plain: no engine at all; none: the engine only counting (policy "none")."""
