@@ -57,13 +57,13 @@ class PinnedPool:
         self._warned_low_ram = False
 
     @staticmethod
-    def _ram_room_bytes() -> int:
+    def ram_room_bytes() -> int:
         """Host RAM the pool may still take: available now (psutil) minus the reserve."""
         vm = psutil.virtual_memory()
         return vm.available - _reserve_bytes(vm.total)
 
     def _room_bytes(self) -> int:
-        room = self._ram_room_bytes()
+        room = self.ram_room_bytes()
         if self._cap_bytes is not None:
             room = min(room, self._cap_bytes - self.held_bytes)
         return room
@@ -91,7 +91,7 @@ class PinnedPool:
         if self._room_bytes() < cls:
             self._trim(cls)
             if self._room_bytes() < cls:
-                if not self._warned_low_ram and self._ram_room_bytes() < cls:  # RAM, not the user's cap
+                if not self._warned_low_ram and self.ram_room_bytes() < cls:  # RAM, not the user's cap
                     log.warning(
                         "offload: host RAM is low (the pinned pool keeps %d MB free for the system); "
                         "the pool stops at %d MB and further tensors spill to disk",

@@ -223,6 +223,8 @@ class Store:
         self._writes: collections.deque = collections.deque()     # CUDA: host -> disk writes in flight
         self._reading: collections.deque = collections.deque()    # CUDA: disk -> host reads in flight
         self._host_lru: dict[int, _Entry] = {}    # CUDA: entries whose only copy is in host memory
+        self._stuck: dict[int, _Entry] = {}       # CUDA: hot entries with nowhere safe to go (see _keep_on_device)
+        self._stuck_warned = False
         self._retiring: list = []                 # (waitable, callback) for released entries' copies
         self._seq = 0
         self._hot_bytes = 0
@@ -289,6 +291,12 @@ class Store:
 
     def _evict(self, e: _Entry) -> None:
         """Start moving a hot entry off the device; its bytes stay resident until the copy lands."""
+        buf = None
+        if self.cuda:
+            buf = self._host_buffer(e.nbytes)
+            if buf is None and (self._write_failed or self.pool.ram_room_bytes() < e.nbytes):
+                self._keep_on_device(e)
+                return
         del self._hot[e.seq]
         self._hot_bytes -= e.nbytes
         source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(e.storage)
@@ -296,7 +304,6 @@ class Store:
         self._moved[e.seq] = e
         self.counters.offloaded_bytes += e.nbytes
         if self.cuda:
-            buf = self._host_buffer(e.nbytes)
             if buf is not None:
                 with _record("offload::d2h"):
                     e.out_ready = self.link.d2h(source, buf)
@@ -315,6 +322,21 @@ class Store:
         self._start_write(e, source)
         e.keepalive, e.out_ready = source, e.disk_ready
         self._inflight.append(e)
+
+    def _keep_on_device(self, e: _Entry) -> None:
+        """No pinned room, and pageable memory is unsafe (host RAM short, or the disk failing so
+        pageable copies would pile up in RAM): the tensor stays on the device, over the budget,
+        rather than push the host toward swap. It is not offered for eviction again."""
+        del self._hot[e.seq]
+        self._hot_bytes -= e.nbytes
+        self._stuck[e.seq] = e
+        if not self._stuck_warned:
+            log.warning(
+                "offload: no pinned host memory left and %s; keeping saved tensors on the device over "
+                "budget_mb (raise host_budget_mb or free host memory, or use a recompute policy)",
+                "spill writes are failing" if self._write_failed else "host RAM is short",
+            )
+            self._stuck_warned = True
 
     def _stop_watching(self, e: _Entry) -> None:
         """The entry's data is a finished copy now. See Note: [version watch]."""
@@ -656,8 +678,10 @@ class Store:
         if self._by_key.get(e.key) is e:
             del self._by_key[e.key]
         if e.hot:
-            del self._hot[e.seq]
-            self._hot_bytes -= e.nbytes
+            if self._hot.pop(e.seq, None) is not None:
+                self._hot_bytes -= e.nbytes
+            else:
+                del self._stuck[e.seq]
             self.counters.resident_bytes -= e.nbytes
             e.storage = None
             return

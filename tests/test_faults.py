@@ -483,6 +483,24 @@ def test_pinning_fails_falls_back_to_disk(ok, monkeypatch, spill_dir, caplog):
     eng.close()
 
 
+def test_no_pinning_and_a_failing_disk_keep_tensors_on_the_device(faulty, monkeypatch, spill_dir, caplog):
+    """Nowhere safe to put them (no pinned memory, and pageable copies would pile up in host RAM
+    behind a failing disk): tensors stay on the device over the budget, with one warning, exact."""
+    model = _mlp()
+    ref = _host_step(model)
+    monkeypatch.setattr(offload._pool, "torch", _NoPinning(0))
+    faulty.writes_ok = 1
+    eng = _engine_with_host_tier(DeferredLink(2), budget_mb=2 * ACT_MB, spill_dir=spill_dir)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        assert_same(ref, _host_step(model, eng), "no pinning, disk failing")
+    stats = _host_clean(eng, spill_dir)
+    assert stats.peak_resident_bytes > 2 * BATCH * 128 * 4, "over the budget rather than into host RAM"
+    store = eng._stores[torch.device("cpu")]
+    assert not store._stuck and not store._host_lru, "nothing left held after the step"
+    assert any("keeping saved tensors on the device" in m for m in warnings_from(caplog, "offload._store"))
+    eng.close()
+
+
 def test_low_host_ram_caps_the_pool_and_spills(monkeypatch, spill_dir, caplog):
     """psutil reports barely more than the reserve free: the pool stays within it, the rest spills."""
     total = 16 << 30
