@@ -46,6 +46,7 @@ if str(REPO_ROOT) not in sys.path:  # run from a checkout without installing (PY
     sys.path.insert(0, str(REPO_ROOT))
 
 import offload  # noqa: E402
+from offload._probe import cpu_model  # noqa: E402
 
 MB = 1 << 20
 """Bytes per MB, as the engine's ``budget_mb`` counts them."""
@@ -85,17 +86,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _git_commit() -> str:
     try:
         out = subprocess.run(
@@ -121,7 +111,7 @@ def environment(device: torch.device) -> dict:
     """Hardware, versions and date: what a committed result must name."""
     env = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "host_cpu": _cpu_model(),
+        "host_cpu": cpu_model(),
         "cpu_cores_logical": psutil.cpu_count(logical=True),
         "cpu_cores_physical": psutil.cpu_count(logical=False),
         "torch_threads": torch.get_num_threads(),

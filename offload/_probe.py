@@ -191,9 +191,8 @@ def _resolve_spill_dir(spill_dir: str | os.PathLike[str] | None) -> str:
     return os.path.realpath(path)
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what ``platform`` knows."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -202,6 +201,12 @@ def _device_name(device: torch.device) -> str:
     except OSError:
         pass  # not Linux: fall back to what platform knows
     return platform.processor() or platform.machine() or "cpu"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_model()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from offload._spill import _filesystem_type
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 WIDTH = 128
@@ -73,16 +75,6 @@ print(json.dumps({"peak_rss_bytes": peak_rss_bytes(),
 """
 
 
-def _filesystem_type(path: Path) -> str:
-    best, fstype = "", ""
-    resolved = str(path.resolve())
-    for part in psutil.disk_partitions(all=True):
-        mount = part.mountpoint
-        if (resolved == mount or resolved.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
-            best, fstype = mount, part.fstype
-    return fstype
-
-
 def _run(use_engine: bool, spill_dir: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX"):
@@ -95,7 +87,7 @@ def _run(use_engine: bool, spill_dir: Path) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in KiB on Linux only")
 def test_spilled_activations_leave_the_resident_set(spill_dir):
-    if _filesystem_type(spill_dir) in ("tmpfs", "ramfs"):
+    if _filesystem_type(Path(spill_dir)) in ("tmpfs", "ramfs"):
         pytest.skip(f"{spill_dir} is on a RAM filesystem: spilling there frees no memory")
     free = psutil.disk_usage(str(spill_dir)).free
     if free < 2 * DEPTH * BATCH * WIDTH * 4:

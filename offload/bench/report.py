@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from .._probe import cpu_model
+
 import offload
 from offload.bench.config import MB, REFERENCE, VARIANTS, Kind, RunSettings
 
@@ -199,17 +201,6 @@ def plot(path: Path, rows: list[dict], results: dict[str, dict], run: RunSetting
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _git_commit() -> Optional[str]:
