@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 

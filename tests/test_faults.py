@@ -42,16 +42,6 @@ GATE_TIMEOUT_S = 10.0
 """Longest a test holds a spill write back before letting it fail anyway (a safety net, not a delay)."""
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these tensors are tiny, and on a busy machine torch's thread pool spends
-    far longer spinning for a core than computing (300 steps: ~4 s instead of ~80 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class TanhChain(nn.Module):
     """tanh saves its output and mul saves the same storage: every storage has two users."""
 

@@ -9,7 +9,6 @@ probe runs and the plans do not depend on this machine.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import pytest

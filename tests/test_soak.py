@@ -14,7 +14,6 @@ import random
 import time
 
 import psutil
-import pytest
 import torch
 from torch import nn
 
@@ -41,16 +40,6 @@ SETTLE_TIMEOUT_S = 2.0
 """How long a spill write still in flight for a released tensor may take to land."""
 CHECK_EVERY = 25
 """Steps between comparisons against the model without the engine."""
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these tensors are tiny, and on a busy machine torch's thread pool spends
-    far longer spinning for a core than computing (300 steps: ~4 s instead of ~80 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class TinyLM(nn.Module):

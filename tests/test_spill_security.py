@@ -36,16 +36,6 @@ MARKER = 1234.5678
 """A value no message has any reason to contain: if it shows up in a log line, data leaked."""
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these tensors are tiny, and on a busy machine torch's thread pool spends
-    far longer spinning for a core than computing (300 steps: ~4 s instead of ~80 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)])
@@ -227,7 +217,7 @@ def test_directory_removed_when_the_engine_is_collected(spill_dir):
 def test_directory_removed_at_interpreter_exit(spill_dir):
     """A process that spills and exits without close(), with a graph still alive: nothing is left."""
     script = textwrap.dedent(
-        f"""
+        """
         import sys, torch, offload
         eng = offload.engine(0, min_offload_bytes=0, spill_dir=sys.argv[1])
         w = torch.randn(256, 256, requires_grad=True)
