@@ -86,8 +86,7 @@ class Engine:
     def __enter__(self) -> "Engine":
         if self._closed:
             raise RuntimeError("this offload engine was closed; make a new one with offload.engine(...)")
-        for module in self._models:  # storages can change between steps (to(), load_state_dict)
-            self._eligible.skip_module(module)
+        self._eligible.skip_modules(self._models)  # storages can change between steps (to(), load_state_dict)
         ctx = torch.autograd.graph.saved_tensors_hooks(*self._hooks)
         ctx.__enter__()
         stack = getattr(self._local, "stack", None)

@@ -34,10 +34,16 @@ class Eligibility:
         self.min_bytes = min_bytes
         self.skip_storages: set[int] = set()
 
-    def skip_module(self, module: torch.nn.Module) -> None:
-        """Never move the storages of this module's parameters and buffers."""
-        for t in list(module.parameters()) + list(module.buffers()):
-            self.skip_storages.add(t.untyped_storage()._cdata)
+    def skip_modules(self, modules) -> None:
+        """Never move the storages of these modules' parameters and buffers.
+
+        The set is rebuilt, not added to: a storage freed since the last step (``to()``,
+        ``load_state_dict``) leaves an address the allocator may hand to an activation, which a
+        stale entry would then wrongly pass through.
+        """
+        self.skip_storages = {
+            t.untyped_storage()._cdata for m in modules for t in (*m.parameters(), *m.buffers())
+        }
 
     def __call__(self, t: torch.Tensor) -> bool:
         if type(t) is not torch.Tensor:  # Parameters and subclasses (fake, functional, DTensor)
