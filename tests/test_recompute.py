@@ -95,11 +95,17 @@ def torch_ckpt(fn, *args, **kwargs):
 VARIANTS = {"plain": plain, "offload": offload_ckpt, "torch": torch_ckpt}
 
 
+def fresh(block: nn.Module, x: torch.Tensor, requires_grad: bool = True):
+    """A copy of the block and a new leaf input, with the RNG reseeded: every variant starts alike."""
+    block = copy.deepcopy(block)
+    x = x.detach().clone().requires_grad_(requires_grad)
+    torch.manual_seed(SEED)
+    return block, x
+
+
 def step(run, block: nn.Module, x: torch.Tensor, *args, **kwargs):
     """One forward (reseeded) and backward; returns the output, the input's grad and the params' grads."""
-    block = copy.deepcopy(block)
-    x = x.detach().clone().requires_grad_(x.requires_grad)
-    torch.manual_seed(SEED)
+    block, x = fresh(block, x, x.requires_grad)
     out = run(block, x, *args, **kwargs)
     out.square().mean().backward()
     return out.detach(), x.grad, [p.grad for p in block.parameters()]
@@ -184,9 +190,7 @@ def test_bf16_autocast_state_is_restored_in_recompute():
     block, x = make_block(), make_input()
     results = {}
     for name, run in VARIANTS.items():
-        b = copy.deepcopy(block)
-        xi = x.detach().clone().requires_grad_()
-        torch.manual_seed(SEED)
+        b, xi = fresh(block, x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = run(b, xi)
         out.float().square().mean().backward()  # backward outside autocast
@@ -200,9 +204,7 @@ def test_recompute_under_a_different_autocast_than_forward():
     block, x = make_block(), make_input()
     results = {}
     for name, run in VARIANTS.items():
-        b = copy.deepcopy(block)
-        xi = x.detach().clone().requires_grad_()
-        torch.manual_seed(SEED)
+        b, xi = fresh(block, x)
         out = run(b, xi)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out.square().mean().backward()
@@ -214,9 +216,7 @@ def test_retain_graph_backward_twice():
     block, x = make_block(), make_input()
     results = {}
     for name, run in VARIANTS.items():
-        b = copy.deepcopy(block)
-        xi = x.detach().clone().requires_grad_()
-        torch.manual_seed(SEED)
+        b, xi = fresh(block, x)
         loss = run(b, xi).square().mean()
         loss.backward(retain_graph=True)
         first = [p.grad.clone() for p in b.parameters()]
@@ -231,9 +231,7 @@ def test_create_graph_double_backward_gradient_penalty():
     block, x = make_block(), make_input()
     results = {}
     for name, run in (("plain", plain), ("offload", offload_ckpt)):
-        b = copy.deepcopy(block)
-        xi = x.detach().clone().requires_grad_()
-        torch.manual_seed(SEED)
+        b, xi = fresh(block, x)
         out = run(b, xi)
         (grad_x,) = torch.autograd.grad(out.square().sum(), xi, create_graph=True)
         penalty = grad_x.square().sum() + out.mean()
@@ -248,10 +246,8 @@ def test_autograd_grad_on_a_subset_of_inputs():
     bias = torch.randn(WIDTH)
     results = {}
     for name, run in VARIANTS.items():
-        b = copy.deepcopy(block)
-        xi = x.detach().clone().requires_grad_()
         bi = bias.clone().requires_grad_()
-        torch.manual_seed(SEED)
+        b, xi = fresh(block, x)
         out = run(b, xi, bias=bi)
         (gx,) = torch.autograd.grad(out.square().mean(), [xi])
         results[name] = (out.detach(), gx, [p.grad for p in b.parameters()] + [bi.grad])
