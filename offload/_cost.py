@@ -63,7 +63,16 @@ class RegionProfile:
     backward_ms: float = 0.0
     """Wall time of the region's backward, milliseconds, measured with gradient hooks on its output
     and input. 0: not measured; the planner then assumes ``BACKWARD_TO_FORWARD`` x ``forward_ms``."""
+    recompute_ms: float = 0.0
+    """Wall time of re-running the region's forward in backward, milliseconds, measured on a step
+    that recomputed it (it can differ from ``forward_ms``: recompute stops after the last saved
+    tensor, and runs with the RNG and autocast states restored). 0: not measured; the planner
+    then charges ``forward_ms``."""
 
     def backward_or_estimate_ms(self, backward_to_forward: float) -> float:
         """The measured backward time, or ``backward_to_forward`` x the forward where none was measured."""
         return self.backward_ms if self.backward_ms > 0 else backward_to_forward * self.forward_ms
+
+    def recompute_or_forward_ms(self) -> float:
+        """The measured recompute time, or the forward time where none was measured."""
+        return self.recompute_ms if self.recompute_ms > 0 else self.forward_ms

@@ -60,6 +60,7 @@ class Engine:
             self.watch(model)
         self._hooks = make_hooks(self._eligible, self._pack, self._unpack, self._passthrough)
         self._closed = False
+        self._planned = False
         self._machine = machine
         self._regions = None
         if regions is not None:
@@ -72,6 +73,7 @@ class Engine:
                 eager=self._set_eager,
                 on_recompute=self._count_recompute,
                 saved_bytes=lambda: (self._counters.saved_bytes, self._counters.saved_tensors),
+                planned=self._set_planned,
             )
 
     # ------------------------------------------------------------------ user API
@@ -126,6 +128,14 @@ class Engine:
         return self._regions.plan
 
     @property
+    def profiling(self) -> bool:
+        """True while the regions are still being measured for the latest input shapes: the next
+        step will be a profiling step (see ``offload._regions``), not one that follows a final
+        plan. Benchmarks warm up until this is False. Always False without regions or with a
+        policy that measures nothing ("none", "recompute")."""
+        return self._regions is not None and self._regions.profiling()
+
+    @property
     def plans(self) -> dict:
         """Every plan made so far, keyed by the first region's input signature."""
         if self._regions is None:
@@ -168,6 +178,7 @@ class Engine:
                 store = self._stores.get(device)
                 if store is None:
                     store = self._stores[device] = Store(self.config, device, self._counters)
+                    store.set_planned(self._planned)
         return store
 
     def _pack(self, t: torch.Tensor):
@@ -182,6 +193,12 @@ class Engine:
         previous = getattr(self._local, "eager", False)
         self._local.eager = eager
         return previous
+
+    def _set_planned(self, planned: bool) -> None:
+        """A plan is in force this step (True) or the regions are being measured (False)."""
+        self._planned = planned
+        for store in list(self._stores.values()):
+            store.set_planned(planned)
 
     def _count_recompute(self) -> None:
         self._counters.recomputed_regions += 1

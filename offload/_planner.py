@@ -23,7 +23,8 @@ Assumptions, all of them:
 
 - One compute stream. Forward runs regions in order; backward in reverse, each region taking its
   measured ``backward_ms`` (or ``BACKWARD_TO_FORWARD`` times its forward where none was measured),
-  plus one more forward first if it is recomputed. Without an engine a step is the forward and
+  plus, if it is recomputed, its measured ``recompute_ms`` first (one more forward where none
+  was measured). Without an engine a step is the forward and
   backward sums plus ``other_ms``, the measured rest of the step (the baseline).
 - Copies out start when a region's forward ends and queue in order on one out-link; the
   forward of later regions runs concurrently. The link does *not* have to drain before
@@ -74,7 +75,10 @@ from ._cost import MachineProfile, RegionProfile
 if TYPE_CHECKING:
     from ._policy import Policy
 
-__all__ = ["Decision", "Plan", "RegionPlan", "link_usable", "make_plan", "region_transfer_ms", "simulate"]
+__all__ = [
+    "Decision", "Plan", "RegionPlan", "calibrate_link", "link_usable", "make_plan", "region_transfer_ms", "scale_link",
+    "simulate",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +287,7 @@ def _run_timeline(
             start_ms = max(needed_ms, issue_ms + back_ms)
             exposed_ms[i] += start_ms - needed_ms
             prefetch_floor_ms = start_ms
-        recompute_ms = region.forward_ms if decision is Decision.RECOMPUTE else 0.0
+        recompute_ms = region.recompute_or_forward_ms() if decision is Decision.RECOMPUTE else 0.0
         exposed_ms[i] += recompute_ms
         now_ms = start_ms + recompute_ms + region.backward_or_estimate_ms(BACKWARD_TO_FORWARD)
         if decision is Decision.RECOMPUTE:
@@ -310,6 +314,67 @@ def simulate(
     return timeline.step_ms, timeline.peak_bytes
 
 
+_SCALE_RANGE = (1e-3, 1e3)
+"""Transfer costs are scaled by at most this much either way by ``calibrate_link``."""
+_CALIBRATION_ROUNDS = 60
+"""Bisection rounds of ``calibrate_link`` (on a log scale: far finer than timing noise)."""
+
+
+def scale_link(machine: MachineProfile, scale: float) -> MachineProfile:
+    """``machine`` with every transfer cost (bytes and per tensor) multiplied by ``scale`` > 0."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale!r}")
+    return dataclasses.replace(
+        machine,
+        d2h_gb_per_s=machine.d2h_gb_per_s / scale,
+        h2d_gb_per_s=machine.h2d_gb_per_s / scale,
+        disk_write_gb_per_s=machine.disk_write_gb_per_s / scale,
+        disk_read_gb_per_s=machine.disk_read_gb_per_s / scale,
+        per_tensor_overhead_us=machine.per_tensor_overhead_us * scale,
+    )
+
+
+def calibrate_link(
+    regions: Sequence[RegionProfile], machine: MachineProfile, offload_exposed_ms: float
+) -> tuple[MachineProfile, float]:
+    """(machine, scale): ``machine`` with its transfer costs scaled by one factor so that moving
+    every region costs ``offload_exposed_ms`` more than keeping every region, as measured on a
+    step that did exactly that.
+
+    Why: the probe measures the link alone (one large buffer, nothing else running), while a
+    training step moves many tensors of many sizes while compute runs. On a 2-core CPU the spill
+    threads and the compute share cores, and the same bytes cost ~1.5x what the probe predicts
+    (measured, MiniGPT 6x256: see bench/sweep.py). One factor keeps the model's shape (what hides
+    behind what, bytes and per-tensor costs in proportion) and fixes its level from a measured
+    step. The scale is clamped to [1e-3, 1e3]; an unusable link is returned unchanged.
+    """
+    if not math.isfinite(offload_exposed_ms):
+        raise ValueError(f"offload_exposed_ms must be finite, got {offload_exposed_ms!r}")
+    regions = tuple(regions)
+    if not regions or not link_usable(machine):
+        return machine, 1.0
+    keep_ms = _run_timeline(regions, (Decision.KEEP,) * len(regions), machine).step_ms
+    offload_all = (Decision.OFFLOAD,) * len(regions)
+
+    def exposed_ms(scale: float) -> float:
+        return _run_timeline(regions, offload_all, scale_link(machine, scale)).step_ms - keep_ms
+
+    low, high = _SCALE_RANGE
+    if offload_exposed_ms <= exposed_ms(low):
+        return scale_link(machine, low), low
+    if offload_exposed_ms >= exposed_ms(high):
+        return scale_link(machine, high), high
+    log_low, log_high = math.log(low), math.log(high)
+    for _ in range(_CALIBRATION_ROUNDS):  # exposed time never falls as the scale grows
+        middle = (log_low + log_high) / 2
+        if exposed_ms(math.exp(middle)) < offload_exposed_ms:
+            log_low = middle
+        else:
+            log_high = middle
+    scale = math.exp((log_low + log_high) / 2)
+    return scale_link(machine, scale), scale
+
+
 # -- entry point -----------------------------------------------------------------------------
 
 
@@ -322,8 +387,10 @@ def _check_inputs(regions: Sequence[RegionProfile], machine: MachineProfile, bud
         for field in ("saved_bytes", "input_bytes", "num_tensors"):
             if getattr(region, field) < 0:
                 raise ValueError(f"region {region.name!r}: {field} must be >= 0, got {getattr(region, field)!r}")
-        if not (math.isfinite(region.forward_ms) and region.forward_ms >= 0):
-            raise ValueError(f"region {region.name!r}: forward_ms must be finite and >= 0, got {region.forward_ms!r}")
+        for field in ("forward_ms", "backward_ms", "recompute_ms"):
+            value = getattr(region, field)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"region {region.name!r}: {field} must be finite and >= 0, got {value!r}")
     machine_fields = ("d2h_gb_per_s", "h2d_gb_per_s", "disk_write_gb_per_s", "disk_read_gb_per_s")
     for field in machine_fields + ("per_tensor_overhead_us",):
         value = getattr(machine, field)

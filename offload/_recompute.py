@@ -20,13 +20,14 @@ A region's backward re-runs its forward at most once per backward pass.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Optional
 
 import torch
 
 from ._errors import OffloadError
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "timed_checkpoint"]
 
 
 def _record(name: str):
@@ -82,11 +83,15 @@ class _Slot:
 class _Frame:
     """One call of a recomputed region: its inputs (through the outer hooks) and how to re-run it."""
 
-    def __init__(self, fn: Callable, name: str, args: tuple, kwargs: dict) -> None:
+    def __init__(
+        self, fn: Callable, name: str, args: tuple, kwargs: dict, on_recompute: Optional[Callable] = None
+    ) -> None:
         self.fn, self.name = fn, name
+        self.on_recompute = on_recompute  # called with the recompute's wall time, ms (profiling)
         self.args, self.kwargs = args, kwargs
         flat = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
         self.rng = _RNGState(flat)
+        self.cuda_device = next((t.device for t in flat if t.is_cuda), None)
         self.autocast = _AutocastState()
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.inputs: list = []          # per tensor argument: (packed, version to check or None, requires_grad)
@@ -187,6 +192,10 @@ class _Frame:
         def forbid(_):
             raise OffloadError(f"offload: region {name!r} unpacked a saved tensor while being recomputed")
 
+        timed = self.on_recompute is not None
+        if timed:
+            _synchronize(self.cuda_device)
+            start = time.perf_counter()
         with _record("offload::recompute"):
             args, kwargs = self._rebuild_args()
             with self.rng.restored(), self.autocast.restored(), torch.enable_grad():
@@ -195,6 +204,9 @@ class _Frame:
                         self.fn(*args, **kwargs)
                     except _StopRecompute:
                         pass
+        if timed:
+            _synchronize(self.cuda_device)
+            self.on_recompute((time.perf_counter() - start) * 1e3)
         if len(captured) != len(self.meta) or any(
             c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(captured, self.meta)
         ):
@@ -217,6 +229,20 @@ class _StopRecompute(Exception):
 
 _ARG = object()
 """Placeholder for a tensor argument in a frame's stored argument template."""
+
+
+def _synchronize(device: Optional[torch.device]) -> None:
+    """Wait for the region's CUDA device (if any), so wall time covers its kernels."""
+    if device is not None:
+        torch.cuda.synchronize(device)
+
+
+def timed_checkpoint(fn: Callable, args: tuple, kwargs: dict, name: str, on_recompute: Callable[[float], None]):
+    """``checkpoint`` that reports each recompute's wall time in ms to ``on_recompute`` (the
+    regions' profiling step; on CUDA it synchronizes, so it is for measured steps only)."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    return _Frame(fn, name, args, kwargs, on_recompute).run()
 
 
 def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: Any):

@@ -1,20 +1,36 @@
-"""Regions: measure each one on a first step, plan, then keep, offload or recompute it.
+"""Regions: measure each one, plan, then keep, offload or recompute it.
 
-Owns the per-region side of the engine: wrapping the region modules' ``forward``, profiling a
-step (saved bytes and forward time per region), asking the planner for a decision per region,
-and carrying each decision out on later steps. Plans are keyed by the shapes of the first
-region's inputs, so a new sequence length or batch size is profiled and planned once, then
-reused.
+Owns the per-region side of the engine: wrapping the region modules' ``forward``, profiling
+steps (saved bytes, forward, backward and recompute time per region), asking the planner for a
+decision per region, and carrying each decision out on later steps. Plans are keyed by the
+shapes of the first region's inputs, so a new sequence length or batch size is profiled and
+planned once, then reused.
 
-    step with new shapes:  region 0 ─measure─▶ region 1 ─measure─▶ ... last ─▶ make_plan() ─▶ cache
-    (twice: the first measurement carries warm-up costs; the second plan replaces the first)
-    later steps:           region i ─▶ KEEP: run as is (the budget still holds per tensor)
-                                     ─▶ OFFLOAD: run; each save starts its copy out at once
-                                     ─▶ RECOMPUTE: offload.checkpoint(region): only inputs saved
+Profiling, per new input signature (each stage is one training step, and plans after it)::
+
+    "measure"    every region runs as is, the budget held tensor by tensor: saved bytes and
+                 tensors per region, and first timings (the first step also pays warm-up costs)
+        nothing has to move (or policy "offload") ─▶ "measure" once more ─▶ final plan
+        policy "auto" and something has to move:
+    "recompute"  every region recomputed: forward, backward and recompute times free of any
+                 transfer (on a CPU the spill threads share the cores, and slowed the forward of
+                 a "measure" step 1.5-4x), at the least memory any plan can use
+    "offload"    every region offloaded (when there is a link): the step time this costs over
+                 the "recompute" step calibrates the probe's transfer costs (``calibrate_link``)
+        ─▶ final plan from those numbers
+
+    later steps:  region i ─▶ KEEP: run as is
+                            ─▶ OFFLOAD: run; each save starts its copy out at once
+                            ─▶ RECOMPUTE: offload.checkpoint(region): only inputs saved
+
+Every profiling stage stays within the budget: "measure" holds it per tensor, "recompute"
+keeps only the regions' inputs (themselves under the budget) and "offload" moves everything.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import time
 from typing import Callable, Optional
@@ -22,8 +38,8 @@ from typing import Callable, Optional
 import torch
 
 from ._cost import MachineProfile, RegionProfile
-from ._planner import Decision, Plan, make_plan
-from ._recompute import checkpoint
+from ._planner import Decision, Plan, calibrate_link, link_usable, make_plan
+from ._recompute import checkpoint, timed_checkpoint
 
 __all__ = ["Regions", "resolve_regions"]
 
@@ -33,9 +49,15 @@ _PROFILED_POLICIES = ("auto", "offload")
 """Policies whose decisions depend on measured sizes and times; "recompute" and "none" do not."""
 
 PROFILE_STEPS = 2
-"""Steps measured per new input signature. The first pays one-time costs (allocator growth, lazy
-initialisation, kernel selection: 10x the steady forward time of the first block was seen on the
-CPU), so its plan is provisional and the second step's measurement replaces it."""
+""""measure" steps per new input signature when no trial follows. The first pays one-time costs
+(allocator growth, lazy initialisation, kernel selection: 10x the steady forward time of the
+first block was seen on the CPU), so its plan is provisional and the second step's replaces it."""
+
+MEASURE, RECOMPUTE_TRIAL, OFFLOAD_TRIAL = "measure", "recompute", "offload"
+"""Profiling stages (see the module docstring)."""
+
+_RECENT_STEPS = 64
+"""Steps whose stage ``Regions.recent_stages`` remembers (for tests and debugging)."""
 
 
 def resolve_regions(regions, model: Optional[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
@@ -84,6 +106,7 @@ class Regions:
         eager: Callable[[bool], bool],
         on_recompute: Callable[[], None],
         saved_bytes: Callable[[], tuple[int, int]],
+        planned: Callable[[bool], None] = lambda planned: None,
     ) -> None:
         self.regions = regions
         self.policy = policy
@@ -93,13 +116,19 @@ class Regions:
         self._eager = eager
         self._on_recompute = on_recompute
         self._saved = saved_bytes
+        self._planned = planned
         self.plans: dict[tuple, Plan] = {}
         self.plan: Optional[Plan] = None
+        self.recent_stages: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
+        """The profiling stage of each recent step, oldest first; None: the step followed a plan."""
+        self._key: Optional[tuple] = None
+        self._stage: Optional[str] = None
         self._profiles: Optional[list[_Measurement]] = None
-        self._measured: dict[tuple, int] = {}
-        self._pending: Optional[tuple[tuple, list[_Measurement]]] = None  # measured, backward still to run
+        self._stages: dict[tuple, list[str]] = {}      # signature -> profiling stages still to run
+        self._sizes: dict[tuple, list[RegionProfile]] = {}   # from its latest "measure" step
+        self._timed: dict[tuple, tuple[list[RegionProfile], Optional[float]]] = {}  # "recompute" step
+        self._pending = None  # (key, stage, measurements, step ms or None): backward still to run
         self._step_start: Optional[float] = None
-        self._step_profiled = False
         self._other_ms = 0.0
         self._originals = []
         for index, (name, module) in enumerate(regions):
@@ -121,54 +150,103 @@ class Regions:
                 return forward(*args, **kwargs)
             if index == 0:
                 self._begin_step(args, kwargs)
-            decision = self._decision(index)
             if self._profiles is not None:
                 return self._measure(index, name, forward, args, kwargs)
+            decision = self._decision(index)
             if decision is Decision.RECOMPUTE:
                 self._on_recompute()
                 return checkpoint(forward, *args, name=name, **kwargs)
             if decision is Decision.OFFLOAD:
-                previous = self._eager(True)
-                try:
-                    return forward(*args, **kwargs)
-                finally:
-                    self._eager(previous)
+                return self._eagerly(forward, args, kwargs)
             return forward(*args, **kwargs)
 
         region_forward.__wrapped__ = forward
         return region_forward
 
+    def _eagerly(self, forward, args, kwargs):
+        previous = self._eager(True)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self._eager(previous)
+
     def _begin_step(self, args, kwargs) -> None:
         now = time.perf_counter()
-        if self._step_profiled and self._step_start is not None and self._pending is not None:
-            # The measured step ran from its first region to now: whatever its regions' forward and
-            # backward did not cover (embedding, head, loss, optimizer) is the rest of the step.
-            step_ms = (now - self._step_start) * 1e3
-            self._other_ms = max(0.0, step_ms - sum(m.forward_ms + m.backward_ms() for m in self._pending[1]))
+        if self._pending is not None and self._step_start is not None and self._pending[3] is None:
+            # The measured step ran from its first region to now (embedding, head, loss and the
+            # optimizer included): the whole step, as the plan predicts it.
+            self._pending = self._pending[:3] + ((now - self._step_start) * 1e3,)
         self.finish_pending()
         self._step_start = now
         key = _signature(args, kwargs)
         self.plan = self.plans.get(key)
         self._key = key
-        measuring = self.policy in _PROFILED_POLICIES and self._measured.get(key, 0) < PROFILE_STEPS
-        self._profiles = [] if measuring else None
-        self._step_profiled = measuring
+        stage = None
+        if self.policy in _PROFILED_POLICIES:
+            stages = self._stages.setdefault(key, [MEASURE])
+            if stages:
+                stage = stages.pop(0)
+        self._stage = stage
+        self._profiles = [] if stage is not None else None
+        self.recent_stages.append(stage)
+        # A plan in force already keeps its regions within the budget, so the store need not
+        # start evicting early (its in-flight window); while measuring, it must.
+        self._planned(stage is None and self.plan is not None)
 
     def finish_pending(self) -> None:
         """Plan from the last measured step, now that its backward has run (or will not be timed)."""
         if self._pending is None:
             return
-        key, measurements = self._pending
+        key, stage, measurements, step_ms = self._pending
         self._pending = None
         for m in measurements:
             m.remove_hooks()
         profiles = [m.profile() for m in measurements]
-        self._measured[key] = self._measured.get(key, 0) + 1
-        plan = make_plan(profiles, self._machine(), self.budget_bytes, self.policy, other_ms=self._other_ms)
+        if step_ms is not None and stage != OFFLOAD_TRIAL:  # moving everything slows the rest too
+            self._other_ms = max(0.0, step_ms - sum(m.forward_ms + m.raw_backward_ms() for m in measurements))
+        machine = self._machine()
+        span_ms = _span_ms(measurements)
+        if stage == MEASURE:
+            first = key not in self._sizes
+            self._sizes[key] = profiles
+            plan = self._make_plan(profiles, machine)
+            if first:
+                moves = any(d is not Decision.KEEP for d in plan.decisions)
+                if self.policy == "auto" and moves:
+                    self._stages[key] = [RECOMPUTE_TRIAL] + ([OFFLOAD_TRIAL] if link_usable(machine) else [])
+                else:
+                    self._stages[key] = [MEASURE] * (PROFILE_STEPS - 1)
+        elif stage == RECOMPUTE_TRIAL:
+            timed = [
+                dataclasses.replace(
+                    size, forward_ms=p.forward_ms, backward_ms=p.backward_ms, recompute_ms=p.recompute_ms
+                )
+                for size, p in zip(self._sizes[key], profiles)
+            ]
+            self._timed[key] = (timed, span_ms)
+            plan = self._make_plan(timed, machine)
+        else:
+            timed, recompute_span_ms = self._timed[key]
+            if span_ms is not None and recompute_span_ms is not None:
+                # The "recompute" step less its recomputes is a step that keeps everything.
+                keep_span_ms = recompute_span_ms - sum(r.recompute_ms for r in timed)
+                machine, scale = calibrate_link(timed, machine, span_ms - keep_span_ms)
+                log.info("offload: transfer costs calibrated x%.3g by a step that offloaded every region", scale)
+            plan = self._make_plan(timed, machine)
         self.plans[key] = plan
         if self._key == key:
             self.plan = plan
-        log.info("offload plan for inputs %s:\n%s", key, plan)
+        log.info("offload plan for inputs %s (after a %r step):\n%s", key, stage, plan)
+
+    def profiling(self) -> bool:
+        """True while the latest input signature still has profiling steps to run (or none ran yet)."""
+        if self.policy not in _PROFILED_POLICIES:
+            return False
+        self.finish_pending()
+        return self._key is None or bool(self._stages.get(self._key, [MEASURE]))
+
+    def _make_plan(self, profiles: list[RegionProfile], machine: MachineProfile) -> Plan:
+        return make_plan(profiles, machine, self.budget_bytes, self.policy, other_ms=self._other_ms)
 
     def _decision(self, index: int) -> Decision:
         if self.plan is not None:
@@ -177,27 +255,36 @@ class Regions:
 
     def _measure(self, index: int, name: str, forward, args, kwargs):
         cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        m = _Measurement(name=name, input_bytes=_input_bytes(args, kwargs))
         if cuda:
             torch.cuda.synchronize()
         bytes_before, tensors_before = self._saved()
         start = time.perf_counter()
-        out = forward(*args, **kwargs)
+        if self._stage == RECOMPUTE_TRIAL:
+            self._on_recompute()
+            out = timed_checkpoint(forward, args, kwargs, name, m.add_recompute)
+        elif self._stage == OFFLOAD_TRIAL:
+            out = self._eagerly(forward, args, kwargs)
+        else:
+            out = forward(*args, **kwargs)
         if cuda:
             torch.cuda.synchronize()
-        forward_ms = (time.perf_counter() - start) * 1e3
+        m.forward_start, m.forward_ms = start, (time.perf_counter() - start) * 1e3
         bytes_after, tensors_after = self._saved()
-        m = _Measurement(
-            name=name,
-            saved_bytes=bytes_after - bytes_before,
-            input_bytes=_input_bytes(args, kwargs),
-            forward_ms=forward_ms,
-            num_tensors=tensors_after - tensors_before,
-        )
+        m.saved_bytes, m.num_tensors = bytes_after - bytes_before, tensors_after - tensors_before
         m.time_backward(args, kwargs, out, cuda)
         self._profiles.append(m)
         if index == len(self.regions) - 1:
-            self._pending, self._profiles = (self._key, self._profiles), None
+            self._pending, self._profiles = (self._key, self._stage, self._profiles, None), None
         return out
+
+
+def _span_ms(measurements: list) -> Optional[float]:
+    """Wall time from the first region's forward start to the end of its backward, ms (None
+    where its backward was not timed): the regions' whole share of a step, head and loss included."""
+    if not measurements or measurements[0].end is None:
+        return None
+    return (measurements[0].end - measurements[0].forward_start) * 1e3
 
 
 def _tensors(value) -> list:
@@ -214,15 +301,21 @@ class _Measurement:
     """One region on a measured step: forward figures now, backward time when its hooks fire.
 
     The region's backward runs between the gradient reaching its output (hook on the output) and
-    the gradient of its inputs being complete (hooks on the inputs). On CUDA the hooks synchronize,
-    which is acceptable on the measured steps only.
+    the gradient of its inputs being complete (hooks on the inputs); a recomputed region's
+    backward includes its recompute, timed on its own. On CUDA the hooks synchronize, which is
+    acceptable on the measured steps only.
     """
 
-    def __init__(self, *, name, saved_bytes, input_bytes, forward_ms, num_tensors) -> None:
-        self.name, self.saved_bytes, self.input_bytes = name, saved_bytes, input_bytes
-        self.forward_ms, self.num_tensors = forward_ms, num_tensors
-        self._start = self._end = None
+    def __init__(self, *, name: str, input_bytes: int) -> None:
+        self.name, self.input_bytes = name, input_bytes
+        self.saved_bytes = self.num_tensors = 0
+        self.forward_start, self.forward_ms = 0.0, 0.0
+        self.recompute_ms = 0.0
+        self.start = self.end = None
         self._hooks = []
+
+    def add_recompute(self, ms: float) -> None:
+        self.recompute_ms += ms
 
     def time_backward(self, args, kwargs, out, cuda: bool) -> None:
         outputs = [t for t in _tensors(out) if t.requires_grad]
@@ -236,20 +329,21 @@ class _Measurement:
             return time.perf_counter()
 
         def at_output(grad):
-            if self._start is None:
-                self._start = stamp()
+            if self.start is None:
+                self.start = stamp()
 
         def at_input(grad):
-            self._end = stamp()
+            self.end = stamp()
 
         self._hooks.append(outputs[0].register_hook(at_output))
         self._hooks.extend(t.register_hook(at_input) for t in inputs)
 
-    def backward_ms(self) -> float:
-        """Measured backward time, or 0 where the hooks did not both fire (the planner then estimates)."""
-        if self._start is None or self._end is None or self._end <= self._start:
+    def raw_backward_ms(self) -> float:
+        """Measured wall time of the region's backward (its recompute included), or 0 where the
+        hooks did not both fire."""
+        if self.start is None or self.end is None or self.end <= self.start:
             return 0.0
-        return (self._end - self._start) * 1e3
+        return (self.end - self.start) * 1e3
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -257,7 +351,10 @@ class _Measurement:
         self._hooks = []
 
     def profile(self) -> RegionProfile:
+        raw_ms = self.raw_backward_ms()
         return RegionProfile(
             name=self.name, saved_bytes=self.saved_bytes, input_bytes=self.input_bytes,
-            forward_ms=self.forward_ms, num_tensors=self.num_tensors, backward_ms=self.backward_ms(),
+            forward_ms=self.forward_ms, num_tensors=self.num_tensors,
+            backward_ms=max(0.0, raw_ms - self.recompute_ms) if raw_ms > 0 else 0.0,
+            recompute_ms=self.recompute_ms,
         )

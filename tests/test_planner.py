@@ -5,6 +5,7 @@ No torch and no device: profiles are made up, or derived from DESIGN.md's transf
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -14,7 +15,7 @@ import pytest
 
 from offload import _policy
 from offload._cost import MachineProfile, RegionProfile
-from offload._planner import Decision, Plan, make_plan, simulate
+from offload._planner import Decision, Plan, calibrate_link, make_plan, scale_link, simulate
 from offload._policy import Policy, get_policy, policy_names, register_policy
 
 KEEP, OFFLOAD, RECOMPUTE = Decision.KEEP, Decision.OFFLOAD, Decision.RECOMPUTE
@@ -306,3 +307,90 @@ def test_to_dict_round_trips_through_json():
     assert [r["decision"] for r in data["regions"]] == [d.value for d in plan.decisions]
     assert data["regions"][0]["transfer_ms"] is None
     assert isinstance(plan, Plan)
+
+
+# -- measured recompute time and calibration -----------------------------------------------------
+
+
+def test_recompute_charges_the_measured_recompute_time():
+    """A measured ``recompute_ms`` replaces the forward time a recompute is charged; 0 falls back."""
+    regions = uniform_regions(3, forward_ms=5.0)
+    measured = [dataclasses.replace(r, recompute_ms=3.0, backward_ms=10.0) for r in regions]
+    unmeasured = [dataclasses.replace(r, backward_ms=10.0) for r in regions]
+    machine = cuda_machine(10.0)
+    keep_ms, _ = simulate(measured, (KEEP,) * 3, machine)
+    assert keep_ms == pytest.approx(3 * (5.0 + 10.0))
+    assert simulate(measured, (RECOMPUTE,) * 3, machine)[0] == pytest.approx(keep_ms + 3 * 3.0)
+    assert simulate(unmeasured, (RECOMPUTE,) * 3, machine)[0] == pytest.approx(keep_ms + 3 * 5.0)
+
+
+@pytest.mark.parametrize("field", ["recompute_ms", "backward_ms", "forward_ms"])
+@pytest.mark.parametrize("value", [-1.0, math.inf, math.nan])
+def test_bad_region_times_are_refused(field, value):
+    regions = [dataclasses.replace(uniform_regions(1)[0], **{field: value})]
+    with pytest.raises(ValueError, match=field):
+        make_plan(regions, cuda_machine(10.0), budget_bytes=0)
+
+
+def cpu_machine(write: float = 2.0, read: float = 4.0, overhead_us: float = 100.0) -> MachineProfile:
+    return MachineProfile(
+        device_type="cpu", disk_write_gb_per_s=write, disk_read_gb_per_s=read, per_tensor_overhead_us=overhead_us
+    )
+
+
+def test_scale_link_scales_every_transfer_cost():
+    machine = cpu_machine()
+    regions = uniform_regions(4)
+    keep_ms = simulate(regions, (KEEP,) * 4, machine)[0]
+    exposed = simulate(regions, (OFFLOAD,) * 4, machine)[0] - keep_ms
+    doubled = scale_link(machine, 2.0)
+    assert doubled.disk_write_gb_per_s == 1.0 and doubled.disk_read_gb_per_s == 2.0
+    assert doubled.per_tensor_overhead_us == 200.0
+    assert simulate(regions, (OFFLOAD,) * 4, doubled)[0] - keep_ms == pytest.approx(2 * exposed)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="scale"):
+            scale_link(machine, bad)
+
+
+@pytest.mark.parametrize("machine", [cpu_machine(), cuda_machine(0.5, 0.4, overhead_us=20.0)], ids=["cpu", "cuda"])
+@pytest.mark.parametrize("target_factor", [0.5, 1.0, 1.7, 4.0])
+def test_calibrate_link_reproduces_the_measured_offload_cost(machine, target_factor):
+    """Whatever the probe said, the calibrated machine predicts the measured cost of offloading
+    every region, and so does the plan made with it."""
+    regions = [dataclasses.replace(r, backward_ms=10.0) for r in uniform_regions(4, forward_ms=5.0)]
+    keep_ms = simulate(regions, (KEEP,) * 4, machine)[0]
+    probe_exposed = simulate(regions, (OFFLOAD,) * 4, machine)[0] - keep_ms
+    assert probe_exposed > 0
+    measured = target_factor * probe_exposed
+    calibrated, scale = calibrate_link(regions, machine, measured)
+    assert simulate(regions, (OFFLOAD,) * 4, calibrated)[0] - keep_ms == pytest.approx(measured, rel=1e-6)
+    plan = make_plan(regions, calibrated, budget_bytes=0, policy="offload")
+    assert plan.predicted_step_ms - plan.baseline_step_ms == pytest.approx(measured, rel=1e-6)
+    if machine.device_type == "cpu":  # serial: exposed time is linear in the scale
+        assert scale == pytest.approx(target_factor, rel=1e-6)
+
+
+def test_calibrate_link_clamps_and_leaves_an_unusable_link_alone():
+    regions = uniform_regions(2)
+    machine = cpu_machine()
+    free, low = calibrate_link(regions, machine, -50.0)  # offloading measured faster than keeping: noise
+    assert low == pytest.approx(1e-3) and free.disk_write_gb_per_s == pytest.approx(2e3)
+    _, high = calibrate_link(regions, machine, 1e12)
+    assert high == pytest.approx(1e3)
+    no_link = MachineProfile(device_type="cpu")
+    assert calibrate_link(regions, no_link, 100.0) == (no_link, 1.0)
+    assert calibrate_link([], machine, 100.0) == (machine, 1.0)
+    with pytest.raises(ValueError, match="offload_exposed_ms"):
+        calibrate_link(regions, machine, math.nan)
+
+
+def test_calibration_can_turn_auto_from_offload_to_recompute():
+    """The decision the trials exist for: a probe that makes moving look cheaper than a forward,
+    and a measured step that says it is not."""
+    regions = [dataclasses.replace(r, backward_ms=10.0, recompute_ms=5.0) for r in uniform_regions(4, forward_ms=5.0)]
+    machine = cpu_machine(write=200.0, read=200.0, overhead_us=0.0)  # 100 MB round trip: 1 ms
+    budget_bytes = 25 * MB  # room for the four blocks' inputs (5 MB each), not one block's saves
+    assert set(make_plan(regions, machine, budget_bytes, policy="auto").decisions) == {OFFLOAD}
+    calibrated, _ = calibrate_link(regions, machine, 4 * 20.0)  # measured: 20 ms per block moved
+    plan = make_plan(regions, calibrated, budget_bytes, policy="auto")
+    assert set(plan.decisions) == {RECOMPUTE}, str(plan)

@@ -20,7 +20,8 @@ from offload.models.gpt import Block, GPTConfig, MiniGPT
 
 CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=64, dropout=0.1, attention="math")
 BATCH = 4
-STEPS = 3
+STEPS = 5
+"""Enough for "auto" to profile (up to three steps) and then follow its plan twice."""
 LR = 0.1
 SEED = 1234
 """Seed set before each step's forward: the dropout masks of every run match."""
@@ -108,6 +109,16 @@ def budget_mb(saved_bytes: int, name: str):
     return None if name == "none" else saved_bytes * BUDGET_FRACTIONS[name] / 2**20
 
 
+def expected_recomputes(eng) -> list[int]:
+    """Recomputed regions per step as the engine's stages say: every block on the "recompute"
+    trial, none on "measure" and "offload" steps, the plan's RECOMPUTE count once it is in force."""
+    planned = eng.plan.decisions.count(offload.Decision.RECOMPUTE)
+    per_stage = {"measure": 0, "offload": 0, "recompute": CONFIG.n_layer, None: planned}
+    stages = list(eng._regions.recent_stages)
+    assert stages[-1] is None, f"still profiling after {len(stages)} steps: {stages}"
+    return [per_stage[stage] for stage in stages]
+
+
 def settle(eng) -> offload.Stats:
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
@@ -146,11 +157,7 @@ def test_policy_gradients_equal_no_engine(policy, budget, saved_bytes, reference
     if policy in ("auto", "offload"):
         assert eng.plan is not None
         assert len(eng.plan.regions) == CONFIG.n_layer
-        # The measured steps keep everything (budget held per tensor); the steps after them carry
-        # the plan out: as many recomputes as it has RECOMPUTE regions.
-        planned = eng.plan.decisions.count(offload.Decision.RECOMPUTE)
-        profiled = offload._regions.PROFILE_STEPS
-        assert recomputed == [0] * profiled + [planned] * (STEPS - profiled)
+        assert recomputed == expected_recomputes(eng)
     stats = settle(eng)
     assert stats.resident_bytes == 0 and stats.spill_files == 0
     eng.close()
@@ -178,8 +185,7 @@ def test_auto_recomputes_when_moving_costs_more(machine, budget, saved_bytes, re
     decisions = eng.plan.decisions
     assert offload.Decision.OFFLOAD not in decisions, str(eng.plan)
     assert offload.Decision.RECOMPUTE in decisions, str(eng.plan)
-    profiled = offload._regions.PROFILE_STEPS
-    assert recomputed == [0] * profiled + [decisions.count(offload.Decision.RECOMPUTE)] * (STEPS - profiled)
+    assert recomputed == expected_recomputes(eng)
     eng.close()
 
 
@@ -259,21 +265,29 @@ def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
     )
     assert eng.plan is None and eng.plans == {}
     assert "no plan yet" in offload.explain(eng)
+    assert eng.profiling
     train(model, eng, steps=1)
     provisional = eng.plan
     assert provisional is not None and len(eng.plans) == 1, "a plan exists after the first step"
-    train(model, eng, steps=1)  # the second measured step (no warm-up costs) replaces it
+    assert eng.profiling, "a 10% budget must move blocks, so 'auto' measures the trials next"
+    train(model, eng, steps=1)  # every block recomputed: compute times free of transfers
+    timed = eng.plan
+    assert timed is not provisional and len(eng.plans) == 1
+    train(model, eng, steps=1)  # every block offloaded: calibrates the transfer costs
     first = eng.plan
-    assert first is not provisional and len(eng.plans) == 1
+    assert first is not timed and not eng.profiling
+    assert list(eng._regions.recent_stages) == ["measure", "recompute", "offload"]
     train(model, eng, steps=2)
     assert eng.plan is first and len(eng.plans) == 1, "same shapes must reuse the plan"
+    assert list(eng._regions.recent_stages)[-2:] == [None, None]
 
-    train(model, eng, steps=offload._regions.PROFILE_STEPS, seq=CONFIG.seq_len // 2)
+    train(model, eng, steps=3, seq=CONFIG.seq_len // 2)
     assert len(eng.plans) == 2, "a new sequence length is profiled and planned once more"
-    assert eng.plan is not first
+    assert eng.plan is not first and not eng.profiling
     assert sum(r.saved_bytes for r in eng.plan.regions) < sum(r.saved_bytes for r in first.regions)
     train(model, eng, steps=1)
     assert eng.plan is first and len(eng.plans) == 2
+    assert not eng.profiling, "shapes seen before are not profiled again"
 
     text, explained = str(eng.plan), offload.explain(eng)
     assert explained == text
@@ -371,3 +385,75 @@ def test_auto_on_the_cpu_weighs_the_round_trip_against_one_forward(forward_ms, e
     # wins at either forward time (but for the newest block, which has nothing left to hide behind).
     plan_cuda = make_plan(regions, CUDA_LINK, budget_bytes=int(50e6), policy="auto")
     assert plan_cuda.decisions[:-1] == (offload.Decision.OFFLOAD,) * 3, str(plan_cuda)
+
+
+# ------------------------------------------------------------------------------- profiling stages
+
+
+STAGE_CASES = {
+    # "auto" with something to move: sizes, then a step recomputing every block, then one
+    # offloading every block (to calibrate the transfer costs), then the plan.
+    "auto-small": ("auto", "small", MACHINE, ["measure", "recompute", "offload", None, None]),
+    # No link: nothing to calibrate, so no offload trial.
+    "auto-small-no-disk": ("auto", "small", NO_DISK, ["measure", "recompute", None, None, None]),
+    # Nothing to move: two plain measurements (the first pays warm-up costs).
+    "auto-none": ("auto", "none", MACHINE, ["measure", "measure", None, None, None]),
+    # "offload" never recomputes, not even to measure.
+    "offload-small": ("offload", "small", MACHINE, ["measure", "measure", None, None, None]),
+    "recompute-small": ("recompute", "small", MACHINE, [None] * 5),
+}
+
+
+@pytest.mark.parametrize("case", list(STAGE_CASES))
+def test_profiling_stages(case, saved_bytes, spill_dir):
+    policy, budget, machine, expected = STAGE_CASES[case]
+    model = make_model()
+    eng = offload.engine(
+        budget_mb(saved_bytes, budget), policy=policy, regions=model.blocks, model=model, machine=machine,
+        spill_dir=spill_dir,
+    )
+    train(model, eng)
+    assert list(eng._regions.recent_stages) == expected
+    assert not eng.profiling
+    eng.close()
+
+
+def test_auto_plans_from_the_trial_timings(saved_bytes, spill_dir):
+    """The final plan's regions carry the sizes of the "measure" step and the times of the
+    "recompute" step: a measured recompute and a backward without it."""
+    model = make_model()
+    eng = offload.engine(
+        budget_mb(saved_bytes, "small"), policy="auto", regions=model.blocks, model=model, machine=MACHINE,
+        spill_dir=spill_dir,
+    )
+    train(model, eng, steps=3)
+    key = eng._regions._key
+    sizes = eng._regions._sizes[key]
+    timed, span_ms = eng._regions._timed[key]
+    assert span_ms is not None and span_ms > 0
+    for size, region, planned in zip(sizes, timed, eng.plan.regions):
+        assert region.saved_bytes == size.saved_bytes == planned.saved_bytes > 0
+        assert region.num_tensors == size.num_tensors > 0
+        assert region.recompute_ms > 0 and region.backward_ms > 0 and region.forward_ms > 0
+        assert planned.forward_ms == region.forward_ms
+    eng.close()
+
+
+def test_a_plan_in_force_does_not_spill_what_it_keeps(saved_bytes, spill_dir):
+    """The store's early eviction (its in-flight window) is off while a plan is in force: the
+    plan already fits the budget, so the blocks it keeps stay on the device."""
+    model = make_model()
+    eng = offload.engine(
+        budget_mb(saved_bytes, "medium"), policy="auto", regions=model.blocks, model=model, machine=MACHINE,
+        spill_dir=spill_dir,
+    )
+    offloaded = []
+    train(model, eng, on_step=lambda e: offloaded.append(e.stats.offloaded_bytes))
+    plan = eng.plan
+    assert offload.Decision.KEEP in plan.decisions and plan.fits_budget, str(plan)
+    planned_out = sum(r.saved_bytes for r in plan.regions if r.decision is offload.Decision.OFFLOAD)
+    stages = list(eng._regions.recent_stages)
+    for stage, nbytes in zip(stages, offloaded):
+        if stage is None:
+            assert nbytes <= planned_out, f"{nbytes} bytes moved; the plan moves {planned_out}\n{plan}"
+    eng.close()

@@ -77,8 +77,9 @@ class RunSettings:
     batch: int = 8
     steps: int = 3
     """Measured (timed) steps per configuration."""
-    warmup: int = 1
-    """Steps trained first and recorded, but not timed (the engine's regions profile on the first)."""
+    warmup: int = 3
+    """Steps trained first and recorded, but not timed: the engine's regions profile on up to three
+    (policy "auto"; see offload._regions). A step that still profiles after these is not timed either."""
     dtype: str = "fp32"
     device: str = "cpu"
     attention: str = "sdpa"
@@ -121,14 +122,14 @@ PRESETS: dict[str, Preset] = {
     "demo": Preset(
         # The "math" attention path: the CPU's fused SDPA kernel with dropout gave losses differing
         # at 1e-6 between processes even with no engine at all, hiding whether the engine is exact.
-        dict(layers=4, hidden=256, heads=4, seq=256, batch=4, steps=3, warmup=1, dtype="fp32", device="cpu",
+        dict(layers=4, hidden=256, heads=4, seq=256, batch=4, steps=3, warmup=3, dtype="fp32", device="cpu",
              attention="math"),
         ("none", "checkpoint", "save_on_cpu", "offload-25%", "auto-25%"),
         "CPU, five configurations, a few minutes at most on 2 cores",
     ),
     "h200": Preset(
         dict(
-            layers=4, hidden=4096, heads=32, seq=4096, batch=1, steps=3, warmup=1,
+            layers=4, hidden=4096, heads=32, seq=4096, batch=1, steps=3, warmup=3,
             dtype="bf16", device="cuda", attention="sdpa", deterministic=True,
         ),
         tuple(VARIANTS),

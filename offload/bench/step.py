@@ -36,7 +36,7 @@ How memory is measured, and why in a fresh process per configuration on the CPU:
 
 Step time is the median over the measured steps, after warm-up steps that are trained and
 recorded (their losses are compared too) but not timed: the engine's regions profile and plan on
-the first step. The configurations run one after another, not interleaved, so slow drift on a
+the first steps (up to three for "auto"; any step that still profiles counts as warm-up). The configurations run one after another, not interleaved, so slow drift on a
 shared machine shows up as noise between rows; rerun on a quiet machine before quoting numbers.
 
     python -m offload.bench --demo                      # CPU, under 3 minutes on 2 cores
@@ -288,6 +288,7 @@ def run_one(
             if last:
                 trace = ResidentTrace(model.blocks, engine, memory)
             torch.manual_seed(run.seed + 1 + step)  # same dropout masks in every configuration
+            profiling = engine is not None and engine.profiling  # a profiling step is never timed
             if engine is not None:
                 engine.reset_stats()
             _sync(device)
@@ -310,7 +311,7 @@ def run_one(
                 "type": "step",
                 "config": variant.name,
                 "step": step,
-                "warmup": step < run.warmup,
+                "warmup": step < run.warmup or profiling,
                 "loss": loss.item(),
                 "step_ms": step_ms,
                 "peak_bytes": memory.peak_bytes(),
