@@ -134,7 +134,7 @@ def run_one(setup: Setup, policy: str, budget_mb: Optional[float]) -> dict:
     rss_before_bytes = _rss_bytes("VmRSS")
 
     steps_ms, cpu_ms, per_step = [], [], []
-    profiling_steps = 0
+    profiling_steps, all_peaks = 0, []
     for step, (x, y) in enumerate(stream):
         if len(steps_ms) == setup.steps:
             break
@@ -155,6 +155,8 @@ def run_one(setup: Setup, policy: str, budget_mb: Optional[float]) -> dict:
         step_ms = (time.perf_counter() - start) * 1e3
         step_cpu_ms = (time.process_time() - start_cpu) * 1e3
         del loss
+        if eng is not None:
+            all_peaks.append(eng.stats.peak_resident_bytes)
         if not profiling and step >= max(profiling_steps, 1) + setup.warmup:
             steps_ms.append(step_ms)
             cpu_ms.append(step_cpu_ms)
@@ -175,7 +177,7 @@ def run_one(setup: Setup, policy: str, budget_mb: Optional[float]) -> dict:
     if eng is not None:
         row.update(
             saved_bytes=max(s.saved_bytes for s in per_step),
-            engine_peak_resident_mb=max(s.peak_resident_bytes for s in per_step) / MB,
+            engine_peak_resident_mb=max(all_peaks) / MB,  # every step: profiling and warm-up too
             recomputed_regions=per_step[-1].recomputed_regions,
             offloaded_mb=per_step[-1].offloaded_bytes / MB,
             evict_wait_ms=statistics.median(s.evict_wait_ms for s in per_step),
@@ -288,7 +290,8 @@ LEGEND = """\
 step ms: median wall time of the timed steps (forward, backward, SGD step). CPU ms: process CPU time
 per step, all threads (compute and spill I/O); unlike wall time it barely moves when other processes
 share the cores. peak RSS: VmHWM of the configuration's own fresh process. engine peak: the most
-engine-managed activation bytes resident at once (stats.peak_resident_bytes). decisions: the plan,
+engine-managed activation bytes resident at once (stats.peak_resident_bytes), over every step
+including the profiling steps. decisions: the plan,
 one letter per block (K keep, O offload, R recompute). predicted ms: the plan's predicted_step_ms.
 plain: no engine at all; none: the engine only counting (policy "none")."""
 

@@ -190,8 +190,12 @@ class Regions:
         self._profiles = [] if stage is not None else None
         self.recent_stages.append(stage)
         # A plan in force already keeps its regions within the budget, so the store need not
-        # start evicting early (its in-flight window); while measuring, it must.
-        self._planned(stage is None and self.plan is not None)
+        # start evicting early (its in-flight window); while measuring, it must, unless the
+        # provisional plan keeps everything: then the window would only spill what fits, and
+        # slow the very step that measures the times the final plan predicts with.
+        plan = self.plan
+        keeps_all = plan is not None and plan.fits_budget and all(d is Decision.KEEP for d in plan.decisions)
+        self._planned(plan is not None and (stage is None or (stage == MEASURE and keeps_all)))
 
     def finish_pending(self) -> None:
         """Plan from the last measured step, now that its backward has run (or will not be timed)."""

@@ -457,3 +457,21 @@ def test_a_plan_in_force_does_not_spill_what_it_keeps(saved_bytes, spill_dir):
         if stage is None:
             assert nbytes <= planned_out, f"{nbytes} bytes moved; the plan moves {planned_out}\n{plan}"
     eng.close()
+
+
+def test_a_budget_that_fits_everything_is_measured_without_spilling(saved_bytes, spill_dir):
+    """At a budget that holds every activation, the first step (with the store's in-flight
+    window) may spill; once the provisional plan keeps everything, nothing is moved, not even on
+    the second measured step whose times the final plan predicts with."""
+    model = make_model()
+    eng = offload.engine(
+        saved_bytes * 1.02 / 2**20, policy="auto", regions=model.blocks, model=model, machine=MACHINE,
+        spill_dir=spill_dir,
+    )
+    offloaded = []
+    train(model, eng, on_step=lambda e: offloaded.append(e.stats.offloaded_bytes))
+    assert list(eng._regions.recent_stages) == ["measure", "measure", None, None, None]
+    assert set(eng.plan.decisions) == {offload.Decision.KEEP}
+    assert offloaded[0] > 0, "the first step holds the budget with the in-flight window (this test's premise)"
+    assert offloaded[1:] == [0] * (STEPS - 1), offloaded
+    eng.close()
