@@ -222,13 +222,14 @@ def sweep(setup: Setup, fractions, repeats: int, mmap_threshold: Optional[int] =
     reference = child(setup, "none", None)
     activation_bytes = reference["saved_bytes"]
     rows = {("none", None): [reference]}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         if repeats > 1 or ("plain", None) not in rows:
             rows.setdefault(("plain", None), []).append(child(setup, "plain", None))
         if repeats > 1 and len(rows[("none", None)]) < repeats:
             rows[("none", None)].append(child(setup, "none", None))
         for fraction in fractions:
-            for policy in POLICIES:  # interleaved: drift hits every policy alike
+            # Interleaved, and the order rotated each repeat: drift hits every policy alike.
+            for policy in POLICIES[repeat % len(POLICIES):] + POLICIES[: repeat % len(POLICIES)]:
                 budget_mb = fraction * activation_bytes / MB
                 row = child(setup, policy, budget_mb)
                 row["fraction"] = fraction
@@ -243,7 +244,13 @@ def _merge(runs: list[dict]) -> dict:
     row["step_ms"] = statistics.median(r["step_ms"] for r in runs)
     row["cpu_ms"] = statistics.median(r["cpu_ms"] for r in runs)
     row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+    row["engine_peak_resident_mb"] = max((r.get("engine_peak_resident_mb") or 0.0) for r in runs) or None
+    predicted = [r["predicted_step_ms"] for r in runs if r.get("predicted_step_ms") is not None]
+    if predicted:  # each run plans from its own profiling steps
+        row["predicted_step_ms"] = statistics.median(predicted)
     row["runs"] = len(runs)
+    row["runs_step_ms"] = [r["step_ms"] for r in runs]  # in repeat order: paired with other policies'
+    row["runs_predicted_ms"] = [r.get("predicted_step_ms") for r in runs]
     return row
 
 
@@ -259,7 +266,10 @@ def check(result: dict) -> dict:
         held = {p: r for p, r in at.items() if r["engine_peak_resident_mb"] * MB <= r["budget_bytes"]}
         fixed = {p: r for p, r in held.items() if p != "auto"}
         best = min(fixed, key=lambda p: fixed[p]["step_ms"]) if fixed else None
-        ratio = auto["step_ms"] / fixed[best]["step_ms"] if best else None
+        # Ratios within one repeat (the two ran minutes apart), then their median: drift between
+        # repeats cancels. One repeat: the plain ratio.
+        ratio = _median_ratio(auto["runs_step_ms"], fixed[best]["runs_step_ms"]) if best else None
+        predicted_over_measured = _median_ratio(auto["runs_predicted_ms"], auto["runs_step_ms"])
         predicted = auto.get("predicted_step_ms")
         verdicts.append({
             "fraction": fraction,
@@ -269,9 +279,10 @@ def check(result: dict) -> dict:
             "auto_over_best": ratio,
             "auto_within_5pct": ratio is not None and ratio <= AUTO_SLOWER_LIMIT,
             "auto_holds_budget": "auto" in held,
-            "predicted_over_measured": predicted / auto["step_ms"] if predicted else None,
-            "prediction_within_15pct": predicted is not None
-            and abs(predicted / auto["step_ms"] - 1) <= PREDICTION_TOLERANCE,
+            "predicted_ms": predicted,
+            "predicted_over_measured": predicted_over_measured,
+            "prediction_within_15pct": predicted_over_measured is not None
+            and abs(predicted_over_measured - 1) <= PREDICTION_TOLERANCE,
             "decisions": auto.get("decisions"),
         })
     return {
@@ -280,6 +291,12 @@ def check(result: dict) -> dict:
         "auto_holds_budget_everywhere": all(v["auto_holds_budget"] for v in verdicts),
         "prediction_within_15pct_everywhere": all(v["prediction_within_15pct"] for v in verdicts),
     }
+
+
+def _median_ratio(numerators: list, denominators: list) -> Optional[float]:
+    """Median of the paired ratios (None where either side is missing in every pair)."""
+    ratios = [a / b for a, b in zip(numerators, denominators) if a is not None and b]
+    return statistics.median(ratios) if ratios else None
 
 
 def _fmt(value, spec: str) -> str:
@@ -293,6 +310,9 @@ share the cores. peak RSS: VmHWM of the configuration's own fresh process. engin
 engine-managed activation bytes resident at once (stats.peak_resident_bytes), over every step
 including the profiling steps. decisions: the plan,
 one letter per block (K keep, O offload, R recompute). predicted ms: the plan's predicted_step_ms.
+With several repeats: step ms, CPU ms and predicted ms are medians over the repeats (each repeat
+a fresh process per configuration, the policies' order rotated), peaks are maxima, and
+"predicted / measured" and "auto / best" are medians of the ratios within each repeat.
 plain: no engine at all; none: the engine only counting (policy "none")."""
 
 
@@ -307,12 +327,13 @@ def table(result: dict) -> str:
     order = {p: i for i, p in enumerate(("plain", "none") + POLICIES)}
     for r in sorted(rows, key=lambda r: (-r.get("fraction", 2.0), order[r["policy"]])):
         predicted = r.get("predicted_step_ms")
+        accuracy = _median_ratio(r.get("runs_predicted_ms", []), r.get("runs_step_ms", []))
         lines.append(
             f"| {r['policy']} | {_fmt(r.get('fraction') and 100 * r['fraction'], '.0f')} "
             f"| {_fmt(r['budget_mb'], '.1f')} | {r['step_ms']:.1f} | {r['step_ms'] / none_ms:.2f} | {r['cpu_ms']:.0f} "
             f"| {r['peak_rss_mb']:.0f} | {_fmt(r.get('engine_peak_resident_mb'), '.1f')} "
             f"| {_fmt(r.get('recomputed_regions'), 'd')} | {r.get('decisions', '-')} "
-            f"| {_fmt(predicted, '.1f')} | {_fmt(predicted and predicted / r['step_ms'], '.2f')} |"
+            f"| {_fmt(predicted, '.1f')} | {_fmt(accuracy, '.2f')} |"
         )
     return "\n".join(lines)
 
@@ -361,7 +382,9 @@ def main(argv=None) -> int:
     env["malloc_mmap_threshold"] = args.malloc_mmap_threshold
     checked = check(result)
     env["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
-    shared = max(env["load_avg_1m"], env["load_avg_1m_end"]) > 0.5 * (env["cpu_cores_logical"] or 1)
+    # The sweep's own children load the machine, so only the load before it started says whether
+    # something else was running.
+    shared = env["load_avg_1m"] > 0.5 * (env["cpu_cores_logical"] or 1)
     payload = {
         "bench": "sweep",
         "env": env,
@@ -386,9 +409,11 @@ def main(argv=None) -> int:
         RESULTS_DIR.mkdir(exist_ok=True)
         (RESULTS_DIR / "sweep-cpu.json").write_text(json.dumps(payload, indent=1) + "\n")
         note = (
-            f"The machine was shared while this ran (1-minute load average {env['load_avg_1m']} at the start, "
-            f"{env['load_avg_1m_end']} at the end, on {env['cpu_cores_logical']} cores): timings are noisy."
-            if shared else "The machine was otherwise idle."
+            f"The machine was shared when this started (1-minute load average {env['load_avg_1m']} on "
+            f"{env['cpu_cores_logical']} cores): timings are noisy."
+            if shared else
+            f"Nothing else was running when this started (1-minute load average {env['load_avg_1m']}; "
+            f"{env['load_avg_1m_end']} at the end, the sweep's own processes included)."
         )
         (RESULTS_DIR / "sweep-cpu.md").write_text(
             f"# Budget sweep on the CPU (bench/sweep.py)\n\n{describe_machine(env)}\n\n{title}\n\n{note}\n\n"

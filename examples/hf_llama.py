@@ -5,7 +5,7 @@
 
 The model is ``transformers.LlamaForCausalLM`` from a small config with random weights (nothing
 is downloaded). With ``--policy auto`` or ``recompute`` the engine's regions are the decoder
-layers (``model.model.layers``): on the first step it measures each one, then keeps, offloads or
+layers (``model.model.layers``): on its first steps (up to three) it measures each one, then keeps, offloads or
 recomputes it (``auto``; the plan is printed), or recomputes every layer (``recompute``). With
 ``offload`` there are no regions: the oldest saves move to the spill directory once the budget
 is full. Both runs start from the same seed and see the same batches, so the losses must match.

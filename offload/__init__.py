@@ -6,7 +6,7 @@
     loss.backward()
 
 Per region, measured: ``offload.engine(budget_mb=512, regions=model.blocks)`` profiles each block
-on the first step and keeps, offloads or recomputes it, whichever is cheapest under the budget.
+on its first steps and keeps, offloads or recomputes it, whichever is cheapest under the budget.
 """
 
 from ._cost import MachineProfile, RegionProfile

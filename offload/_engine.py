@@ -249,8 +249,8 @@ def engine(
             it too, except buffers: pass the model when it has large buffers).
         policy: how regions meet the budget, one of ``offload.policies()``: "none" (keep and
             count; no budget), "offload" (move tensors; the default without regions), "recompute"
-            (checkpoint every region), "auto" (measure each region on the first step, then keep,
-            offload or recompute each by cost; the default with regions).
+            (checkpoint every region), "auto" (measure each region on the first steps, then keep,
+            offload or recompute each by cost; the default with regions). See ``profiling``.
         regions: the units the policy decides on: an iterable of modules (``model.blocks``), or a
             filter ``(module, qualified_name) -> bool`` together with ``model=``.
         machine: a ``MachineProfile`` to plan with instead of measuring this machine with
@@ -281,4 +281,6 @@ def explain(what) -> str:
         return "no plan yet: an engine plans after its first step with regions= (policy 'auto' or 'offload')"
     if not isinstance(plan, Plan):
         raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")
+    if isinstance(what, Engine) and what.profiling:
+        return f"{plan}\n(provisional: these input shapes are still being profiled; Engine.profiling turns False once the plan is final)"
     return str(plan)

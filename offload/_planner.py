@@ -59,6 +59,11 @@ Assumptions, all of them:
   never drops below the largest region: its own backward needs all of its bytes.
 
 Exposed time adds up: ``predicted_step_ms = baseline_step_ms + sum(region.exposed_ms)``.
+
+The link's figures come from ``offload.probe()``, which times one large buffer with nothing else
+running. A training step moves many tensors while compute runs, so ``calibrate_link`` scales all
+transfer costs by one factor fitted to a measured step that offloaded every region (see
+``_regions``); the model's shape stays, its level is measured.
 """
 
 from __future__ import annotations

@@ -270,6 +270,7 @@ def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
     provisional = eng.plan
     assert provisional is not None and len(eng.plans) == 1, "a plan exists after the first step"
     assert eng.profiling, "a 10% budget must move blocks, so 'auto' measures the trials next"
+    assert "provisional" in offload.explain(eng)
     train(model, eng, steps=1)  # every block recomputed: compute times free of transfers
     timed = eng.plan
     assert timed is not provisional and len(eng.plans) == 1
