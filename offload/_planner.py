@@ -348,8 +348,8 @@ def calibrate_link(
 
     Why: the probe measures the link alone (one large buffer, nothing else running), while a
     training step moves many tensors of many sizes while compute runs. On a 2-core CPU the spill
-    threads and the compute share cores, and the same bytes cost ~1.5x what the probe predicts
-    (measured, MiniGPT 6x256: see bench/sweep.py). One factor keeps the model's shape (what hides
+    threads and the compute share cores, and the same bytes cost 1.4-2.6x what the probe predicts
+    (measured on MiniGPT in the demo and bench/sweep.py). One factor keeps the model's shape (what hides
     behind what, bytes and per-tensor costs in proportion) and fixes its level from a measured
     step. The scale is clamped to [1e-3, 1e3]; an unusable link is returned unchanged.
     """

@@ -177,6 +177,10 @@ class Regions:
             # optimizer included): the whole step, as the plan predicts it.
             self._pending = self._pending[:3] + ((now - self._step_start) * 1e3,)
         self.finish_pending()
+        if self._profiles is not None and self._key is not None:
+            # The last profiling step never reached its last region (its forward raised, or
+            # skipped regions): run that stage again rather than plan from half a measurement.
+            self._stages.setdefault(self._key, []).insert(0, self._stage)
         self._step_start = now
         key = _signature(args, kwargs)
         self.plan = self.plans.get(key)
@@ -230,7 +234,7 @@ class Regions:
             self._timed[key] = (timed, span_ms)
             plan = self._make_plan(timed, machine)
         else:
-            timed, recompute_span_ms = self._timed[key]
+            timed, recompute_span_ms = self._timed.get(key, (self._sizes[key], None))
             if span_ms is not None and recompute_span_ms is not None:
                 # The "recompute" step less its recomputes is a step that keeps everything.
                 keep_span_ms = recompute_span_ms - sum(r.recompute_ms for r in timed)

@@ -52,10 +52,13 @@ def batch(seq: int = CONFIG.seq_len, step: int = 0):
     return idx[:, :-1], idx[:, 1:]
 
 
-def train(model: MiniGPT, eng=None, steps: int = STEPS, seq: int = CONFIG.seq_len, on_step=None):
-    """``steps`` SGD steps; returns every step's loss and gradients. ``on_step(eng)`` after each."""
+def train(
+    model: MiniGPT, eng=None, steps: int = STEPS, seq: int = CONFIG.seq_len, on_step=None, first_step: int = 0
+):
+    """``steps`` SGD steps from step ``first_step`` (its batch and seed); returns every step's loss
+    and gradients. ``on_step(eng)`` after each."""
     history = []
-    for i in range(steps):
+    for i in range(first_step, first_step + steps):
         x, y = batch(seq, i)
         model.zero_grad(set_to_none=True)
         if eng is not None:
@@ -475,4 +478,41 @@ def test_a_budget_that_fits_everything_is_measured_without_spilling(saved_bytes,
     assert set(eng.plan.decisions) == {offload.Decision.KEEP}
     assert offloaded[0] > 0, "the first step holds the budget with the in-flight window (this test's premise)"
     assert offloaded[1:] == [0] * (STEPS - 1), offloaded
+    eng.close()
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_a_profiling_step_that_raises_is_measured_again(saved_bytes, reference, spill_dir):
+    """An exception in the middle of the "recompute" trial leaves half a measurement: that stage
+    runs again on the next step, and the engine still ends with a plan and exact gradients."""
+    model = make_model()
+    eng = offload.engine(
+        budget_mb(saved_bytes, "small"), policy="auto", regions=model.blocks, model=model, machine=MACHINE,
+        spill_dir=spill_dir,
+    )
+    history = train(model, eng, steps=1)  # "measure"
+
+    def fail(module, args):
+        raise _Boom("inside block 1")
+
+    handle = model.blocks[1].mlp.register_forward_pre_hook(fail)
+    x, y = batch(step=1)
+    try:
+        with pytest.raises(_Boom):
+            with eng:
+                model(x, y)
+    finally:
+        handle.remove()
+    assert list(eng._regions.recent_stages) == ["measure", "recompute"]
+    # The same batch again, from the same parameters: the rest of the run is the reference's.
+    model.zero_grad(set_to_none=True)
+    history += train(model, eng, steps=STEPS - 1, first_step=1)
+    assert_same_history(history, reference, "auto after a failed profiling step")
+    assert list(eng._regions.recent_stages) == ["measure", "recompute", "recompute", "offload", None, None]
+    assert not eng.profiling
+    stats = settle(eng)
+    assert stats.resident_bytes == 0 and stats.spill_files == 0
     eng.close()
