@@ -16,7 +16,8 @@ Profiling, per new input signature (each stage is one training step, and plans a
                  transfer (on a CPU the spill threads share the cores, and slowed the forward of
                  a "measure" step 1.5-4x), at the least memory any plan can use
     "offload"    every region offloaded (when there is a link): the step time this costs over
-                 the "recompute" step calibrates the probe's transfer costs (``calibrate_link``)
+                 the "recompute" step calibrates the probe's transfer costs (``calibrate_link``);
+                 once per engine: later input signatures reuse the calibration
         ─▶ final plan from those numbers
 
     later steps:  region i ─▶ KEEP: run as is
@@ -38,7 +39,7 @@ from typing import Callable, Optional
 import torch
 
 from ._cost import MachineProfile, RegionProfile
-from ._planner import Decision, Plan, calibrate_link, link_usable, make_plan
+from ._planner import Decision, Plan, calibrate_link, link_usable, make_plan, scale_link
 from ._recompute import checkpoint, timed_checkpoint
 
 __all__ = ["Regions", "resolve_regions"]
@@ -127,6 +128,7 @@ class Regions:
         self._stages: dict[tuple, list[str]] = {}      # signature -> profiling stages still to run
         self._sizes: dict[tuple, list[RegionProfile]] = {}   # from its latest "measure" step
         self._timed: dict[tuple, tuple[list[RegionProfile], Optional[float]]] = {}  # "recompute" step
+        self._link_scale: Optional[float] = None  # from the first "offload" trial, reused for new shapes
         self._pending = None  # (key, stage, measurements, step ms or None): backward still to run
         self._step_start: Optional[float] = None
         self._other_ms = 0.0
@@ -213,6 +215,8 @@ class Regions:
         if step_ms is not None and stage != OFFLOAD_TRIAL:  # moving everything slows the rest too
             self._other_ms = max(0.0, step_ms - sum(m.forward_ms + m.raw_backward_ms() for m in measurements))
         machine = self._machine()
+        if self._link_scale is not None:
+            machine = scale_link(machine, self._link_scale)
         span_ms = _span_ms(measurements)
         if stage == MEASURE:
             first = key not in self._sizes
@@ -221,7 +225,10 @@ class Regions:
             if first:
                 moves = any(d is not Decision.KEEP for d in plan.decisions)
                 if self.policy == "auto" and moves:
-                    self._stages[key] = [RECOMPUTE_TRIAL] + ([OFFLOAD_TRIAL] if link_usable(machine) else [])
+                    # The link's calibration is a property of the machine, not of the shapes:
+                    # measured once, it serves every later input signature.
+                    calibrate = link_usable(machine) and self._link_scale is None
+                    self._stages[key] = [RECOMPUTE_TRIAL] + ([OFFLOAD_TRIAL] if calibrate else [])
                 else:
                     self._stages[key] = [MEASURE] * (PROFILE_STEPS - 1)
         elif stage == RECOMPUTE_TRIAL:
@@ -239,6 +246,7 @@ class Regions:
                 # The "recompute" step less its recomputes is a step that keeps everything.
                 keep_span_ms = recompute_span_ms - sum(r.recompute_ms for r in timed)
                 machine, scale = calibrate_link(timed, machine, span_ms - keep_span_ms)
+                self._link_scale = (self._link_scale or 1.0) * scale
                 log.info("offload: transfer costs calibrated x%.3g by a step that offloaded every region", scale)
             plan = self._make_plan(timed, machine)
         self.plans[key] = plan

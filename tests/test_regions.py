@@ -288,6 +288,9 @@ def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
     train(model, eng, steps=3, seq=CONFIG.seq_len // 2)
     assert len(eng.plans) == 2, "a new sequence length is profiled and planned once more"
     assert eng.plan is not first and not eng.profiling
+    assert list(eng._regions.recent_stages)[-3:] == ["measure", "recompute", None], (
+        "the link was calibrated on the first shapes: new shapes need no offload trial"
+    )
     assert sum(r.saved_bytes for r in eng.plan.regions) < sum(r.saved_bytes for r in first.regions)
     train(model, eng, steps=1)
     assert eng.plan is first and len(eng.plans) == 2
