@@ -318,8 +318,10 @@ class _Measurement:
 
     The region's backward runs between the gradient reaching its output (hook on the output) and
     the gradient of its inputs being complete (hooks on the inputs); a recomputed region's
-    backward includes its recompute, timed on its own. On CUDA the hooks synchronize, which is
-    acceptable on the measured steps only.
+    backward includes its recompute, timed on its own. On CUDA every stamp synchronizes the device
+    first, so each figure is device time plus launch overhead, the way a step experiences it.
+    CUDA events would avoid the synchronizations; since only the few profiling steps pay for
+    them, the simpler wall-clock stamps are used.
     """
 
     def __init__(self, *, name: str, input_bytes: int) -> None:
