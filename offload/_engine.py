@@ -282,5 +282,8 @@ def explain(what) -> str:
     if not isinstance(plan, Plan):
         raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")
     if isinstance(what, Engine) and what.profiling:
-        return f"{plan}\n(provisional: these input shapes are still being profiled; Engine.profiling turns False once the plan is final)"
+        return (
+            f"{plan}\n(provisional: these input shapes are still being profiled; "
+            "Engine.profiling turns False once the plan is final)"
+        )
     return str(plan)
