@@ -91,7 +91,6 @@ class _Frame:
         self.args, self.kwargs = args, kwargs
         flat = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
         self.rng = _RNGState(flat)
-        self.cuda_device = next((t.device for t in flat if t.is_cuda), None)
         self.autocast = _AutocastState()
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.inputs: list = []          # per tensor argument: (packed, version to check or None, requires_grad)
@@ -194,7 +193,7 @@ class _Frame:
 
         timed = self.on_recompute is not None
         if timed:
-            _synchronize(self.cuda_device)
+            _synchronize(self.rng.cuda_devices)
             start = time.perf_counter()
         with _record("offload::recompute"):
             args, kwargs = self._rebuild_args()
@@ -205,7 +204,7 @@ class _Frame:
                     except _StopRecompute:
                         pass
         if timed:
-            _synchronize(self.cuda_device)
+            _synchronize(self.rng.cuda_devices)
             self.on_recompute((time.perf_counter() - start) * 1e3)
         if len(captured) != len(self.meta) or any(
             c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(captured, self.meta)
@@ -231,10 +230,10 @@ _ARG = object()
 """Placeholder for a tensor argument in a frame's stored argument template."""
 
 
-def _synchronize(device: Optional[torch.device]) -> None:
-    """Wait for the region's CUDA device (if any), so wall time covers its kernels."""
-    if device is not None:
-        torch.cuda.synchronize(device)
+def _synchronize(cuda_devices: list) -> None:
+    """Wait for the region's CUDA devices (if any), so wall time covers their kernels."""
+    for index in cuda_devices:
+        torch.cuda.synchronize(index)
 
 
 def timed_checkpoint(fn: Callable, args: tuple, kwargs: dict, name: str, on_recompute: Callable[[float], None]):

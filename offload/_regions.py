@@ -129,7 +129,7 @@ class Regions:
         self._sizes: dict[tuple, list[RegionProfile]] = {}   # from its latest "measure" step
         self._timed: dict[tuple, tuple[list[RegionProfile], Optional[float]]] = {}  # "recompute" step
         self._link_scale: Optional[float] = None  # from the first "offload" trial, reused for new shapes
-        self._pending = None  # (key, stage, measurements, step ms or None): backward still to run
+        self._pending: Optional[_Pending] = None  # measured, backward still to run
         self._step_start: Optional[float] = None
         self._other_ms = 0.0
         self._originals = []
@@ -174,10 +174,10 @@ class Regions:
 
     def _begin_step(self, args, kwargs) -> None:
         now = time.perf_counter()
-        if self._pending is not None and self._step_start is not None and self._pending[3] is None:
+        if self._pending is not None and self._step_start is not None and self._pending.step_ms is None:
             # The measured step ran from its first region to now (embedding, head, loss and the
             # optimizer included): the whole step, as the plan predicts it.
-            self._pending = self._pending[:3] + ((now - self._step_start) * 1e3,)
+            self._pending.step_ms = (now - self._step_start) * 1e3
         self.finish_pending()
         if self._profiles is not None and self._key is not None:
             # The last profiling step never reached its last region (its forward raised, or
@@ -207,8 +207,8 @@ class Regions:
         """Plan from the last measured step, now that its backward has run (or will not be timed)."""
         if self._pending is None:
             return
-        key, stage, measurements, step_ms = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None
+        key, stage, measurements, step_ms = pending.key, pending.stage, pending.measurements, pending.step_ms
         for m in measurements:
             m.remove_hooks()
         profiles = [m.profile() for m in measurements]
@@ -291,8 +291,20 @@ class Regions:
         m.time_backward(args, kwargs, out, cuda)
         self._profiles.append(m)
         if index == len(self.regions) - 1:
-            self._pending, self._profiles = (self._key, self._stage, self._profiles, None), None
+            self._pending = _Pending(key=self._key, stage=self._stage, measurements=self._profiles)
+            self._profiles = None
         return out
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Pending:
+    """A profiling step whose forward is measured; its plan waits for its backward."""
+
+    key: tuple
+    stage: str
+    measurements: list
+    step_ms: Optional[float] = None
+    """The whole step's wall time, known once the next step begins (None until then)."""
 
 
 def _span_ms(measurements: list) -> Optional[float]:

@@ -210,7 +210,8 @@ class Store:
         self.device = device
         self.counters = counters
         self.budget = config.budget_bytes
-        self.evict_at = None if self.budget is None else int(self.budget * (1 - INFLIGHT_FRACTION))
+        self.evict_at = None
+        self.set_planned(False)
         # ``cuda``: a host tier sits between the device and the disk. ``link`` may be given to run
         # that path with another transport (the tests drive it on the CPU with synchronous copies).
         self.cuda = device.type == "cuda" or link is not None
