@@ -15,10 +15,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Config"]
+from ._cost import MB
+from ._policy import get_policy, policy_names
 
-MB = 1 << 20
-"""Bytes in one MB as the API counts it (MiB, like ``torch.cuda.memory_allocated`` tables)."""
+__all__ = ["Config", "parse_device"]
+
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 * 1024
 """Saved tensors smaller than this stay where they are: below ~64 KiB a copy (CUDA launch,
@@ -46,6 +47,25 @@ def _check_mb(name: str, value, *, allow_none: bool = True) -> Optional[float]:
             f"use None for no limit or 0 to move everything eligible off the device"
         )
     return value
+
+
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def parse_device(device) -> Optional[torch.device]:
+    """A ``torch.device`` of a supported type from what a user passed (None stays None)."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device; pass e.g. 'cuda', 'cuda:1' or 'cpu'") from e
+    if parsed.type not in SUPPORTED_DEVICE_TYPES:
+        raise ValueError(
+            f"device={device!r}: type {parsed.type!r} is not supported; valid device types are "
+            f"{', '.join(repr(t) for t in SUPPORTED_DEVICE_TYPES)}"
+        )
+    return parsed
 
 
 def _check_spill_dir(spill_dir) -> Optional[Path]:
@@ -107,9 +127,13 @@ class Config:
         device=None,
         prefetch=True,
         spill_workers=DEFAULT_SPILL_WORKERS,
-        policy="offload",
+        policy=None,
         has_regions=False,
     ) -> "Config":
+        """Validate what a user passed to ``offload.engine``; ``policy`` None: "auto" with regions,
+        else "offload"."""
+        if policy is None:
+            policy = "auto" if has_regions else "offload"
         budget = _check_mb("budget_mb", budget_mb)
         host_budget = _check_mb("host_budget_mb", host_budget_mb)
         if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
@@ -118,15 +142,7 @@ class Config:
             raise ValueError(f"spill_workers must be an int >= 1, got {spill_workers!r}")
         if not isinstance(prefetch, bool):
             raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
-        if device is not None:
-            try:
-                device = torch.device(device)
-            except (RuntimeError, TypeError) as e:
-                raise ValueError(f"device {device!r} is not a torch device; pass e.g. 'cuda', 'cuda:1' or 'cpu'") from e
-            if device.type not in ("cpu", "cuda"):
-                raise ValueError(f"device {str(device)!r} is not supported; valid device types are 'cpu' and 'cuda'")
-        from ._policy import get_policy, policy_names  # the registry may be extended by users
-
+        device = parse_device(device)
         if not isinstance(policy, str):
             raise TypeError(f"policy must be a policy name, one of {list(policy_names())}; got {policy!r}")
         get_policy(policy)  # unknown name -> ValueError listing the valid ones

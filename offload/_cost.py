@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["MachineProfile", "RegionProfile"]
+__all__ = ["MB", "MachineProfile", "RegionProfile"]
+
+MB = 1 << 20
+"""Bytes in one MB as the API counts it (MiB, like ``torch.cuda.memory_allocated`` tables): ``budget_mb``,
+``host_budget_mb`` and every MB figure the engine prints."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

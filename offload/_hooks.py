@@ -21,6 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ._errors import inplace_error
+
 __all__ = ["Eligibility", "no_offload"]
 
 _is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
@@ -103,16 +105,10 @@ class _Passed:
         self.version = t._version
 
     def unwrap(self) -> torch.Tensor:
-        now = self.alias._version
-        if now != self.version:
-            a = self.alias
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: {type(a).__name__} {tuple(a.shape)} {a.dtype} on {a.device} is at version {now}; "
-                f"expected version {self.version} instead (offload checked this because saved-tensor hooks turn "
-                "off PyTorch's own check)"
-            )
-        return self.alias
+        a = self.alias
+        if a._version != self.version:
+            raise inplace_error(a.type(), a.shape, a._version, self.version)
+        return a
 
 
 def _pass(t: torch.Tensor) -> _Passed:

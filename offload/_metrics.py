@@ -115,10 +115,11 @@ class PrometheusExporter:
         self.peak_resident_bytes = prom.Gauge(
             f"{prefix}_peak_resident_bytes", "Most resident bytes since the previous update()", **kw
         )
-        self.host_bytes = prom.Gauge(f"{prefix}_host_bytes", "Pinned host bytes the engine's pool holds", **kw)
+        self.host_bytes = prom.Gauge(f"{prefix}_host_bytes", "Host bytes the engine's host tier holds (pinned slabs)", **kw)
         self.spill_files = prom.Gauge(f"{prefix}_spill_files", "Spill files on disk now", **kw)
+        self.spill_bytes = prom.Gauge(f"{prefix}_spill_bytes", "Bytes of the spill file holding copies now", **kw)
         self.reload_wait_seconds = prom.Histogram(
-            f"{prefix}_reload_wait_seconds", "Host time backward waited for reloads, per update()",
+            f"{prefix}_reload_wait_seconds", "Time backward stalled for reloads (host waits; CUDA: compute-stream waits), per update()",
             buckets=WAIT_BUCKETS_S, **kw,
         )
         self.evict_wait_seconds = prom.Histogram(
@@ -150,6 +151,7 @@ class PrometheusExporter:
         self.peak_resident_bytes.set(stats.peak_resident_bytes)
         self.host_bytes.set(stats.host_bytes)
         self.spill_files.set(stats.spill_files)
+        self.spill_bytes.set(stats.spill_bytes)
         self.reload_wait_seconds.observe(stats.reload_wait_ms / _MS_PER_S)
         self.evict_wait_seconds.observe(stats.evict_wait_ms / _MS_PER_S)
         self.last = stats

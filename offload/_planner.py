@@ -3,7 +3,7 @@
 Numbers in, plan out. Nothing here touches torch, a device or a file, so every rule can be
 tested with made-up profiles on any machine. This module owns the decision shapes
 (``Decision``, ``RegionPlan``, ``Plan``), the timeline cost model (``simulate``) and the entry
-point (``make_plan``); *how* decisions are chosen lives in the policies of ``_policy``.
+point (``_policy.make_plan``); *how* decisions are chosen lives in the policies of ``_policy``.
 
 Each region (e.g. one transformer block) is, for one training step:
 
@@ -73,16 +73,13 @@ import enum
 import logging
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._cost import MachineProfile, RegionProfile
-
-if TYPE_CHECKING:
-    from ._policy import Policy
+from ._cost import MB, MachineProfile, RegionProfile
 
 __all__ = [
-    "Decision", "Plan", "RegionPlan", "calibrate_link", "link_usable", "make_plan", "region_transfer_ms", "scale_link",
-    "simulate",
+    "Decision", "Plan", "RegionPlan", "build_plan", "calibrate_link", "check_inputs", "link_usable", "region_transfer_ms",
+    "scale_link", "simulate",
 ]
 
 logger = logging.getLogger(__name__)
@@ -93,8 +90,6 @@ BACKWARD_TO_FORWARD = 2.0
 
 _BYTES_PER_GB = 1e9
 """GB as bandwidths count it (``MachineProfile`` fields are GB/s of 1e9 bytes)."""
-_BYTES_PER_MB = 1 << 20
-"""MB as the API counts budgets (``budget_mb`` is MiB); used only to print plans."""
 _MS_PER_S = 1e3
 _MS_PER_US = 1e-3
 
@@ -204,7 +199,7 @@ class Plan:
 
 
 def _mb(nbytes: int) -> str:
-    return f"{nbytes / _BYTES_PER_MB:,.1f}"
+    return f"{nbytes / MB:,.1f}"
 
 
 # -- cost model ------------------------------------------------------------------------------
@@ -383,7 +378,7 @@ def calibrate_link(
 # -- entry point -----------------------------------------------------------------------------
 
 
-def _check_inputs(regions: Sequence[RegionProfile], machine: MachineProfile, budget_bytes: int | None) -> None:
+def check_inputs(regions: Sequence[RegionProfile], machine: MachineProfile, budget_bytes: int | None) -> None:
     if budget_bytes is not None and (
         isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0
     ):
@@ -403,38 +398,7 @@ def _check_inputs(regions: Sequence[RegionProfile], machine: MachineProfile, bud
             raise ValueError(f"machine profile: {field} must be >= 0 (0: unusable), got {value!r}")
 
 
-def make_plan(
-    regions: Sequence[RegionProfile],
-    machine: MachineProfile,
-    budget_bytes: int | None,
-    policy: str | Policy = "auto",
-    *,
-    other_ms: float = 0.0,
-) -> Plan:
-    """Choose a decision per region with ``policy`` (a registered name or a policy object) and
-    predict what the step costs. ``budget_bytes``: activation bytes allowed on the device, None
-    for no limit. ``other_ms``: measured time of the step outside the regions (embedding, head,
-    loss, optimizer), added to the baseline and the prediction alike. Raises ``ValueError`` for
-    bad numbers or a policy that cannot honour them."""
-    if not (math.isfinite(other_ms) and other_ms >= 0):
-        raise ValueError(f"other_ms must be finite and >= 0, got {other_ms!r}")
-    # _policy builds on this module's cost model; importing it here keeps that layering one-way.
-    from ._policy import get_policy
-
-    regions = tuple(regions)
-    _check_inputs(regions, machine, budget_bytes)
-    chosen = get_policy(policy) if isinstance(policy, str) else policy
-    decisions = tuple(chosen.plan(regions, machine, budget_bytes))
-    if len(decisions) != len(regions) or not all(isinstance(d, Decision) for d in decisions):
-        raise ValueError(
-            f"policy {chosen.name!r} returned {decisions!r}; it must return one Decision per region ({len(regions)})"
-        )
-    plan = _build_plan(regions, decisions, machine, budget_bytes, chosen.name, other_ms)
-    logger.debug("planned %d regions with policy %r:\n%s", len(regions), chosen.name, plan)
-    return plan
-
-
-def _build_plan(
+def build_plan(
     regions: tuple[RegionProfile, ...],
     decisions: tuple[Decision, ...],
     machine: MachineProfile,

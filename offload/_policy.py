@@ -1,7 +1,7 @@
 """Policies: how each region's decision is chosen, one class per policy, chosen by name.
 
 A policy turns profiles and a budget into one ``Decision`` per region; ``_planner.make_plan``
-looks it up here and prices the result with the cost model. The fixed policies are the
+(here) looks it up and prices the result with the cost model. The fixed policies are the
 references every benchmark compares against; "auto" is the planner proper.
 
     "none"       keep everything (no engine; no budget allowed)
@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
+import math
 from collections.abc import Sequence
 from typing import ClassVar
 
 from ._cost import MachineProfile, RegionProfile
-from ._planner import Decision, link_usable, simulate
+from ._planner import Decision, Plan, build_plan, check_inputs, link_usable, simulate
 
-__all__ = ["AutoPolicy", "Policy", "get_policy", "policy_names", "register_policy"]
+__all__ = ["AutoPolicy", "Policy", "get_policy", "make_plan", "policy_names", "register_policy"]
+
+log = logging.getLogger(__name__)
 
 _REGISTRY: dict[str, type] = {}
 """Policy classes by name. The one module-level table: registration is how users extend it."""
@@ -274,3 +278,31 @@ class _Search:
                 made += 1
                 tried_since_move = 0
         return current
+
+
+def make_plan(
+    regions: Sequence[RegionProfile],
+    machine: MachineProfile,
+    budget_bytes: int | None,
+    policy: str | Policy = "auto",
+    *,
+    other_ms: float = 0.0,
+) -> Plan:
+    """Choose a decision per region with ``policy`` (a registered name or a policy object) and
+    predict what the step costs. ``budget_bytes``: activation bytes allowed on the device, None
+    for no limit. ``other_ms``: measured time of the step outside the regions (embedding, head,
+    loss, optimizer), added to the baseline and the prediction alike. Raises ``ValueError`` for
+    bad numbers or a policy that cannot honour them."""
+    if not (math.isfinite(other_ms) and other_ms >= 0):
+        raise ValueError(f"other_ms must be finite and >= 0, got {other_ms!r}")
+    regions = tuple(regions)
+    check_inputs(regions, machine, budget_bytes)
+    chosen = get_policy(policy) if isinstance(policy, str) else policy
+    decisions = tuple(chosen.plan(regions, machine, budget_bytes))
+    if len(decisions) != len(regions) or not all(isinstance(d, Decision) for d in decisions):
+        raise ValueError(
+            f"policy {chosen.name!r} returned {decisions!r}; it must return one Decision per region ({len(regions)})"
+        )
+    plan = build_plan(regions, decisions, machine, budget_bytes, chosen.name, other_ms)
+    log.debug("planned %d regions with policy %r:\n%s", len(regions), chosen.name, plan)
+    return plan

@@ -12,16 +12,13 @@ How each figure is taken:
 - d2h / h2d (CUDA only): one pinned host buffer and one device buffer of ``size_mb``, allocated
   once; one warm-up copy each way; then ``repeats`` copies per direction on a side stream, timed
   with CUDA events; the median wins. 0 on the CPU, where there is no such link.
-- disk write / read: a fresh private file (``O_EXCL``, mode 0600) in the spill directory per
-  repeat, ``size_mb`` of random bytes (so a compressing file system cannot flatter itself),
-  written with ``os.write`` and read back at once; median of ``repeats``; the file is removed.
-  The figures returned are the *buffered* ones: a write without fsync and a read that the page
-  cache can serve. That is what the engine's spill thread sees while the host has page cache to
-  spare. The durable figures (write + fsync, and a read after the pages were dropped with
-  ``posix_fadvise``) are measured in the same pass and logged at INFO; they are what it sees once
-  the host is short of memory, which is also when spilling matters most.
+- disk write / read: ``size_mb`` of random bytes (so a compressing file system cannot flatter
+  itself) written to and read back from a spill file in the spill directory exactly as the disk
+  tier does it (``_spill.SpillFile``: direct I/O where the filesystem allows, else buffered with
+  fdatasync and the pages dropped); median of ``repeats``. The page cache cannot flatter either
+  figure, which is what the engine sees whether or not the host has memory to spare.
 - per-tensor overhead: the fixed cost of moving one saved tensor out and back through the engine
-  itself (bookkeeping, events or a spill file's create/write/read/unlink and two thread hand-offs):
+  itself (bookkeeping, events or a spill write and read and two thread hand-offs):
   a forward and backward through a chain of ops that each save one small (64 KiB) tensor on the
   device, under an engine at budget 0 and at budget None; the difference per tensor, minus the
   tensor's byte time at the measured bandwidths, best of ``repeats``, clamped at 0. The hook
@@ -39,7 +36,7 @@ that cannot be read or parsed is ignored with a warning.
 
 from __future__ import annotations
 
-import io
+import contextlib
 import json
 import logging
 import math
@@ -53,21 +50,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ._cost import MachineProfile
+from ._config import Config, parse_device
+from ._cost import MB, MachineProfile
+from ._session import Session
+from ._spill import SpillFile
 
 __all__ = ["probe", "default_cache_path"]
 
 log = logging.getLogger(__name__)
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 """Version of the cache file layout; a file with another version is ignored."""
 _OVERHEAD_NUM_TENSORS = 200
 """Saved tensors per overhead run: at ~0.1-1 ms each, enough to dwarf timer noise, short enough to wait for."""
 _OVERHEAD_TENSOR_BYTES = 64 * 1024
 """Bytes per tensor in the overhead run: the engine's default ``min_offload_bytes``, the smallest it moves."""
-_BYTES_PER_MB = 1 << 20
 _BYTES_PER_GB = 1e9
-_SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 _LINK_FIELDS = ("d2h_gb_per_s", "h2d_gb_per_s", "per_tensor_overhead_us")
 _DISK_FIELDS = ("disk_write_gb_per_s", "disk_read_gb_per_s")
 
@@ -109,7 +107,7 @@ def probe(
     device = _resolve_device(device)
     spill_dir = _resolve_spill_dir(spill_dir)
     cache_file = Path(cache_path) if cache_path is not None else default_cache_path()
-    nbytes = size_mb * _BYTES_PER_MB
+    nbytes = size_mb * MB
 
     device_name = _device_name(device)
     host = platform.node()
@@ -160,15 +158,7 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         # is_available() asks the driver for a device count; it does not initialize CUDA.
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device={device!r}: not a torch device ({e}); pass 'cpu' or 'cuda'") from e
-    if resolved.type not in _SUPPORTED_DEVICE_TYPES:
-        raise ValueError(
-            f"device={device!r}: type {resolved.type!r} is not supported; "
-            f"pass one of {', '.join(repr(t) for t in _SUPPORTED_DEVICE_TYPES)}"
-        )
+    resolved = parse_device(device)
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: CUDA is not available on this machine; pass device='cpu'")
@@ -239,87 +229,59 @@ def _measure_link(device: torch.device, nbytes: int, repeats: int) -> tuple[floa
         d2h_ms = median_ms(x_host, x_device)
         h2d_ms = median_ms(x_device, x_host)
     d2h, h2d = _gb_per_s(nbytes, d2h_ms / 1e3), _gb_per_s(nbytes, h2d_ms / 1e3)
-    log.info("probe %s: d2h %.2f GB/s, h2d %.2f GB/s (pinned, %d MiB)", device, d2h, h2d, nbytes // _BYTES_PER_MB)
+    log.info("probe %s: d2h %.2f GB/s, h2d %.2f GB/s (pinned, %d MiB)", device, d2h, h2d, nbytes // MB)
     return d2h, h2d
 
 
 def _measure_disk(spill_dir: str, nbytes: int, repeats: int) -> tuple[float, float]:
-    """(write, read) GB/s of ``spill_dir``, buffered: medians of ``repeats`` fresh files.
-
-    Also measures write + fsync and a read after dropping the file's pages, and logs them.
-    """
-    data = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8)
-    back = np.empty(nbytes, dtype=np.uint8)
-    write_s, durable_s, read_s, cold_s = [], [], [], []
-    for _ in range(repeats):
-        fd, path = tempfile.mkstemp(prefix="offload-probe-", suffix=".bin", dir=spill_dir)  # O_EXCL, 0600
-        try:
-            with io.FileIO(fd, "r+", closefd=True) as f:
-                t0 = time.perf_counter()
-                _write_all(f, memoryview(data))
-                t1 = time.perf_counter()
-                os.fsync(f.fileno())
-                t2 = time.perf_counter()
-                f.seek(0)
-                _read_all(f, memoryview(back))
-                t3 = time.perf_counter()
-                if hasattr(os, "posix_fadvise"):  # clean pages only: hence after the fsync
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                f.seek(0)
-                t4 = time.perf_counter()
-                _read_all(f, memoryview(back))
-                t5 = time.perf_counter()
-        finally:
-            os.unlink(path)
-        write_s.append(t1 - t0)
-        durable_s.append(t2 - t0)
-        read_s.append(t3 - t2)
-        cold_s.append(t5 - t4)
-    if not np.array_equal(data, back):
-        raise OSError(f"probe: the file read back from {spill_dir!r} differs from what was written")
-    write, durable, read, cold = (_gb_per_s(nbytes, statistics.median(s)) for s in (write_s, durable_s, read_s, cold_s))
-    log.info(
-        "probe %s: write %.2f GB/s buffered (%.2f with fsync), read %.2f GB/s cached (%.2f after dropping pages)",
-        spill_dir, write, durable, read, cold,
-    )
+    """(write, read) GB/s of the spill file in ``spill_dir``, as the disk tier does its I/O: medians of
+    ``repeats`` writes and reads of ``nbytes`` random bytes (direct I/O where the filesystem has it,
+    else buffered with the pages dropped, so the page cache cannot flatter either figure)."""
+    data = torch.from_numpy(np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8).copy())
+    back = torch.empty(nbytes, dtype=torch.uint8)
+    write_s, read_s = [], []
+    spill = SpillFile(Path(spill_dir), workers=1)
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            extent, written = spill.write(data)
+            written.wait()
+            t1 = time.perf_counter()
+            spill.read(extent, back).wait()
+            t2 = time.perf_counter()
+            spill.free(extent)
+            write_s.append(t1 - t0)
+            read_s.append(t2 - t1)
+        direct = spill.direct
+    finally:
+        spill.close()
+    if not torch.equal(data, back):
+        raise OSError(f"probe: the bytes read back from {spill_dir!r} differ from what was written")
+    write, read = (_gb_per_s(nbytes, statistics.median(s)) for s in (write_s, read_s))
+    log.info("probe %s: write %.2f GB/s, read %.2f GB/s (%s)", spill_dir, write, read, "direct I/O" if direct else "buffered, pages dropped")
     return write, read
-
-
-def _write_all(f: io.FileIO, view: memoryview) -> None:
-    done = 0
-    while done < len(view):  # a large write may be partial
-        done += f.write(view[done:])
-
-
-def _read_all(f: io.FileIO, view: memoryview) -> None:
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise OSError(f"probe: unexpected end of file after {done} of {len(view)} bytes")
-        done += n
 
 
 def _measure_per_tensor_overhead_us(
     device: torch.device, spill_dir: str, repeats: int, out_gb_per_s: float, back_gb_per_s: float
 ) -> float:
     """Fixed cost of moving one saved tensor out and back through the engine, microseconds, >= 0."""
-    from ._engine import engine  # the probe measures the engine itself; imported late (no cycle)
-
     x = torch.ones(_OVERHEAD_TENSOR_BYTES // 4, device=device, requires_grad=True)
     # As a region planned OFFLOAD runs: every save starts its copy out at once, nothing waits for
     # a budget, and backward prefetches. That is the cost the planner charges per moved tensor.
-    moving = engine(None, min_offload_bytes=0, spill_dir=spill_dir, device=device)
-    counting = engine(None, min_offload_bytes=0, device=device)
+    moving = Session(Config.from_user(None, min_offload_bytes=0, spill_dir=spill_dir, device=device))
+    counting = Session(Config.from_user(None, min_offload_bytes=0, device=device))
 
-    def chain(eng) -> None:
-        with eng:
-            eager = eng._set_eager(eng is moving)
-            y = x
-            for _ in range(_OVERHEAD_NUM_TENSORS):
-                y = y.sin()  # saves its input: one pack in forward, one unpack in backward
-            loss = y.sum()
-            eng._set_eager(eager)
+    def chain(session: Session) -> None:
+        session.enter()
+        try:
+            with session.eagerly() if session is moving else contextlib.nullcontext():
+                y = x
+                for _ in range(_OVERHEAD_NUM_TENSORS):
+                    y = y.sin()  # saves its input: one pack in forward, one unpack in backward
+                loss = y.sum()
+        finally:
+            session.exit(None, None, None)
         loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -342,8 +304,9 @@ def _measure_per_tensor_overhead_us(
     try:
         overhead_s = best_s(with_hooks) - best_s(step)
     finally:
-        moving.close()
-        counting.close()
+        for session in (moving, counting):
+            if session.store is not None:
+                session.store.close()
     byte_s = sum(_OVERHEAD_TENSOR_BYTES / (gbps * _BYTES_PER_GB) for gbps in (out_gb_per_s, back_gb_per_s) if gbps > 0)
     return max(0.0, (overhead_s / _OVERHEAD_NUM_TENSORS - byte_s) * 1e6)
 

@@ -34,15 +34,17 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from ._cost import MachineProfile, RegionProfile
-from ._planner import Decision, Plan, calibrate_link, link_usable, make_plan, scale_link
+from ._planner import Decision, Plan, calibrate_link, link_usable, scale_link
+from ._policy import make_plan
 from ._recompute import checkpoint, timed_checkpoint
+from ._session import Session
 
-__all__ = ["Regions", "resolve_regions"]
+__all__ = ["ProfiledStep", "Regions", "resolve_regions"]
 
 log = logging.getLogger(__name__)
 
@@ -98,30 +100,18 @@ class Regions:
     """The regions of one engine: wrapped forwards, profiles, plans per input signature."""
 
     def __init__(
-        self,
-        regions: list[tuple[str, torch.nn.Module]],
-        policy: str,
-        budget_bytes: Optional[int],
-        machine: Callable[[], MachineProfile],
-        active: Callable[[], bool],
-        eager: Callable[[bool], bool],
-        on_recompute: Callable[[], None],
-        saved_bytes: Callable[[], tuple[int, int]],
-        planned: Callable[[bool], None] = lambda planned: None,
+        self, regions: list[tuple[str, torch.nn.Module]], policy: str, budget_bytes: Optional[int], session: Session
     ) -> None:
         self.regions = regions
         self.policy = policy
         self.budget_bytes = budget_bytes
-        self._machine = machine
-        self._active = active
-        self._eager = eager
-        self._on_recompute = on_recompute
-        self._saved = saved_bytes
-        self._planned = planned
+        self._session = session
         self.plans: dict[tuple, Plan] = {}
         self.plan: Optional[Plan] = None
         self.recent_stages: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
         """The profiling stage of each recent step, oldest first; None: the step followed a plan."""
+        self.profiled: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
+        """What each recent profiling step measured (``ProfiledStep``), oldest first."""
         self._key: Optional[tuple] = None
         self._stage: Optional[str] = None
         self._profiles: Optional[list[_Measurement]] = None
@@ -131,6 +121,7 @@ class Regions:
         self._link_scale: Optional[float] = None  # from the first "offload" trial, reused for new shapes
         self._pending: Optional[_Pending] = None  # measured, backward still to run
         self._step_start: Optional[float] = None
+        self._last_step: Optional[tuple[float, float, str]] = None  # (start, regions' ms, stage) of the last measured step
         self._other_ms = 0.0
         self._originals = []
         for index, (name, module) in enumerate(regions):
@@ -148,7 +139,7 @@ class Regions:
 
     def _wrap(self, index: int, name: str, forward):
         def region_forward(*args, **kwargs):
-            if not (self._active() and torch.is_grad_enabled()):
+            if not (self._session.active() and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
             if index == 0:
                 self._begin_step(args, kwargs)
@@ -156,7 +147,7 @@ class Regions:
                 return self._measure(index, name, forward, args, kwargs)
             decision = self._decision(index)
             if decision is Decision.RECOMPUTE:
-                self._on_recompute()
+                self._session.count_recompute()
                 return checkpoint(forward, *args, name=name, **kwargs)
             if decision is Decision.OFFLOAD:
                 return self._eagerly(forward, args, kwargs)
@@ -166,19 +157,19 @@ class Regions:
         return region_forward
 
     def _eagerly(self, forward, args, kwargs):
-        previous = self._eager(True)
-        try:
+        with self._session.eagerly():
             return forward(*args, **kwargs)
-        finally:
-            self._eager(previous)
 
     def _begin_step(self, args, kwargs) -> None:
         now = time.perf_counter()
-        if self._pending is not None and self._step_start is not None and self._pending.step_ms is None:
-            # The measured step ran from its first region to now (embedding, head, loss and the
-            # optimizer included): the whole step, as the plan predicts it.
-            self._pending.step_ms = (now - self._step_start) * 1e3
-        self.finish_pending()
+        self.finish_pending()  # a measured step whose backward never ran (or ran without its callback)
+        if self._last_step is not None:
+            # The last measured step ran from its first region to now (embedding, head, loss and
+            # the optimizer included): what it cost outside the regions goes into later plans.
+            start, regions_ms, stage = self._last_step
+            self._last_step = None
+            if stage != OFFLOAD_TRIAL:  # moving everything slows the rest too
+                self._other_ms = max(0.0, (now - start) * 1e3 - regions_ms)
         if self._profiles is not None and self._key is not None:
             # The last profiling step never reached its last region (its forward raised, or
             # skipped regions): run that stage again rather than plan from half a measurement.
@@ -201,26 +192,30 @@ class Regions:
         # slow the very step that measures the times the final plan predicts with.
         plan = self.plan
         keeps_all = plan is not None and plan.fits_budget and all(d is Decision.KEEP for d in plan.decisions)
-        self._planned(plan is not None and (stage is None or (stage == MEASURE and keeps_all)))
+        self._session.set_planned(plan is not None and (stage is None or (stage == MEASURE and keeps_all)))
+        if stage is not None:
+            self._session.machine()  # measured (or read from the cache) now, not inside backward
 
     def finish_pending(self) -> None:
-        """Plan from the last measured step, now that its backward has run (or will not be timed)."""
+        """Plan from the last measured step: at the end of its backward (a callback queued on the
+        autograd engine), or when the next step begins if that backward never ran."""
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        key, stage, measurements, step_ms = pending.key, pending.stage, pending.measurements, pending.step_ms
+        key, stage, measurements = pending.key, pending.stage, pending.measurements
         for m in measurements:
             m.remove_hooks()
         profiles = [m.profile() for m in measurements]
-        if step_ms is not None and stage != OFFLOAD_TRIAL:  # moving everything slows the rest too
-            self._other_ms = max(0.0, step_ms - sum(m.forward_ms + m.raw_backward_ms() for m in measurements))
-        machine = self._machine()
+        if self._step_start is not None:
+            self._last_step = (self._step_start, sum(m.forward_ms + m.raw_backward_ms() for m in measurements), stage)
+        machine = self._session.machine()
         if self._link_scale is not None:
             machine = scale_link(machine, self._link_scale)
         span_ms = _span_ms(measurements)
         if stage == MEASURE:
             first = key not in self._sizes
             self._sizes[key] = profiles
+            used = profiles
             plan = self._make_plan(profiles, machine)
             if first:
                 moves = any(d is not Decision.KEEP for d in plan.decisions)
@@ -239,6 +234,7 @@ class Regions:
                 for size, p in zip(self._sizes[key], profiles)
             ]
             self._timed[key] = (timed, span_ms)
+            used = timed
             plan = self._make_plan(timed, machine)
         else:
             timed, recompute_span_ms = self._timed.get(key, (self._sizes[key], None))
@@ -248,7 +244,9 @@ class Regions:
                 machine, scale = calibrate_link(timed, machine, span_ms - keep_span_ms)
                 self._link_scale = (self._link_scale or 1.0) * scale
                 log.info("offload: transfer costs calibrated x%.3g by a step that offloaded every region", scale)
+            used = timed
             plan = self._make_plan(timed, machine)
+        self.profiled.append(ProfiledStep(stage=stage, inputs=key, regions=tuple(used), span_ms=span_ms))
         self.plans[key] = plan
         if self._key == key:
             self.plan = plan
@@ -258,8 +256,7 @@ class Regions:
         """True while the latest input signature still has profiling steps to run (or none ran yet)."""
         if self.policy not in _PROFILED_POLICIES:
             return False
-        self.finish_pending()
-        return self._key is None or bool(self._stages.get(self._key, [MEASURE]))
+        return self._key is None or self._pending is not None or bool(self._stages.get(self._key, [MEASURE]))
 
     def _make_plan(self, profiles: list[RegionProfile], machine: MachineProfile) -> Plan:
         return make_plan(profiles, machine, self.budget_bytes, self.policy, other_ms=self._other_ms)
@@ -270,30 +267,43 @@ class Regions:
         return Decision.RECOMPUTE if self.policy == "recompute" else Decision.KEEP
 
     def _measure(self, index: int, name: str, forward, args, kwargs):
-        cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+        cuda = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.is_cuda), None)
         m = _Measurement(name=name, input_bytes=_input_bytes(args, kwargs))
-        if cuda:
-            torch.cuda.synchronize()
-        bytes_before, tensors_before = self._saved()
+        if cuda is not None:
+            torch.cuda.synchronize(cuda)
+        bytes_before, tensors_before = self._session.saved()
         start = time.perf_counter()
         if self._stage == RECOMPUTE_TRIAL:
-            self._on_recompute()
+            self._session.count_recompute()
             out = timed_checkpoint(forward, args, kwargs, name, m.add_recompute)
         elif self._stage == OFFLOAD_TRIAL:
             out = self._eagerly(forward, args, kwargs)
         else:
             out = forward(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
+        if cuda is not None:
+            torch.cuda.synchronize(cuda)
         m.forward_start, m.forward_ms = start, (time.perf_counter() - start) * 1e3
-        bytes_after, tensors_after = self._saved()
+        bytes_after, tensors_after = self._session.saved()
         m.saved_bytes, m.num_tensors = bytes_after - bytes_before, tensors_after - tensors_before
         m.time_backward(args, kwargs, out, cuda)
         self._profiles.append(m)
         if index == len(self.regions) - 1:
             self._pending = _Pending(key=self._key, stage=self._stage, measurements=self._profiles)
             self._profiles = None
+            _finish_after_backward(out, self.finish_pending)
         return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfiledStep:
+    """One profiling step: its stage, the input signature, the region profiles its plan was made
+    from (a trial's times merged with the "measure" step's sizes), and the regions' span (first
+    forward start to last backward end, ms; None where not timed)."""
+
+    stage: str
+    inputs: tuple
+    regions: tuple
+    span_ms: Optional[float]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -303,8 +313,21 @@ class _Pending:
     key: tuple
     stage: str
     measurements: list
-    step_ms: Optional[float] = None
-    """The whole step's wall time, known once the next step begins (None until then)."""
+
+
+def _finish_after_backward(out, finish) -> None:
+    """Run ``finish`` once the backward that reaches ``out`` (the last region's output) completes."""
+    outputs = [t for t in _tensors(out) if t.requires_grad]
+    if not outputs:
+        return
+    queued = []
+
+    def queue(grad):
+        if not queued:
+            queued.append(True)
+            torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+    outputs[0].register_hook(queue)  # dies with the output; fires at most once per step's backward
 
 
 def _span_ms(measurements: list) -> Optional[float]:
@@ -347,15 +370,15 @@ class _Measurement:
     def add_recompute(self, ms: float) -> None:
         self.recompute_ms += ms
 
-    def time_backward(self, args, kwargs, out, cuda: bool) -> None:
+    def time_backward(self, args, kwargs, out, cuda: Optional[torch.device]) -> None:
         outputs = [t for t in _tensors(out) if t.requires_grad]
         inputs = [t for t in _tensors(list(args) + list(kwargs.values())) if t.requires_grad]
         if not (outputs and inputs):
             return
 
         def stamp():
-            if cuda:
-                torch.cuda.synchronize()
+            if cuda is not None:
+                torch.cuda.synchronize(cuda)
             return time.perf_counter()
 
         def at_output(grad):

@@ -1,15 +1,23 @@
-"""Counters of what the engine did, and the frozen snapshot users read.
+"""Counters of what the engine did, the frozen snapshot users read, and the profiler's named ranges.
 
-The engine updates a mutable ``Counters`` under its lock; ``Engine.stats`` hands out a frozen
-``Stats`` copy. Byte counts are of distinct storages: a storage saved by several ops (or as
-several views) counts once.
+The store updates a mutable ``Counters`` under its lock; ``Engine.stats`` hands out a frozen
+``Stats`` built from it and from the store's gauges (what it holds now), which are read, never
+reset. Byte counts are of distinct storages: a storage saved by several ops (or as several views)
+counts once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Stats", "Counters"]
+import torch
+
+__all__ = ["Counters", "Stats", "record"]
+
+
+def record(name: str):
+    """A named range in ``torch.profiler`` traces (``offload::d2h``, ``offload::recompute``, ...)."""
+    return torch.autograd.profiler.record_function(name)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,27 +31,38 @@ class Stats:
     saved_bytes: int = 0
     """Bytes of distinct storages the engine manages."""
     offloaded_bytes: int = 0
-    """Bytes moved off the compute device (to pinned host on CUDA, to disk on the CPU)."""
+    """Bytes moved off the compute device (to host memory on CUDA, to disk on the CPU)."""
     reloaded_bytes: int = 0
-    """Bytes brought back to the compute device for backward."""
+    """Bytes brought back to the compute device for backward. Each moved storage comes back once
+    per backward, so for a plain training step this equals ``offloaded_bytes``."""
     spilled_bytes: int = 0
-    """Bytes written to spill files."""
+    """Bytes written to the spill file."""
     resident_bytes: int = 0
-    """Engine-managed activation bytes on the compute device now, copies in flight included."""
+    """Engine-managed activation bytes on the compute device now, copies in flight included (a gauge)."""
     peak_resident_bytes: int = 0
-    """The most ``resident_bytes`` has been."""
+    """The most ``resident_bytes`` has been since the engine was made or ``reset_stats()``."""
     host_bytes: int = 0
-    """Pinned host bytes the engine's pool holds now (CUDA)."""
+    """Host memory the host tier holds now (CUDA: pinned slabs, in use or idle; a gauge)."""
+    host_in_use_bytes: int = 0
+    """Of ``host_bytes``, what holds copies now; the rest is idle, kept for reuse (a gauge)."""
+    spill_bytes: int = 0
+    """Bytes of the spill file holding copies now (a gauge)."""
+    spill_files: int = 0
+    """Spill files on disk now: one per engine once it first spilled, none after ``close()`` (a gauge)."""
     prefetch_hits: int = 0
     """Unpacks whose tensor was already back on (or on its way to) the device."""
     prefetch_misses: int = 0
     """Unpacks that had to start their own reload."""
     reload_wait_ms: float = 0.0
-    """Host-side time unpack spent waiting for data to come back."""
+    """Time backward stalled for data to come back: host waits for disk reads, plus on CUDA the
+    compute stream's waits on copies not yet landed (CUDA events)."""
     evict_wait_ms: float = 0.0
     """Host-side time pack spent waiting for copies to drain to stay within the budget."""
-    spill_files: int = 0
-    """Spill files on disk now."""
+    d2h_busy_ms: float = 0.0
+    """CUDA: time the device-to-host stream spent copying (CUDA events); 0 elsewhere.
+    ``offloaded_bytes`` over it is the achieved d2h bandwidth."""
+    h2d_busy_ms: float = 0.0
+    """CUDA: time the host-to-device stream spent copying (CUDA events); 0 elsewhere."""
     recomputed_regions: int = 0
     """Region forwards run as recompute (inputs kept, the rest re-run in backward)."""
 
@@ -52,20 +71,27 @@ class Stats:
         return dataclasses.asdict(self)
 
 
-class Counters:
-    """The engine's mutable tally; read it only through ``snapshot()``."""
+_GAUGES = ("resident_bytes", "peak_resident_bytes", "host_bytes", "host_in_use_bytes", "spill_bytes", "spill_files")
+"""Fields read from the store when a snapshot is taken, never counted."""
+_FROM_LINK = ("d2h_busy_ms", "h2d_busy_ms")
+"""Fields read from the link (CUDA events), offset by what they were at the last reset."""
 
-    __slots__ = tuple(f.name for f in dataclasses.fields(Stats))
+
+class Counters:
+    """The engine's mutable tally of events; gauges are not here (the store owns what it holds)."""
+
+    __slots__ = tuple(f.name for f in dataclasses.fields(Stats) if f.name not in _GAUGES + _FROM_LINK)
 
     def __init__(self) -> None:
-        for f in dataclasses.fields(Stats):
-            setattr(self, f.name, f.default)
+        self.reset()
 
-    def snapshot(self) -> Stats:
-        return Stats(**{name: getattr(self, name) for name in self.__slots__})
+    def reset(self) -> None:
+        """Zero every counter."""
+        for name in self.__slots__:
+            setattr(self, name, 0.0 if name.endswith("_ms") else 0)
 
-    def reset(self, *, keep: tuple[str, ...] = ()) -> None:
-        """Zero every counter except the gauges named in ``keep`` (current resident bytes, ...)."""
-        for f in dataclasses.fields(Stats):
-            if f.name not in keep:
-                setattr(self, f.name, f.default)
+    def snapshot(self, **gauges) -> Stats:
+        """A frozen ``Stats`` of these counters and the gauges (and link readings) given."""
+        values = {name: getattr(self, name) for name in self.__slots__}
+        values.update(gauges)
+        return Stats(**values)

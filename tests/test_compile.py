@@ -169,4 +169,4 @@ def test_fake_tensors_pass_through():
     stats = eng.stats
     eng.close()
     assert stats.saved_tensors == 0 and stats.passthrough_tensors >= 3
-    assert stats.resident_bytes == 0 and stats.spill_files == 0
+    assert stats.resident_bytes == 0 and stats.spill_bytes == 0

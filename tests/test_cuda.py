@@ -8,13 +8,20 @@ Every test here needs a CUDA device and is skipped cleanly without one. Oracles:
   on the side stream would overtake it if they were not ordered, and freed memory is reallocated
   and filled with NaN at once, so a block freed (or reused) before its copy finished shows up as
   NaN or wrong numbers in the gradients;
-- the memory identity: peak device memory without the engine minus peak with it at budget 0 is
-  the bytes the engine moved, less what must be on the device anyway at the peak (the tensor in
-  use), within 10% of the bytes moved.
+- races on the side streams too: a link whose copies first spin their own stream
+  (``CudaLink.before_copy``), uninitialized memory filled with NaN
+  (``torch.utils.deterministic.fill_uninitialized_memory``), a new input every step so a stale
+  reload cannot look right; and each race test is run once more with its guard removed (a
+  keep-alive, the wait at the point of use) and must then fail;
+- the memory identity: the activation peak (forward start to backward end, weight gradients
+  allocated before the window) without the engine minus with it at budget 0 is the bytes the
+  engine moved, less what must be on the device anyway at the peak (the tensor in use), within
+  10% of the bytes moved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -22,6 +29,8 @@ import torch
 from torch import nn
 
 import offload
+import offload._transfer
+from offload._transfer import CudaLink
 from zoo import MB, wait_clean
 
 pytestmark = [
@@ -105,8 +114,10 @@ def test_gradients_bitwise_equal_on_cuda(budget, spill_dir):
     if budget is None:
         assert stats.offloaded_bytes == 0
     elif budget == 0:
-        assert stats.offloaded_bytes == stats.saved_bytes and stats.reloaded_bytes == stats.saved_bytes
-        assert stats.host_bytes > 0, "the copies went through the pinned pool"
+        assert stats.offloaded_bytes == stats.saved_bytes
+        assert 0 < stats.reloaded_bytes <= stats.saved_bytes, "each moved storage comes back at most once"
+        assert stats.host_bytes > 0, "the copies went through pinned host memory"
+        assert stats.d2h_busy_ms > 0 and stats.h2d_busy_ms > 0, "the side streams' busy time is measured"
     else:
         assert 0 < stats.offloaded_bytes < stats.saved_bytes
         assert stats.peak_resident_bytes <= eng.config.budget_bytes
@@ -170,23 +181,122 @@ def delayed_chain(depth: int, width: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 1)).cuda()
 
 
-@pytest.mark.parametrize("budget", [0, "some"], ids=lambda b: f"budget={b}")
-@pytest.mark.parametrize("prefetch", [True, False], ids=lambda p: f"prefetch={p}")
-def test_delayed_compute_stream_and_reused_memory(budget, prefetch, spill_dir):
-    """No early free, no early use: with the compute stream delayed and freed memory overwritten
-    with NaN, the gradients are still bitwise those of the model without the engine."""
+class SlowLink(CudaLink):
+    """CUDA side streams whose every copy first spins its own stream: a copy that the engine
+    did not order after its producer, or a destination used before it landed, shows."""
+
+    def before_copy(self, stream) -> None:
+        torch.cuda._sleep(SLEEP_CYCLES // 4)
+
+
+@contextlib.contextmanager
+def _uninitialized_memory_is_nan():
+    """Every fresh allocation is filled (NaN for floats): a reload read before it lands is garbage."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 3) -> None:
     model = delayed_chain(depth=6, width=1024)
-    x = torch.randn(512, 1024, device="cuda")
-    ref = step(copy.deepcopy(model), x)
+    link = SlowLink(torch.device("cuda", torch.cuda.current_device())) if slow_link else None
     eng = offload.engine(
-        budget_mb_for(model, x, budget), min_offload_bytes=0, spill_dir=spill_dir, prefetch=prefetch, model=model,
+        budget_mb_for(model, torch.randn(512, 1024, device="cuda"), budget), min_offload_bytes=0,
+        spill_dir=spill_dir, prefetch=prefetch, model=model, link=link,
     )
-    for i in range(2):  # the second step reuses the pinned pool's buffers
-        got = step(model, x, eng)
-        assert_grads_equal(ref, got, f"budget {budget}, step {i}")
+    with _uninitialized_memory_is_nan():
+        for i in range(steps):  # later steps reuse the pinned slabs; each step has a new input
+            torch.manual_seed(100 + i)
+            x = torch.randn(512, 1024, device="cuda")
+            ref = step(copy.deepcopy(model), x)
+            got = step(model, x, eng)
+            assert_grads_equal(ref, got, f"budget {budget}, step {i}")
     stats = wait_clean(eng, spill_dir)
     assert stats.offloaded_bytes > 0 and stats.reloaded_bytes > 0
     eng.close()
+
+
+@pytest.mark.parametrize("budget", [0, "some"], ids=lambda b: f"budget={b}")
+@pytest.mark.parametrize("prefetch", [True, False], ids=lambda p: f"prefetch={p}")
+@pytest.mark.parametrize("slow_link", [False, True], ids=["compute-delayed", "side-streams-delayed"])
+def test_delayed_streams_and_reused_memory(budget, prefetch, slow_link, spill_dir):
+    """No early free, no early use: with the compute stream or the side streams delayed, freed and
+    fresh memory overwritten with NaN, and a new input each step, the gradients are bitwise those
+    of the model without the engine."""
+    _race_run(budget, prefetch, spill_dir, slow_link)
+
+
+def _without_wait_at_use(monkeypatch) -> None:
+    """The guard removed: the compute stream does not wait for a reload's event before using it."""
+    monkeypatch.setattr(offload._transfer.CudaLink, "wait_on_compute", lambda self, event: None)
+
+
+def _without_fence(monkeypatch) -> None:
+    """The guard removed: side streams start copies without waiting for the compute stream, so a
+    d2h can read its source before the (delayed) kernel producing it has run."""
+
+    def enter(self, batch, fence):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        self._start = None
+        return self.stream
+
+    monkeypatch.setattr(offload._transfer._Direction, "enter", enter)
+
+
+@pytest.mark.parametrize(
+    "remove, slow_link", [(_without_wait_at_use, True), (_without_fence, False)], ids=["wait-at-use", "fence"]
+)
+def test_race_test_fails_with_its_guard_removed(remove, slow_link, spill_dir, monkeypatch):
+    """The race test can fail: with a guard removed it must see wrong gradients (else it tests
+    nothing). The wait at use matters when the h2d is late (side streams delayed); the fence when
+    the producer is late (compute stream delayed)."""
+    remove(monkeypatch)
+    with pytest.raises(AssertionError, match="gradient"):
+        _race_run(0, False, spill_dir, slow_link=slow_link, steps=2)
+
+
+def test_forward_on_a_side_stream(spill_dir):
+    """The engine reads the current stream when it copies, never a cached one: a forward run on a
+    user's own stream is ordered right."""
+    model = delayed_chain(depth=4, width=1024)
+    x = torch.randn(512, 1024, device="cuda")
+    ref = step(copy.deepcopy(model), x)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, model=model)
+    user = torch.cuda.Stream()
+    user.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(user):
+        got = step(model, x, eng)
+    torch.cuda.synchronize()
+    assert_grads_equal(ref, got, "forward and backward on a user stream")
+    wait_clean(eng, spill_dir)
+    eng.close()
+
+
+def test_pinned_bytes_held_are_the_bytes_counted(spill_dir):
+    """host_bytes is what is really pinned (the caching host allocator's own count agrees), it
+    never passes host_budget_mb, and close() gives it back."""
+    torch.cuda.synchronize()
+    before = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0)
+    model = chain(depth=8, width=1024)
+    x = torch.randn(1024, 1024, device="cuda")
+    cap_mb = 64
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host_budget_mb=cap_mb, model=model)
+    step(model, x, eng)
+    stats = wait_clean(eng, spill_dir)
+    pinned = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0) - before
+    assert 0 < stats.host_bytes <= cap_mb * MB
+    assert pinned == stats.host_bytes, f"pinned {pinned} bytes, counted {stats.host_bytes}"
+    eng.close()
+    assert eng.stats.host_bytes == 0
+    after = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0)
+    assert after <= before, "close() gave the pinned slabs back"
 
 
 def test_host_tier_full_spills_to_disk_with_delays(spill_dir):
@@ -206,17 +316,27 @@ def test_host_tier_full_spills_to_disk_with_delays(spill_dir):
 # ---------------------------------------------------------------------------------- device memory
 
 
-def _peak_step_bytes(model: nn.Module, x: torch.Tensor, eng=None) -> int:
-    """Device bytes a step allocates above what was allocated before it (model, input)."""
-    model.zero_grad(set_to_none=True)
+def _activation_peak_bytes(model: nn.Module, x: torch.Tensor, eng=None) -> int:
+    """Device bytes a step allocates above what was allocated at its start, from forward to the
+    end of backward: weight gradients already exist (zeroed in place, not set to None), and
+    nothing is cloned inside the window."""
+    x = x.detach().clone().requires_grad_(True)
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.zero_()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    step(model, x, eng)
-    model.zero_grad(set_to_none=True)  # step() cloned the grads it returns; those are freed now
+    with eng if eng is not None else contextlib.nullcontext():
+        out = model(x)
+    loss = (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum()
+    loss.backward()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated() - before
+    del out, loss, x
+    return peak
 
 
 def test_peak_device_memory_drops_by_the_bytes_moved(spill_dir):
@@ -231,13 +351,13 @@ def test_peak_device_memory_drops_by_the_bytes_moved(spill_dir):
     model = chain(depth=depth, width=width)
     x = torch.randn(batch, width, device="cuda")
     largest = batch * width * 4
-    step(copy.deepcopy(model), x)  # warm up: cuBLAS workspaces and handles exist in both runs
-    peak_without = _peak_step_bytes(model, x)
+    _activation_peak_bytes(model, x)  # warm up: cuBLAS workspaces, handles and the grads exist in both runs
+    peak_without = _activation_peak_bytes(model, x)
     # 1 MiB floor: the loss's small tensors pass through, so only the 16 MiB activations are moved
     eng = offload.engine(0, min_offload_bytes=MB, spill_dir=spill_dir, model=model)
-    step(model, x, eng)  # warm up the pinned pool too: its buffers are host memory, not device
+    _activation_peak_bytes(model, x, eng)  # warm up the pinned slabs too: host memory, not device
     eng.reset_stats()
-    peak_with = _peak_step_bytes(model, x, eng)
+    peak_with = _activation_peak_bytes(model, x, eng)
     stats = wait_clean(eng, spill_dir)
     assert stats.offloaded_bytes == stats.saved_bytes == depth * largest, stats
     saving = peak_without - peak_with

@@ -3,15 +3,20 @@ RAM, and exceptions (KeyboardInterrupt included) in forward or backward.
 
 What must hold after every fault: the step either completes with gradients bitwise equal to the
 model without the engine, or fails with ``offload.OffloadError`` naming the tensor (shape, dtype)
-and the tier; never wrong data. Afterwards the engine holds nothing (resident bytes 0, no spill
-files, pool buffers back), and the next step is correct.
+and the tier; never wrong data. Afterwards the engine holds nothing (``Stats``: resident bytes 0,
+no live spill extents, no host blocks in use; the one spill file, kept for reuse until
+``close()``, is the only thing in the spill directory), and the next step is correct.
 
 The behaviour chosen after a failed spill write: the tensor stays in memory (over the budget), one
 warning is logged per engine, and every later eviction tries the disk again (a disk that filled
 may free up). ``spilled_bytes`` and ``offloaded_bytes`` count only writes that landed.
 
-Faults are injected without touching the real filesystem's state where possible: ``FaultyOS``
-stands in for ``os`` inside ``offload._spill`` only, so pytest's own I/O is untouched.
+The disk tier is one spill file per engine, opened at the first spill and written and read through
+its descriptor (``pwrite``/``preadv`` on worker threads). Faults are injected without touching the
+real filesystem's state where possible: ``FaultyOS`` stands in for ``os`` inside ``offload._spill``
+only, so pytest's own I/O is untouched. The host tier runs on the CPU over the stand-in links of
+``tests/links.py``, both of them: ``DeferredLink`` (copies land when polled) and ``ThreadedLink``
+(copies land on a thread, and a source let go too early is poisoned).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import os
 import shutil
 import threading
+import weakref
 
 import psutil
 import pytest
@@ -29,9 +35,9 @@ import torch
 from torch import nn
 
 import offload
-import offload._pool
+import offload._arena
 import offload._spill
-from test_host_tier import DeferredLink, _engine_with_host_tier
+from links import DeferredLink, ThreadedLink
 from zoo import MB, assert_same, files_under, run_step, wait_clean
 
 SIZE = 16 * 1024
@@ -69,50 +75,50 @@ class FaultyOS:
 
     def __init__(self) -> None:
         self.writes_ok = None
-        """Whole writes that succeed before the disk is full; None: the disk never fills."""
+        """Whole writes (``pwrite`` calls) that succeed before the disk is full; None: it never fills."""
         self.partial = False
-        """The failing write first lands half its bytes (a disk filling mid-file)."""
+        """The failing write first lands half its bytes (a short ``pwrite``), then ENOSPC for the rest."""
         self.open_error = None
-        """errno for opening a spill file for writing (EACCES: an unwritable directory)..."""
-        self.opens_ok = 0
-        """... after this many opens for writing succeeded."""
+        """errno for creating the spill file (EACCES: an unwritable directory)."""
         self.read_error = None
         """errno for every read (EIO)."""
-        self.unlink_error = None
-        """errno for removing a spill file (EACCES: the directory turned unwritable)."""
-        self.writes = self.opens = 0
+        self.writes = self.opens = self.reads = 0
+        self.created: set[str] = set()
+        """Paths the engine tried to create (a retry without O_DIRECT reuses its path)."""
         self._lock = threading.Lock()
+        self._short = threading.local()  # this worker's last pwrite landed short on purpose
 
     def __getattr__(self, name):
         return getattr(os, name)
 
-    def write(self, fd, data):
+    def pwrite(self, fd, data, offset):
+        if getattr(self._short, "pending", False):  # the rest of a write that landed short
+            self._short.pending = False
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         with self._lock:
             n, self.writes = self.writes, self.writes + 1
         if self.writes_ok is not None and n >= self.writes_ok:
             if self.partial and len(data) > 1:
-                os.write(fd, data[: len(data) // 2])
+                self._short.pending = True
+                return os.pwrite(fd, data[: len(data) // 2], offset)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return os.write(fd, data)
+        return os.pwrite(fd, data, offset)
 
     def open(self, path, flags, *args):
-        if self.open_error is not None and flags & os.O_CREAT:
+        if flags & os.O_CREAT:
             with self._lock:
-                n, self.opens = self.opens, self.opens + 1
-            if n < self.opens_ok:
-                return os.open(path, flags, *args)
-            raise OSError(self.open_error, os.strerror(self.open_error), path)
+                self.opens += 1
+                self.created.add(path)
+            if self.open_error is not None:
+                raise OSError(self.open_error, os.strerror(self.open_error), path)
         return os.open(path, flags, *args)
 
-    def unlink(self, path):
-        if self.unlink_error is not None:
-            raise OSError(self.unlink_error, os.strerror(self.unlink_error), path)
-        return os.unlink(path)
-
-    def readv(self, fd, buffers):
+    def preadv(self, fd, buffers, offset):
+        with self._lock:
+            self.reads += 1
         if self.read_error is not None:
             raise OSError(self.read_error, os.strerror(self.read_error))
-        return os.readv(fd, buffers)
+        return os.preadv(fd, buffers, offset)
 
 
 @pytest.fixture
@@ -122,14 +128,52 @@ def faulty(monkeypatch):
     return fake
 
 
+class SpillWrites:
+    """Every spill write the engine starts (``SpillFile.write``), so a test can wait until all have
+    landed: reading ``eng.stats`` settles nothing, and a test that edits the spill file must not
+    race a write still in flight (a late write would extend a truncated file again)."""
+
+    def __init__(self, monkeypatch) -> None:
+        real = offload._spill.SpillFile.write
+        self.pendings: list = []
+
+        def write(spill, data):
+            extent, pending = real(spill, data)
+            self.pendings.append(pending)
+            return extent, pending
+
+        monkeypatch.setattr(offload._spill.SpillFile, "write", write)
+
+    @property
+    def started(self) -> int:
+        return len(self.pendings)
+
+    def landed(self) -> int:
+        """Wait for every write started so far; returns how many there were."""
+        n = len(self.pendings)
+        for pending in self.pendings[:n]:
+            try:
+                pending.wait()
+            except OSError:
+                pass  # a failed write: the store handles it
+        return n
+
+
+@pytest.fixture
+def spill_writes(monkeypatch):
+    return SpillWrites(monkeypatch)
+
+
 def warnings_from(caplog, logger: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == logger and r.levelno == logging.WARNING]
 
 
-def pool_in_use_bytes(eng) -> int:
-    """Bytes of pool buffers some entry still holds (held minus idle)."""
-    pool = eng._stores[torch.device("cpu")].pool
-    return pool.held_bytes - sum(cls * len(bucket) for cls, bucket in pool._free.items())
+def only_file(spill_dir) -> str:
+    """The engine's one spill file: the only file under its private directory, the only entry of ``spill_dir``."""
+    entries = list(spill_dir.iterdir())
+    files = files_under(spill_dir)
+    assert len(entries) == 1 and entries[0].is_dir() and len(files) == 1, (entries, files)
+    return files[0]
 
 
 # ---------------------------------------------------------------------------------- disk full
@@ -148,12 +192,17 @@ def test_disk_full_keeps_tensors_in_memory(writes_ok, partial, budget_tensors, f
         assert_same(ref, chain_step(eng), "disk full")
         stats = wait_clean(eng, spill_dir)
         assert stats.spilled_bytes == writes_ok * NBYTES, "only writes that landed count as spilled"
-        assert stats.offloaded_bytes == stats.spilled_bytes <= stats.reloaded_bytes
+        assert stats.offloaded_bytes == stats.spilled_bytes
+        # Each moved storage comes back at most once; none came back that was not moved.
+        assert stats.reloaded_bytes <= stats.offloaded_bytes and (stats.reloaded_bytes > 0) == (writes_ok > 0)
         assert stats.peak_resident_bytes > eng.config.budget_bytes, "kept in memory, over the budget"
+        tries = faulty.writes
 
         eng.reset_stats()
         assert_same(ref, chain_step(eng), "disk still full")
-        wait_clean(eng, spill_dir)
+        stats = wait_clean(eng, spill_dir)
+        assert stats.spilled_bytes == stats.offloaded_bytes == 0
+        assert faulty.writes > tries, "later evictions try the disk again"
         messages = warnings_from(caplog, "offload._store")
         assert len(messages) == 1, messages
         assert "spill" in messages[0] and os.strerror(errno.ENOSPC) in messages[0]
@@ -163,27 +212,32 @@ def test_disk_full_keeps_tensors_in_memory(writes_ok, partial, budget_tensors, f
         assert_same(ref, chain_step(eng), "disk freed")
         stats = wait_clean(eng, spill_dir)
         assert stats.spilled_bytes > 0 and stats.peak_resident_bytes <= eng.config.budget_bytes
+        assert len(warnings_from(caplog, "offload._store")) == 1, "still one warning"
+    assert len(faulty.created) == 1, "one spill file for the engine's life, whatever failed"
     eng.close()
-    assert files_under(spill_dir) == []
+    assert list(spill_dir.iterdir()) == []
 
 
 def test_write_failing_after_backward_adopted_its_source(monkeypatch, spill_dir):
-    """The last spill write is still in flight when backward reaches its tensor: backward adopts the
-    source back and, with both users served, lets it go. Then the write fails. A second backward
-    (retain_graph) must still find the data: the source went back to the write, not away."""
-    real_write = offload._spill._write_file
+    """The last spill write is still in flight when backward reaches its tensor: backward serves it
+    from its source and, with both users served, lets it go. Then the write fails. A second backward
+    (retain_graph) must still find the data: the source went back to the store, not away."""
+    real_write = offload._spill._File.write
     gate = threading.Event()
-    writes = []
+    started, gated_done = [], []
     depth = 4
 
-    def last_write_fails_late(path, data):
-        writes.append(path)
-        if len(writes) == depth - 1:  # the newest evicted tensor
+    def last_write_fails_late(file, extent, data):
+        started.append(extent)
+        if len(started) != depth - 1:
+            return real_write(file, extent, data)
+        try:  # the newest evicted tensor's write
             gate.wait(GATE_TIMEOUT_S)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(path, data)
+        finally:
+            gated_done.append(extent)
 
-    monkeypatch.setattr(offload._spill, "_write_file", last_write_fails_late)
+    monkeypatch.setattr(offload._spill._File, "write", last_write_fails_late)
     model, ref_model = TanhChain(depth), TanhChain(depth)
     torch.manual_seed(0)
     x = chain_input()
@@ -194,117 +248,191 @@ def test_write_failing_after_backward_adopted_its_source(monkeypatch, spill_dir)
         loss = model(x).sum()
     loss.backward(retain_graph=True)
     assert not gate.is_set() and torch.equal(model.scale.grad, ref_model.scale.grad)
+    assert len(started) == depth - 1 and not gated_done, "backward ran with the gated write in flight"
     gate.set()
     model.zero_grad(set_to_none=True)
     loss.backward()
     assert torch.equal(model.scale.grad, ref_model.scale.grad)
     del loss
-    wait_clean(eng, spill_dir)
-    eng.close()
-
-
-def test_open_refused_mid_run_keeps_tensors_in_memory(faulty, spill_dir, caplog):
-    """The directory turns unwritable after a few spills (EACCES on create): exact, clean, one warning."""
-    ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
-    faulty.opens_ok, faulty.open_error = 3, errno.EACCES
-    with caplog.at_level(logging.WARNING, logger="offload"):
-        assert_same(ref, chain_step(eng), "EACCES mid-run")
     stats = wait_clean(eng, spill_dir)
-    assert stats.spilled_bytes == 3 * NBYTES
-    assert any(os.strerror(errno.EACCES) in m for m in warnings_from(caplog, "offload._store"))
-    faulty.open_error = None
-    eng.reset_stats()
-    assert_same(ref, chain_step(eng), "writable again")
-    assert eng.stats.spilled_bytes == DEPTH * NBYTES
-    wait_clean(eng, spill_dir)
-    eng.close()
-
-
-def test_remove_refused_leaves_files_to_close(faulty, spill_dir, caplog):
-    """Spill files that cannot be removed (EACCES on unlink) do not fail the step: exact gradients,
-    one warning, and close() takes them with the directory."""
-    ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
-    faulty.unlink_error = errno.EACCES
-    with caplog.at_level(logging.WARNING, logger="offload"):
-        assert_same(ref, chain_step(eng), "unlink refused")
-        assert_same(ref, chain_step(eng), "unlink refused, second step")
-    assert eng.stats.resident_bytes == 0 and eng.stats.spill_files == 0, "the engine holds none of them"
-    assert len(files_under(spill_dir)) == 2 * DEPTH, "they wait for close()"
-    messages = warnings_from(caplog, "offload._spill")
-    assert len(messages) == 1 and os.strerror(errno.EACCES) in messages[0], messages
+    assert stats.spilled_bytes == (depth - 2) * NBYTES, "the failed write is not counted"
     eng.close()
     assert list(spill_dir.iterdir()) == []
 
 
+def test_open_refused_keeps_tensors_in_memory_until_writable(faulty, spill_dir, caplog):
+    """The spill file cannot be created (EACCES): every write fails like a full disk's, exact,
+    one warning, nothing left on disk (not even the private directory); once the directory is
+    writable again the engine opens its file and spills.
+
+    Changed with the one-file design: this used to refuse the create after three spills (one file
+    per tensor). Now the file is created once, at the first spill, so a directory turning
+    unwritable later cannot stop the writes (``test_chmod_unwritable_mid_run``); the create is
+    the one place an unwritable directory can fail, and every eviction retries it."""
+    ref = chain_step()
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    faulty.open_error = errno.EACCES
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        assert_same(ref, chain_step(eng), "EACCES")
+        assert_same(ref, chain_step(eng), "EACCES, second step")
+    stats = wait_clean(eng, spill_dir)
+    assert stats.spilled_bytes == stats.offloaded_bytes == stats.reloaded_bytes == 0
+    assert stats.spill_files == 0 and list(spill_dir.iterdir()) == [], "a directory without its file is not kept"
+    assert stats.peak_resident_bytes > 0
+    assert len(faulty.created) >= 2 * DEPTH, "every eviction tried to create the file again"
+    messages = warnings_from(caplog, "offload._store")
+    assert len(messages) == 1 and "spill" in messages[0] and os.strerror(errno.EACCES) in messages[0], messages
+    faulty.open_error = None
+    eng.reset_stats()
+    assert_same(ref, chain_step(eng), "writable again")
+    stats = wait_clean(eng, spill_dir)
+    assert stats.spilled_bytes == DEPTH * NBYTES and stats.spill_files == 1
+    only_file(spill_dir)
+    eng.close()
+    assert list(spill_dir.iterdir()) == []
+
+
+def _refuse_removal(monkeypatch):
+    """Make every unlink and rmdir fail with EACCES, as in a directory turned read-only (root is
+    not stopped by modes, so the refusal is injected where ``shutil.rmtree`` asks the OS)."""
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+    monkeypatch.setattr(os, "unlink", refused)
+    monkeypatch.setattr(os, "rmdir", refused)
+
+
+def test_remove_refused_at_close_warns_and_leaves_no_data(spill_dir, caplog, monkeypatch):
+    """close() cannot remove the spill file (EACCES on unlink and rmdir): it says so once, naming
+    the directory (never a value), and the file it leaves holds no tensor bytes (emptied first).
+
+    Changed with the one-file design: tensors no longer have files of their own, so nothing is
+    removed mid-run; the one removal is close()'s, and this is what happens when it is refused."""
+    ref = chain_step()
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        assert_same(ref, chain_step(eng), "before close")
+        assert_same(ref, chain_step(eng), "before close, second step")
+        stats = wait_clean(eng, spill_dir)
+        assert stats.spilled_bytes == 2 * DEPTH * NBYTES
+        path = only_file(spill_dir)
+        private = os.path.dirname(path)
+        assert os.path.getsize(path) >= DEPTH * NBYTES
+        with monkeypatch.context() as m:
+            _refuse_removal(m)
+            eng.close()
+    assert eng.stats.spill_files == 0 and eng.stats.spill_bytes == 0
+    messages = warnings_from(caplog, "offload._spill")
+    assert len(messages) == 1, messages
+    assert private in messages[0] and os.strerror(errno.EACCES) in messages[0], messages
+    assert files_under(spill_dir) == [path] and os.path.getsize(path) == 0, "no tensor bytes stay on disk"
+    assert not [fd for fd in os.listdir("/proc/self/fd") if _points_into(fd, private)], "the descriptor is closed"
+    eng.close()  # idempotent: nothing more to say
+    assert len(warnings_from(caplog, "offload._spill")) == 1
+    shutil.rmtree(private)
+
+
+def _points_into(fd: str, directory: str) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(directory)
+    except OSError:
+        return False
+
+
 def test_chmod_unwritable_mid_run(spill_dir, caplog):
     """The real thing: chmod 0500 on the spill directory mid-run (skipped where it has no effect, e.g.
-    root; as root run it with ``setpriv --bounding-set -dac_override,-dac_read_search``)."""
+    root; as root run it with ``setpriv --bounding-set -dac_override,-dac_read_search``).
+
+    Changed with the one-file design: the file is open before the chmod, and writes and reads go
+    through its descriptor, so the step spills as usual, exactly and without a warning. The
+    directory's mode matters only to close(), which then cannot remove the file: it warns and
+    leaves an empty file (``test_remove_refused_at_close_warns_and_leaves_no_data``)."""
     ref = chain_step()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     model = TanhChain()
     with eng:
-        torch.tanh(torch.randn(SIZE, requires_grad=True) * 2).sum().backward()  # makes the private dir
-    private = eng._stores[torch.device("cpu")].spill.path
+        torch.tanh(torch.randn(SIZE, requires_grad=True) * 2).sum().backward()  # opens the spill file
+    eng.reset_stats()
+    path = only_file(spill_dir)
+    private = os.path.dirname(path)
     os.chmod(private, 0o500)
     try:
         if os.access(private, os.W_OK):
             pytest.skip("chmod 0500 does not stop this process from writing (running as root)")
         with caplog.at_level(logging.WARNING, logger="offload"):
             assert_same(ref, chain_step(eng, model), "unwritable directory")
-        assert warnings_from(caplog, "offload._store")
-        assert eng.stats.resident_bytes == 0 and eng.stats.spill_files == 0
+            stats = wait_clean(eng, spill_dir)
+            assert stats.spilled_bytes == DEPTH * NBYTES, "the open file takes the writes"
+            assert warnings_from(caplog, "offload._store") == []
+            eng.close()
+        assert os.path.getsize(path) == 0, "close() emptied the file it could not remove"
+        assert any(private in m for m in warnings_from(caplog, "offload._spill"))
     finally:
         os.chmod(private, 0o700)
-    eng.close()  # files that could not be removed while it was 0500 go with the directory
-    assert list(spill_dir.iterdir()) == []
+    shutil.rmtree(private, ignore_errors=True)
 
 
-def test_spill_dir_removed_mid_forward_fails_clearly_then_recovers(spill_dir, caplog):
-    """Files already spilled vanish with their directory: backward fails with an OffloadError naming
-    the tensor and the tier (the data is gone), the engine cleans up, and the next step is exact."""
+def test_spill_dir_removed_mid_forward_still_reads_back(spill_dir, spill_writes, caplog):
+    """The private directory is removed mid-forward (a /tmp cleaner): the open descriptor keeps the
+    file's data, so backward is exact, and so is the next step, through the same (unlinked) file.
+
+    Changed with the one-file design: with a file per tensor the data went with the directory and
+    backward failed with an OffloadError; one open file survives its name."""
     ref = chain_step()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     model = TanhChain()
-    torch.manual_seed(0)
-    with eng:
-        h = chain_input().requires_grad_(True)
-        for i in range(DEPTH):
-            h = torch.tanh(h) * model.scale
-            if i == DEPTH // 2:
-                assert eng.stats.spill_files > 0  # reading stats lets the writes so far land
-                shutil.rmtree(eng._stores[torch.device("cpu")].spill.path)
-        loss = h.sum()
+    got = None
     with caplog.at_level(logging.WARNING, logger="offload"):
-        with pytest.raises(offload.OffloadError, match=rf"\({SIZE},\) torch.float32 on cpu.*spill file"):
-            loss.backward()
-    del loss, h
-    wait_clean(eng, spill_dir)
-    eng.reset_stats()
-    assert_same(ref, chain_step(eng, model), "after the directory vanished")
-    stats = wait_clean(eng, spill_dir)
-    assert stats.spilled_bytes == DEPTH * NBYTES, "a fresh private directory took over"
-    assert len(list(spill_dir.iterdir())) == 1
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1234)  # run_step's seeds: the same input and the same math
+        x = chain_input().requires_grad_(True)
+        with eng:
+            h = x
+            for i in range(DEPTH):
+                h = torch.tanh(h) * model.scale
+                if i == DEPTH // 2:
+                    assert spill_writes.landed() > 0  # data written before the removal is read after it
+                    shutil.rmtree(os.path.dirname(only_file(spill_dir)))
+            loss = h.sum()
+        loss.backward()
+        got = (h.detach().clone(), model.scale.grad.clone(), x.grad.clone())
+        del loss, h
+        stats = wait_clean(eng, spill_dir)
+        assert stats.spilled_bytes == DEPTH * NBYTES and 0 < stats.reloaded_bytes <= stats.offloaded_bytes
+        assert torch.equal(got[0], ref.output) and torch.equal(got[1], ref.grads["scale"])
+        assert torch.equal(got[2], ref.input_grad)
+        assert list(spill_dir.iterdir()) == []
+        eng.reset_stats()
+        assert_same(ref, chain_step(eng, model), "after the directory vanished")
+        stats = wait_clean(eng, spill_dir)
+    assert stats.spilled_bytes == DEPTH * NBYTES and stats.spill_files == 1, "the same open file serves"
+    assert list(spill_dir.iterdir()) == [], "nothing new appears in its place"
     eng.close()
     assert list(spill_dir.iterdir()) == []
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("offload") and r.levelno >= logging.WARNING]
+    assert warned == [], "nothing failed (a directory already gone is not a failure to remove)"
 
 
 def test_spill_parent_removed_keeps_tensors_in_memory_until_it_returns(spill_dir, caplog):
     """Not even a directory can be made (the spill_dir parent is gone): the step is exact with the
-    tensors kept in memory and a warning, never a raw OSError out of forward; then it spills again."""
+    tensors kept in memory and one warning, never a raw OSError out of forward; then it spills again."""
     ref = chain_step()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     shutil.rmtree(spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, chain_step(eng), "no spill directory")
-    stats = wait_clean(eng, spill_dir)
-    assert stats.spilled_bytes == 0
-    assert any("spill" in m for m in warnings_from(caplog, "offload._store"))
-    spill_dir.mkdir()
-    eng.reset_stats()
-    assert_same(ref, chain_step(eng), "spill directory back")
-    assert wait_clean(eng, spill_dir).spilled_bytes == DEPTH * NBYTES
+        stats = wait_clean(eng, spill_dir)
+        assert stats.spilled_bytes == stats.offloaded_bytes == 0 and stats.spill_files == 0
+        assert stats.peak_resident_bytes > 0
+        messages = warnings_from(caplog, "offload._store")
+        assert len(messages) == 1 and "spill" in messages[0] and os.strerror(errno.ENOENT) in messages[0], messages
+        spill_dir.mkdir()
+        eng.reset_stats()
+        assert_same(ref, chain_step(eng), "spill directory back")
+        stats = wait_clean(eng, spill_dir)
+    assert stats.spilled_bytes == DEPTH * NBYTES and stats.spill_files == 1
+    only_file(spill_dir)
     eng.close()
     assert list(spill_dir.iterdir()) == []
 
@@ -312,47 +440,58 @@ def test_spill_parent_removed_keeps_tensors_in_memory_until_it_returns(spill_dir
 # ---------------------------------------------------------------------------------- failing reads
 
 
-def _forward(eng, model):
+def _forward(eng, model, spill_writes):
     torch.manual_seed(0)
     with eng:
         x = chain_input().requires_grad_(True)
         loss = model(x).sum()
-    eng.stats  # writes land
+    assert spill_writes.landed() == DEPTH
     return loss
 
 
-def test_read_error_raises_offload_error_and_releases_everything(faulty, spill_dir):
+def test_read_error_raises_offload_error_and_releases_everything(faulty, spill_dir, spill_writes):
     """EIO on read: OffloadError naming the tensor and the tier; the failed graph frees everything."""
     ref = chain_step()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     model = TanhChain()
-    loss = _forward(eng, model)
+    loss = _forward(eng, model, spill_writes)
     faulty.read_error = errno.EIO
     with pytest.raises(offload.OffloadError, match=rf"\({SIZE},\) torch.float32 on cpu.*spill file.*{os.strerror(errno.EIO)}"):
         loss.backward()
+    assert faulty.reads > 0
     del loss
     wait_clean(eng, spill_dir)
     faulty.read_error = None
+    eng.reset_stats()
     assert_same(ref, chain_step(eng, model), "after a failed read")
-    wait_clean(eng, spill_dir)
+    stats = wait_clean(eng, spill_dir)
+    assert stats.spilled_bytes == DEPTH * NBYTES and 0 < stats.reloaded_bytes <= stats.offloaded_bytes
     eng.close()
+    assert list(spill_dir.iterdir()) == []
 
 
-def test_truncated_spill_file_raises_offload_error(spill_dir):
+def test_truncated_spill_file_raises_offload_error(spill_dir, spill_writes):
+    """The file is cut 100 bytes into the newest tensor's extent (the first backward reads): the read
+    ends early, an OffloadError names the tensor, the tier and how far it got; the failed graph
+    releases everything and the next step, writing the file again, is exact."""
     ref = chain_step()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     model = TanhChain()
-    loss = _forward(eng, model)
-    files = files_under(spill_dir)
-    assert files
-    for path in files:
-        os.truncate(path, 100)
-    with pytest.raises(offload.OffloadError, match=rf"\({SIZE},\) torch.float32 on cpu.*spill file.*100 of {NBYTES}"):
+    loss = _forward(eng, model, spill_writes)
+    path = only_file(spill_dir)
+    # A fresh engine takes extents in eviction order from offset 0, so the newest is at the end.
+    os.truncate(path, (DEPTH - 1) * NBYTES + 100)
+    with pytest.raises(
+        offload.OffloadError, match=rf"\({SIZE},\) torch.float32 on cpu.*spill file.*ended after 100 of {NBYTES} bytes"
+    ):
         loss.backward()
     del loss
     wait_clean(eng, spill_dir)
+    eng.reset_stats()
     assert_same(ref, chain_step(eng, model), "after a truncated file")
+    assert wait_clean(eng, spill_dir).spilled_bytes == DEPTH * NBYTES
     eng.close()
+    assert list(spill_dir.iterdir()) == []
 
 
 def test_transient_read_error_then_retry_with_retained_graph(faulty, spill_dir):
@@ -365,12 +504,14 @@ def test_transient_read_error_then_retry_with_retained_graph(faulty, spill_dir):
         loss = model(x).sum()
     ref_model(x).sum().backward()
     faulty.read_error = errno.EIO
-    with pytest.raises(offload.OffloadError):
+    with pytest.raises(offload.OffloadError, match="spill file"):
         loss.backward(retain_graph=True)
     faulty.read_error = None
+    reads = faulty.reads
     model.zero_grad(set_to_none=True)
     loss.backward()
     assert torch.equal(model.scale.grad, ref_model.scale.grad)
+    assert faulty.reads > reads, "the retry read the file"
     del loss
     wait_clean(eng, spill_dir)
     eng.close()
@@ -380,9 +521,27 @@ def test_transient_read_error_then_retry_with_retained_graph(faulty, spill_dir):
 
 
 BATCH = 128
-"""Rows of the host-tier MLP's input: 64 KiB per saved activation, one pool size class."""
-ACT_MB = BATCH * 128 * 4 / MB
+"""Rows of the host-tier MLP's input: 64 KiB per saved activation."""
+ACT_BYTES = BATCH * 128 * 4
+ACT_MB = ACT_BYTES / MB
 """One saved activation of the host-tier MLP, in MB (budgets below count in these)."""
+
+
+@pytest.fixture(params=["deferred", "threaded"])
+def link(request):
+    """Both stand-ins for the CUDA side streams; a threaded run must never have copied from a
+    source the engine had already let go."""
+    if request.param == "threaded":
+        made = ThreadedLink(delay_s=0.002)
+        yield made
+        made.close()
+        assert made.sources_gone == 0, "a copy's source was let go before the copy finished"
+    else:
+        yield DeferredLink(2)
+
+
+def _host_engine(link, budget_mb, **options):
+    return offload.engine(budget_mb, device="cpu", min_offload_bytes=0, link=link, **options)
 
 
 def _mlp():
@@ -400,121 +559,212 @@ def _host_step(model, eng=None):
 
 def _host_clean(eng, spill_dir):
     stats = wait_clean(eng, spill_dir)
-    assert pool_in_use_bytes(eng) == 0, "every pool buffer is back"
+    assert stats.host_in_use_bytes == 0, "every host block is back"
     return stats
 
 
-def test_host_tier_disk_full_keeps_host_copies(faulty, spill_dir, caplog):
-    """Host cap reached and the disk is full: the host copies stay, gradients exact, no hang."""
+def test_host_tier_disk_full_keeps_host_copies(link, faulty, spill_dir, caplog):
+    """Host cap reached and the disk full after two writes: the host copies stay where they are,
+    newer tensors stay on the device, gradients exact, no hang; once the disk frees up the oldest
+    host copies are written to disk again and the budget holds."""
     model = _mlp()
     ref = _host_step(model)
     faulty.writes_ok = 2
-    eng = _engine_with_host_tier(DeferredLink(2), budget_mb=3 * ACT_MB, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
+    eng = _host_engine(link, 3 * ACT_MB, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, _host_step(model, eng), "host tier, disk full")
-    stats = _host_clean(eng, spill_dir)
-    assert stats.spilled_bytes == 2 * BATCH * 128 * 4
-    assert warnings_from(caplog, "offload._store")
-    faulty.writes_ok = None
-    assert_same(ref, _host_step(model, eng), "host tier, disk freed")
-    _host_clean(eng, spill_dir)
+        stats = _host_clean(eng, spill_dir)
+        assert stats.spilled_bytes == 2 * ACT_BYTES, "only the writes that landed"
+        assert stats.peak_resident_bytes > 3 * ACT_BYTES, "the newest tensors stayed on the device"
+        assert stats.host_bytes <= 2 * ACT_BYTES
+        messages = warnings_from(caplog, "offload._store")
+        failed = [m for m in messages if "spill" in m and os.strerror(errno.ENOSPC) in m]
+        assert len(failed) == 1 and len(set(messages)) == len(messages), "each cause said once"
+        faulty.writes_ok = None
+        eng.reset_stats()
+        assert_same(ref, _host_step(model, eng), "host tier, disk freed")
+        stats = _host_clean(eng, spill_dir)
+    assert stats.spilled_bytes > 2 * ACT_BYTES and stats.peak_resident_bytes <= 3 * ACT_BYTES
+    assert 0 < stats.reloaded_bytes <= stats.offloaded_bytes
     eng.close()
+    assert list(spill_dir.iterdir()) == []
 
 
-def test_host_tier_read_error_raises_offload_error(faulty, spill_dir):
+def test_host_tier_read_error_raises_offload_error(link, faulty, spill_dir):
     model = _mlp()
     ref = _host_step(model)
-    eng = _engine_with_host_tier(DeferredLink(2), budget_mb=3 * ACT_MB, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
+    eng = _host_engine(link, 3 * ACT_MB, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
     with eng:
         loss = model(_mlp_input()).square().mean()
     assert eng.stats.spilled_bytes > 0
     faulty.read_error = errno.EIO
-    with pytest.raises(offload.OffloadError, match=rf"\({BATCH}, 128\) torch.float32 on cpu.*spill file"):
+    with pytest.raises(
+        offload.OffloadError, match=rf"\({BATCH}, 128\) torch.float32 on cpu.*spill file.*{os.strerror(errno.EIO)}"
+    ):
         loss.backward()
     del loss
     faulty.read_error = None
     _host_clean(eng, spill_dir)
+    eng.reset_stats()
     assert_same(ref, _host_step(model, eng), "host tier after a failed read")
-    _host_clean(eng, spill_dir)
+    stats = _host_clean(eng, spill_dir)
+    assert stats.spilled_bytes > 0 and 0 < stats.reloaded_bytes <= stats.offloaded_bytes
     eng.close()
+    assert list(spill_dir.iterdir()) == []
 
 
 class _NoPinning:
-    """Stands in for ``torch`` inside ``offload._pool``: pinned allocations fail after ``ok`` of them."""
+    """Stands in for ``torch`` inside ``offload._arena``: slab allocations fail after ``ok`` of them,
+    as ``torch.empty(pin_memory=True)`` does at the locked-memory limit."""
 
     def __init__(self, ok: int) -> None:
         self.ok = ok
+        self.tries = 0
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
     def empty(self, *args, **kwargs):
         if "pin_memory" in kwargs:
+            self.tries += 1
             if self.ok <= 0:
                 raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
             self.ok -= 1
         return torch.empty(*args, **kwargs)
 
 
-@pytest.mark.parametrize("ok", [0, 2])
-def test_pinning_fails_falls_back_to_disk(ok, monkeypatch, spill_dir, caplog):
+def test_pinning_fails_after_two_slabs_spills_the_oldest(link, monkeypatch, spill_dir, caplog):
+    """Pinning refused after two slabs: one warning from the arena, the host tier stays at what it
+    pinned, the oldest host copies go to disk to make room, exact, nothing left in use.
+
+    The cap (4 activations) makes the slabs one activation each (a slab is smaller than 64 MiB
+    only where the cap is), so the third slab is the one pinning refuses."""
     model = _mlp()
     ref = _host_step(model)
-    monkeypatch.setattr(offload._pool, "torch", _NoPinning(ok))
-    eng = _engine_with_host_tier(DeferredLink(2), budget_mb=3 * ACT_MB, spill_dir=spill_dir)
+    no_pinning = _NoPinning(2)
+    monkeypatch.setattr(offload._arena, "torch", no_pinning)
+    eng = _host_engine(link, 3 * ACT_MB, host_budget_mb=4 * ACT_MB, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, _host_step(model, eng), "pinning refused")
-    stats = _host_clean(eng, spill_dir)
-    assert stats.spilled_bytes > 0
-    assert stats.host_bytes <= ok * offload._pool.size_class(BATCH * 128 * 4)
-    assert any("pinning" in m for m in warnings_from(caplog, "offload._pool"))
-    assert_same(ref, _host_step(model, eng), "pinning refused, second step")
-    _host_clean(eng, spill_dir)
+        stats = _host_clean(eng, spill_dir)
+        assert no_pinning.tries == 3, "no new slab is tried once pinning failed"
+        assert stats.spilled_bytes > 0
+        assert 0 < stats.host_bytes <= 2 * ACT_BYTES, "what was pinned, no more"
+        assert stats.peak_resident_bytes <= 3 * ACT_BYTES
+        eng.reset_stats()
+        assert_same(ref, _host_step(model, eng), "pinning refused, second step")
+        stats = _host_clean(eng, spill_dir)
+        assert stats.spilled_bytes > 0 and 0 < stats.reloaded_bytes <= stats.offloaded_bytes
+    messages = warnings_from(caplog, "offload._arena")
+    assert len(messages) == 1 and "pinning" in messages[0], messages
+    assert warnings_from(caplog, "offload._store") == []
     eng.close()
+    assert list(spill_dir.iterdir()) == []
 
 
-def test_no_pinning_and_a_failing_disk_keep_tensors_on_the_device(faulty, monkeypatch, spill_dir, caplog):
-    """Nowhere safe to put them (no pinned memory, and pageable copies would pile up in host RAM
-    behind a failing disk): tensors stay on the device over the budget, with one warning, exact."""
+def test_no_pinning_at_all_keeps_tensors_on_the_device(link, monkeypatch, spill_dir, caplog):
+    """No host memory can be pinned: with no host copy to demote there is no safe place below the
+    device, so tensors stay on it over the budget (no synchronous pageable copies), one warning
+    each from the arena and the store, exact.
+
+    Changed with the tier rebuild: this used to fall back to the disk through pageable memory;
+    issue 9 removed that per-tensor synchronous path, so the tensor is kept instead."""
     model = _mlp()
     ref = _host_step(model)
-    monkeypatch.setattr(offload._pool, "torch", _NoPinning(0))
-    faulty.writes_ok = 1
-    eng = _engine_with_host_tier(DeferredLink(2), budget_mb=2 * ACT_MB, spill_dir=spill_dir)
+    monkeypatch.setattr(offload._arena, "torch", _NoPinning(0))
+    eng = _host_engine(link, 2 * ACT_MB, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
-        assert_same(ref, _host_step(model, eng), "no pinning, disk failing")
+        assert_same(ref, _host_step(model, eng), "no pinning")
+        assert_same(ref, _host_step(model, eng), "no pinning, second step")
     stats = _host_clean(eng, spill_dir)
-    assert stats.peak_resident_bytes > 2 * BATCH * 128 * 4, "over the budget rather than into host RAM"
-    store = eng._stores[torch.device("cpu")]
-    assert not store._stuck and not store._host_lru, "nothing left held after the step"
-    assert any("keeping saved tensors on the device" in m for m in warnings_from(caplog, "offload._store"))
+    assert stats.peak_resident_bytes > 2 * ACT_BYTES, "over the budget rather than into pageable host RAM"
+    assert stats.offloaded_bytes == stats.spilled_bytes == stats.host_bytes == 0
+    assert stats.spill_files == 0 and list(spill_dir.iterdir()) == []
+    arena = warnings_from(caplog, "offload._arena")
+    assert len(arena) == 1 and "pinning" in arena[0], arena
+    store = warnings_from(caplog, "offload._store")
+    assert len(store) == 1 and "no host memory left below the device" in store[0], store
     eng.close()
 
 
-def test_low_host_ram_caps_the_pool_and_spills(monkeypatch, spill_dir, caplog):
-    """psutil reports barely more than the reserve free: the pool stays within it, the rest spills."""
+def test_limited_pinning_and_a_failing_disk_keep_tensors_on_the_device(link, faulty, monkeypatch, spill_dir, caplog):
+    """Two slabs pinned, then pinning refused, and the disk failing from its first write: the two
+    host copies stay, every newer tensor stays on the device over the budget, exact, and after the
+    step nothing is held (device, host blocks, spill extents).
+
+    Changed with the tier rebuild: "no pinning" alone now never reaches the disk (the test above),
+    so the disk's failure is tested behind a host tier that filled."""
+    model = _mlp()
+    ref = _host_step(model)
+    monkeypatch.setattr(offload._arena, "torch", _NoPinning(2))
+    faulty.writes_ok = 0
+    eng = _host_engine(link, 2 * ACT_MB, host_budget_mb=4 * ACT_MB, spill_dir=spill_dir)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        assert_same(ref, _host_step(model, eng), "limited pinning, disk failing")
+    stats = _host_clean(eng, spill_dir)
+    assert stats.peak_resident_bytes > 2 * ACT_BYTES, "over the budget rather than into host RAM"
+    assert stats.spilled_bytes == 0 and stats.offloaded_bytes == 2 * ACT_BYTES, "two host copies, no more"
+    assert stats.resident_bytes == 0 and stats.spill_bytes == 0
+    assert faulty.writes > 0, "the disk was tried"
+    store = warnings_from(caplog, "offload._store")
+    assert any("keeping saved tensors on the device" in m for m in store), store
+    assert len([m for m in store if os.strerror(errno.ENOSPC) in m]) == 1 and len(set(store)) == len(store), store
+    eng.close()
+    assert list(spill_dir.iterdir()) == []
+
+
+class _SlabsHeld:
+    """Stands in for ``torch`` inside ``offload._arena``: keeps a weak set of the slabs it made, so
+    the psutil stand-in can take what the arena holds off the RAM it reports available, as the OS
+    would (asking the engine instead would re-enter it from inside its own pack)."""
+
+    def __init__(self) -> None:
+        self.slabs: weakref.WeakSet = weakref.WeakSet()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *args, **kwargs):
+        tensor = torch.empty(*args, **kwargs)
+        if "pin_memory" in kwargs:
+            self.slabs.add(tensor)
+        return tensor
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self.slabs))
+
+
+def test_low_host_ram_caps_the_arena_and_spills(link, monkeypatch, spill_dir, caplog):
+    """psutil reports barely more than the reserve free: the arena stops growing within it (one
+    warning), the oldest host copies go to disk, exact."""
     total = 16 << 30
-    reserve = max(int(total * offload._pool.HOST_RESERVE_FRACTION), offload._pool.HOST_RESERVE_MIN_BYTES)
-    room = 3 * offload._pool.size_class(BATCH * 128 * 4)
+    reserve = max(int(total * offload._arena.HOST_RESERVE_FRACTION), offload._arena.HOST_RESERVE_MIN_BYTES)
+    room = 3 * ACT_BYTES  # three slabs of one activation each (the room is under 64 MiB)
     real = psutil.virtual_memory()
+    slabs = _SlabsHeld()
 
-    def low_memory():
-        pool = getattr(low_memory, "pool", None)
-        used = 0 if pool is None else pool.held_bytes
-        return real._replace(total=total, available=reserve + room - used)
+    def low_memory():  # what the arena holds is no longer available
+        return real._replace(total=total, available=reserve + room - slabs.held_bytes)
 
+    monkeypatch.setattr(offload._arena, "torch", slabs)
     monkeypatch.setattr(psutil, "virtual_memory", low_memory)
     model = _mlp()
     ref = _host_step(model)
-    eng = _engine_with_host_tier(DeferredLink(2), budget_mb=3 * ACT_MB, spill_dir=spill_dir)
-    low_memory.pool = eng._stores[torch.device("cpu")].pool
+    eng = _host_engine(link, 3 * ACT_MB, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, _host_step(model, eng), "low host RAM")
-    stats = _host_clean(eng, spill_dir)
-    assert stats.spilled_bytes > 0
-    assert 0 < stats.host_bytes <= room, "the pool never dips into the reserve"
-    assert any("RAM" in m for m in warnings_from(caplog, "offload._pool"))
+        stats = _host_clean(eng, spill_dir)
+        assert stats.spilled_bytes > 0
+        assert 0 < stats.host_bytes <= room, "the arena never dips into the reserve"
+        assert stats.host_bytes == slabs.held_bytes, "host_bytes counts the slabs really held"
+        assert_same(ref, _host_step(model, eng), "low host RAM, second step")
+        assert 0 < _host_clean(eng, spill_dir).host_bytes <= room
+    messages = warnings_from(caplog, "offload._arena")
+    assert len(messages) == 1 and "host RAM is low" in messages[0], messages
     eng.close()
+    assert eng.stats.host_bytes == 0
+    assert list(spill_dir.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------- exceptions
@@ -546,47 +796,59 @@ def _faulty_mlp(fail):
     return nn.Sequential(*layers)
 
 
-def _assert_reset(eng, spill_dir, host_tier: bool):
+def _assert_reset(eng, spill_dir):
+    """The engine holds nothing (device bytes, spill extents, host blocks) and its hooks are off."""
     gc.collect()
-    stats = wait_clean(eng, spill_dir)
-    assert stats.resident_bytes == 0 and stats.spill_files == 0
-    store = eng._stores[torch.device("cpu")]
-    assert not store._hot and not store._moved and not store._inflight and not store._retiring
-    if host_tier:
-        assert pool_in_use_bytes(eng) == 0
+    stats = _host_clean(eng, spill_dir)
+    assert stats.resident_bytes == 0 and stats.spill_bytes == 0 and stats.spill_files <= 1
+    saved = stats.saved_tensors
+    torch.tanh(torch.randn(BATCH, 128, requires_grad=True)).sum().backward()  # outside the engine
+    assert eng.stats.saved_tensors == saved, "the hooks are off after the exception"
 
 
-@pytest.mark.parametrize("host_tier", [False, True])
+@pytest.fixture(params=["disk", "deferred", "threaded"])
+def tier(request):
+    """Below the device: the disk alone, or a host tier (with a cap, then disk) over either link."""
+    if request.param == "threaded":
+        made = ThreadedLink(delay_s=0.002)
+        yield made
+        made.close()
+        assert made.sources_gone == 0, "a copy's source was let go before the copy finished"
+    else:
+        yield None if request.param == "disk" else DeferredLink(3)
+
+
+def _exception_engine(link, spill_dir):
+    if link is None:
+        return offload.engine(3 * ACT_MB, min_offload_bytes=0, spill_dir=spill_dir)
+    return _host_engine(link, 3 * ACT_MB, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
+
+
 @pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
-def test_exception_in_forward_resets(error, host_tier, spill_dir):
+def test_exception_in_forward_resets(error, tier, spill_dir):
     fail = FailsOnCall(3, error)
     model = _faulty_mlp(fail)
     fail.calls = 10  # the reference run never fails
     ref = run_step(model, _mlp_input)
     fail.calls = 0
-    if host_tier:
-        eng = _engine_with_host_tier(DeferredLink(3), budget_mb=3 * ACT_MB, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
-    else:
-        eng = offload.engine(3 * ACT_MB, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = _exception_engine(tier, spill_dir)
     with pytest.raises(error):
         run_step(model, _mlp_input, eng)
-    _assert_reset(eng, spill_dir, host_tier)
-    assert not getattr(eng._local, "stack", None), "the hooks are off after the exception"
+    _assert_reset(eng, spill_dir)
+    assert eng.stats.offloaded_bytes > 0, "the failed forward had moved tensors"
+    eng.reset_stats()
     assert_same(ref, run_step(model, _mlp_input, eng), "the step after")
-    _assert_reset(eng, spill_dir, host_tier)
+    _assert_reset(eng, spill_dir)
     eng.close()
+    assert list(spill_dir.iterdir()) == []
 
 
-@pytest.mark.parametrize("host_tier", [False, True])
 @pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
-def test_exception_in_backward_resets(error, host_tier, spill_dir):
+def test_exception_in_backward_resets(error, tier, spill_dir):
     fail = FailsOnCall(10**9, error)
     model = _faulty_mlp(fail)
     ref = run_step(model, _mlp_input)
-    if host_tier:
-        eng = _engine_with_host_tier(DeferredLink(3), budget_mb=3 * ACT_MB, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
-    else:
-        eng = offload.engine(3 * ACT_MB, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = _exception_engine(tier, spill_dir)
 
     def raise_in_backward(grad):
         raise error("raised on purpose in backward")
@@ -594,12 +856,15 @@ def test_exception_in_backward_resets(error, host_tier, spill_dir):
     with eng:
         x = _mlp_input()
         h = model[:6](x)
-        h.register_hook(raise_in_backward)  # half the reloads done, the rest still spilled
+        h.register_hook(raise_in_backward)  # half the reloads done, the rest still moved
         loss = model[6:](h).square().mean()
     with pytest.raises(error):
         loss.backward()
     del loss, h
-    _assert_reset(eng, spill_dir, host_tier)
+    _assert_reset(eng, spill_dir)
+    assert eng.stats.reloaded_bytes > 0, "backward had reloaded tensors before the exception"
+    eng.reset_stats()
     assert_same(ref, run_step(model, _mlp_input, eng), "the step after")
-    _assert_reset(eng, spill_dir, host_tier)
+    _assert_reset(eng, spill_dir)
     eng.close()
+    assert list(spill_dir.iterdir()) == []

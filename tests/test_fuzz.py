@@ -29,11 +29,12 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 import offload
-from test_host_tier import DeferredLink, _engine_with_host_tier
+from links import DeferredLink, ThreadedLink
+
+hypothesis = pytest.importorskip("hypothesis")  # an optional test extra: the GPU machine has none
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 ROWS, COLS, VOCAB = 4, 6, 5
 """The base activation is ROWS x COLS (96 bytes in fp32): small enough that a run takes
@@ -42,7 +43,11 @@ SMALL_BUDGET_MB = 200 / 2**20
 """About two of the base activations stay on the device; the rest spill."""
 HOST_CAP_MB = 2 * 64 / 1024
 """Two of the pinned pool's smallest buffers (64 KiB each): the host tier fills and spills to disk."""
-CONFIGS = ((None, False), (0, False), (SMALL_BUDGET_MB, False), (0, True), (SMALL_BUDGET_MB, True))
+CONFIGS = (
+    (None, None), (0, None), (SMALL_BUDGET_MB, None),
+    (0, "deferred"), (SMALL_BUDGET_MB, "deferred"), (0, "threaded"), (SMALL_BUDGET_MB, "threaded"),
+)
+"""(budget_mb, host tier link): None runs the CPU's disk tier."""
 """(budget_mb, through the emulated CUDA host tier)."""
 MAX_OPS = 10
 EXAMPLES = int(os.environ.get("OFFLOAD_FUZZ_EXAMPLES", "60"))
@@ -183,17 +188,6 @@ def _kind(error: BaseException) -> str:
     return f"{type(error).__name__}{' (in-place)' if inplace else ''}"
 
 
-def _snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t``'s whole storage, viewed as ``t`` was (size, stride, offset): what the engine keeps."""
-    storage = t.untyped_storage().clone()
-    return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size(), t.stride())
-
-
-def _as_saved():
-    """Saved tensors kept as snapshots: autograd's in-place check is off, backward sees the values as saved."""
-    return torch.autograd.graph.saved_tensors_hooks(_snapshot, lambda t: t)
-
-
 def _run(program: Program, ctx=None) -> Outcome:
     """Run ``program`` (under ``ctx``, an engine or other saved-tensor hooks, for the forward only)."""
     torch.manual_seed(program.seed)
@@ -240,23 +234,19 @@ def _assert_same(ref: Outcome, got: Outcome, where: str) -> None:
 @given(program=programs)
 def test_random_programs_match_no_engine(program):
     ref = _run(program)
-    as_saved = _run(program, _as_saved()) if ref.error == INPLACE_ERROR else None
     with tempfile.TemporaryDirectory(prefix="offload-fuzz-") as spill_dir:
         for budget, host_tier in CONFIGS:
-            if host_tier:  # the CUDA path's logic, driven on the CPU (test_host_tier's deferred copies)
-                eng = _engine_with_host_tier(
-                    DeferredLink(2), budget_mb=budget, host_budget_mb=HOST_CAP_MB, spill_dir=spill_dir
-                )
-            else:
-                eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+            link = {"deferred": DeferredLink(2), "threaded": ThreadedLink(0.001), None: None}[host_tier]
+            host = {"host_budget_mb": HOST_CAP_MB} if link is not None else {}
+            eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir, device="cpu", link=link, **host)
             got = _run(program, eng)
-            where = f"budget_mb={budget}{' (host tier)' if host_tier else ''}"
-            if as_saved is not None and got.error is None:
-                _assert_same(as_saved, got, f"{where} (differentiated the values as saved)")
-            else:
-                _assert_same(ref, got, where)
+            where = f"budget_mb={budget}{f' (host tier, {host_tier} link)' if host_tier else ''}"
+            _assert_same(ref, got, where)
             stats = eng.stats
             eng.close()
+            if isinstance(link, ThreadedLink):
+                link.close()
+                assert link.sources_gone == 0, f"{where}: a copy's source was let go before the copy finished"
             assert stats.saved_tensors > 0
 
 

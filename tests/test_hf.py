@@ -154,7 +154,7 @@ def test_llama_layers_as_regions(policy, machine, spill_dir):
         assert stats.recomputed_regions == layers * steps
     else:
         recompute = eng.plan.decisions.count(offload.Decision.RECOMPUTE)
-        stages = list(eng._regions.recent_stages)
+        stages = list(eng.recent_stages)
         assert stages[-1] is None, f"still profiling after {steps} steps: {stages}"
         per_stage = {"measure": 0, "offload": 0, "recompute": layers, None: recompute}
         assert stats.recomputed_regions == sum(per_stage[stage] for stage in stages)

@@ -15,8 +15,8 @@ import pytest
 
 from offload import _policy
 from offload._cost import MachineProfile, RegionProfile
-from offload._planner import Decision, Plan, calibrate_link, make_plan, scale_link, simulate
-from offload._policy import Policy, get_policy, policy_names, register_policy
+from offload._planner import Decision, Plan, calibrate_link, scale_link, simulate
+from offload._policy import Policy, get_policy, make_plan, policy_names, register_policy
 
 KEEP, OFFLOAD, RECOMPUTE = Decision.KEEP, Decision.OFFLOAD, Decision.RECOMPUTE
 MB = 10**6

@@ -123,7 +123,7 @@ def test_cache_path_defaults_to_xdg_cache_home(tmp_path, monkeypatch, calls):
         "{not json",
         "[1, 2, 3]",
         '{"format": 999}',
-        '{"format": 1, "link": [], "disk": {}}',
+        '{"format": 2, "link": [], "disk": {}}',
         b"\xff\xfe\x00garbage",
     ],
     ids=["syntax", "not-a-dict", "other-format", "bad-section", "not-utf8"],
@@ -139,7 +139,7 @@ def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, calls, caplog, conten
     assert (profile.disk_write_gb_per_s, profile.disk_read_gb_per_s) == FAKE_DISK
     assert calls["disk"] == 1
     assert any("cache" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert json.loads(cache.read_text())["format"] == 1, "the corrupt file is replaced by a good one"
+    assert json.loads(cache.read_text())["format"] == _probe._CACHE_FORMAT, "the corrupt file is replaced by a good one"
 
 
 def test_cached_entry_with_bad_figures_is_measured_again(tmp_path, calls, caplog):

@@ -134,7 +134,7 @@ def settle(eng) -> offload.Stats:
     while True:
         gc.collect()
         stats = eng.stats
-        if (stats.resident_bytes == 0 and stats.spill_files == 0) or time.monotonic() > deadline:
+        if (stats.resident_bytes == 0 and stats.spill_bytes == 0) or time.monotonic() > deadline:
             return stats
         time.sleep(0.01)
 
@@ -396,7 +396,7 @@ def test_inside_engine_budget_0_inputs_are_offloaded(spill_dir):
     assert after.reloaded_bytes == input_nbytes
     del out, h
     stats = settle(eng)
-    assert stats.resident_bytes == 0 and stats.spill_files == 0
+    assert stats.resident_bytes == 0 and stats.spill_bytes == 0
     assert frames_alive() == 0
     eng.close()
 
@@ -427,7 +427,7 @@ def test_inside_engine_several_regions_equal_plain(spill_dir):
     assert_same(got, want, "3 checkpointed regions in engine(0) vs plain")
     stats = settle(eng)
     assert stats.offloaded_bytes == 3 * ROWS * WIDTH * 4
-    assert stats.resident_bytes == 0 and stats.spill_files == 0
+    assert stats.resident_bytes == 0 and stats.spill_bytes == 0
     eng.close()
 
 
@@ -442,7 +442,7 @@ def test_forward_without_backward_releases_everything(spill_dir):
     del out, h
     stats = settle(eng)
     assert stats.resident_bytes == 0, "the region's input handle was not released"
-    assert stats.spill_files == 0
+    assert stats.spill_bytes == 0
     assert frames_alive() == 0
     eng.close()
 

@@ -117,7 +117,7 @@ def expected_recomputes(eng) -> list[int]:
     trial, none on "measure" and "offload" steps, the plan's RECOMPUTE count once it is in force."""
     planned = eng.plan.decisions.count(offload.Decision.RECOMPUTE)
     per_stage = {"measure": 0, "offload": 0, "recompute": CONFIG.n_layer, None: planned}
-    stages = list(eng._regions.recent_stages)
+    stages = list(eng.recent_stages)
     assert stages[-1] is None, f"still profiling after {len(stages)} steps: {stages}"
     return [per_stage[stage] for stage in stages]
 
@@ -126,7 +126,7 @@ def settle(eng) -> offload.Stats:
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
         stats = eng.stats
-        if (stats.resident_bytes == 0 and stats.spill_files == 0) or time.monotonic() > deadline:
+        if (stats.resident_bytes == 0 and stats.spill_bytes == 0) or time.monotonic() > deadline:
             return stats
         time.sleep(0.01)
 
@@ -162,7 +162,7 @@ def test_policy_gradients_equal_no_engine(policy, budget, saved_bytes, reference
         assert len(eng.plan.regions) == CONFIG.n_layer
         assert recomputed == expected_recomputes(eng)
     stats = settle(eng)
-    assert stats.resident_bytes == 0 and stats.spill_files == 0
+    assert stats.resident_bytes == 0 and stats.spill_bytes == 0
     eng.close()
 
 
@@ -280,15 +280,15 @@ def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
     train(model, eng, steps=1)  # every block offloaded: calibrates the transfer costs
     first = eng.plan
     assert first is not timed and not eng.profiling
-    assert list(eng._regions.recent_stages) == ["measure", "recompute", "offload"]
+    assert list(eng.recent_stages) == ["measure", "recompute", "offload"]
     train(model, eng, steps=2)
     assert eng.plan is first and len(eng.plans) == 1, "same shapes must reuse the plan"
-    assert list(eng._regions.recent_stages)[-2:] == [None, None]
+    assert list(eng.recent_stages)[-2:] == [None, None]
 
     train(model, eng, steps=3, seq=CONFIG.seq_len // 2)
     assert len(eng.plans) == 2, "a new sequence length is profiled and planned once more"
     assert eng.plan is not first and not eng.profiling
-    assert list(eng._regions.recent_stages)[-3:] == ["measure", "recompute", None], (
+    assert list(eng.recent_stages)[-3:] == ["measure", "recompute", None], (
         "the link was calibrated on the first shapes: new shapes need no offload trial"
     )
     assert sum(r.saved_bytes for r in eng.plan.regions) < sum(r.saved_bytes for r in first.regions)
@@ -382,7 +382,7 @@ def test_cpu_disk_tier_is_paid_on_the_compute_timeline():
 @pytest.mark.parametrize("forward_ms,expected", [(100.0, "recompute"), (200.0, "offload")])
 def test_auto_on_the_cpu_weighs_the_round_trip_against_one_forward(forward_ms, expected):
     """Round trip 150 ms per block: a 100 ms forward is cheaper to re-run, a 200 ms one to move."""
-    from offload._planner import make_plan
+    from offload._policy import make_plan
 
     regions = [_block(f"blocks.{i}", forward_ms=forward_ms) for i in range(4)]
     plan = make_plan(regions, CPU_DISK, budget_bytes=int(50e6), policy="auto")
@@ -420,7 +420,7 @@ def test_profiling_stages(case, saved_bytes, spill_dir):
         spill_dir=spill_dir,
     )
     train(model, eng)
-    assert list(eng._regions.recent_stages) == expected
+    assert list(eng.recent_stages) == expected
     assert not eng.profiling
     eng.close()
 
@@ -434,9 +434,9 @@ def test_auto_plans_from_the_trial_timings(saved_bytes, spill_dir):
         spill_dir=spill_dir,
     )
     train(model, eng, steps=3)
-    key = eng._regions._key
-    sizes = eng._regions._sizes[key]
-    timed, span_ms = eng._regions._timed[key]
+    steps = {step.stage: step for step in eng.profiled_steps}
+    sizes, timed, span_ms = steps["measure"].regions, steps["recompute"].regions, steps["recompute"].span_ms
+    assert steps["measure"].inputs == steps["recompute"].inputs
     assert span_ms is not None and span_ms > 0
     for size, region, planned in zip(sizes, timed, eng.plan.regions):
         assert region.saved_bytes == size.saved_bytes == planned.saved_bytes > 0
@@ -459,7 +459,7 @@ def test_a_plan_in_force_does_not_spill_what_it_keeps(saved_bytes, spill_dir):
     plan = eng.plan
     assert offload.Decision.KEEP in plan.decisions and plan.fits_budget, str(plan)
     planned_out = sum(r.saved_bytes for r in plan.regions if r.decision is offload.Decision.OFFLOAD)
-    stages = list(eng._regions.recent_stages)
+    stages = list(eng.recent_stages)
     for stage, nbytes in zip(stages, offloaded):
         if stage is None:
             assert nbytes <= planned_out, f"{nbytes} bytes moved; the plan moves {planned_out}\n{plan}"
@@ -477,7 +477,7 @@ def test_a_budget_that_fits_everything_is_measured_without_spilling(saved_bytes,
     )
     offloaded = []
     train(model, eng, on_step=lambda e: offloaded.append(e.stats.offloaded_bytes))
-    assert list(eng._regions.recent_stages) == ["measure", "measure", None, None, None]
+    assert list(eng.recent_stages) == ["measure", "measure", None, None, None]
     assert set(eng.plan.decisions) == {offload.Decision.KEEP}
     assert offloaded[0] > 0, "the first step holds the budget with the in-flight window (this test's premise)"
     assert offloaded[1:] == [0] * (STEPS - 1), offloaded
@@ -509,13 +509,13 @@ def test_a_profiling_step_that_raises_is_measured_again(saved_bytes, reference, 
                 model(x, y)
     finally:
         handle.remove()
-    assert list(eng._regions.recent_stages) == ["measure", "recompute"]
+    assert list(eng.recent_stages) == ["measure", "recompute"]
     # The same batch again, from the same parameters: the rest of the run is the reference's.
     model.zero_grad(set_to_none=True)
     history += train(model, eng, steps=STEPS - 1, first_step=1)
     assert_same_history(history, reference, "auto after a failed profiling step")
-    assert list(eng._regions.recent_stages) == ["measure", "recompute", "recompute", "offload", None, None]
+    assert list(eng.recent_stages) == ["measure", "recompute", "recompute", "offload", None, None]
     assert not eng.profiling
     stats = settle(eng)
-    assert stats.resident_bytes == 0 and stats.spill_files == 0
+    assert stats.resident_bytes == 0 and stats.spill_bytes == 0
     eng.close()

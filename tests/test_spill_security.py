@@ -1,10 +1,14 @@
 """Spill files as an attacker on the same machine would see them.
 
 Activations are user data (a batch of text, images, medical records). On disk they must be as
-private as the process's memory: a 0700 directory of its own, 0600 files, names that say nothing
-and cannot be guessed, opened so that a planted symlink or file is never followed or reused, and
-nothing left behind however the engine ends (close, garbage collection, interpreter exit). Log
-lines and errors name shapes and dtypes at most, never values.
+private as the process's memory: a 0700 directory of its own, a 0600 file, a name that says
+nothing and cannot be guessed, opened so that a planted symlink or file is never followed or
+reused, and nothing left behind however the engine ends (close, garbage collection, interpreter
+exit). Log lines and errors name shapes and dtypes at most, never values.
+
+The disk tier is one spill file per engine (``offload._spill``): made with its private directory
+at the first spill, written and read through its descriptor, removed at close. The private
+directory is the only entry of the ``spill_dir`` a test passes, so tests find it there.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch import nn
 
 import offload
 import offload._spill
+from test_faults import SpillWrites
 from zoo import assert_same, default_loss, files_under, run_step, wait_clean
 
 WIDTH = 128
@@ -50,8 +55,42 @@ def _forward(eng, model=None):
         return (model or _model())(_marked_input()).sum()
 
 
-def _store(eng):
-    return eng._stores[torch.device("cpu")]
+def _private(spill_dir) -> Path:
+    """The engine's private directory: the only entry of the spill_dir it was given."""
+    entries = list(spill_dir.iterdir())
+    assert len(entries) == 1, entries
+    return entries[0]
+
+
+class _OpenFlags:
+    """Stands in for ``os`` inside ``offload._spill``: records the path, flags and mode of each open."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def open(self, path, flags, mode=0o777, *args, **kwargs):
+        self.calls.append((path, flags, mode))
+        return os.open(path, flags, mode, *args, **kwargs)
+
+    @property
+    def creates(self) -> list[tuple[str, int, int]]:
+        return [call for call in self.calls if call[1] & os.O_CREAT]
+
+
+def _fds_into(directory) -> dict[int, str]:
+    """This process's open descriptors on anything under ``directory`` (deleted files included)."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            found[int(fd)] = target
+    return found
 
 
 class _Names:
@@ -64,99 +103,155 @@ class _Names:
         return uuid.UUID(self.queue.pop(0)) if self.queue else uuid.uuid4()
 
 
-def test_directory_and_files_are_private_and_names_say_nothing(spill_dir):
+def test_directory_and_file_are_private_and_the_name_says_nothing(spill_dir, monkeypatch):
+    """One 0700 directory of our own, one 0600 regular file with a random (uuid4) name, created
+    with O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC; close() closes its descriptor and removes both."""
+    opens = _OpenFlags()
+    monkeypatch.setattr(offload._spill, "os", opens)
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     loss = _forward(eng)
-    private = Path(_store(eng).spill.path)
-    assert private.parent == spill_dir
+    private = _private(spill_dir)
     info = os.lstat(private)
     assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
     assert re.fullmatch(r"offload-[A-Za-z0-9_]{8,}", private.name), "mkdtemp's random suffix"
     files = files_under(spill_dir)
-    assert files and len(files) == eng.stats.spill_files
-    for path in files:
-        info = os.lstat(path)
-        assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600, path
-        name = os.path.basename(path)
-        assert re.fullmatch(r"[0-9a-f]{32}", name), name
-        assert uuid.UUID(name).version == 4, f"{name}: random (uuid4), not derived from a clock or a counter"
+    assert len(files) == eng.stats.spill_files == 1, "one file per engine"
+    path = files[0]
+    info = os.lstat(path)
+    assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()
+    name = os.path.basename(path)
+    assert re.fullmatch(r"[0-9a-f]{32}", name), name
+    assert uuid.UUID(name).version == 4, f"{name}: random (uuid4), not derived from a clock or a counter"
+    # Opened at that path only (twice where the filesystem refuses O_DIRECT: the retry is buffered).
+    assert {c[0] for c in opens.calls} == {path} and 1 <= len(opens.calls) <= 2, opens.calls
+    for _, flags, mode in opens.calls:
+        for flag in ("O_CREAT", "O_EXCL", "O_NOFOLLOW", "O_CLOEXEC"):
+            assert flags & getattr(os, flag), f"the spill file is created without {flag}"
+        assert mode == 0o600
+    held = _fds_into(private)
+    assert list(held.values()) == [path], held
+    assert not os.get_inheritable(next(iter(held))), "a child process must not inherit the spill file"
     del loss
     wait_clean(eng, spill_dir)
     eng.close()
+    assert _fds_into(private) == {} and list(spill_dir.iterdir()) == []
+
+
+class _Planting:
+    """Stands in for ``tempfile`` inside ``offload._spill``: each private directory it makes gets,
+    before the engine's create, a symlink (or a file) at the name the engine will pick next, as an
+    attacker who could predict names and write there would plant it."""
+
+    def __init__(self, names: _Names, planted: str, target: Path) -> None:
+        self.names, self.planted, self.target = names, planted, target
+        self.dirs: list[Path] = []
+
+    def __getattr__(self, name):
+        return getattr(tempfile, name)
+
+    def mkdtemp(self, *args, **kwargs):
+        made = Path(tempfile.mkdtemp(*args, **kwargs))
+        self.dirs.append(made)
+        if self.names.queue:
+            trap = made / uuid.UUID(self.names.queue[0]).hex
+            if self.planted == "symlink":
+                trap.symlink_to(self.target)
+            else:
+                trap.write_bytes(b"planted")
+        return str(made)
 
 
 @pytest.mark.parametrize("planted", ["symlink", "file"])
 def test_planted_path_is_never_written_through(planted, spill_dir, tmp_path, monkeypatch, caplog):
     """Someone who can predict the next name plants a symlink (or a file) there first: the engine
     refuses to open it (O_EXCL | O_NOFOLLOW), keeps the tensor in memory and says so; the target is
-    untouched and the step exact."""
+    untouched, the step exact, and the next eviction makes a new directory and a new name.
+
+    Changed with the one-file design: the planted name is the engine's one file, so the trap is
+    laid in each private directory as it is made (before, the directory was made first and the
+    trap laid for the files of later tensors)."""
     names = _Names()
     monkeypatch.setattr(offload._spill, "uuid", names)
+    target = tmp_path / "victim"
+    target.write_bytes(b"precious")
+    planting = _Planting(names, planted, target)
+    monkeypatch.setattr(offload._spill, "tempfile", planting)
     model = _model()
     ref = run_step(model, _marked_input)
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
-    private = Path(eng._store_for(torch.device("cpu")).spill._ensure_open())  # before any spill
-    target = tmp_path / "victim"
-    target.write_bytes(b"precious")
-    predicted = [uuid.uuid4().hex for _ in range(3)]
-    for name in predicted:
-        if planted == "symlink":
-            (private / name).symlink_to(target)
-        else:
-            (private / name).write_bytes(b"planted")
-    names.queue = list(predicted)
+    names.queue = [str(uuid.uuid4()) for _ in range(3)]
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, run_step(model, _marked_input, eng), f"planted {planted}")
     assert target.read_bytes() == b"precious"
+    assert names.queue == [] and len(planting.dirs) == 4, "three refused creates, then a fresh name"
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("offload")]
     assert any(os.strerror(errno.EEXIST) in m for m in messages), messages
     stats = wait_clean(eng, spill_dir)
     assert stats.spilled_bytes > 0, "names after the planted ones spill normally"
+    assert _private(spill_dir) == planting.dirs[-1], "the trapped directories went, with their traps"
+    assert files_under(spill_dir) == [str(f) for f in planting.dirs[-1].iterdir()] and len(files_under(spill_dir)) == 1
     eng.close()
-    assert not private.exists() and target.read_bytes() == b"precious"
+    assert list(spill_dir.iterdir()) == [] and target.read_bytes() == b"precious"
 
 
-def test_spill_file_swapped_for_a_symlink_is_not_read(spill_dir, tmp_path):
-    """A spill file replaced by a symlink to attacker-chosen bytes: the read refuses it (O_NOFOLLOW)
-    and backward fails with an OffloadError instead of computing with those bytes."""
+def test_spill_file_swapped_for_a_symlink_is_not_read(spill_dir, tmp_path, monkeypatch):
+    """The spill file's name is replaced by a symlink to attacker-chosen bytes: reads go through the
+    descriptor opened at the first spill, never through the name, so backward is exact and the
+    attacker's file is neither opened nor changed; close() removes the symlink, not its target.
+
+    Changed with the one-file design: with a file per tensor, each read opened the name (and
+    O_NOFOLLOW refused the symlink with an OffloadError); now nothing is opened after the first
+    spill, so a swapped name has no way in at all, and backward is exact."""
+    writes = SpillWrites(monkeypatch)
+    opens = _OpenFlags()
+    model = _model()
+    ref = run_step(model, _marked_input)
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
-    loss = _forward(eng)
-    assert eng.stats.spill_files > 0  # settles: every write has landed
+    model.zero_grad(set_to_none=True)
+    with eng:
+        out = model(_marked_input())
+    assert writes.landed() > 0
     fake = tmp_path / "fake"
-    for path in files_under(spill_dir):
-        fake.write_bytes(b"\0" * os.path.getsize(path))
-        os.unlink(path)
-        os.symlink(fake, path)
-    with pytest.raises(offload.OffloadError, match=rf"\({BATCH}, {WIDTH}\) torch.float32 on cpu.*spill file"):
-        loss.backward()
-    del loss
+    [path] = files_under(spill_dir)
+    fake.write_bytes(b"\0" * os.path.getsize(path))
+    os.unlink(path)
+    os.symlink(fake, path)
+    monkeypatch.setattr(offload._spill, "os", opens)
+    default_loss(out).backward()
+    assert torch.equal(out, ref.output)
+    assert all(torch.equal(p.grad, ref.grads[n]) for n, p in model.named_parameters()), "read through the descriptor"
+    assert opens.calls == [] and fake.read_bytes() == b"\0" * os.path.getsize(fake)
+    del out
     wait_clean(eng, spill_dir)
     eng.close()
+    assert list(spill_dir.iterdir()) == [] and fake.exists(), "the symlink went, its target stayed"
 
 
 def test_logs_and_errors_name_shapes_and_dtypes_at_most(spill_dir, monkeypatch, caplog):
     """Every line the engine logs or raises while things go wrong (a failed write, a failed read, a
     tmpfs warning) carries no tensor values."""
-    real_write = offload._spill._write_file
+    real_write = offload._spill._File.write
     calls = []
 
-    def every_other_write_fails(path, data):
-        calls.append(path)
+    def every_other_write_fails(file, extent, data):
+        calls.append(extent)
         if len(calls) % 2:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(path, data)
+        return real_write(file, extent, data)
 
-    monkeypatch.setattr(offload._spill, "_write_file", every_other_write_fails)
+    monkeypatch.setattr(offload._spill._File, "write", every_other_write_fails)
+    writes = SpillWrites(monkeypatch)
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     with caplog.at_level(logging.DEBUG, logger="offload"):
         loss = _forward(eng)
-        assert eng.stats.spill_files > 0
+        assert writes.landed() > 0 and eng.stats.spill_files == 1
         for path in files_under(spill_dir):
             os.truncate(path, 10)
         with pytest.raises(offload.OffloadError) as failure:
             loss.backward()
     texts = [r.getMessage() for r in caplog.records if r.name.startswith("offload")] + [str(failure.value)]
     assert len(texts) >= 2
+    assert any(os.strerror(errno.ENOSPC) in t for t in texts) and "spill file" in texts[-1], texts
     values = {f"{MARKER}", f"{MARKER:.4f}", f"{MARKER:g}", "1234.5", "1.2346e+03"}
     for text in texts:
         assert not any(v in text for v in values), text
@@ -175,7 +270,7 @@ def test_tmpfs_spill_directory_warns(caplog):
         with caplog.at_level(logging.WARNING, logger="offload"):
             loss = _forward(eng)
         messages = [r.getMessage() for r in caplog.records if r.name == "offload._spill"]
-        assert any("tmpfs" in m and "RAM" in m for m in messages), messages
+        assert len(messages) == 1 and "tmpfs" in messages[0] and "RAM" in messages[0], messages
         loss.backward()
         del loss
         eng.close()
@@ -185,40 +280,45 @@ def test_tmpfs_spill_directory_warns(caplog):
 def test_directory_removed_on_close_but_the_users_parent_stays(spill_dir):
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     loss = _forward(eng)
-    private = Path(_store(eng).spill.path)
-    assert private.is_dir()
+    private = _private(spill_dir)
+    assert private.is_dir() and len(files_under(private)) == 1
     loss.backward()
+    del loss
+    stats = wait_clean(eng, spill_dir)
+    assert stats.spill_bytes == 0 and stats.spill_files == 1, "kept for the next step, holding nothing"
     eng.close()
-    assert not private.exists()
+    assert not private.exists() and _fds_into(private) == {}
+    assert eng.stats.spill_files == 0
     assert spill_dir.is_dir(), "the parent is the user's; only the engine's private directory goes"
 
 
 def test_directory_removed_when_the_engine_is_collected(spill_dir):
     """Dropped without close(): the directory goes with the engine, but not before a graph that
-    still needs its files is gone too (the graph's handles keep the store alive)."""
+    still needs its file is gone too (the graph's handles keep the store alive)."""
     model = _model()
     ref = run_step(model, _marked_input)
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     model.zero_grad(set_to_none=True)
     with eng:
         out = model(_marked_input())
-    private = Path(_store(eng).spill.path)
+    private = _private(spill_dir)
     del eng
     gc.collect()
-    assert private.is_dir() and files_under(private), "backward still needs these files"
+    assert private.is_dir() and files_under(private), "backward still needs this file"
     default_loss(out).backward()
     assert torch.equal(out, ref.output)
     assert all(torch.equal(p.grad, ref.grads[n]) for n, p in model.named_parameters())
     del out
     gc.collect()
     assert not private.exists()
+    assert _fds_into(private) == {}, "its descriptor closed too"
 
 
 def test_directory_removed_at_interpreter_exit(spill_dir):
     """A process that spills and exits without close(), with a graph still alive: nothing is left."""
     script = textwrap.dedent(
         """
-        import sys, torch, offload
+        import pathlib, sys, torch, offload
         eng = offload.engine(0, min_offload_bytes=0, spill_dir=sys.argv[1])
         w = torch.randn(256, 256, requires_grad=True)
         with eng:
@@ -226,8 +326,9 @@ def test_directory_removed_at_interpreter_exit(spill_dir):
             for _ in range(4):
                 h = torch.tanh(h @ w)
             loss = h.sum()
-        assert eng.stats.spill_files > 0
-        print(eng._stores[torch.device("cpu")].spill.path)
+        assert eng.stats.spill_files == 1
+        [private] = pathlib.Path(sys.argv[1]).iterdir()
+        print(private)
         """
     )
     done = subprocess.run(

@@ -1,13 +1,16 @@
-"""The tier behind the budget (disk, on this CPU): private files, prompt removal, prefetch, the budget.
+"""The tier behind the budget (disk, on this CPU): a private file, extents released as backward
+consumes them, prefetch, the budget.
 
-On the CPU the engine's device is the CPU itself and the next tier is the spill directory, so
-these tests watch the files: their modes and names while they exist, their count while backward
-consumes them, and that nothing is left after backward, after a forward never backpropagated,
-and after an exception. The budget is checked through ``stats.peak_resident_bytes``.
+On the CPU the engine's device is the CPU itself and the next tier is the engine's one spill file
+(made at the first spill, kept and reused until ``close()``), so these tests watch it: its mode
+and name, its live extents (``stats.spill_bytes``) while backward consumes them, and that nothing
+is held after backward, after a forward never backpropagated, and after an exception, and nothing
+is on disk after close. The budget is checked through ``stats.peak_resident_bytes``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -21,6 +24,8 @@ import torch
 from torch import nn
 
 import offload
+import offload._spill
+from test_faults import SpillWrites
 from zoo import MB, default_loss, files_under, mlp, run_step, wait_clean
 
 SIZE = 64 * 1024
@@ -53,7 +58,11 @@ def mlp_input():
     return torch.randn(64, 128)
 
 
-def test_spill_files_are_private_with_random_names(spill_dir):
+def test_spill_file_is_private_with_a_random_name(spill_dir):
+    """One private 0700 directory holding one 0600 file with a random name, whose live extents hold
+    every tensor moved (aligned to the direct-I/O block), and nothing else.
+
+    Changed with the one-file design: there used to be a file per spilled tensor."""
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     with eng:
         loss = deep_mlp()(mlp_input()).sum()
@@ -61,19 +70,26 @@ def test_spill_files_are_private_with_random_names(spill_dir):
     assert len(dirs) == 1 and dirs[0].is_dir()
     assert stat.S_IMODE(os.stat(dirs[0]).st_mode) == 0o700
     files = files_under(spill_dir)
-    assert len(files) == eng.stats.spill_files > 1
-    names = [os.path.basename(f) for f in files]
-    assert len(set(names)) == len(names)
-    for path, name in zip(files, names):
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
-        assert re.fullmatch(r"[0-9a-f]{32}", name), f"{name}: a random name, nothing about the tensor in it"
+    stats = eng.stats
+    assert len(files) == stats.spill_files == 1
+    assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600, files[0]
+    name = os.path.basename(files[0])
+    assert re.fullmatch(r"[0-9a-f]{32}", name), f"{name}: a random name, nothing about the tensor in it"
+    align = offload._spill.ALIGN_BYTES
+    assert stats.offloaded_bytes == stats.saved_bytes > 0, "budget 0 moves everything"
+    assert stats.offloaded_bytes <= stats.spill_bytes < stats.offloaded_bytes + stats.saved_tensors * align
     del loss
     wait_clean(eng, spill_dir)
     eng.close()
+    assert list(spill_dir.iterdir()) == []
 
 
-def test_spill_files_go_as_backward_consumes_them(spill_dir):
-    """Mid-backward there are fewer files than after forward; after backward there are none."""
+def test_spill_extents_go_as_backward_consumes_them(spill_dir):
+    """Mid-backward fewer spill bytes are live than after forward; after backward none are. The
+    file stays, the same size, for the next step, and goes at close().
+
+    Changed with the one-file design: this counted files, one per tensor, removed as backward
+    consumed them; now what backward releases is extents of the one file (``spill_bytes``)."""
     model = deep_mlp()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, prefetch=False)
     counts = []
@@ -82,16 +98,21 @@ def test_spill_files_go_as_backward_consumes_them(spill_dir):
         for i, layer in enumerate(model):
             h = layer(h)
             if i == len(model) // 2:
-                h.register_hook(lambda grad: counts.append(len(files_under(spill_dir))) or grad)
+                h.register_hook(lambda grad: counts.append((eng.stats.spill_bytes, len(files_under(spill_dir)))) or grad)
         loss = h.sum()
-    after_forward = len(files_under(spill_dir))
-    assert after_forward == eng.stats.spill_files > 0
+    after_forward = eng.stats.spill_bytes
+    assert after_forward >= eng.stats.offloaded_bytes > 0
+    [path] = files_under(spill_dir)
+    size = os.path.getsize(path)
     loss.backward()
     assert len(counts) == 1
-    assert 0 < counts[0] < after_forward, (counts, after_forward)
-    assert eng.stats.spill_files == 0
-    assert files_under(spill_dir) == []
+    assert 0 < counts[0][0] < after_forward, (counts, after_forward)
+    assert counts[0][1] == 1, "one file throughout"
+    stats = wait_clean(eng, spill_dir)
+    assert stats.spill_bytes == 0 and stats.spill_files == 1
+    assert files_under(spill_dir) == [path] and os.path.getsize(path) == size, "kept for the next step"
     eng.close()
+    assert eng.stats.spill_files == 0 and list(spill_dir.iterdir()) == []
 
 
 def test_spill_files_removed_after_exception_in_forward(spill_dir):
@@ -109,9 +130,11 @@ def test_spill_files_removed_after_exception_in_forward(spill_dir):
             forward_that_fails()
     except KeyError:
         pass  # the traceback, its frames and the graph go when this block ends
-    assert seen[0] > 0
-    wait_clean(eng, spill_dir)
+    assert seen[0] == 1
+    stats = wait_clean(eng, spill_dir)
+    assert stats.offloaded_bytes > 0 and stats.spill_bytes == 0
     eng.close()
+    assert list(spill_dir.iterdir()) == []
 
 
 def test_prefetch_hits_with_a_small_budget(spill_dir):
@@ -128,7 +151,8 @@ def test_prefetch_hits_with_a_small_budget(spill_dir):
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_prefetch_off_means_every_reload_is_a_miss(prefetch, spill_dir):
     """Without prefetch each moved storage is reloaded by a miss (its second user then hits);
-    with prefetch, all but the first reload are started ahead of use."""
+    with prefetch, all but the first reload are started ahead of use. A storage whose write is
+    still in flight when backward reaches it is served from its original: neither read nor a miss."""
     nbytes = SIZE * 4
     eng = offload.engine(2 * nbytes / MB, min_offload_bytes=0, spill_dir=spill_dir, prefetch=prefetch)
     run_step(TanhChain(16), chain_input, eng, loss_fn=torch.sum)
@@ -141,7 +165,7 @@ def test_prefetch_off_means_every_reload_is_a_miss(prefetch, spill_dir):
     if prefetch:
         assert stats.prefetch_misses < moved / 2, stats
     else:
-        assert stats.prefetch_misses == moved, stats
+        assert stats.prefetch_misses == stats.reloaded_bytes // nbytes, stats
     eng.close()
 
 
@@ -199,13 +223,17 @@ ref = run_step(copy.deepcopy(model), make_input)
 eng = offload.engine(0, min_offload_bytes=8192, spill_dir=sys.argv[1])  # every managed tensor > 4 KiB
 got = run_step(model, make_input, eng)
 assert_same(ref, got)
+assert_same(ref, run_step(model, make_input, eng))  # the disk still full: every write tried again
+print(json.dumps(eng.stats.to_dict()))
+eng.close()
 print(json.dumps(eng.stats.to_dict()))
 """
 
 
 def test_disk_full_keeps_tensors_in_memory(spill_dir):
-    """Every spill write fails (file size limit): the step is still exact, nothing is counted as
-    moved, nothing is left behind, and the user is told once."""
+    """Every spill write fails (file size limit: the first lands 4 KiB short, the rest at once):
+    both steps are still exact, nothing is counted as moved, nothing is held, and the user is
+    told once. The spill file, opened for the first write, stays until close() removes it."""
     tests_dir = Path(__file__).resolve().parent
     path = [str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
@@ -213,45 +241,69 @@ def test_disk_full_keeps_tensors_in_memory(spill_dir):
         [sys.executable, "-c", DISK_FULL_STEP, str(spill_dir)], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    stats = json.loads(done.stdout.strip().splitlines()[-1])
-    assert stats["saved_bytes"] > 0
-    assert stats["offloaded_bytes"] == stats["spilled_bytes"] == stats["reloaded_bytes"] == 0, stats
-    assert stats["resident_bytes"] == 0 and stats["spill_files"] == 0, stats
-    assert done.stderr.count("writing a spill file failed") == 1, done.stderr
-    assert files_under(spill_dir) == []
+    before, after = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    assert before["saved_bytes"] > 0
+    assert before["offloaded_bytes"] == before["spilled_bytes"] == before["reloaded_bytes"] == 0, before
+    assert before["resident_bytes"] == 0 and before["spill_bytes"] == 0 and before["spill_files"] == 1, before
+    assert before["peak_resident_bytes"] > 0
+    assert after["spill_files"] == 0 and after["spill_bytes"] == 0, after
+    assert done.stderr.count("writing to the spill file failed") == 1, done.stderr
+    assert os.strerror(errno.EFBIG) in done.stderr, done.stderr
+    assert list(spill_dir.iterdir()) == []
 
 
-def _spilled_step(spill_dir):
+def _spilled_step(spill_dir, monkeypatch):
+    writes = SpillWrites(monkeypatch)
+    model = deep_mlp()
+    ref = run_step(model, mlp_input)
+    model.zero_grad(set_to_none=True)
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    torch.manual_seed(1234)  # run_step's seeds: the same input, the same math
+    x = mlp_input().requires_grad_(True)
     with eng:
-        loss = deep_mlp()(mlp_input()).sum()
+        out = model(x)
+    assert writes.landed() > 0, "every write has landed before the test edits the file"
     files = files_under(spill_dir)
-    assert files
-    return eng, loss, files
+    assert len(files) == 1
+    return eng, model, ref, x, out, files[0]
 
 
-def test_truncated_spill_file_is_an_offload_error(spill_dir):
-    eng, loss, files = _spilled_step(spill_dir)
-    for path in files:
-        os.truncate(path, 10)
-    with pytest.raises(offload.OffloadError, match=r"\(64, 128\) torch.float32"):
-        loss.backward()
-    del loss
+def test_truncated_spill_file_is_an_offload_error(spill_dir, monkeypatch):
+    eng, model, ref, x, out, path = _spilled_step(spill_dir, monkeypatch)
+    os.truncate(path, 10)
+    with pytest.raises(offload.OffloadError, match=r"\(64, 128\) torch.float32 on cpu.*spill file.*ended after"):
+        default_loss(out).backward()
+    del out
+    wait_clean(eng, spill_dir)
     eng.close()
+    assert list(spill_dir.iterdir()) == []
 
 
-def test_deleted_spill_file_is_an_offload_error(spill_dir):
-    eng, loss, files = _spilled_step(spill_dir)
-    for path in files:
-        os.unlink(path)
-    with pytest.raises(offload.OffloadError, match="No such file"):
-        loss.backward()
-    del loss
+def test_deleted_spill_file_is_still_read_through_its_descriptor(spill_dir, monkeypatch):
+    """The spill file's name is removed (a cleaner, a user): the engine's open descriptor keeps the
+    data, so backward is exact; nothing is left on disk, and close() has nothing more to remove.
+
+    Changed with the one-file design: with a file per tensor, each read opened its file by name
+    and a deleted one was an OffloadError ("No such file"); now the file is read through the
+    descriptor opened at the first spill, so its name going changes nothing."""
+    eng, model, ref, x, out, path = _spilled_step(spill_dir, monkeypatch)
+    os.unlink(path)
+    default_loss(out).backward()
+    assert torch.equal(out, ref.output) and torch.equal(x.grad, ref.input_grad)
+    assert all(torch.equal(p.grad, ref.grads[n]) for n, p in model.named_parameters())
+    del out
+    stats = wait_clean(eng, spill_dir)
+    assert 0 < stats.reloaded_bytes <= stats.offloaded_bytes
+    assert files_under(spill_dir) == []
     eng.close()
+    assert list(spill_dir.iterdir()) == []
 
 
-def test_backward_after_close_is_an_offload_error(spill_dir):
-    eng, loss, _ = _spilled_step(spill_dir)
+def test_backward_after_close_is_an_offload_error(spill_dir, monkeypatch):
+    """The error names the tensor, says the engine was closed, and says the fix."""
+    eng, model, ref, x, out, path = _spilled_step(spill_dir, monkeypatch)
     eng.close()
-    with pytest.raises(offload.OffloadError, match=r"close\(\)"):
-        loss.backward()
+    assert list(spill_dir.iterdir()) == [], "close() removes the file even while a graph still needs it"
+    with pytest.raises(offload.OffloadError, match=r"\(64, 128\) torch.float32 on cpu.*clos") as failure:
+        default_loss(out).backward()
+    assert "backward before clos" in str(failure.value), f"the fix is not named: {failure.value}"

@@ -1,0 +1,217 @@
+"""Host memory for the host tier: a few large slabs, carved into aligned blocks, under a byte cap.
+
+Why slabs of our own. ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host
+allocator, which rounds every block up to a power of two and keeps freed blocks for reuse without
+giving them back to the OS. Buffers of arbitrary sizes taken from it really pin up to 2x what they
+hold, and freeing them frees nothing. So the arena asks it only for slabs whose sizes are powers of
+two (rounding adds nothing), carves blocks out of them itself (first fit, merged again on release),
+counts whole slabs as held, and when it drops a slab it empties the caching host allocator, so the
+pinned bytes held are the bytes counted and ``clear()`` gives them back.
+
+    slab (2^k bytes, pinned once) ─▶ [ block | free | block block | free ... ]   offsets and sizes
+                                                                               multiples of ALIGN_BYTES
+
+The cap is the smaller of ``cap_bytes`` (``host_budget_mb``) and what the host can spare now:
+available RAM (psutil) minus a reserve, so the arena never pushes the host into swap or the OOM
+killer. When a new slab would break the cap, idle slabs go first; if that is not enough,
+``acquire`` returns None and the caller makes room (spills older host copies) or keeps the tensor.
+Not thread-safe: the store's lock guards it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+import psutil
+import torch
+
+__all__ = ["ALIGN_BYTES", "Block", "HostArena"]
+
+log = logging.getLogger(__name__)
+
+ALIGN_BYTES = 4096
+"""Block offsets and sizes are multiples of this: a page, and the logical block size direct I/O needs."""
+SLAB_BYTES = 64 << 20
+"""Smallest slab (64 MiB): pinning costs milliseconds per call, so it is done rarely and in bulk.
+A request larger than this gets a slab of the next power of two; the rest of it serves others."""
+HOST_RESERVE_FRACTION = 0.10
+"""Share of total RAM the arena always leaves free for the rest of the process and the OS."""
+HOST_RESERVE_MIN_BYTES = 2 << 30
+"""Floor of that reserve: at least 2 GiB stay free, whatever the machine."""
+
+
+def _reserve_bytes(total_bytes: int) -> int:
+    return max(int(total_bytes * HOST_RESERVE_FRACTION), HOST_RESERVE_MIN_BYTES)
+
+
+def _round_up(nbytes: int, unit: int) -> int:
+    return -(-nbytes // unit) * unit
+
+
+def _next_pow2(nbytes: int) -> int:
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+def _empty_host_cache() -> None:
+    """Give the caching host allocator's idle pinned blocks back to the OS (where torch can)."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None
+    )
+    if empty is not None:
+        empty()
+
+
+class _Slab:
+    """One pinned allocation and its free ranges, as sorted (offset, size) lists."""
+
+    __slots__ = ("tensor", "nbytes", "free_offsets", "free_sizes", "used_bytes")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.nbytes = tensor.numel()
+        self.free_offsets, self.free_sizes = [0], [self.nbytes]
+        self.used_bytes = 0
+
+    def take(self, size: int) -> Optional[int]:
+        for i, free in enumerate(self.free_sizes):
+            if free >= size:
+                offset = self.free_offsets[i]
+                if free == size:
+                    del self.free_offsets[i], self.free_sizes[i]
+                else:
+                    self.free_offsets[i], self.free_sizes[i] = offset + size, free - size
+                self.used_bytes += size
+                return offset
+        return None
+
+    def give(self, offset: int, size: int) -> None:
+        i = bisect.bisect(self.free_offsets, offset)
+        self.free_offsets.insert(i, offset)
+        self.free_sizes.insert(i, size)
+        self.used_bytes -= size
+        if i + 1 < len(self.free_offsets) and offset + size == self.free_offsets[i + 1]:  # merge right
+            self.free_sizes[i] += self.free_sizes.pop(i + 1)
+            self.free_offsets.pop(i + 1)
+        if i > 0 and self.free_offsets[i - 1] + self.free_sizes[i - 1] == offset:  # merge left
+            self.free_sizes[i - 1] += self.free_sizes.pop(i)
+            self.free_offsets.pop(i)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Block:
+    """A piece of a slab: ``tensor`` is its 1-D uint8 view of ``size`` bytes (>= what was asked)."""
+
+    tensor: torch.Tensor
+    slab: _Slab
+    offset: int
+    size: int
+
+
+class HostArena:
+    """Pinned (or, for tests on the CPU, plain) host blocks carved from power-of-two slabs."""
+
+    def __init__(self, cap_bytes: Optional[int], pin: bool = True, settle: Callable[[], None] = lambda: None) -> None:
+        self._cap_bytes = cap_bytes
+        self._pin = pin
+        self._settle = settle
+        """Waits for every copy in flight: a dropped slab is given back only once its copies finished."""
+        self._slabs: list[_Slab] = []
+        self.failed = False
+        """True once pinning failed: later requests get None at once (the caller spills or keeps)."""
+        self._warned_low_ram = False
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every slab the arena holds: what is really pinned, in use or idle."""
+        return sum(s.nbytes for s in self._slabs)
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Bytes of blocks handed out and not yet released."""
+        return sum(s.used_bytes for s in self._slabs)
+
+    @staticmethod
+    def ram_room_bytes() -> int:
+        """Host RAM the arena may still take: available now (psutil) minus the reserve."""
+        vm = psutil.virtual_memory()
+        return vm.available - _reserve_bytes(vm.total)
+
+    def _room_bytes(self) -> int:
+        room = self.ram_room_bytes()
+        if self._cap_bytes is not None:
+            room = min(room, self._cap_bytes - self.held_bytes)
+        return room
+
+    def acquire(self, nbytes: int) -> Optional[Block]:
+        """A block of at least ``nbytes``, or None if neither the slabs nor the cap have room."""
+        size = _round_up(max(nbytes, 1), ALIGN_BYTES)
+        for slab in self._slabs:
+            offset = slab.take(size)
+            if offset is not None:
+                return Block(slab.tensor[offset : offset + size], slab, offset, size)
+        slab = self._new_slab(size)
+        if slab is None:
+            return None
+        offset = slab.take(size)
+        return Block(slab.tensor[offset : offset + size], slab, offset, size)
+
+    def _new_slab(self, size: int) -> Optional[_Slab]:
+        if self.failed:
+            return None
+        wanted = max(SLAB_BYTES, _next_pow2(size))
+        smallest = _next_pow2(size)
+        if self._room_bytes() < wanted:
+            self.trim()
+        room = self._room_bytes()
+        if room < smallest:
+            if not self._warned_low_ram and self.ram_room_bytes() < smallest:  # RAM, not the user's cap
+                log.warning(
+                    "offload: host RAM is low (the host tier keeps %d MB free for the system); "
+                    "it stops at %d MB and further tensors spill to disk or stay on the device",
+                    _reserve_bytes(psutil.virtual_memory().total) >> 20,
+                    self.held_bytes >> 20,
+                )
+                self._warned_low_ram = True
+            return None
+        nbytes = wanted if room >= wanted else smallest
+        try:
+            tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        except RuntimeError as e:  # pinning refused (locked-memory limit, driver)
+            # The message, not the error: a record kept by a handler would keep the error's
+            # traceback, whose frames (pack, the module forwards) hold this step's graph.
+            log.warning(
+                "offload: pinning %d bytes of host memory failed (%s); no more host memory is taken, so "
+                "further tensors go to disk through what is held, or stay on the device", nbytes, str(e),
+            )
+            self.failed = True
+            return None
+        slab = _Slab(tensor)
+        self._slabs.append(slab)
+        return slab
+
+    def release(self, block: Block) -> None:
+        """Give a block back; its slab stays for reuse until ``trim`` or ``clear``."""
+        block.slab.give(block.offset, block.size)
+
+    def trim(self) -> None:
+        """Drop every slab with nothing handed out, and give their pinned pages back to the OS."""
+        idle = [s for s in self._slabs if s.used_bytes == 0]
+        if not idle:
+            return
+        self._slabs = [s for s in self._slabs if s.used_bytes != 0]
+        for slab in idle:
+            slab.tensor = None
+        if self._pin:
+            # The caching host allocator frees a block only once the events recorded on it (by the
+            # copies that used it) have completed: wait for those copies, or the pages would stay
+            # pinned while no longer counted. Rare: only when the arena is at its cap and must
+            # change the sizes it holds, and at close.
+            self._settle()
+            _empty_host_cache()
+
+    def clear(self) -> None:
+        """Drop idle slabs (blocks still handed out keep theirs until released and trimmed)."""
+        self.trim()

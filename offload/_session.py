@@ -1,0 +1,121 @@
+"""One engine's runtime: the store, the counters, and what the hooks and the regions may ask of it.
+
+The engine (``_engine``) owns the lifecycle a user sees; this object is what runs underneath, and
+the one thing ``Regions`` and the probe talk to:
+
+    hooks ──pack/unpack──▶ Session ──▶ Store (made on the first saved tensor, for its device)
+    Regions ──active? / eagerly() / set_planned() / saved() / count_recompute() / machine()──▶ Session
+
+State per thread (the hook stack, eager mode) is thread-local: one engine can serve a training
+thread and an evaluation thread at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from ._config import Config
+from ._cost import MachineProfile
+from ._hooks import Eligibility, make_hooks
+from ._stats import Counters
+from ._store import Store
+from ._transfer import Link
+
+__all__ = ["Session"]
+
+
+class Session:
+    """The store, counters and thread-local hook state of one engine."""
+
+    def __init__(
+        self, config: Config, *, link: Optional[Link] = None, machine: Optional[Callable[[], MachineProfile]] = None
+    ) -> None:
+        self.config = config
+        self.counters = Counters()
+        self.eligible = Eligibility(config.device, config.min_offload_bytes)
+        self._link = link
+        self._machine = machine
+        self._store: Optional[Store] = None
+        self._store_lock = threading.Lock()
+        self._planned = False
+        self._local = threading.local()
+        self.hooks = make_hooks(self.eligible, self._pack, self._unpack, self._passthrough)
+        """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
+
+    # ------------------------------------------------------------------ the hooks
+
+    @property
+    def store(self) -> Optional[Store]:
+        """The store, once the first eligible tensor was saved (it fixes the device)."""
+        return self._store
+
+    def _open_store(self, device: torch.device) -> Store:
+        with self._store_lock:  # two threads saving their first tensor at once make one store
+            if self._store is None:
+                store = Store(self.config, device, self.counters, link=self._link)
+                store.set_planned(self._planned)
+                self._store = store
+        return self._store
+
+    def _pack(self, t: torch.Tensor):
+        store = self._store or self._open_store(t.device)
+        return store.pack(t, getattr(self._local, "eager", False))
+
+    def _unpack(self, handle):
+        return handle.store.unpack(handle)
+
+    def _passthrough(self) -> None:
+        self.counters.passthrough_tensors += 1
+
+    # ------------------------------------------------------------------ the hook stack (per thread)
+
+    def enter(self) -> None:
+        """Install the hooks on this thread (nested entries stack)."""
+        ctx = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
+        ctx.__enter__()
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        stack.append(ctx)
+
+    def exit(self, *exc) -> None:
+        self._local.stack.pop().__exit__(*exc)
+
+    # ------------------------------------------------------------------ what regions may ask
+
+    def active(self) -> bool:
+        """True while this thread is inside the engine (its hooks may be shadowed by inner ones)."""
+        return bool(getattr(self._local, "stack", None))
+
+    @contextlib.contextmanager
+    def eagerly(self):
+        """Saves in this block start their copy out at once (a region planned OFFLOAD)."""
+        previous = getattr(self._local, "eager", False)
+        self._local.eager = True
+        try:
+            yield
+        finally:
+            self._local.eager = previous
+
+    def set_planned(self, planned: bool) -> None:
+        """A plan is in force this step (True) or the regions are being measured (False)."""
+        self._planned = planned
+        if self._store is not None:
+            self._store.set_planned(planned)
+
+    def saved(self) -> tuple[int, int]:
+        """(bytes, tensors) saved through the engine so far: regions measure themselves by the difference."""
+        return self.counters.saved_bytes, self.counters.saved_tensors
+
+    def count_recompute(self) -> None:
+        self.counters.recomputed_regions += 1
+
+    def machine(self) -> MachineProfile:
+        """The machine's transfer costs, for planning (the engine measures them on first use)."""
+        if self._machine is None:
+            raise RuntimeError("offload internal error: this session has no machine profile to plan with")
+        return self._machine()

@@ -1,0 +1,165 @@
+"""PyTorch's in-place check, kept under every budget and on every tier.
+
+Saved-tensor hooks switch autograd's own check off, so the engine checks versions itself (See Note:
+[version watch] in ``offload._entry``). The cases are PyTorch's own (test_autograd's in-place and
+saved-tensor-hook tests, in our words): a saved tensor modified after it was saved, through the
+base, a view, ``detach()``, under ``no_grad``, ``inference_mode`` and anomaly mode, and a
+checkpoint input changed after forward. Each must raise PyTorch's error with and without the
+engine, whether the saved tensor is hot, its copy in flight, landed in host memory or on disk, or
+already reloaded; and an unmodified program must run bitwise as without the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import torch
+
+import offload
+from links import ThreadedLink
+from zoo import wait_clean
+
+INPLACE = "modified by an inplace operation"
+N = 128  # 64 KiB of fp32: above nothing, the tests pass min_offload_bytes=0 anyway
+
+
+def _modify(kind: str, z: torch.Tensor) -> None:
+    """Change ``z``'s values in place the way ``kind`` says, as a user might after forward."""
+    if kind == "base":
+        z.add_(1)
+    elif kind == "view":
+        z[0].mul_(2)
+    elif kind == "detach":
+        z.detach().add_(1)
+    elif kind == "no_grad":
+        with torch.no_grad():
+            z.add_(1)
+    elif kind == "inference_mode":
+        with torch.inference_mode():
+            z.add_(1)
+    elif kind == "anomaly":
+        with torch.autograd.detect_anomaly(check_nan=False):
+            z.add_(1)
+    else:
+        raise AssertionError(kind)
+
+
+KINDS = ("base", "view", "detach", "no_grad", "inference_mode", "anomaly")
+
+
+def _engine(tier: str, budget, spill_dir, link):
+    if tier == "disk":
+        return offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    return offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir, device="cpu", link=link)
+
+
+@pytest.fixture
+def link():
+    made = ThreadedLink(delay_s=0.05)  # long enough that "in flight" stays in flight
+    yield made
+    made.close()
+
+
+def _saved_by_sin(eng, settle: bool):
+    x = torch.randn(N, N, requires_grad=True)
+    with eng if eng is not None else contextlib.nullcontext():
+        z = x * 2
+        w = z.sin()  # sin saves z
+        if settle:
+            h = w.cos()  # more saves, so the budget pushes z's copy out and lets it land
+    if settle:
+        time.sleep(0.15)
+        return x, z, w + h
+    return x, z, w
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("budget", [None, 0.1, 0], ids=lambda b: f"budget={b}")
+@pytest.mark.parametrize("tier", ["disk", "host"])
+@pytest.mark.parametrize("settle", [False, True], ids=["in-flight-or-hot", "landed"])
+def test_modified_after_save_raises_like_pytorch(kind, budget, tier, settle, tmp_path, link):
+    torch.manual_seed(0)
+    _, z, out = _saved_by_sin(None, settle)
+    _modify(kind, z)
+    with pytest.raises(RuntimeError, match=INPLACE) as expected:
+        out.sum().backward()
+    eng = _engine(tier, budget, tmp_path, link)
+    torch.manual_seed(0)
+    _, z, out = _saved_by_sin(eng, settle)
+    _modify(kind, z)
+    with pytest.raises(RuntimeError, match=INPLACE) as got:
+        out.sum().backward()
+    assert type(got.value) is type(expected.value)
+    assert str(got.value).split(":")[0] == str(expected.value).split(":")[0]  # PyTorch's wording first
+    del z, out, got, expected  # their tracebacks hold the graph
+    wait_clean(eng, tmp_path)
+    eng.close()
+
+
+@pytest.mark.parametrize("budget", [None, 0.1, 0], ids=lambda b: f"budget={b}")
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_unmodified_runs_bitwise(budget, tier, tmp_path, link):
+    torch.manual_seed(0)
+    x, _, out = _saved_by_sin(None, True)
+    out.sum().backward()
+    want = x.grad.clone()
+    eng = _engine(tier, budget, tmp_path, link)
+    torch.manual_seed(0)
+    x, _, out = _saved_by_sin(eng, True)
+    out.sum().backward()
+    assert torch.equal(x.grad, want)
+    eng.close()
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=lambda b: f"budget={b}")
+def test_modified_after_reload_raises(budget, tmp_path):
+    """retain_graph: the first backward reloads z, then z changes; the second backward must refuse."""
+    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=tmp_path)
+    x = torch.randn(N, N, requires_grad=True)
+    with eng:
+        z = x * 2
+        w = z.sin()
+    w.sum().backward(retain_graph=True)
+    z.add_(1)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        w.sum().backward()
+    eng.close()
+
+
+def test_shared_storage_without_a_shared_counter_is_not_the_same_save(tmp_path):
+    """``.data`` shares the storage but not the version counter: PyTorch does not see writes
+    through it, and neither does the engine (no false alarm), at budget 0 and None alike."""
+    for budget in (None, 0):
+        eng = offload.engine(budget, min_offload_bytes=0, spill_dir=tmp_path)
+        x = torch.randn(N, N, requires_grad=True)
+        with eng:
+            z = x * 2
+            w = z.sin()
+        z.data.add_(0)  # a write PyTorch does not track
+        w.sum().backward()
+        assert x.grad is not None
+        eng.close()
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=lambda b: f"budget={b}")
+def test_checkpoint_input_changed_after_forward(budget, tmp_path):
+    def region(t):
+        return t.sin().exp()
+
+    x = torch.randn(N, N, requires_grad=True)
+    z = x * 2
+    out = torch.utils.checkpoint.checkpoint(region, z, use_reentrant=False)
+    z.add_(1)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        out.sum().backward()
+    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=tmp_path)
+    x = torch.randn(N, N, requires_grad=True)
+    with eng:
+        z = x * 2
+        out = offload.checkpoint(region, z)
+    z.add_(1)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        out.sum().backward()
+    eng.close()
