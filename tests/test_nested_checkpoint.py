@@ -432,6 +432,61 @@ def test_flops_region_with_an_inner_grad_at_most_one_extra_forward():
     assert 0 < extra <= forward, (extra, forward)
 
 
+def test_flops_three_levels_at_most_one_extra_forward_each():
+    weight = torch.randn(4 * WIDTH, WIDTH, generator=torch.Generator().manual_seed(0))
+
+    def level(inner):
+        return lambda h: inner(F.linear(h, weight).tanh() @ weight).sin()
+
+    def innermost(h):
+        return F.linear(h, weight).cos() @ weight
+
+    def nest(c):
+        return c(level(c(level(c(innermost)))))
+
+    x = leaf()
+    with torch.no_grad():
+        h1 = F.linear(x, weight).tanh() @ weight
+        h2 = F.linear(h1, weight).tanh() @ weight
+        forwards = [count_flops(lambda: nest(no_ckpt)(x)), count_flops(lambda: level(innermost)(h1)),
+                    count_flops(lambda: innermost(h2))]
+    plain = count_flops(lambda: nest(no_ckpt)(x).sum().backward())
+    ours = count_flops(lambda: nest(offload_ckpt)(x).sum().backward())
+    theirs = count_flops(lambda: nest(torch_ckpt)(x).sum().backward())
+    assert 0 < ours - plain <= sum(forwards), (ours - plain, forwards)
+    assert ours <= theirs
+    assert torch.equal(grads_of(nest, x, offload_ckpt), grads_of(nest, x, no_ckpt))
+
+
+def test_nested_regions_run_no_more_often_than_under_torch():
+    """Per region and backward: the forward, once inside each enclosing region's recompute, and its
+    own recompute; counted against torch's checkpoint on the same nesting."""
+
+    def counted(runs):
+        def inner(x):
+            runs["inner"] += 1
+            return x.sin().exp()
+
+        def outer(c):
+            def run(x):
+                runs["outer"] += 1
+                return (c(inner)(x.cos()) * x).tanh()
+
+            return run
+
+        return inner, outer
+
+    counts = {}
+    for name in ("offload", "torch"):
+        runs = {"inner": 0, "outer": 0}
+        _, outer = counted(runs)
+        c = WRAPPERS[name]
+        c(outer(c))(leaf()).sum().backward()
+        counts[name] = runs
+    assert counts["offload"] == {"outer": 2, "inner": 3}, counts
+    assert all(counts["offload"][k] <= counts["torch"][k] for k in counts["torch"]), counts
+
+
 def test_region_with_an_inner_grad_is_recomputed_once_per_pass():
     calls = []
 
