@@ -102,7 +102,7 @@ class _Frame:
         self.inputs: list = []          # per tensor argument: (packed, version to check or None, requires_grad)
         self.meta: list = []            # per saved tensor: (shape, dtype), from the original forward
         self.values: Optional[list] = None
-        self.forward_values: Optional[list] = None  # per save: (detached alias, version), only while fn runs
+        self.forward_values: Optional[list] = None  # per save: (tensor, version), only while fn runs
         self.gen = 0
         self.live = 0                   # slots autograd still holds
         self.pending = 0                # live slots not yet unpacked in this pass
@@ -149,6 +149,8 @@ class _Frame:
     #     in the re-run would find no path, and the gradients of the two runs would differ. Such a
     #     backward runs a tensor argument's grad_fn while the forward is still running; a pre-hook
     #     on each argument's grad_fn, removed when the forward returns, raises then, in forward.
+    #     It is conservative: a backward of some outer tensor that runs that node without passing
+    #     through the argument is refused too (move it out of the region).
     def _guard_inputs(self) -> list:
         """Pre-hooks on the grad_fn of each tensor argument: See Note: [no backward past a region's inputs]."""
         name = self.name
@@ -157,11 +159,12 @@ class _Frame:
             if a.grad_fn is None:
                 continue
 
-            def refuse(grad_outputs, i=i):
+            def refuse(grad_outputs, i=i, node=a.grad_fn.name()):
                 raise OffloadError(
-                    f"offload: region {name!r} ran a backward (torch.autograd.grad or .backward()) through its "
-                    f"tensor input {i} into the graph outside the region, during its forward; a recomputed region "
-                    f"is re-run from detached inputs, so its backward could not do that again. Differentiate with "
+                    f"offload: region {name!r} ran a backward (torch.autograd.grad or .backward()) during its forward "
+                    f"that reached {node}, the node that produced its tensor input {i}, outside the region; a "
+                    f"recomputed region is re-run from detached inputs, so its backward could not do that again. "
+                    f"Differentiate with "
                     f"respect to the region's inputs (or tensors created inside it), move the code that needs the "
                     f"outer graph out of the region, or exclude the region from recompute"
                 )
@@ -171,15 +174,17 @@ class _Frame:
 
     # Note: [saved values live while the forward runs]
     #     A backward run inside the region's forward unpacks slots before any recompute could
-    #     sensibly happen (the region's own forward is still running). While fn runs, each save's
-    #     value is held (a detached alias and its version) and a slot unpacked then returns it;
-    #     when fn returns the list is dropped, so after forward the region holds what it always
-    #     held: its inputs. Peak memory inside one region's forward rises to what the region saves,
-    #     which its recompute in backward holds anyway.
+    #     sensibly happen (the region's own forward is still running). While fn runs, each saved
+    #     tensor is held with its version, and a slot unpacked then returns it (autograd rebuilds
+    #     the unpacked variable around it; with hooks it checks no version, so this does). When fn
+    #     returns, or raises, the list is dropped: after forward the region holds what it always
+    #     held, its inputs, and the cycle tensor -> grad_fn -> slot -> frame -> list is gone. Peak
+    #     memory inside one region's forward rises to what the region saves, which its recompute
+    #     in backward holds anyway.
     def _pack_placeholder(self, t: torch.Tensor) -> _Slot:
         self.meta.append((t.shape, t.dtype))
         if self.forward_values is not None:
-            self.forward_values.append((t.detach(), t._version))
+            self.forward_values.append((t, t._version))
         self.live += 1
         return _Slot(self, len(self.meta) - 1)
 
@@ -283,18 +288,19 @@ class _Frame:
         if timed:
             _synchronize(self.rng.cuda_devices)
             self.on_recompute((time.perf_counter() - start) * 1e3)
-        if len(captured) != len(self.meta) or any(
-            c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(captured, self.meta)
+        values = list(captured)
+        captured.clear()  # the re-run's graph may outlive it: See Note: [recompute hooks hold no frame]
+        if len(values) != len(self.meta) or any(
+            c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(values, self.meta)
         ):
-            got = [(tuple(c.shape), c.dtype) for c in captured]
+            got = [(tuple(c.shape), c.dtype) for c in values]
             want = [(tuple(s), d) for s, d in self.meta]
             raise OffloadError(
                 f"offload: recomputing region {self.name!r} saved {len(got)} tensors {got[:4]}... but its forward "
                 f"saved {len(want)} tensors {want[:4]}...; the region's forward must be deterministic in what it "
                 f"saves (no data-dependent branches on mutable state); exclude it from regions or fix the branch"
             )
-        self.values = list(captured)
-        captured.clear()
+        self.values = values
         self.gen += 1
         self.pending = self.live
 
@@ -328,6 +334,13 @@ def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: A
     CPU/CUDA RNG and autocast state of this call restored for the recompute (dropout matches
     bitwise). Inside an ``offload.engine`` the inputs go through the engine's tiers, so they can
     be offloaded too. Outside one, the inputs are kept by reference.
+
+    ``fn`` may run a backward of its own (``torch.autograd.grad``, with or without
+    ``create_graph``, e.g. a gradient penalty or forces from an energy) and may call
+    ``checkpoint`` again; gradients equal those without checkpointing. That backward must stay
+    within ``fn``'s graph and the tensors it closes over: one that reaches the node producing a
+    tensor argument raises ``OffloadError`` in forward, since the recompute starts from detached
+    arguments.
 
     Args:
         fn: the region's forward; it must save the same tensors (count, shapes, dtypes) when

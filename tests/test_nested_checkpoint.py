@@ -333,8 +333,24 @@ def test_backward_past_the_region_inputs_raises_in_forward_naming_the_region():
 
     h = w * 3.0
     region(h).sum().backward()  # fine without a checkpoint
-    with pytest.raises(offload.OffloadError, match=r"region 'penalty'.*tensor input 0.*exclude the region"):
+    with pytest.raises(offload.OffloadError, match=r"region 'penalty'.*MulBackward0.*tensor input 0.*exclude the region"):
         offload.checkpoint(region, w * 3.0, name="penalty")
+    assert frames_alive() == 0
+
+
+def test_inner_region_differentiating_past_its_input_into_the_outer_region_raises_in_forward():
+    """Nested, the inner region's input is computed inside the outer one: a gradient with respect
+    to the outer input goes past the inner input, and is refused naming the inner region."""
+
+    def inner(h, x):
+        (gx,) = torch.autograd.grad(h.square().sum(), x, create_graph=True)
+        return gx * h
+
+    def outer(x):
+        return offload.checkpoint(inner, x.sin(), x, name="inner").cos()
+
+    with pytest.raises(offload.OffloadError, match=r"region 'inner'.*tensor input 0"):
+        offload.checkpoint(outer, leaf() * 1.0, name="outer")
     assert frames_alive() == 0
 
 
