@@ -164,9 +164,9 @@ class _Frame:
                     f"offload: region {name!r} ran a backward (torch.autograd.grad or .backward()) during its forward "
                     f"that reached {node}, the node that produced its tensor input {i}, outside the region; a "
                     f"recomputed region is re-run from detached inputs, so its backward could not do that again. "
-                    f"Differentiate with "
-                    f"respect to the region's inputs (or tensors created inside it), move the code that needs the "
-                    f"outer graph out of the region, or exclude the region from recompute"
+                    f"Differentiate with respect to the region's inputs (or tensors created inside it), move the "
+                    f"code that needs the outer graph out of the region, or do not recompute this region (leave it out of "
+                    f"regions=, or use policy='offload')"
                 )
 
             guards.append(a.grad_fn.register_prehook(refuse))
