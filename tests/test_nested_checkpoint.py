@@ -263,6 +263,54 @@ def test_kwargs_and_non_tensor_outputs_in_nested_regions():
     assert torch.equal(got, want)
 
 
+class TwiceWithInnerGrad(torch.autograd.Function):
+    """x -> 2x, whose backward runs a backward of its own (a reentrant one, during the outer backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)  # inside a region: a slot like any other save
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            y = x.detach().requires_grad_()
+            (gy,) = torch.autograd.grad((y.sin() * y).sum(), y)
+        return grad * gy
+
+
+def test_custom_function_whose_backward_runs_a_backward():
+    def region(x):
+        h = TwiceWithInnerGrad.apply(x.exp())
+        (gh,) = torch.autograd.grad(h.sum(), x, create_graph=True)
+        return TwiceWithInnerGrad.apply(gh * h)
+
+    assert_all_equal(lambda c: c(region), leaf(), "custom Function with a backward inside its backward")
+
+
+def test_backward_into_parameters_inside_a_region_runs_again_as_under_torch():
+    """A .backward() in the region accumulates into the parameters; the recompute runs it again
+    (a side effect, as under torch's checkpoint: the README says side effects happen twice). The
+    input's gradient, which flows only through the outer backward, equals the plain one."""
+    torch.manual_seed(0)
+    lin = nn.Linear(WIDTH, WIDTH)
+
+    def region(x):
+        y = lin(x).tanh()
+        y.sum().backward(retain_graph=True, inputs=list(lin.parameters()))
+        return y * x
+
+    results = {}
+    for name, wrap in WRAPPERS.items():
+        lin.zero_grad(set_to_none=True)
+        x_grad = grads_of(lambda c: c(region), leaf(), wrap)
+        results[name] = (x_grad, lin.weight.grad.clone(), lin.bias.grad.clone())
+    assert torch.equal(results["offload"][0], results["plain"][0])
+    for a, b in zip(results["offload"], results["torch"]):
+        assert torch.equal(a, b), "parameter grads differ from torch's checkpoint"
+
+
 # ------------------------------------------------------------------------ what stays alive
 
 
