@@ -18,9 +18,10 @@ with the CPU and device RNG states and the autocast state of the original call.
 
 A region's backward re-runs its forward at most once per backward pass. Regions nest: a
 checkpoint called inside a region packs its inputs through the enclosing region's hooks, so its
-recompute unpacks them from the enclosing frame (which recomputes first if it must). The one thing
-a region's forward may not do is run a backward past its own inputs into the graph outside: the
-re-run starts from detached inputs and could not do it again, so that raises in forward.
+recompute unpacks them from the enclosing frame (which recomputes first if it must), and the
+enclosing region's re-run runs the inner forward as part of its own. The one thing a region's
+forward may not do is run a backward past its own inputs into the graph outside: the re-run
+starts from detached inputs and could not do it again, so that raises in forward.
 """
 
 from __future__ import annotations
