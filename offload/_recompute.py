@@ -9,12 +9,19 @@ device. The results equal ``torch.utils.checkpoint(use_reentrant=False)``: the s
 with the CPU and device RNG states and the autocast state of the original call.
 
     forward:  inputs ──outer pack──▶ store (any tier)
-              fn(inputs) under placeholder hooks: each save ──▶ Slot(i) + (shape, dtype) noted
+              fn(inputs) under placeholder hooks: each save ──▶ Slot(i) + (shape, dtype) noted,
+                  its value held only until fn returns (an autograd.grad inside fn unpacks it)
     backward: unpack Slot(i) ──▶ first one in this pass? re-run fn once (RNG, autocast restored),
-              capture every save in order, check count/shape/dtype ──▶ value i
+              capture every save in order (an autograd.grad inside the re-run unpacks them),
+              check count/shape/dtype ──▶ value i
               values are dropped once every live slot has been unpacked in this pass
 
-A region's backward re-runs its forward at most once per backward pass.
+A region's backward re-runs its forward at most once per backward pass. Regions nest: a
+checkpoint called inside a region packs its inputs through the enclosing region's hooks, so its
+recompute unpacks them from the enclosing frame (which recomputes first if it must), and the
+enclosing region's re-run runs the inner forward as part of its own. The one thing a region's
+forward may not do is run a backward past its own inputs into the graph outside: the re-run
+starts from detached inputs and could not do it again, so that raises in forward.
 """
 
 from __future__ import annotations
@@ -96,6 +103,7 @@ class _Frame:
         self.inputs: list = []          # per tensor argument: (packed, version to check or None, requires_grad)
         self.meta: list = []            # per saved tensor: (shape, dtype), from the original forward
         self.values: Optional[list] = None
+        self.forward_values: Optional[list] = None  # per save: (tensor, version), only while fn runs
         self.gen = 0
         self.live = 0                   # slots autograd still holds
         self.pending = 0                # live slots not yet unpacked in this pass
@@ -121,17 +129,76 @@ class _Frame:
 
         arg_template = tuple(template(a) for a in self.args)
         kw_template = {k: template(v) for k, v in self.kwargs.items()}
-        with torch.autograd.graph.saved_tensors_hooks(self._pack_placeholder, self._unpack_placeholder):
-            out = self.fn(*self.args, **self.kwargs)
+        guards = self._guard_inputs()
+        self.forward_values = []  # See Note: [saved values live while the forward runs]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack_placeholder, self._unpack_placeholder):
+                out = self.fn(*self.args, **self.kwargs)
+        finally:
+            self.forward_values = None
+            for guard in guards:
+                guard.remove()
         self.args, self.kwargs = arg_template, kw_template  # drop references to the real inputs
         return out
 
+    # Note: [no backward past a region's inputs]
+    #     A backward run inside the region's forward (torch.autograd.grad or .backward()) may go
+    #     through the region's own graph, and through tensors the region closes over, exactly as
+    #     it would without the engine. It may not go through the graph that produced a tensor
+    #     argument: the recompute starts from detached copies of the arguments (the originals may
+    #     be offloaded, and holding them is what this tier exists to avoid), so the same backward
+    #     in the re-run would find no path, and the gradients of the two runs would differ. Such a
+    #     backward runs a tensor argument's grad_fn while the forward is still running; a pre-hook
+    #     on each argument's grad_fn, removed when the forward returns, raises then, in forward.
+    #     It is conservative: a backward of some outer tensor that runs that node without passing
+    #     through the argument is refused too (move it out of the region).
+    def _guard_inputs(self) -> list:
+        """Pre-hooks on the grad_fn of each tensor argument: See Note: [no backward past a region's inputs]."""
+        name = self.name
+        guards = []
+        for i, a in enumerate(a for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)):
+            if a.grad_fn is None:
+                continue
+
+            def refuse(grad_outputs, i=i, node=a.grad_fn.name()):
+                raise OffloadError(
+                    f"offload: region {name!r} ran a backward (torch.autograd.grad or .backward()) during its forward "
+                    f"that reached {node}, the node that produced its tensor input {i}, outside the region; a "
+                    f"recomputed region is re-run from detached inputs, so its backward could not do that again. "
+                    f"Differentiate with respect to the region's inputs (or tensors created inside it), move the "
+                    f"code that needs the outer graph out of the region, or do not recompute this region (leave it out of "
+                    f"regions=, or use policy='offload')"
+                )
+
+            guards.append(a.grad_fn.register_prehook(refuse))
+        return guards
+
+    # Note: [saved values live while the forward runs]
+    #     A backward run inside the region's forward unpacks slots before any recompute could
+    #     sensibly happen (the region's own forward is still running). While fn runs, each saved
+    #     tensor is held with its version, and a slot unpacked then returns it (autograd rebuilds
+    #     the unpacked variable around it; with hooks it checks no version, so this does). When fn
+    #     returns, or raises, the list is dropped: after forward the region holds what it always
+    #     held, its inputs, and the cycle tensor -> grad_fn -> slot -> frame -> list is gone. Peak
+    #     memory inside one region's forward rises to what the region saves, which its recompute
+    #     in backward holds anyway.
     def _pack_placeholder(self, t: torch.Tensor) -> _Slot:
         self.meta.append((t.shape, t.dtype))
+        if self.forward_values is not None:
+            self.forward_values.append((t, t._version))
         self.live += 1
         return _Slot(self, len(self.meta) - 1)
 
     def _unpack_placeholder(self, slot: _Slot) -> torch.Tensor:
+        if self.forward_values is not None:
+            value, version = self.forward_values[slot.index]
+            if value._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: saved tensor {slot.index} of region {self.name!r} is at version {value._version}; "
+                    f"expected version {version} instead"
+                )
+            return value
         if self.values is None:
             self._recompute()
         value = self.values[slot.index]
@@ -176,20 +243,36 @@ class _Frame:
     #     hook -> frame would run through autograd's C++ graph, which Python's collector cannot
     #     see: the frame, its inputs' handles and their spill files would never be released. So the
     #     hooks capture only the region's name and a list that is emptied once the values are taken.
+    #
+    # Note: [inner backward in a recompute]
+    #     The re-run may itself run a backward (torch.autograd.grad inside the region), which
+    #     unpacks saves of the re-run's own graph: the capture hook packs an index into the
+    #     captured list, and the unpack hook returns that entry while the recompute runs. The
+    #     saves such a backward makes (create_graph=True) happened in the original forward too,
+    #     under the placeholder hooks, so they are slots like any other and are captured in the
+    #     same order. When the last of them is made inside such a backward, the early stop is
+    #     raised there and unwinds through autograd's engine, which hands a hook's exception back
+    #     to the caller of torch.autograd.grad unchanged (torch's own checkpoint relies on it);
+    #     that backward's graph belongs to the re-run and is dropped with it.
     def _recompute(self) -> None:
         captured: list = []
         total = len(self.meta)
 
-        def capture(t: torch.Tensor):
+        def capture(t: torch.Tensor) -> int:
             captured.append(t.detach())
             if len(captured) == total:
                 raise _StopRecompute  # everything backward needs exists; skip the rest of the region
-            return None
+            return len(captured) - 1
 
         name = self.name  # the hooks must not reference self: See Note: [recompute hooks hold no frame]
 
-        def forbid(_):
-            raise OffloadError(f"offload: region {name!r} unpacked a saved tensor while being recomputed")
+        def unpack_captured(index: int) -> torch.Tensor:
+            if index < len(captured):
+                return captured[index]
+            raise OffloadError(
+                f"offload: region {name!r} unpacked a saved tensor of its recompute after the recompute ended; "
+                f"a recomputed region's graph can be differentiated only while it is being re-run"
+            )
 
         timed = self.on_recompute is not None
         if timed:
@@ -198,7 +281,7 @@ class _Frame:
         with _record("offload::recompute"):
             args, kwargs = self._rebuild_args()
             with self.rng.restored(), self.autocast.restored(), torch.enable_grad():
-                with torch.autograd.graph.saved_tensors_hooks(capture, forbid):
+                with torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured):
                     try:
                         self.fn(*args, **kwargs)
                     except _StopRecompute:
@@ -206,18 +289,19 @@ class _Frame:
         if timed:
             _synchronize(self.rng.cuda_devices)
             self.on_recompute((time.perf_counter() - start) * 1e3)
-        if len(captured) != len(self.meta) or any(
-            c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(captured, self.meta)
+        values = list(captured)
+        captured.clear()  # the re-run's graph may outlive it: See Note: [recompute hooks hold no frame]
+        if len(values) != len(self.meta) or any(
+            c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(values, self.meta)
         ):
-            got = [(tuple(c.shape), c.dtype) for c in captured]
+            got = [(tuple(c.shape), c.dtype) for c in values]
             want = [(tuple(s), d) for s, d in self.meta]
             raise OffloadError(
                 f"offload: recomputing region {self.name!r} saved {len(got)} tensors {got[:4]}... but its forward "
                 f"saved {len(want)} tensors {want[:4]}...; the region's forward must be deterministic in what it "
                 f"saves (no data-dependent branches on mutable state); exclude it from regions or fix the branch"
             )
-        self.values = list(captured)
-        captured.clear()
+        self.values = values
         self.gen += 1
         self.pending = self.live
 
@@ -251,6 +335,13 @@ def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: A
     CPU/CUDA RNG and autocast state of this call restored for the recompute (dropout matches
     bitwise). Inside an ``offload.engine`` the inputs go through the engine's tiers, so they can
     be offloaded too. Outside one, the inputs are kept by reference.
+
+    ``fn`` may run a backward of its own (``torch.autograd.grad``, with or without
+    ``create_graph``, e.g. a gradient penalty or forces from an energy) and may call
+    ``checkpoint`` again; gradients equal those without checkpointing. That backward must stay
+    within ``fn``'s graph and the tensors it closes over: one that reaches the node producing a
+    tensor argument raises ``OffloadError`` in forward, since the recompute starts from detached
+    arguments.
 
     Args:
         fn: the region's forward; it must save the same tensors (count, shapes, dtypes) when
