@@ -152,3 +152,83 @@ def test_bad_engine_arguments_raise_at_construction():
         OffloadCallback(policy="fastest")
     with pytest.raises(TypeError, match="budgte_mb"):
         OffloadCallback(budgte_mb=1)
+
+
+def test_regions_through_the_callback(tmp_path, spill_dir):
+    """regions= reaches the engine: policy "recompute" re-runs every decoder layer each step, and
+    the layers' own forwards are back after train end (and after the check at construction)."""
+    base = llama()
+    reference = train(copy.deepcopy(base), arguments(tmp_path))
+
+    model = copy.deepcopy(base)
+    layers = model.model.layers
+    callback = OffloadCallback(
+        budget_mb=0, regions=layers, policy="recompute", min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir,
+    )
+    assert all("forward" not in layer.__dict__ for layer in layers)  # the construction check left them alone
+    trainer = train(model, arguments(tmp_path), [callback])
+
+    assert losses(trainer) == losses(reference)
+    assert_same_weights(reference.model, model, "regions recompute")
+    assert callback.engine.stats.recomputed_regions == len(layers) * len(losses(reference))
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    assert files_under(spill_dir) == []
+
+
+def test_second_train_gets_a_fresh_engine(tmp_path, spill_dir):
+    model = llama()
+    callback = OffloadCallback(budget_mb=0, min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir)
+    trainer = train(model, arguments(tmp_path), [callback])
+    first = callback.engine
+    trainer.train()
+    assert callback.engine is not first
+    assert callback.engine.stats.saved_tensors == first.stats.saved_tensors > 0  # same steps, same saves
+    assert "forward" not in model.__dict__
+    assert files_under(spill_dir) == []
+
+
+def test_accelerate_autocast_forward_kept(tmp_path, spill_dir):
+    """With bf16 mixed precision accelerate replaces model.forward by an autocast wrapper before
+    train begin: the callback wraps that one (so the forward still runs under autocast), and puts
+    it back at train end."""
+    base = llama()
+    reference = train(copy.deepcopy(base), arguments(tmp_path, bf16=True))
+
+    model = copy.deepcopy(base)
+    callback = OffloadCallback(budget_mb=0, min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir)
+    forwards = {}
+
+    class Probe(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            forwards["before"] = model.__dict__.get("forward")  # runs before the callback's
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            forwards["during"] = model.__dict__.get("forward")
+
+    trainer = train(model, arguments(tmp_path, bf16=True), [Probe(), callback])
+    assert losses(trainer) == losses(reference)
+    assert_same_weights(reference.model, model, "bf16 autocast")
+    assert callback.engine.stats.offloaded_bytes > 0
+    assert forwards["before"] is not None  # accelerate's autocast wrapper
+    assert forwards["during"] is not forwards["before"] and forwards["during"].__wrapped__ is forwards["before"]
+    assert model.__dict__["forward"] is forwards["before"]
+
+
+def test_forward_wrapped_again_after_train_begin(tmp_path):
+    """Another callback wraps model.forward over ours: train end leaves that chain in place, and our
+    wrapper in it passes through from then on (it never enters the closed engine)."""
+    callback = OffloadCallback(budget_mb=0, min_offload_bytes=MIN_OFFLOAD_BYTES)
+
+    class Rewrap(transformers.TrainerCallback):
+        def on_epoch_begin(self, args, state, control, model=None, **kwargs):
+            inner = model.forward
+            model.forward = lambda *a, **k: inner(*a, **k)
+
+    model = llama()
+    train(model, arguments(tmp_path), [callback, Rewrap()])
+    saved = callback.engine.stats.saved_tensors
+    assert saved > 0 and "forward" in model.__dict__  # the other callback's wrapper is still there
+    ids = Tokens(1).ids
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()  # a training-mode forward after train end
+    assert callback.engine.stats.saved_tensors == saved
