@@ -167,6 +167,29 @@ def test_validation_left_alone(spill_dir):
     assert files_under(spill_dir) == []
 
 
+def test_epoch_cut_short_leaves_the_engine(spill_dir):
+    """A module's on_train_batch_start returning -1 ends the epoch before on_train_batch_end runs:
+    what follows (here a forward with grad in the module's on_train_epoch_end) runs outside the engine."""
+    callback = OffloadCallback(budget_mb=0, min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir)
+    seen = []
+
+    class CutShort(MLP):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 1 else None
+
+        def on_train_epoch_end(self):
+            before = callback.engine.stats.saved_tensors
+            self(torch.randn(BATCH, WIDTH)).sum().backward()
+            self.zero_grad(set_to_none=True)
+            seen.append((before, callback.engine.stats.saved_tensors))
+
+    module = CutShort()
+    fit(module, [callback])
+    assert len(module.losses) == 1  # one batch trained, then the epoch was cut short
+    assert len(seen) == 1 and seen[0][0] == seen[0][1] > 0, seen
+    assert files_under(spill_dir) == []
+
+
 def test_bad_engine_arguments_raise_at_construction():
     with pytest.raises(ValueError, match="budget_mb"):
         OffloadCallback(budget_mb=float("nan"))

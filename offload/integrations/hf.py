@@ -22,6 +22,13 @@ The model's own gradient checkpointing (``gradient_checkpointing=True``) runs in
 ``torch.utils.checkpoint`` installs its own hooks per layer, so the engine then manages what lies
 between the layers (their inputs under reentrant checkpointing, the embeddings and the head).
 
+With ``torch_compile=True`` the compiled module calls this wrapper, so the engine would be entered
+inside compiled code, which it does not support (compile blocks and keep the engine outside, as
+the README says); that combination is not tested.
+
+A ``train()`` that raises never reaches ``on_train_end``: the engine stays open and the wrapper in
+place until the next ``train()`` replaces them (or the engine is collected).
+
 Log entries: the Trainer hands its callbacks the entry after it has appended a copy to
 ``state.log_history``; this callback adds its figures to both. Reporters named in ``report_to``
 are callbacks too, called before the ones passed in ``callbacks=``, so they log the entry

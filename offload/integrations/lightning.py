@@ -15,6 +15,8 @@ ends, stepping out around backward (the engine's unpacks need no hooks installed
     on_train_batch_end    leave ─┘ re-run (LBFGS), the optimizer step (no_grad: saves nothing)
                           the engine's figures since the previous batch go to pl_module.log_dict
     validation, sanity check, predict: outside every bracket, left alone
+    on_train_epoch_end,   leave (a module's on_train_batch_start returning -1 ends the epoch
+    on_validation_start   before on_train_batch_end runs)
     on_train_end          engine closed (spill files gone); .engine stays readable after fit()
     on_exception          left and closed
 
@@ -85,6 +87,12 @@ class OffloadCallback(pl.Callback):
             now = self.engine.stats
             pl_module.log_dict(_figures.log_figures(self._logged, now), on_step=True, on_epoch=False)
             self._logged = now
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._leave()
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._leave()
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._finish()
