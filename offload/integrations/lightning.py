@@ -25,7 +25,6 @@ Gradient accumulation (``accumulate_grad_batches``) runs the same brackets per b
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import offload
@@ -38,8 +37,6 @@ except ImportError as error:
     raise ImportError("offload.integrations.lightning needs lightning: pip install 'offload[lightning]'") from error
 
 __all__ = ["OffloadCallback"]
-
-logger = logging.getLogger(__name__)
 
 
 class OffloadCallback(pl.Callback):
