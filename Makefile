@@ -22,7 +22,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
 	$(VENV_PYTHON) -m pip install '$(TORCH_SPEC)'
-	$(VENV_PYTHON) -m pip install -e '.[test,plot,hf,metrics]'
+	$(VENV_PYTHON) -m pip install -e '.[test,plot,hf,lightning,metrics]'
 	touch $@
 
 test: $(STAMP)
