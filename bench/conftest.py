@@ -2,7 +2,7 @@
 
 ``pytest bench`` (from the repo root) collects only this directory; ``make test`` runs
 ``pytest tests`` and never sees it. At the end of the session the layer measurements gathered by
-``test_layers.py`` are printed as one comparison table and written as JSON (see ``common.py``).
+``test_layers.py`` are printed as one comparison table and written as JSON (see ``layers.py``).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 BENCH_DIR = Path(__file__).resolve().parent
-for path in (BENCH_DIR, BENCH_DIR.parent):  # `import common` and `import offload` without installing
+for path in (BENCH_DIR, BENCH_DIR.parent):  # `import layers` and `import offload` without installing
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import common  # noqa: E402
+import layers  # noqa: E402
 
 _RESULTS = pytest.StashKey["LayerResults"]()
 
@@ -28,14 +28,14 @@ class LayerResults:
     """Medians and untimed facts per (layer, size), filled by the tests, read at session end."""
 
     def __init__(self) -> None:
-        self.cases: dict[str, common.Case] = {}
+        self.cases: dict[str, layers.Case] = {}
         self.medians_ms: dict[str, dict[str, float]] = {}
         self.transfer_ms: dict[str, float] = {}
         self.facts: dict[str, dict] = {}
         self.device = None
 
     def record(
-        self, case: common.Case, device, kind: str, median_ms: float,
+        self, case: layers.Case, device, kind: str, median_ms: float,
         transfer_ms: float | None = None, facts: dict | None = None,
     ) -> None:
         self.device = device
@@ -48,16 +48,16 @@ class LayerResults:
 
     def rows(self) -> list[dict]:
         return [
-            common.layer_row(
+            layers.layer_row(
                 case, self.device, self.medians_ms[case_id], self.transfer_ms.get(case_id), self.facts.get(case_id, {})
             )
             for case_id, case in self.cases.items()
         ]
 
     def complete(self) -> bool:
-        expected = {case.id for case in common.cases(self.device)}
+        expected = {case.id for case in layers.cases(self.device)}
         return expected <= set(self.cases) and all(
-            len(m) == len(common.LayerBench.KINDS) and not any(math.isnan(v) for v in m.values())
+            len(m) == len(layers.LayerBench.KINDS) and not any(math.isnan(v) for v in m.values())
             for m in self.medians_ms.values()
         )
 
@@ -76,17 +76,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     results = config.stash.get(_RESULTS, None)
     if results is None or not results.cases:
         return
-    rows = results.rows()
-    payload = common.layers_payload(rows, results.device, runner="pytest bench (pytest-benchmark)")
     write = terminalreporter.write_line
     write("")
-    write(f"layers on {common.describe_machine(payload['env'])}")
-    for line in common.layers_table(rows).splitlines():
-        write(line)
-    write(common.describe_fit(payload["transfer_fit"]))
-    if results.complete() or os.environ.get(common.OUT_ENV):
-        out = common.layers_out_path(results.device)
-        common.write_json(out, payload)
-        write(f"wrote {out}")
-    else:
-        write(f"partial run: results not written (set {common.OUT_ENV}=PATH to keep them)")
+    layers.report(results.rows(), results.device, "pytest bench (pytest-benchmark)",
+                  write=results.complete() or bool(os.environ.get(layers.OUT_ENV)), say=write)

@@ -39,29 +39,31 @@ runs the same measurements in plain Python.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installed; run python bench/layers.py")
 
-import common  # noqa: E402
+import layers  # noqa: E402
 import torch  # noqa: E402
 
-common.set_threads(None)  # $OFFLOAD_BENCH_THREADS, if set
-if torch.device(common.default_device()).type == "cuda" and not torch.cuda.is_available():
-    pytest.skip(f"{common.DEVICE_ENV}={common.default_device()} but CUDA is not available", allow_module_level=True)
-DEVICE = common.parse_device(None)
+layers.set_threads(None)  # $OFFLOAD_BENCH_THREADS, if set
+if os.environ.get(layers.DEVICE_ENV, "").startswith("cuda") and not torch.cuda.is_available():
+    pytest.skip(f"{layers.DEVICE_ENV}={os.environ[layers.DEVICE_ENV]} but CUDA is not available", allow_module_level=True)
+DEVICE = layers.parse_device(None)
 
 PARAMS = [
     pytest.param(case, kind, id=f"{case.id}-{kind}")
-    for case in common.cases(DEVICE)
-    for kind in common.LayerBench.KINDS
+    for case in layers.cases(DEVICE)
+    for kind in layers.LayerBench.KINDS
 ]
 
 
 @pytest.mark.parametrize(("case", "kind"), PARAMS)
-def test_layer(benchmark, layer_results, case: common.Case, kind: str) -> None:
-    bench = common.LayerBench(case, DEVICE)
-    warmup, rounds = common.layer_rounds(DEVICE)
+def test_layer(benchmark, layer_results, case: layers.Case, kind: str) -> None:
+    bench = layers.LayerBench(case, DEVICE)
+    warmup, rounds = layers.layer_rounds(DEVICE)
     keep_before_ms: list[float] = []
     setup = bench.timed("keep", keep_before_ms) if kind == "offload" else None  # the paired reference
     try:
@@ -76,6 +78,6 @@ def test_layer(benchmark, layer_results, case: common.Case, kind: str) -> None:
     timed_ms = [s * 1e3 for s in benchmark.stats.stats.data]
     transfer_ms = None
     if kind == "offload":
-        transfer_ms = common.paired_difference_ms(timed_ms, keep_before_ms[warmup : warmup + rounds])
+        transfer_ms = layers.paired_difference_ms(timed_ms, keep_before_ms[warmup : warmup + rounds])
         benchmark.extra_info["transfer_ms"] = transfer_ms
-    layer_results.record(case, DEVICE, kind, common.median(timed_ms), transfer_ms, facts)
+    layer_results.record(case, DEVICE, kind, layers.median(timed_ms), transfer_ms, facts)

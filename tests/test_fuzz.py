@@ -29,11 +29,13 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-import offload
-from test_host_tier import DeferredLink, _engine_with_host_tier
+pytest.importorskip("hypothesis", reason="property-based fuzzing needs hypothesis (pip install offload[test])")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import offload  # noqa: E402
+from test_host_tier import DeferredLink, _engine_with_host_tier  # noqa: E402
 
 ROWS, COLS, VOCAB = 4, 6, 5
 """The base activation is ROWS x COLS (96 bytes in fp32): small enough that a run takes
