@@ -44,7 +44,7 @@ STEP_ARGS=(--preset h200)
 OVERHEAD_ARGS=(--device "$DEVICE")
 LAYER_ARGS=(--device "$DEVICE")
 if [ "$QUICK" = 1 ]; then
-    STEP_ARGS=(--preset tiny)
+    STEP_ARGS=(--preset tiny --in-process)
     OVERHEAD_ARGS+=(--steps 3 --repeats 3 --warmup 1 --chain 200)
     LAYER_ARGS+=(--sizes tiny)
 fi

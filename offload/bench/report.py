@@ -73,7 +73,9 @@ def _grads_verdict(check: Optional[dict], reference: Optional[dict]) -> str:
 def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list[dict]], machine) -> list[dict]:
     """One row per configuration."""
     ref_runs = results.get(REFERENCE.name) or [{}]
-    ref_losses = [s["loss"] for s in ref_runs[0].get("steps", [])]
+    compiled_ref = results.get(dataclasses.replace(REFERENCE, compiled=True).name) or ref_runs
+    # Compiled blocks run other kernels than eager ones: their losses compare with the compiled reference.
+    ref_losses = {c: [s["loss"] for s in runs[0].get("steps", [])] for c, runs in ((False, ref_runs), (True, compiled_ref))}
     ref_summary = ref_runs[0].get("summary") or {}
     ref_block_ms = median(s.get("block_forward_ms") for s in ref_runs[0].get("steps", []) if not s["warmup"])
     out_gbps, back_gbps = (machine.offload_gb_per_s() if machine is not None else (0.0, 0.0))
@@ -84,7 +86,8 @@ def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list
         summary = next((r["summary"] for r in runs if r["summary"]), None) or {}
         runs_ms = [median(s["step_ms"] for s in r["steps"] if not s["warmup"]) for r in runs]
         stats = {f: median(s.get(f) for s in measured) for f in _STAT_FIELDS}
-        losses = [s["loss"] for s in runs[0]["steps"]]
+        losses, reference = [s["loss"] for s in runs[0]["steps"]], ref_losses[v.compiled]
+        is_ref = v.kind is Kind.NONE
         row = {
             "config": v.name, "kind": v.kind.value, "policy": v.policy, "budget_fraction": v.budget_fraction,
             "compiled": v.compiled, "budget_mb": summary.get("budget_mb"), "measured_steps": len(measured),
@@ -97,14 +100,14 @@ def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list
                                   if v.kind is Kind.ENGINE else None),
             **{f.replace("_bytes", "_mb"): (_mb(stats[f]) if f.endswith("_bytes") else stats[f]) for f in _STAT_FIELDS},
             "losses": losses,
-            "losses_match": None if v == REFERENCE or not ref_losses or len(losses) != len(ref_losses)
-            else losses == ref_losses,
-            "max_loss_diff": max((abs(a - b) for a, b in zip(losses, ref_losses)), default=None) if v != REFERENCE else None,
+            "losses_match": None if is_ref or not reference or len(losses) != len(reference) else losses == reference,
+            "max_loss_diff": None if is_ref else max((abs(a - b) for a, b in zip(losses, reference)), default=None),
             "grads": "ref" if v == REFERENCE else _grads_verdict(summary.get("grad_check"), ref_summary.get("grad_check")),
             "runs_predicted_ms": [((r["summary"] or {}).get("plan") or {}).get("predicted_step_ms") for r in runs],
             "decisions": "".join(x["decision"][0].upper() for x in (summary.get("plan") or {}).get("regions", [])) or None,
             "error": next((r["error"] for r in runs if r["error"]), None),
-            "skipped": next((r["skipped"] for r in runs if r["skipped"]), None),
+            "skipped": next((r["skipped"] for r in runs if r["skipped"]), None)
+            or (None if any(r["steps"] or r["summary"] or r["error"] for r in runs) else "not run (yet)"),
         }
         if v == REFERENCE and summary.get("activation_bytes") is not None:
             row["saved_mb"] = _mb(summary["activation_bytes"])
@@ -171,7 +174,7 @@ def _f(value, spec: str):
 
 
 def _losses(r: dict) -> str:
-    if r["config"] == REFERENCE.name:
+    if r["kind"] == Kind.NONE.value:
         return "ref"
     return {None: "-", True: "equal", False: f"differ ({_f(r['max_loss_diff'], '.1g')})"}[r["losses_match"]]
 
@@ -226,7 +229,8 @@ moved: bytes offloaded per step. D2H / H2D GB/s: bytes over the side streams' bu
 engine reports it. wait: reload + evict wait on the compute stream. bound: max(reference step +
 recomputed blocks x reference forward ms per block, bytes out / probed out GB/s + bytes back /
 probed back GB/s). grads step 0: gradients of one step on the initial weights under strict
-determinism (math attention) against the reference's. engine peak: most engine-resident bytes at
+determinism (math attention) against the reference's; losses: every step's against the
+reference's (a compiled configuration's against none+compile). engine peak: most engine-resident bytes at
 once over every step, profiling included. decisions: one letter per block (Keep, Offload, Recompute)."""
 
 
