@@ -2,7 +2,7 @@
 
 ``pytest bench`` (from the repo root) collects only this directory; ``make test`` runs
 ``pytest tests`` and never sees it. At the end of the session the layer measurements gathered by
-``test_layers.py`` are printed as one comparison table and written as JSON (see ``layers.py``).
+``test_layers.py`` are printed as one comparison table and written as JSON (``layers.report``).
 """
 
 from __future__ import annotations
@@ -28,38 +28,25 @@ class LayerResults:
     """Medians and untimed facts per (layer, size), filled by the tests, read at session end."""
 
     def __init__(self) -> None:
-        self.cases: dict[str, layers.Case] = {}
-        self.medians_ms: dict[str, dict[str, float]] = {}
-        self.transfer_ms: dict[str, float] = {}
-        self.facts: dict[str, dict] = {}
+        self.cases: dict[str, tuple] = {}  # case id -> (case, medians by kind, transfer ms, facts)
         self.device = None
 
-    def record(
-        self, case: layers.Case, device, kind: str, median_ms: float,
-        transfer_ms: float | None = None, facts: dict | None = None,
-    ) -> None:
+    def record(self, case: layers.Case, device, kind: str, median_ms: float,
+               transfer_ms: float | None = None, facts: dict | None = None) -> None:
         self.device = device
-        self.cases[case.id] = case
-        self.medians_ms.setdefault(case.id, {})[kind] = median_ms
-        if transfer_ms is not None:
-            self.transfer_ms[case.id] = transfer_ms
-        if facts:
-            self.facts[case.id] = facts
+        _, medians, transfer, known = self.cases.get(case.id, (case, {}, None, {}))
+        medians[kind] = median_ms
+        self.cases[case.id] = (case, medians, transfer if transfer_ms is None else transfer_ms, facts or known)
 
     def rows(self) -> list[dict]:
-        return [
-            layers.layer_row(
-                case, self.device, self.medians_ms[case_id], self.transfer_ms.get(case_id), self.facts.get(case_id, {})
-            )
-            for case_id, case in self.cases.items()
-        ]
+        return [layers.layer_row(case, self.device, medians, transfer, facts)
+                for case, medians, transfer, facts in self.cases.values()]
 
     def complete(self) -> bool:
         expected = {case.id for case in layers.cases(self.device)}
         return expected <= set(self.cases) and all(
             len(m) == len(layers.LayerBench.KINDS) and not any(math.isnan(v) for v in m.values())
-            for m in self.medians_ms.values()
-        )
+            for _, m, _, _ in self.cases.values())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -76,7 +63,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     results = config.stash.get(_RESULTS, None)
     if results is None or not results.cases:
         return
-    write = terminalreporter.write_line
-    write("")
+    terminalreporter.write_line("")
     layers.report(results.rows(), results.device, "pytest bench (pytest-benchmark)",
-                  write=results.complete() or bool(os.environ.get(layers.OUT_ENV)), say=write)
+                  write=results.complete() or bool(os.environ.get(layers.OUT_ENV)), say=terminalreporter.write_line)

@@ -15,11 +15,9 @@ What a layer measurement is (see ``LayerBench``)::
                    the round trip of the layer's saved bytes, not hidden
     recompute_ms = recompute          one extra forward, as torch.utils.checkpoint would run it
 
-The layers are the built-in model's own (``offload.models.gpt``: SwiGLU MLP, rotary causal
-attention, a whole block) plus Linear, the norms and Conv2d+BatchNorm+ReLU. This runner times the
-three variants interleaved per layer (``offload.bench.measure.timed``) for machines without
-pytest-benchmark; both write the same JSON (default ``bench/results/layers-<device>.json``, or
-``$OFFLOAD_BENCH_OUT``) and this one prints it as the last line.
+The layers are the built-in model's own (``offload.models.gpt``) plus Linear, the norms and
+Conv2d+BatchNorm+ReLU. This runner (no pytest-benchmark needed) and ``test_layers.py`` time the
+same functions and write the same JSON (``results/layers-<device>.json`` or ``$OFFLOAD_BENCH_OUT``).
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def test_tiny_preset_runs_every_h200_configuration(tmp_path, capsys):
     expected = {"none", "checkpoint", "save_on_cpu", "torchtune"} | {
         f"{p}-{b}%" for p in ("offload", "recompute", "auto") for b in (100, 50, 25, 10)}
     assert expected <= set(results)
-    assert results["torchtune"]["skipped"] and results["torchtune"]["error"] is None  # no torchtune on the CPU
+    assert results["torchtune"]["skipped"] and results["torchtune"]["error"] is None  # not importable, or no CUDA
     for name, r in results.items():
         if name not in ("none", "torchtune"):
             assert r["error"] is None and r["grads"] == "equal" and r["losses_match"] is True, (name, r)
@@ -238,3 +238,38 @@ def test_pareto_front():
     points = [(10.0, 100.0, "none"), (20.0, 50.0, "a"), (15.0, 120.0, "worse"), (30.0, 50.0, "same-slower"),
               (40.0, 10.0, "b")]
     assert [p[2] for p in report.pareto_front(points)] == ["none", "a", "b"]
+
+
+def _step(**fields) -> dict:
+    base = {"type": "step", "warmup": False, "loss": 1.0, "step_ms": 10.0, "cpu_ms": 10.0, "opt_ms": 1.0,
+            "peak_bytes": 100 * MB, "act_peak_bytes": 40 * MB, "opt_peak_bytes": 2 * MB}
+    return base | fields
+
+
+MB = 1 << 20
+
+
+def test_link_rates_and_the_bound_from_the_engine_stats():
+    """Achieved GB/s come from Stats.d2h_busy_ms / h2d_busy_ms when the engine reports them (else
+    '-'); the bound is max(compute + recomputed blocks x forward per block, bytes / probed GB/s)."""
+    from offload.bench.config import RunSettings
+
+    run = RunSettings(layers=4, device="cuda")
+    machine = __import__("offload").MachineProfile(device_type="cuda", d2h_gb_per_s=10.0, h2d_gb_per_s=20.0)
+    ref = _step(step_ms=100.0, block_forward_ms=20.0)
+    moved = dict(offloaded_bytes=2 * 10**9, reloaded_bytes=2 * 10**9, reload_wait_ms=3.0, evict_wait_ms=1.0)
+    results = {
+        "none": [{"steps": [ref], "summary": {"activation_bytes": 400 * MB}, "error": None, "skipped": None}],
+        "offload-25%": [{"steps": [_step(step_ms=350.0, recomputed_regions=0, d2h_busy_ms=250.0, h2d_busy_ms=100.0,
+                                         **moved)], "summary": {"budget_mb": 100.0}, "error": None, "skipped": None}],
+        "auto-25%": [{"steps": [_step(step_ms=150.0, recomputed_regions=2, offloaded_bytes=0, reloaded_bytes=0)],
+                      "summary": {"budget_mb": 100.0}, "error": None, "skipped": None}],
+    }
+    rows = {r["config"]: r for r in report.summarize(run, [parse_variant(n) for n in results], results, machine)}
+    offloaded = rows["offload-25%"]
+    assert offloaded["d2h_gbps"] == pytest.approx(8.0) and offloaded["h2d_gbps"] == pytest.approx(20.0)
+    assert offloaded["link_ms"] == pytest.approx(200.0 + 100.0) and offloaded["bound_ms"] == pytest.approx(300.0)
+    assert offloaded["exposed_wait_ms"] == pytest.approx(4.0) and offloaded["over_bound"] == pytest.approx(350 / 300)
+    assert rows["auto-25%"]["bound_ms"] == pytest.approx(100.0 + 2 * 20.0 / 4)
+    assert rows["auto-25%"]["d2h_gbps"] is None  # no busy time reported: the table prints '-'
+    assert "-" in report.main_table(list(rows.values()), "cuda")

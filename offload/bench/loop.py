@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Optional
 
 import torch
+import torch.utils.deterministic as deterministic_flags
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
@@ -61,10 +62,10 @@ class Skipped(Exception):
     """A configuration that cannot run here (an optional package missing, a device it needs)."""
 
 
-def _torchtune_offload() -> Callable[[], contextlib.AbstractContextManager]:
+def _torchtune_offload() -> type:
+    """torchtune's OffloadActivations class, or Skipped saying why not."""
     try:
-        module = importlib.import_module("torchtune.training")
-        return module.OffloadActivations
+        return importlib.import_module("torchtune.training").OffloadActivations
     except (ImportError, AttributeError) as error:
         raise Skipped(f"torchtune's OffloadActivations is not importable ({error}); pip install torchtune") from error
 
@@ -232,36 +233,20 @@ def grad_checksums(model: torch.nn.Module) -> dict[str, list]:
 
 
 @contextlib.contextmanager
-def _strict_determinism():
-    """Deterministic kernels or an error, the math attention kernel, uninitialized memory filled."""
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
+def _determinism(strict: bool):
+    """strict: deterministic kernels or an error, the math attention kernel, new memory NaN-filled
+    (what ``torch.use_deterministic_algorithms(True)`` does). Else: deterministic kernels where
+    torch has them, a warning elsewhere, and no NaN-filling (it would skew the timings)."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             deterministic_flags.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=not strict)
+    deterministic_flags.fill_uninitialized_memory = strict
     try:
-        with sdpa_kernel(SDPBackend.MATH):
+        with sdpa_kernel(SDPBackend.MATH) if strict else contextlib.nullcontext():
             yield
     finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-
-
-@contextlib.contextmanager
-def _timed_determinism(run: RunSettings):
-    """``run.deterministic``: deterministic kernels where torch has them, a warning elsewhere, and
-    no NaN-filling of new tensors (it would add a fill to every reload buffer and skew timings)."""
-    if not run.deterministic:
-        yield
-        return
-    import torch.utils.deterministic as flags
-
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    fill = flags.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    flags.fill_uninitialized_memory = False
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        flags.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        deterministic_flags.fill_uninitialized_memory = saved[2]
 
 
 def _make_context(trainer: Trainer, budget_mb, engine_kwargs: dict, machine):
@@ -270,7 +255,8 @@ def _make_context(trainer: Trainer, budget_mb, engine_kwargs: dict, machine):
     if variant.kind is Kind.SAVE_ON_CPU:
         return functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=device.type == "cuda"), None
     if variant.kind is Kind.TORCHTUNE:
-        return _torchtune_offload(), None
+        hooks = _torchtune_offload()()  # one instance, reused every step as torchtune does
+        return (lambda: hooks), None
     if variant.kind is not Kind.ENGINE:
         return contextlib.nullcontext, None
     engine = offload.engine(budget_mb, policy=variant.policy, regions=trainer.model.blocks, model=trainer.model,
@@ -290,7 +276,7 @@ def run_one(
     device = torch.device(run.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if variant.kind is Kind.TORCHTUNE and device.type != "cuda":
+    if variant.kind is Kind.TORCHTUNE and _torchtune_offload() and device.type != "cuda":
         raise Skipped("torchtune's OffloadActivations needs CUDA streams")
     spill_dir = tempfile.mkdtemp(prefix="offload-bench-", dir=run.spill_dir)
     engine_kwargs = {"spill_dir": spill_dir}
@@ -309,7 +295,7 @@ def run_one(
         context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine)
         if variant.kind is Kind.NONE and not variant.compiled:
             timer = BlockTimer(trainer.model.blocks, device)
-        with _timed_determinism(run):
+        with _determinism(strict=False) if run.deterministic else contextlib.nullcontext():
             for step in range(run.total_steps):
                 if step == run.total_steps - 1 and not variant.compiled:  # no Python hooks in compiled code
                     trace = ResidentTrace(trainer.model.blocks, engine, memory)
@@ -353,11 +339,13 @@ def _grad_check(trainer: Trainer, budget_mb, engine_kwargs: dict, machine) -> di
     engine of its own); the gradients' checksums, or the error strict determinism raised."""
     context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine)
     # A batch of its own, so the timed steps see the same batches whether or not a check ran.
+    run = trainer.run
+    seq = run.check_seq or run.seq
     x, y = (t.to(trainer.device) for t in next(
-        batches(trainer.data, trainer.run.batch, trainer.run.seq, torch.Generator().manual_seed(trainer.run.seed + 7))))
+        batches(trainer.data, run.batch, seq, torch.Generator().manual_seed(run.seed + 7))))
     torch.manual_seed(trainer.run.seed)
     try:
-        with _strict_determinism():
+        with _determinism(strict=True):
             with context():
                 _, loss = trainer.model(x, y)
             loss.backward()

@@ -17,16 +17,11 @@ reference's too. ``report`` tables, plots and judges what came out.
                        the reference's saved bytes (offload, recompute, auto, and any other registered)
     ...+compile        the same with every block through torch.compile (``--compile`` adds them all)
 
-Where each configuration runs::
-
-    CPU:   parent ──spawn──▶ child "none" ──JSON lines (per step, then a summary)──▶ parent
-                  ──spawn──▶ child "offload-25%" (budget from the reference's bytes) ──▶ ...
-    CUDA:  every configuration in this process, one after another (peak counters reset per step)
-
-On the CPU each configuration gets a fresh process so its peak resident set is its own, started
-with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_BYTES``) so that freed activations
-leave the RSS. ``--repeats N`` runs everything N times, the order rotated each time; figures are
-medians over repeats and comparisons are paired within a repeat.
+On the CPU each configuration runs in a fresh child process (``--one``, JSON lines back to the
+parent) so its peak resident set is its own, with glibc's mmap threshold fixed
+(``MALLOC_MMAP_THRESHOLD_BYTES``) so that freed activations leave the RSS; on CUDA all run in
+this process, one after another. ``--repeats N`` runs everything N times, the order rotated each
+time; figures are medians over repeats, comparisons paired within a repeat.
 
     python -m offload.bench --demo                       # CPU, about a minute on 2 cores
     python -m offload.bench --preset h200 --out out/h200 # one large GPU, every configuration
@@ -163,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="; ".join(f"{k}: {v.help}" for k, v in PRESETS.items()).replace("%", "%%"))
     for name, kind in (("layers", int), ("hidden", int), ("heads", int), ("seq", int), ("batch", int),
                        ("steps", int), ("warmup", int), ("repeats", int), ("dropout", float), ("seed", int),
-                       ("min-offload-bytes", int), ("spill-dir", str)):
+                       ("min-offload-bytes", int), ("check-seq", int), ("spill-dir", str)):
         p.add_argument(f"--{name}", type=kind)
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--device", choices=("cpu", "cuda"))
