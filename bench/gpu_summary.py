@@ -50,8 +50,8 @@ def _tests(path: Path):
 def _step(summary):
     if not summary:
         return None
-    keys = ("config", "step_ms", "ratio", "act_peak_mb", "act_ratio", "opt_peak_mb", "offloaded_mb", "d2h_gbps",
-            "h2d_gbps", "exposed_wait_ms", "bound_ms", "over_bound", "grads", "losses_match", "error", "skipped")
+    keys = ("config", "step_ms", "ratio", "act_peak_mb", "act_ratio", "opt_peak_mb", "offloaded_mb", "d2h_gb_per_s",
+            "h2d_gb_per_s", "exposed_wait_ms", "bound_ms", "over_bound", "grads", "losses_match", "error", "skipped")
     return {"finished": summary.get("finished"), "settings": summary.get("settings"),
             "rows": [{k: r.get(k) for k in keys} for r in summary.get("results", [])],
             "verdicts": summary.get("verdicts")}

@@ -7,6 +7,7 @@ the reference's exactly in fp32, and that the files it promises are written.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -184,7 +185,7 @@ def test_tiny_preset_runs_every_h200_configuration(tmp_path, capsys):
             assert r["act_ratio"] is not None
     assert results["offload-10%"]["link_ms"] > 0 and results["offload-10%"]["bound_ms"] > 0
     assert results["checkpoint"]["recompute_ms"] > 0  # every block re-runs: the bound charges it
-    assert results["offload-10%"]["d2h_gbps"] is None  # no side-stream busy time on the CPU
+    assert results["offload-10%"]["d2h_gb_per_s"] is None  # no side-stream busy time on the CPU
     assert [v["fraction"] for v in payload["verdicts"]["verdicts"]] == [1.0, 0.5, 0.25, 0.1]
 
 
@@ -267,9 +268,36 @@ def test_link_rates_and_the_bound_from_the_engine_stats():
     }
     rows = {r["config"]: r for r in report.summarize(run, [parse_variant(n) for n in results], results, machine)}
     offloaded = rows["offload-25%"]
-    assert offloaded["d2h_gbps"] == pytest.approx(8.0) and offloaded["h2d_gbps"] == pytest.approx(20.0)
+    assert offloaded["d2h_gb_per_s"] == pytest.approx(8.0) and offloaded["h2d_gb_per_s"] == pytest.approx(20.0)
     assert offloaded["link_ms"] == pytest.approx(200.0 + 100.0) and offloaded["bound_ms"] == pytest.approx(300.0)
     assert offloaded["exposed_wait_ms"] == pytest.approx(4.0) and offloaded["over_bound"] == pytest.approx(350 / 300)
     assert rows["auto-25%"]["bound_ms"] == pytest.approx(100.0 + 2 * 20.0 / 4)
-    assert rows["auto-25%"]["d2h_gbps"] is None  # no busy time reported: the table prints '-'
+    assert rows["auto-25%"]["d2h_gb_per_s"] is None  # no busy time reported: the table prints '-'
     assert "-" in report.main_table(list(rows.values()), "cuda")
+
+
+def test_the_gradient_check_sees_a_wrong_reload(tmp_path, capsys, monkeypatch):
+    """A context that hands back saved tensors slightly changed must read "differs", not "equal"."""
+    real = loop._make_context
+
+    def corrupting(trainer, *args):
+        context, engine = real(trainer, *args)
+        if trainer.variant.kind.value != "engine":
+            return context, engine
+
+        def scaled(t):
+            return t * 1.001 if t.is_floating_point() else t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, scaled)
+        return (lambda: _both(context(), hooks)), engine
+
+    monkeypatch.setattr(loop, "_make_context", corrupting)
+    assert step.main(TINY + ["--device", "cpu", "--in-process", "--configs", "none,offload-25%", "--out", str(tmp_path)]) == 0
+    (offloaded,) = [r for r in _last_json(capsys.readouterr().out)["results"] if r["config"] == "offload-25%"]
+    assert offloaded["grads"].startswith("differs") and offloaded["losses_match"] is False
+
+
+@contextlib.contextmanager
+def _both(outer, inner):
+    with outer, inner:
+        yield

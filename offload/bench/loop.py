@@ -56,6 +56,10 @@ CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 when cuBLAS initializes, so the parent sets it for its children)."""
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""Integer dtype per element size: a gradient's bits, summed exactly, checksum it."""
+
+CHECK_SEED_OFFSET = 7
+"""The gradient check's batch comes from its own stream (seed + this), not the training one."""
 
 
 class Skipped(Exception):
@@ -284,14 +288,16 @@ def run_one(
         engine_kwargs["min_offload_bytes"] = run.min_offload_bytes
     trainer = Trainer(run, variant, data, device)
     memory = Memory(device, spill_dir)
-    machine = offload.probe(device) if variant.policy in ("auto", "offload") or variant.kind is Kind.NONE else None
+    machine = offload.probe(device) if variant.policy in ("auto", "offload") else None  # cached after the first
     engine, timer, trace, summary = None, None, None, {"type": "summary", "config": variant.name}
     try:
         if variant.budget_fraction is not None and activation_bytes is None:
             activation_bytes = Trainer(run, variant, data, device).saved_bytes(engine_kwargs)
         budget_mb = None if variant.budget_fraction is None else variant.budget_fraction * activation_bytes / MB
         if run.check_grads and not variant.compiled:
-            summary["grad_check"] = _grad_check(trainer, budget_mb, engine_kwargs, machine)
+            # A shorter check batch saves proportionally less: its budget shrinks alike, so it moves what a step would.
+            scale = (run.check_seq or run.seq) / run.seq
+            summary["grad_check"] = _grad_check(trainer, budget_mb and budget_mb * scale, engine_kwargs, machine)
         context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine)
         if variant.kind is Kind.NONE and not variant.compiled:
             timer = BlockTimer(trainer.model.blocks, device)
@@ -342,7 +348,7 @@ def _grad_check(trainer: Trainer, budget_mb, engine_kwargs: dict, machine) -> di
     run = trainer.run
     seq = run.check_seq or run.seq
     x, y = (t.to(trainer.device) for t in next(
-        batches(trainer.data, run.batch, seq, torch.Generator().manual_seed(run.seed + 7))))
+        batches(trainer.data, run.batch, seq, torch.Generator().manual_seed(run.seed + CHECK_SEED_OFFSET))))
     torch.manual_seed(trainer.run.seed)
     try:
         with _determinism(strict=True):

@@ -114,8 +114,8 @@ def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list
         row["predicted_ms"] = median(row["runs_predicted_ms"])
         row["exposed_wait_ms"] = (None if stats["reload_wait_ms"] is None
                                   else stats["reload_wait_ms"] + (stats["evict_wait_ms"] or 0.0))
-        row["d2h_gbps"] = _gbps(stats["offloaded_bytes"], stats["d2h_busy_ms"])
-        row["h2d_gbps"] = _gbps(stats["reloaded_bytes"], stats["h2d_busy_ms"])
+        row["d2h_gb_per_s"] = _gbps(stats["offloaded_bytes"], stats["d2h_busy_ms"])
+        row["h2d_gb_per_s"] = _gbps(stats["reloaded_bytes"], stats["h2d_busy_ms"])
         recomputed = run.layers if v.kind is Kind.CHECKPOINT else (stats["recomputed_regions"] or 0)
         row["recompute_ms"] = None if ref_block_ms is None else recomputed * ref_block_ms / run.layers
         moved = [(stats["offloaded_bytes"], out_gbps), (stats["reloaded_bytes"], back_gbps)]
@@ -192,7 +192,7 @@ def main_table(rows: list[dict], device: str, markdown: bool = False) -> str:
         lines.append((
             r["config"], _f(r["step_ms"], ".1f"), _f(r["ratio"], ".2f"), _f(r["peak_mb"], ".1f"),
             _f(r["act_peak_mb"], ".1f"), _f(r["act_ratio"], ".2f"), _f(r["opt_peak_mb"], ".1f"),
-            _f(r["offloaded_mb"], ".1f"), _f(r["d2h_gbps"], ".1f"), _f(r["h2d_gbps"], ".1f"),
+            _f(r["offloaded_mb"], ".1f"), _f(r["d2h_gb_per_s"], ".1f"), _f(r["h2d_gb_per_s"], ".1f"),
             _f(r["exposed_wait_ms"], ".1f"), _f(r["bound_ms"], ".1f"), _f(r["over_bound"], ".2f"),
             r["grads"], _losses(r),
         ))
