@@ -3,38 +3,12 @@
     pytest bench -q                                  # CPU here; CUDA when available
     OFFLOAD_BENCH_DEVICE=cpu OFFLOAD_BENCH_SIZES=tiny pytest bench -q   # seconds, plumbing only
 
-For each typical layer (Linear, SwiGLU MLP, causal SDPA attention with its projections, RMSNorm,
-LayerNorm, Conv2d+BatchNorm+ReLU, a whole GPT block) at two or three sizes, three functions are
-timed with pytest-benchmark (pedantic mode, warm-up rounds, device synchronized inside the timed
-function), adjacent to each other so drift hits them alike:
-
-- ``keep``: forward + backward without the engine: the reference step.
-- ``offload``: the same step under ``offload.engine(budget_mb=0, min_offload_bytes=0)``. At a
-  zero budget every saved storage leaves the device the moment it is saved, pack waits for the
-  copy to land, and every unpack in backward is a reload the layer waits for (there is no room
-  to prefetch into). Before each timed round a keep step runs and times itself (pytest-benchmark's
-  ``setup``, untimed by it), so ``transfer`` = median over rounds of (offload_i - keep_i): the
-  whole round trip of the layer's saved bytes to the tier and back, through the engine's real
-  code path (hooks, bookkeeping, copies), with nothing hidden behind compute, and with drift
-  between rounds cancelled by the pairing. On the CPU the tier is the spill directory (disk,
-  through the page cache); on CUDA it is pinned host memory over the side stream. In a whole
-  model part of this hides behind the next layer's compute; this is the exposed upper bound that
-  the planner weighs against recompute, and the figure the cost model (bytes / bandwidth + a
-  fixed cost per tensor) should predict.
-- ``recompute``: one forward with grad enabled, graph built and dropped: the extra work a
-  recompute of the layer does in backward (torch.utils.checkpoint re-runs the forward with grad
-  enabled to rebuild the saved tensors).
-
-Untimed, once per layer: saved bytes (``stats.saved_bytes`` of an engine at budget None:
-distinct storages, parameters excluded), forward FLOPs (FlopCounterMode), and the stats of one
-offload step. Why a difference of medians rather than timing pack and unpack alone: only the
-whole step includes what the tier really costs (waiting on the copy, the reload, the allocator),
-and it is the quantity a user pays.
-
-At the end of the session ``conftest.py`` prints the comparison table (layer, size, saved MB,
-transfer ms, recompute ms, winner) and writes ``bench/results/layers-<device>.json`` (or
-``$OFFLOAD_BENCH_OUT``). Without pytest-benchmark this module is skipped; ``python bench/layers.py``
-runs the same measurements in plain Python.
+The measurements are ``layers.LayerBench``'s (see ``layers.py`` and bench/README.md for what each
+figure means), timed here with pytest-benchmark in pedantic mode: ``keep``, ``offload`` and
+``recompute`` per layer and size, adjacent so drift hits them alike. Before each timed offload
+round a keep step runs and times itself (pytest-benchmark's untimed ``setup``), so ``transfer`` is
+the median of paired differences. At the end ``conftest.py`` prints the table and writes the JSON.
+Without pytest-benchmark this module is skipped; ``python bench/layers.py`` runs the same code.
 """
 
 from __future__ import annotations

@@ -85,6 +85,7 @@ def _run_jobs(run: RunSettings, jobs: list[tuple[str, int]], activation_bytes, e
             continue
         except Exception as error:  # noqa: BLE001 - tabled as failed; the others still run
             emit({"type": "error", "error": f"{type(error).__name__}: {error}"} | tag)
+            del error  # its traceback holds the failed configuration's model: free it before the next
             gc.collect()
             continue
         activation_bytes = activation_bytes or summary["activation_bytes"]
