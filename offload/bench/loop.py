@@ -340,6 +340,13 @@ def run_one(
             torch.cuda.empty_cache()
 
 
+def _check_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy from ops with deterministic CUDA kernels (log_softmax, gather): strict mode
+    raises on ``F.cross_entropy`` on CUDA (``torch.use_deterministic_algorithms`` lists NLLLoss among
+    the CUDA ops without a deterministic implementation)."""
+    return -logits.float().log_softmax(-1).gather(-1, targets.unsqueeze(-1)).mean()
+
+
 def _grad_check(trainer: Trainer, budget_mb, engine_kwargs: dict, machine) -> dict:
     """One step on the initial weights under strict determinism, through its own context (an
     engine of its own); the gradients' checksums, or the error strict determinism raised."""
@@ -353,7 +360,8 @@ def _grad_check(trainer: Trainer, budget_mb, engine_kwargs: dict, machine) -> di
     try:
         with _determinism(strict=True):
             with context():
-                _, loss = trainer.model(x, y)
+                logits, _ = trainer.model(x)
+                loss = _check_loss(logits, y)
             loss.backward()
         return {"checksums": grad_checksums(trainer.model)}
     except RuntimeError as error:

@@ -66,7 +66,8 @@ def _grads_verdict(check: Optional[dict], reference: Optional[dict]) -> str:
     differ = [n for n in theirs if ours.get(n) != theirs[n]]
     if not differ:
         return "equal"
-    worst = max(abs(ours[n][1] - theirs[n][1]) / (theirs[n][1] or 1.0) for n in differ if ours.get(n) and theirs[n])
+    worst = max((abs(ours[n][1] - theirs[n][1]) / (theirs[n][1] or 1.0) for n in differ if ours.get(n) and theirs[n]),
+                default=float("nan"))
     return f"differs {len(differ)}/{len(theirs)} (norm {worst:.1g})"
 
 
