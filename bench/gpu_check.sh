@@ -41,7 +41,7 @@ export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}  # strict det
 KILL_AFTER_S=3  # SIGKILL this long after the SIGTERM of a timeout
 
 STEP_ARGS=(--preset h200)
-OVERHEAD_ARGS=(--device "$DEVICE")
+OVERHEAD_ARGS=(--device "$DEVICE" --steps 20 --repeats 9)
 LAYER_ARGS=(--device "$DEVICE")
 if [ "$QUICK" = 1 ]; then
     STEP_ARGS=(--preset tiny --in-process)
