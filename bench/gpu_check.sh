@@ -45,7 +45,7 @@ OVERHEAD_ARGS=(--device "$DEVICE" --steps 20 --repeats 9)
 LAYER_ARGS=(--device "$DEVICE")
 if [ "$QUICK" = 1 ]; then
     STEP_ARGS=(--preset tiny --in-process)
-    OVERHEAD_ARGS+=(--steps 3 --repeats 3 --warmup 1 --chain 200)
+    OVERHEAD_ARGS+=(--steps 3 --repeats 3 --warmup 1 --chain 200 --batch 2)
     LAYER_ARGS+=(--sizes tiny)
 fi
 [ "$DEVICE" != cuda ] && STEP_ARGS+=(--device "$DEVICE")

@@ -14,25 +14,25 @@ variant alike, each reported as a median:
    budget 0 (every tensor to the tier and back: a spill file each on the CPU, a pooled pinned
    buffer and two copies each on CUDA).
 
-2. Per training step. A MiniGPT step (zero_grad, forward, backward, AdamW step; bf16 autocast on
-   CUDA) without the engine and under engines at budget None, 25 % of the step's saved bytes, and
-   0 (everything to the tier), default ``min_offload_bytes``. One engine per variant, reused
-   across steps. The figure of merit is the overhead at budget None: the price of having the
-   engine installed when the budget is not binding; the target is <= 3 %.
+2. Per training step: the step benchmark's own (``offload.bench.loop.Trainer``; the model in bf16
+   on CUDA) without the engine and under engines at budget None, 25 % of the step's saved bytes,
+   and 0 (everything to the tier). One engine per variant, reused across steps. The figure of
+   merit is the overhead at budget None, the price of having the engine installed when the
+   budget is not binding; the target is <= 3 %.
 
-The step is the step benchmark's own (``offload.bench.loop.Trainer``: corpus batches, the RNG
-reseeded per step, the model in bf16 on CUDA); timing and the machine record are
-``offload.bench.measure``'s. Prints a table and, as the last line, one JSON object with every
-figure, the hardware, the versions and the date.
+Prints a table and, as the last line, one JSON object with every figure, the hardware, the
+versions and the date.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -131,8 +131,9 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
 # 2. per training step
 
 
-def step_overhead(device: torch.device, steps: int, warmup: int) -> dict:
+def step_overhead(device: torch.device, steps: int, warmup: int, batch: Optional[int] = None) -> dict:
     settings = GPT_PRESETS["cuda" if device.type == "cuda" else "cpu"]
+    settings = dataclasses.replace(settings, batch=batch or settings.batch)
     step = Trainer(settings, REFERENCE, load_corpus(), device)
 
     counting = offload.engine(budget_mb=None, device=device, model=step.model)
@@ -212,6 +213,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="timed chain runs per variant (default: 15)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up runs per variant (default: 3)")
     parser.add_argument("--chain", type=int, default=CHAIN_LENGTH, help=f"saved tensors per chain run (default: {CHAIN_LENGTH})")
+    parser.add_argument("--batch", type=int, default=None, help="the step's batch size (default: the device's preset)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--json-out", default=None, help="also write the JSON object to this file")
     args = parser.parse_args(argv)
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
     set_threads(args.threads)
 
     tensor = per_tensor(device, args.repeats, args.warmup, args.chain)
-    step = step_overhead(device, args.steps, args.warmup)
+    step = step_overhead(device, args.steps, args.warmup, args.batch)
     env = environment(device)
 
     print(f"offload overhead on {describe_machine(env)}")

@@ -176,7 +176,7 @@ PRESETS: dict[str, Preset] = {
         dict(layers=4, hidden=256, heads=4, seq=256, batch=4, steps=3, warmup=3, dtype="fp32", device="cpu",
              attention="math"),
         _BASELINES + (Variant(Kind.ENGINE, "offload", 0.25), Variant(Kind.ENGINE, "auto", 0.25)),
-        "CPU, five configurations, about a minute on 2 cores",
+        "CPU, five configurations of MiniGPT 4 x 256",
     ),
     "h200": Preset(
         # ~1.6B parameters (8 x 200M): estimated (not yet measured) ~75 ms of compute per step on an H200, so the ~18

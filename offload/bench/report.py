@@ -6,19 +6,9 @@ repeat, as plain dicts), so it never touches a device. matplotlib is imported on
     records ──▶ summarize() ──▶ rows ──▶ table(), verdicts() ──▶ table.md, summary.json, stdout
             └─▶ metrics.csv (one row per step)        └─▶ plot(): memory vs time, Pareto front
 
-Per configuration (medians over its measured steps, then over repeats; peaks are maxima):
-
-- step ms, and its ratio to the reference ("none");
-- memory: peak (CUDA: max allocated; CPU: peak RSS + the page cache of the harness's spill
-  directory) and the activation peak = that peak from the start of forward to the end of backward
-  minus the memory in use at the start (weight gradients build up inside the window, alike in every
-  configuration); the optimizer step's own peak apart;
-- bytes moved out and back, achieved D2H / H2D GB/s (bytes over ``Stats.d2h_busy_ms`` /
-  ``h2d_busy_ms`` where the engine reports them), the exposed wait (reload + evict wait);
-- the cost model's lower bound max(compute + chosen recompute, link time): compute = the
-  reference's step, recompute = recomputed blocks x the reference's forward ms per block, link =
-  bytes out / probed out GB/s + bytes back / probed back GB/s; and measured step / bound;
-- gradients of the first step (strict determinism, math attention) and losses against the reference.
+Per configuration: step time, memory (peak, activation peak, optimizer peak), bytes moved and
+link rates, exposed wait, the cost model's lower bound, and gradients and losses against the
+reference; ``LEGEND`` defines each column as the tables print it.
 """
 
 from __future__ import annotations

@@ -6,16 +6,7 @@ the memory and what the engine did (``loop``). Its first-step gradients are chec
 reference's under strict determinism; on a deterministic device its losses must equal the
 reference's too. ``report`` tables, plots and judges what came out.
 
-    configuration      what saved activations do
-    ----------------   --------------------------------------------------------------------------
-    none               stay on the device (the reference)
-    checkpoint         torch.utils.checkpoint(use_reentrant=False) on every block
-    save_on_cpu        torch.autograd.graph.save_on_cpu (pinned on CUDA): every one copied out and back
-    torchtune          torchtune's OffloadActivations, where torchtune is importable (CUDA)
-    count              offload.engine(policy="none"): the engine only counting
-    POLICY-N%          offload.engine(policy=POLICY, regions=model.blocks) with a budget of N % of
-                       the reference's saved bytes (offload, recompute, auto, and any other registered)
-    ...+compile        the same with every block through torch.compile (``--compile`` adds them all)
+The configurations and how to name them are ``config``'s; the reference is "none" (no engine).
 
 On the CPU each configuration runs in a fresh child process (``--one``, JSON lines back to the
 parent) so its peak resident set is its own, with glibc's mmap threshold fixed
@@ -23,7 +14,7 @@ parent) so its peak resident set is its own, with glibc's mmap threshold fixed
 this process, one after another. ``--repeats N`` runs everything N times, the order rotated each
 time; figures are medians over repeats, comparisons paired within a repeat.
 
-    python -m offload.bench --demo                       # CPU, about a minute on 2 cores
+    python -m offload.bench --demo                       # CPU, five configurations
     python -m offload.bench --preset h200 --out out/h200 # one large GPU, every configuration
     python -m offload.bench --preset tiny                # the h200 configurations, tiny: seconds
     python -m offload.bench --preset sweep --repeats 5   # CPU budget sweep with auto's verdicts
