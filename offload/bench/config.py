@@ -190,7 +190,7 @@ PRESETS: dict[str, Preset] = {
         dict(layers=3, hidden=32, heads=2, seq=16, batch=2, steps=1, warmup=3, dtype="fp32", device="cpu",
              min_offload_bytes=0),
         _COMPARISON,
-        "the h200 configurations at a tiny shape: checks every code path in seconds (CPU or CUDA)",
+        "the h200 configurations at a tiny shape: every code path of the GPU run, in under a minute (CPU or CUDA)",
     ),
     "sweep": Preset(
         dict(layers=6, hidden=256, heads=4, seq=256, batch=8, steps=4, warmup=3, dtype="fp32", device="cpu"),

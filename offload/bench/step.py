@@ -16,7 +16,7 @@ time; figures are medians over repeats, comparisons paired within a repeat.
 
     python -m offload.bench --demo                       # CPU, five configurations
     python -m offload.bench --preset h200 --out out/h200 # one large GPU, every configuration
-    python -m offload.bench --preset tiny                # the h200 configurations, tiny: seconds
+    python -m offload.bench --preset tiny --in-process   # the h200 configurations, tiny
     python -m offload.bench --preset sweep --repeats 5   # CPU budget sweep with auto's verdicts
     python -m offload.bench --compile --configs none,offload-25%,auto-25%
 
