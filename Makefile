@@ -35,7 +35,7 @@ bench: $(STAMP)
 	$(VENV_PYTHON) -m pytest bench -q --benchmark-only
 
 gpu-check: $(STAMP)
-	bash bench/gpu_check.sh out/gpu
+	PYTHON=$(VENV_PYTHON) bash bench/gpu_check.sh out/gpu
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .benchmarks

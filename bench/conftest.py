@@ -2,7 +2,7 @@
 
 ``pytest bench`` (from the repo root) collects only this directory; ``make test`` runs
 ``pytest tests`` and never sees it. At the end of the session the layer measurements gathered by
-``test_layers.py`` are printed as one comparison table and written as JSON (see ``common.py``).
+``test_layers.py`` are printed as one comparison table and written as JSON (``layers.report``).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 BENCH_DIR = Path(__file__).resolve().parent
-for path in (BENCH_DIR, BENCH_DIR.parent):  # `import common` and `import offload` without installing
+for path in (BENCH_DIR, BENCH_DIR.parent):  # `import layers` and `import offload` without installing
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import common  # noqa: E402
+import layers  # noqa: E402
 
 _RESULTS = pytest.StashKey["LayerResults"]()
 
@@ -28,38 +28,25 @@ class LayerResults:
     """Medians and untimed facts per (layer, size), filled by the tests, read at session end."""
 
     def __init__(self) -> None:
-        self.cases: dict[str, common.Case] = {}
-        self.medians_ms: dict[str, dict[str, float]] = {}
-        self.transfer_ms: dict[str, float] = {}
-        self.facts: dict[str, dict] = {}
+        self.cases: dict[str, tuple] = {}  # case id -> (case, medians by kind, transfer ms, facts)
         self.device = None
 
-    def record(
-        self, case: common.Case, device, kind: str, median_ms: float,
-        transfer_ms: float | None = None, facts: dict | None = None,
-    ) -> None:
+    def record(self, case: layers.Case, device, kind: str, median_ms: float,
+               transfer_ms: float | None = None, facts: dict | None = None) -> None:
         self.device = device
-        self.cases[case.id] = case
-        self.medians_ms.setdefault(case.id, {})[kind] = median_ms
-        if transfer_ms is not None:
-            self.transfer_ms[case.id] = transfer_ms
-        if facts:
-            self.facts[case.id] = facts
+        _, medians, transfer, known = self.cases.get(case.id, (case, {}, None, {}))
+        medians[kind] = median_ms
+        self.cases[case.id] = (case, medians, transfer if transfer_ms is None else transfer_ms, facts or known)
 
     def rows(self) -> list[dict]:
-        return [
-            common.layer_row(
-                case, self.device, self.medians_ms[case_id], self.transfer_ms.get(case_id), self.facts.get(case_id, {})
-            )
-            for case_id, case in self.cases.items()
-        ]
+        return [layers.layer_row(case, self.device, medians, transfer, facts)
+                for case, medians, transfer, facts in self.cases.values()]
 
     def complete(self) -> bool:
-        expected = {case.id for case in common.cases(self.device)}
+        expected = {case.id for case in layers.cases(self.device)}
         return expected <= set(self.cases) and all(
-            len(m) == len(common.LayerBench.KINDS) and not any(math.isnan(v) for v in m.values())
-            for m in self.medians_ms.values()
-        )
+            len(m) == len(layers.LayerBench.KINDS) and not any(math.isnan(v) for v in m.values())
+            for _, m, _, _ in self.cases.values())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -76,17 +63,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     results = config.stash.get(_RESULTS, None)
     if results is None or not results.cases:
         return
-    rows = results.rows()
-    payload = common.layers_payload(rows, results.device, runner="pytest bench (pytest-benchmark)")
-    write = terminalreporter.write_line
-    write("")
-    write(f"layers on {common.describe_machine(payload['env'])}")
-    for line in common.layers_table(rows).splitlines():
-        write(line)
-    write(common.describe_fit(payload["transfer_fit"]))
-    if results.complete() or os.environ.get(common.OUT_ENV):
-        out = common.layers_out_path(results.device)
-        common.write_json(out, payload)
-        write(f"wrote {out}")
-    else:
-        write(f"partial run: results not written (set {common.OUT_ENV}=PATH to keep them)")
+    terminalreporter.write_line("")
+    layers.report(results.rows(), results.device, "pytest bench (pytest-benchmark)",
+                  write=results.complete() or bool(os.environ.get(layers.OUT_ENV)), say=terminalreporter.write_line)

@@ -14,11 +14,11 @@ variant alike, each reported as a median:
    budget 0 (every tensor to the tier and back: a spill file each on the CPU, a pooled pinned
    buffer and two copies each on CUDA).
 
-2. Per training step. A MiniGPT step (zero_grad, forward, backward, AdamW step; bf16 autocast on
-   CUDA) without the engine and under engines at budget None, 25 % of the step's saved bytes, and
-   0 (everything to the tier), default ``min_offload_bytes``. One engine per variant, reused
-   across steps. The figure of merit is the overhead at budget None: the price of having the
-   engine installed when the budget is not binding; the target is <= 3 %.
+2. Per training step: the step benchmark's own (``offload.bench.loop.Trainer``; the model in bf16
+   on CUDA) without the engine and under engines at budget None, 25 % of the step's saved bytes,
+   and 0 (everything to the tier). One engine per variant, reused across steps. The figure of
+   merit is the overhead at budget None, the price of having the engine installed when the
+   budget is not binding; the target is <= 3 %.
 
 Prints a table and, as the last line, one JSON object with every figure, the hardware, the
 versions and the date.
@@ -28,14 +28,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
+from pathlib import Path
+from typing import Optional
 
-import common
 import torch
 
-import offload
-from offload.models.gpt import GPTConfig, MiniGPT
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from layers import parse_device, set_threads  # noqa: E402
+
+import offload  # noqa: E402
+from offload.bench.config import MB, REFERENCE, RunSettings  # noqa: E402
+from offload.bench.loop import Trainer  # noqa: E402
+from offload.bench.measure import describe_machine, environment, median, sync, table, timed, write_json  # noqa: E402
+from offload.models import load_corpus  # noqa: E402
 
 CHAIN_LENGTH = 2000
 """Saved tensors per chain run: enough that ~1-10 us per tensor dwarfs the timer's noise."""
@@ -48,9 +56,9 @@ PARTIAL_BUDGET_FRACTION = 0.25
 
 GPT_PRESETS = {
     # The defaults of GPTConfig: trains in a few tens of ms per step on a small CPU.
-    "cpu": dict(config=dict(n_layer=4, n_head=4, n_embd=128, seq_len=128), batch=16),
-    # A GPU-sized small GPT (~100M parameters), bf16 autocast.
-    "cuda": dict(config=dict(n_layer=8, n_head=16, n_embd=1024, seq_len=1024), batch=8),
+    "cpu": RunSettings(layers=4, heads=4, hidden=128, seq=128, batch=16, dropout=0.0, device="cpu"),
+    # A GPU-sized small GPT (~100M parameters) in bf16.
+    "cuda": RunSettings(layers=8, heads=16, hidden=1024, seq=1024, batch=8, dropout=0.0, dtype="bf16", device="cuda"),
 }
 
 
@@ -85,9 +93,8 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
 
         return fn
 
-    cpu = {}
     fns = {name: run(ctx) for name, ctx in contexts.items()}
-    times = common.interleaved_ms(fns, rounds=repeats, warmup=warmup, device=device, cpu_ms=cpu)
+    times, cpu = timed(fns, rounds=repeats, warmup=warmup, device=device)
     counting.reset_stats()
     with counting:
         _chain(x, length)
@@ -104,17 +111,17 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
             continue
         variants[name] = {
             # median over repeats of (this variant - no hooks, same repeat), per saved tensor
-            "median_us": round(common.median([(v - b) * 1e3 / saved for v, b in zip(ms, base)]), 3),
+            "median_us": round(median([(v - b) * 1e3 / saved for v, b in zip(ms, base)]), 3),
             # min - min: the least disturbed runs; noise (a busy neighbour) only ever adds time
             "min_us": round((min(ms) - min(base)) * 1e3 / saved, 3),
             # process CPU time: what the hooks cost when other tenants steal the wall clock
-            "cpu_us": round(common.median([(v - b) * 1e3 / saved for v, b in zip(cpu[name], base_cpu)]), 3),
+            "cpu_us": round(median([(v - b) * 1e3 / saved for v, b in zip(cpu[name], base_cpu)]), 3),
         }
     return {
         "chain_length": length,
         "numel": CHAIN_NUMEL,
         "repeats": repeats,
-        "no_hooks_ms": round(common.median(base), 3),
+        "no_hooks_ms": round(median(base), 3),
         "engine_budget_none_us": variants["engine budget None"]["median_us"],
         "variants": variants,
     }
@@ -124,89 +131,62 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
 # 2. per training step
 
 
-class GPTStep:
-    """One MiniGPT training step, run under a given engine (or none)."""
-
-    def __init__(self, device: torch.device, preset: dict, seed: int = 0) -> None:
-        self.device = device
-        torch.manual_seed(seed)
-        self.config = GPTConfig(**preset["config"])
-        with torch.device(device):
-            self.model = MiniGPT(self.config)
-            self.idx = torch.randint(self.config.vocab_size, (preset["batch"], self.config.seq_len))
-            self.targets = torch.randint(self.config.vocab_size, (preset["batch"], self.config.seq_len))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.batch = preset["batch"]
-
-    def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def __call__(self, engine=None) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        with self._autocast(), engine if engine is not None else contextlib.nullcontext():
-            _, loss = self.model(self.idx, self.targets)
-        loss.backward()
-        self.optimizer.step()
-
-
-def step_overhead(device: torch.device, steps: int, warmup: int) -> dict:
-    preset = GPT_PRESETS["cuda" if device.type == "cuda" else "cpu"]
-    step = GPTStep(device, preset)
+def step_overhead(device: torch.device, steps: int, warmup: int, batch: Optional[int] = None) -> dict:
+    settings = GPT_PRESETS["cuda" if device.type == "cuda" else "cpu"]
+    settings = dataclasses.replace(settings, batch=batch or settings.batch)
+    step = Trainer(settings, REFERENCE, load_corpus(), device)
 
     counting = offload.engine(budget_mb=None, device=device, model=step.model)
     for _ in range(warmup):
-        step(counting)
-    common.sync(device)
+        step.step(lambda: counting)
+    sync(device)
     counting.reset_stats()
-    step(counting)
+    step.step(lambda: counting)
     saved = counting.stats
-    partial_mb = PARTIAL_BUDGET_FRACTION * saved.saved_bytes / common.MB
+    partial_mb = PARTIAL_BUDGET_FRACTION * saved.saved_bytes / MB
     engines = {
         "budget None": counting,
         f"budget {partial_mb:.1f} MB (25%)": offload.engine(budget_mb=partial_mb, device=device, model=step.model),
         "budget 0": offload.engine(budget_mb=0, device=device, model=step.model),
     }
-    fns = {"no engine": lambda: step(None)}
-    fns.update({name: (lambda e=e: step(e)) for name, e in engines.items()})
+    fns = {"no engine": step.step}
+    fns.update({name: (lambda e=e: step.step(lambda: e)) for name, e in engines.items()})
     for e in engines.values():
         e.reset_stats()
-    cpu = {}
-    times = common.interleaved_ms(fns, rounds=steps, warmup=warmup, device=device, cpu_ms=cpu)
+    times, cpu = timed(fns, rounds=steps, warmup=warmup, device=device)
     stats = {name: e.stats for name, e in engines.items()}
     for e in engines.values():
         e.close()
 
-    base_ms = common.median(times["no engine"])
-    base_cpu_ms = common.median(cpu["no engine"])
+    base_ms = median(times["no engine"])
+    base_cpu_ms = median(cpu["no engine"])
     variants = {}
     for name, ms in times.items():
-        med = common.median(ms)
-        paired = common.median([v / b - 1 for v, b in zip(ms, times["no engine"])])
+        med = median(ms)
+        paired = median([v / b - 1 for v, b in zip(ms, times["no engine"])])
         row = {
             "median_ms": round(med, 3),
             "min_ms": round(min(ms), 3),
-            "cpu_median_ms": round(common.median(cpu[name]), 3),
+            "cpu_median_ms": round(median(cpu[name]), 3),
             "overhead": round(med / base_ms - 1, 4),
             "paired_overhead": round(paired, 4),
             "min_overhead": round(min(ms) / min(times["no engine"]) - 1, 4),
-            "cpu_overhead": round(common.median(cpu[name]) / base_cpu_ms - 1, 4),
+            "cpu_overhead": round(median(cpu[name]) / base_cpu_ms - 1, 4),
         }
         if name in stats:
             s = stats[name]
             calls = warmup + steps
             row.update(
-                offloaded_mb_per_step=round(s.offloaded_bytes / calls / common.MB, 2),
-                peak_resident_mb=round(s.peak_resident_bytes / common.MB, 2),
+                offloaded_mb_per_step=round(s.offloaded_bytes / calls / MB, 2),
+                peak_resident_mb=round(s.peak_resident_bytes / MB, 2),
                 evict_wait_ms_per_step=round(s.evict_wait_ms / calls, 3),
                 reload_wait_ms_per_step=round(s.reload_wait_ms / calls, 3),
             )
         variants[name] = row
     none_row = variants["budget None"]
     return {
-        "model": dict(preset["config"], batch=preset["batch"], params=step.model.num_params()),
-        "autocast": "bf16" if device.type == "cuda" else None,
+        "model": dict(n_layer=settings.layers, n_embd=settings.hidden, n_head=settings.heads, seq_len=settings.seq,
+                      batch=settings.batch, dtype=settings.dtype, params=step.model.num_params()),
         "steps": steps,
         "warmup": warmup,
         "saved_bytes_per_step": saved.saved_bytes,
@@ -226,14 +206,6 @@ def step_overhead(device: torch.device, steps: int, warmup: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _table(rows: list[tuple], header: tuple) -> str:
-    lines = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in lines]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
@@ -241,20 +213,21 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="timed chain runs per variant (default: 15)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up runs per variant (default: 3)")
     parser.add_argument("--chain", type=int, default=CHAIN_LENGTH, help=f"saved tensors per chain run (default: {CHAIN_LENGTH})")
+    parser.add_argument("--batch", type=int, default=None, help="the step's batch size (default: the device's preset)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--json-out", default=None, help="also write the JSON object to this file")
     args = parser.parse_args(argv)
     for name in ("steps", "repeats", "chain"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    device = common.parse_device(args.device)
-    common.set_threads(args.threads)
+    device = parse_device(args.device)
+    set_threads(args.threads)
 
     tensor = per_tensor(device, args.repeats, args.warmup, args.chain)
-    step = step_overhead(device, args.steps, args.warmup)
-    env = common.environment(device)
+    step = step_overhead(device, args.steps, args.warmup, args.batch)
+    env = environment(device)
 
-    print(f"offload overhead on {common.describe_machine(env)}")
+    print(f"offload overhead on {describe_machine(env)}")
     print()
     print(f"per saved tensor: chain of {args.chain} sin ops on {CHAIN_NUMEL} floats, "
           f"no hooks {tensor['no_hooks_ms']:.2f} ms, median of {args.repeats} paired repeats")
@@ -262,12 +235,12 @@ def main(argv=None) -> int:
         (name, f"{v['median_us']:.2f}", f"{v['min_us']:.2f}", f"{v['cpu_us']:.2f}")
         for name, v in tensor["variants"].items()
     ]
-    print(_table(rows, ("hooks", "pack+unpack us (median)", "(min)", "(cpu time)")))
+    print(table(("hooks", "pack+unpack us (median)", "(min)", "(cpu time)"), rows))
     print()
     m = step["model"]
     print(f"per step: MiniGPT n_layer={m['n_layer']} n_embd={m['n_embd']} seq_len={m['seq_len']} batch={m['batch']} "
           f"({m['params'] / 1e6:.1f}M params), {step['saved_tensors_per_step']} saved tensors "
-          f"({step['saved_bytes_per_step'] / common.MB:.1f} MB) per step, median of {args.steps} interleaved steps")
+          f"({step['saved_bytes_per_step'] / MB:.1f} MB) per step, median of {args.steps} interleaved steps")
     rows = [
         (name, f"{v['median_ms']:.2f}", f"{100 * v['overhead']:+.2f}%", f"{100 * v['paired_overhead']:+.2f}%",
          f"{v['min_ms']:.2f}", f"{100 * v['min_overhead']:+.2f}%",
@@ -277,7 +250,7 @@ def main(argv=None) -> int:
     ]
     header = ("variant", "median ms", "overhead", "paired", "min ms", "min ovh", "cpu ms", "cpu ovh",
               "moved MB/step", "peak resident MB")
-    print(_table(rows, header))
+    print(table(header, rows))
     verdict = "within" if step["within_target"] else "OVER"
     print(f"\nbudget None overhead {100 * step['overhead_budget_none']:+.2f}% "
           f"({verdict} the {100 * STEP_TARGET_OVERHEAD:.0f}% target); by CPU time "
@@ -285,7 +258,7 @@ def main(argv=None) -> int:
 
     payload = {"benchmark": "overhead", "env": env, "per_tensor": tensor, "step": step}
     if args.json_out:
-        common.write_json(args.json_out, payload)
+        write_json(args.json_out, payload)
         print(f"wrote {args.json_out}")
     print(json.dumps(payload))
     return 0

@@ -7,6 +7,7 @@ the reference's exactly in fp32, and that the files it promises are written.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.bench import report, step
+from offload.bench import loop, measure, report, step
+from offload.bench.config import parse_variant
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2",
@@ -61,7 +63,7 @@ def test_in_process_run_writes_everything(tmp_path, capsys):
         assert results[name]["losses_match"] is True, (name, results[name])
         assert results[name]["error"] is None
     assert results["none"]["losses_match"] is None
-    assert results["offload-25%"]["moved_mb"] > 0  # the budget made it move something
+    assert results["offload-25%"]["offloaded_mb"] > 0  # the budget made it move something
     assert results["offload-25%"]["budget_mb"] == pytest.approx(0.25 * results["none"]["saved_mb"])
     assert results["recompute"]["recomputed_regions"] == 2
 
@@ -76,8 +78,9 @@ def test_in_process_run_writes_everything(tmp_path, capsys):
     assert all(float(r["peak_mb"]) > 0 and float(r["step_ms"]) > 0 for r in rows)
 
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert "plan" in summary["runs"]["auto-25%"]["summary"]
-    assert summary["runs"]["offload-25%"]["summary"]["trace"][0]["phase"] == "start"
+    assert "plan" in summary["runs"]["auto-25%"][0]["summary"]
+    assert summary["runs"]["offload-25%"][0]["summary"]["trace"][0]["phase"] == "fwd0"
+    assert (tmp_path / "table.md").read_text().startswith("# Step benchmark")
 
     table = out[: out.rindex("{")]
     assert "config" in table and "offload-25%" in table and "equal" in table
@@ -90,28 +93,31 @@ def test_in_process_run_writes_everything(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_each_configuration_in_its_own_process(tmp_path):
-    """The real path (CPU): bench/step.py spawns one child per configuration and collects JSON lines."""
+    """The real path (CPU): python -m offload.bench spawns one child per configuration and collects JSON lines."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "step.py"), *TINY, "--device", "cpu",
-         "--configs", "none,offload-50%", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [sys.executable, "-m", "offload.bench", *TINY, "--device", "cpu", "--configs", "none,offload-50%",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = _last_json(proc.stdout)
     assert [r["losses_match"] for r in payload["results"]] == [None, True]
-    assert payload["env"]["peak_source"]
+    assert payload["machine"]["device_type"] == "cpu"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "spill page cache" in summary["runs"]["offload-50%"][0]["summary"]["peak_source"]
     assert len(_read_csv(tmp_path / "metrics.csv")) == 2 * 3
 
 
 def test_a_failing_configuration_is_tabled_and_the_rest_run(tmp_path, capsys, monkeypatch):
-    real_run_one = step.run_one
+    real_run_one = loop.run_one
 
     def run_one(run, variant, *args, **kwargs):
         if variant.name == "checkpoint":
             raise RuntimeError("injected failure")
         return real_run_one(run, variant, *args, **kwargs)
 
-    monkeypatch.setattr(step, "run_one", run_one)
+    monkeypatch.setattr(loop, "run_one", run_one)
     code = step.main(TINY + ["--device", "cpu", "--in-process", "--configs", "none,checkpoint,save_on_cpu",
                              "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -157,5 +163,141 @@ def test_cuda_tiny_run_losses_match(tmp_path, capsys):
     results = {r["config"]: r for r in payload["results"]}
     for name in configs[1:]:
         assert results[name]["losses_match"] is True, (name, results[name])
-    assert results["offload-25%"]["moved_mb"] > 0
-    assert payload["env"]["device_name"]
+    assert results["offload-25%"]["offloaded_mb"] > 0
+    assert results["offload-25%"]["grads"] == "equal"
+    assert payload["env"]["gpu"]
+
+
+def test_tiny_preset_runs_every_h200_configuration(tmp_path, capsys):
+    """The h200 preset's configuration list at a tiny shape: every code path the GPU run takes, as
+    far as the CPU allows; gradients of the first step equal the reference's in every one."""
+    code = step.main(["--preset", "tiny", "--in-process", "--out", str(tmp_path)])
+    payload = _last_json(capsys.readouterr().out)
+    assert code == 0
+    results = {r["config"]: r for r in payload["results"]}
+    expected = {"none", "checkpoint", "save_on_cpu", "torchtune"} | {
+        f"{p}-{b}%" for p in ("offload", "recompute", "auto") for b in (100, 50, 25, 10)}
+    assert expected <= set(results)
+    assert results["torchtune"]["skipped"] and results["torchtune"]["error"] is None  # not importable, or no CUDA
+    for name, r in results.items():
+        if name not in ("none", "torchtune"):
+            assert r["error"] is None and r["grads"] == "equal" and r["losses_match"] is True, (name, r)
+            assert r["act_ratio"] is not None
+    assert results["offload-10%"]["link_ms"] > 0 and results["offload-10%"]["bound_ms"] > 0
+    assert results["checkpoint"]["recompute_ms"] > 0  # every block re-runs: the bound charges it
+    assert results["offload-10%"]["d2h_gb_per_s"] is None  # no side-stream busy time on the CPU
+    assert [v["fraction"] for v in payload["verdicts"]["verdicts"]] == [1.0, 0.5, 0.25, 0.1]
+
+
+def test_selective_joins_the_comparison_once_registered(monkeypatch):
+    from offload.bench import config
+
+    assert all(v.policy != "selective" for v in config.engine_variants())
+    monkeypatch.setattr(config.offload, "policies", lambda: ("auto", "none", "offload", "recompute", "selective"))
+    assert {v.name for v in config.engine_variants() if v.policy == "selective"} == {
+        "selective-100%", "selective-50%", "selective-25%", "selective-10%"}
+    assert config.parse_variant("selective-25%").policy == "selective"
+
+
+def test_variant_names_round_trip():
+    for name in ("none", "checkpoint", "save_on_cpu", "torchtune", "count", "recompute", "offload-25%",
+                 "auto-10%+compile", "none+compile"):
+        assert parse_variant(name).name == name
+    with pytest.raises(ValueError, match="bogus.*valid"):
+        parse_variant("bogus-25%")
+
+
+def test_grad_checksums_see_one_ulp():
+    a = torch.nn.Linear(4, 4)
+    a.weight.grad = torch.ones(4, 4)
+    reference = loop.grad_checksums(a)
+    a.weight.grad[2, 3] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    changed = loop.grad_checksums(a)
+    assert changed["weight"] != reference["weight"] and changed["bias"] == reference["bias"] is None
+    assert report._grads_verdict({"checksums": reference}, {"checksums": reference}) == "equal"
+    assert report._grads_verdict({"checksums": changed}, {"checksums": reference}).startswith("differs 1/2")
+    assert report._grads_verdict({"error": "RuntimeError: x"}, {"checksums": reference}) == "check failed: RuntimeError: x"
+
+
+def test_memory_counts_the_spill_files_page_cache(tmp_path):
+    """A byte parked in the spill directory's page cache is still memory: the figure counts it."""
+    from offload._pagecache import cached_bytes_under
+
+    memory = measure.Memory(torch.device("cpu"), str(tmp_path))
+    memory.reset()
+    (tmp_path / "spill.bin").write_bytes(b"x" * (8 << 20))
+    cached = cached_bytes_under(str(tmp_path))
+    if not cached:
+        pytest.skip("no page-cache reading on this platform (or the file was not cached)")
+    before = memory.peak()
+    memory.sample_cache()
+    assert memory.peak() - before == cached
+    assert memory.current() >= cached
+
+
+def test_pareto_front():
+    points = [(10.0, 100.0, "none"), (20.0, 50.0, "a"), (15.0, 120.0, "worse"), (30.0, 50.0, "same-slower"),
+              (40.0, 10.0, "b")]
+    assert [p[2] for p in report.pareto_front(points)] == ["none", "a", "b"]
+
+
+def _step(**fields) -> dict:
+    base = {"type": "step", "warmup": False, "loss": 1.0, "step_ms": 10.0, "cpu_ms": 10.0, "opt_ms": 1.0,
+            "peak_bytes": 100 * MB, "act_peak_bytes": 40 * MB, "opt_peak_bytes": 2 * MB}
+    return base | fields
+
+
+MB = 1 << 20
+
+
+def test_link_rates_and_the_bound_from_the_engine_stats():
+    """Achieved GB/s come from Stats.d2h_busy_ms / h2d_busy_ms when the engine reports them (else
+    '-'); the bound is max(compute + recomputed blocks x forward per block, bytes / probed GB/s)."""
+    from offload.bench.config import RunSettings
+
+    run = RunSettings(layers=4, device="cuda")
+    machine = __import__("offload").MachineProfile(device_type="cuda", d2h_gb_per_s=10.0, h2d_gb_per_s=20.0)
+    ref = _step(step_ms=100.0, block_forward_ms=20.0)
+    moved = dict(offloaded_bytes=2 * 10**9, reloaded_bytes=2 * 10**9, reload_wait_ms=3.0, evict_wait_ms=1.0)
+    results = {
+        "none": [{"steps": [ref], "summary": {"activation_bytes": 400 * MB}, "error": None, "skipped": None}],
+        "offload-25%": [{"steps": [_step(step_ms=350.0, recomputed_regions=0, d2h_busy_ms=250.0, h2d_busy_ms=100.0,
+                                         **moved)], "summary": {"budget_mb": 100.0}, "error": None, "skipped": None}],
+        "auto-25%": [{"steps": [_step(step_ms=150.0, recomputed_regions=2, offloaded_bytes=0, reloaded_bytes=0)],
+                      "summary": {"budget_mb": 100.0}, "error": None, "skipped": None}],
+    }
+    rows = {r["config"]: r for r in report.summarize(run, [parse_variant(n) for n in results], results, machine)}
+    offloaded = rows["offload-25%"]
+    assert offloaded["d2h_gb_per_s"] == pytest.approx(8.0) and offloaded["h2d_gb_per_s"] == pytest.approx(20.0)
+    assert offloaded["link_ms"] == pytest.approx(200.0 + 100.0) and offloaded["bound_ms"] == pytest.approx(300.0)
+    assert offloaded["exposed_wait_ms"] == pytest.approx(4.0) and offloaded["over_bound"] == pytest.approx(350 / 300)
+    assert rows["auto-25%"]["bound_ms"] == pytest.approx(100.0 + 2 * 20.0 / 4)
+    assert rows["auto-25%"]["d2h_gb_per_s"] is None  # no busy time reported: the table prints '-'
+    assert "-" in report.main_table(list(rows.values()), "cuda")
+
+
+def test_the_gradient_check_sees_a_wrong_reload(tmp_path, capsys, monkeypatch):
+    """A context that hands back saved tensors slightly changed must read "differs", not "equal"."""
+    real = loop._make_context
+
+    def corrupting(trainer, *args):
+        context, engine = real(trainer, *args)
+        if trainer.variant.kind.value != "engine":
+            return context, engine
+
+        def scaled(t):
+            return t * 1.001 if t.is_floating_point() else t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, scaled)
+        return (lambda: _both(context(), hooks)), engine
+
+    monkeypatch.setattr(loop, "_make_context", corrupting)
+    assert step.main(TINY + ["--device", "cpu", "--in-process", "--configs", "none,offload-25%", "--out", str(tmp_path)]) == 0
+    (offloaded,) = [r for r in _last_json(capsys.readouterr().out)["results"] if r["config"] == "offload-25%"]
+    assert offloaded["grads"].startswith("differs") and offloaded["losses_match"] is False
+
+
+@contextlib.contextmanager
+def _both(outer, inner):
+    with outer, inner:
+        yield

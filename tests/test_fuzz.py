@@ -29,12 +29,13 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
-import offload
-from links import DeferredLink, ThreadedLink
 
-hypothesis = pytest.importorskip("hypothesis")  # an optional test extra: the GPU machine has none
+pytest.importorskip("hypothesis", reason="property-based fuzzing needs hypothesis (pip install offload[test])")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+
+import offload  # noqa: E402
+from links import DeferredLink, ThreadedLink  # noqa: E402
 
 ROWS, COLS, VOCAB = 4, 6, 5
 """The base activation is ROWS x COLS (96 bytes in fp32): small enough that a run takes

@@ -1,37 +1,25 @@
-"""bench/sweep.py's verdicts from made-up rows: paired ratios, the budget filter, the tolerances."""
+"""The budget sweep's verdicts (``offload.bench.report.verdicts``, ``--preset sweep``) from made-up
+rows: paired ratios, the budget filter, the tolerances."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SWEEP = Path(__file__).resolve().parent.parent / "bench" / "sweep.py"
+from offload.bench import report
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("bench_sweep", SWEEP)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
-
-
-MB = 2**20
+    return report
 
 
 def row(policy, runs_ms, *, peak_mb=10.0, budget_mb=20.0, predicted=None):
     return {
-        "policy": policy, "fraction": 0.5, "step_ms": sorted(runs_ms)[len(runs_ms) // 2],
+        "config": f"{policy}-50%", "policy": policy, "budget_fraction": 0.5, "compiled": False,
+        "step_ms": sorted(runs_ms)[len(runs_ms) // 2],
         "runs_step_ms": list(runs_ms), "runs_predicted_ms": list(predicted or [None] * len(runs_ms)),
-        "predicted_step_ms": None if predicted is None else sorted(predicted)[len(predicted) // 2],
-        "engine_peak_resident_mb": peak_mb, "budget_bytes": int(budget_mb * MB),
+        "predicted_ms": None if predicted is None else sorted(predicted)[len(predicted) // 2],
+        "engine_peak_mb": peak_mb, "budget_mb": budget_mb,
     }
 
 
@@ -39,7 +27,7 @@ def test_auto_is_judged_by_ratios_paired_within_each_repeat(sweep):
     # The machine drifts 2x slower over the repeats; auto is 4% slower than recompute in each.
     recompute = row("recompute", [100.0, 150.0, 200.0])
     auto = row("auto", [104.0, 156.0, 208.0], predicted=[110.0, 150.0, 200.0])
-    checked = sweep.check({"rows": [recompute, auto, row("offload", [300.0, 300.0, 300.0])]})
+    checked = sweep.verdicts([recompute, auto, row("offload", [300.0, 300.0, 300.0])])
     (verdict,) = checked["verdicts"]
     assert verdict["best_fixed"] == "recompute"
     assert verdict["auto_over_best"] == pytest.approx(1.04)
@@ -53,11 +41,11 @@ def test_a_policy_over_budget_is_not_the_reference_and_misses_fail(sweep):
     fast_but_over = row("offload", [50.0], peak_mb=30.0)
     recompute = row("recompute", [100.0])
     auto = row("auto", [110.0], predicted=[140.0])
-    checked = sweep.check({"rows": [fast_but_over, recompute, auto]})
+    checked = sweep.verdicts([fast_but_over, recompute, auto])
     (verdict,) = checked["verdicts"]
     assert verdict["best_fixed"] == "recompute"
     assert verdict["auto_over_best"] == pytest.approx(1.1)
     assert not verdict["auto_within_5pct"] and not checked["auto_within_5pct_everywhere"]
     assert not verdict["prediction_within_15pct"]  # 140 / 110 = 1.27
     over = row("auto", [90.0], peak_mb=25.0)
-    assert not sweep.check({"rows": [recompute, over]})["auto_holds_budget_everywhere"]
+    assert not sweep.verdicts([recompute, over])["auto_holds_budget_everywhere"]

@@ -1,24 +1,32 @@
-"""What the step benchmark runs: its configurations, model and loop settings, and presets.
+"""What the benchmark runs: its configurations, model and loop settings, and presets.
 
-Pure data, no work: ``step`` runs it, ``report`` tables and plots what came out.
+Pure data, no work: ``loop`` trains, ``step`` runs configurations, ``report`` tables them.
 
-    Variant      one way of handling saved activations: none, checkpoint, save_on_cpu, or the
-                 engine with a policy and a budget (a share of the reference's saved bytes)
-    RunSettings  model shape and loop (steps, dtype, device, seed), shared by every configuration
-    PRESETS      named settings + configuration lists (demo, h200)
+    Variant      one way of handling saved activations: none, checkpoint, save_on_cpu, torchtune's
+                 OffloadActivations, or the engine with a policy and a budget (a share of the
+                 reference's saved activation bytes); eager or with torch.compile'd blocks
+    RunSettings  model shape and loop (steps, repeats, dtype, device, seed), shared by every configuration
+    PRESETS      named settings + configuration lists (demo, h200, tiny, sweep)
+
+A configuration's name says what it is, so any of them can be asked for by name (``--configs``):
+``none``, ``checkpoint``, ``save_on_cpu``, ``torchtune``, ``count`` (the engine only counting),
+``<policy>`` (the engine without a budget) or ``<policy>-<percent>%``, each optionally
+``+compile``. Policies are the registered ones (``offload.policies()``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import Optional
 
 import torch
 
+import offload
 from offload.models import GPTConfig
 
-__all__ = ["DTYPES", "MB", "PRESETS", "REFERENCE", "VARIANTS", "Kind", "Preset", "RunSettings", "Variant"]
+__all__ = ["DTYPES", "MB", "PRESETS", "REFERENCE", "Kind", "Preset", "RunSettings", "Variant", "engine_variants", "parse_variant"]
 
 MB = 1 << 20
 """Bytes per MB, as ``offload.engine(budget_mb=...)`` counts them."""
@@ -30,6 +38,7 @@ class Kind(enum.Enum):
     NONE = "none"
     CHECKPOINT = "checkpoint"
     SAVE_ON_CPU = "save_on_cpu"
+    TORCHTUNE = "torchtune"
     ENGINE = "engine"
 
 
@@ -37,31 +46,65 @@ class Kind(enum.Enum):
 class Variant:
     """One configuration of the benchmark."""
 
-    name: str
     kind: Kind
     policy: Optional[str] = None
     """The engine's policy (ENGINE only)."""
     budget_fraction: Optional[float] = None
     """Budget as a share of the reference's saved activation bytes; None: no budget."""
+    compiled: bool = False
+    """Each block through ``torch.compile``."""
+
+    @property
+    def name(self) -> str:
+        if self.kind is not Kind.ENGINE:
+            base = self.kind.value
+        elif self.policy == "none":
+            base = "count"
+        elif self.budget_fraction is None:
+            base = self.policy
+        else:
+            base = f"{self.policy}-{round(100 * self.budget_fraction)}%"
+        return base + ("+compile" if self.compiled else "")
 
 
-VARIANTS: dict[str, Variant] = {
-    v.name: v
-    for v in (
-        Variant("none", Kind.NONE),
-        Variant("checkpoint", Kind.CHECKPOINT),
-        Variant("save_on_cpu", Kind.SAVE_ON_CPU),
-        Variant("offload-50%", Kind.ENGINE, "offload", 0.50),
-        Variant("offload-25%", Kind.ENGINE, "offload", 0.25),
-        Variant("auto-50%", Kind.ENGINE, "auto", 0.50),
-        Variant("auto-25%", Kind.ENGINE, "auto", 0.25),
-        Variant("recompute", Kind.ENGINE, "recompute", None),
+REFERENCE = Variant(Kind.NONE)
+"""The configuration every other one is compared against (time, memory, gradients, losses)."""
+
+_ENGINE_NAME = re.compile(r"^(?P<policy>[a-z_]+)(?:-(?P<percent>\d+(?:\.\d+)?)%)?$")
+
+
+def parse_variant(name: str) -> Variant:
+    """The configuration ``name`` stands for; ValueError naming the valid forms otherwise."""
+    base, compiled = (name[: -len("+compile")], True) if name.endswith("+compile") else (name, False)
+    kinds = {k.value: k for k in Kind if k is not Kind.ENGINE}
+    if base in kinds:
+        return Variant(kinds[base], compiled=compiled)
+    if base == "count":
+        return Variant(Kind.ENGINE, "none", compiled=compiled)
+    match = _ENGINE_NAME.match(base)
+    if match and match["policy"] in offload.policies() and match["policy"] != "none":
+        fraction = None if match["percent"] is None else float(match["percent"]) / 100
+        return Variant(Kind.ENGINE, match["policy"], fraction, compiled)
+    policies = ", ".join(p for p in offload.policies() if p != "none")
+    raise ValueError(
+        f"unknown configuration {name!r}; valid: {', '.join(kinds)}, count, or an engine policy ({policies}) "
+        f"alone or as POLICY-PERCENT% (e.g. offload-25%), each optionally with +compile"
     )
-}
-"""Every configuration, by name, in the order they run and are tabled."""
 
-REFERENCE = "none"
-"""The configuration every other one is compared against (time ratio, losses)."""
+
+ENGINE_POLICIES = ("offload", "recompute", "auto", "selective")
+"""Policies the comparisons run, in table order; one that is not registered (``offload.policies()``)
+is left out, so "selective" joins the tables the day it is registered."""
+
+BUDGETS = (1.0, 0.5, 0.25, 0.1)
+"""Budgets of the comparisons, as shares of the reference's saved activation bytes."""
+
+
+def engine_variants(budgets=BUDGETS) -> tuple[Variant, ...]:
+    """The engine under every registered comparison policy at every budget."""
+    policies = [p for p in ENGINE_POLICIES if p in offload.policies()]
+    return tuple(Variant(Kind.ENGINE, p, b) for b in budgets for p in policies)
+
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -80,19 +123,28 @@ class RunSettings:
     warmup: int = 3
     """Steps trained first and recorded, but not timed: the engine's regions profile on up to three
     (policy "auto"; see offload._regions). A step that still profiles after these is not timed either."""
+    repeats: int = 1
+    """Times every configuration runs, the order rotated each time; figures are medians over them."""
     dtype: str = "fp32"
     device: str = "cpu"
     attention: str = "sdpa"
     dropout: float = 0.1
-    """Nonzero so that recompute must replay the RNG exactly for the losses to match."""
+    """Nonzero so that recompute must replay the RNG exactly for the gradients to match."""
     seed: int = 1234
     min_offload_bytes: Optional[int] = None
     """Passed to the engine; None: the engine's default."""
     deterministic: bool = False
-    """``torch.use_deterministic_algorithms(True, warn_only=True)``: on CUDA, atomics in some
-    backward kernels (attention's dq) otherwise make even two runs of the reference differ after
-    the first step, and the losses-match column would say nothing about the engine."""
+    """Timed steps under ``torch.use_deterministic_algorithms(True, warn_only=True)``: on CUDA the
+    losses of later steps then compare too. The first-step gradient check is always strict."""
+    check_grads: bool = True
+    """Before training, one step under strict determinism with math attention whose gradients are
+    compared with the reference's (see ``loop.grad_check``)."""
+    check_seq: Optional[int] = None
+    """Sequence length of the gradient check's batch (None: ``seq``). Math attention keeps the whole
+    seq x seq score matrix per head, so the h200 preset checks on a shorter batch of the same model."""
     spill_dir: Optional[str] = None
+    """Parent of the engine's spill directory; None: a private temporary one per configuration.
+    Either way the harness owns it, so the page cache its files hold is counted as memory."""
 
     @property
     def total_steps(self) -> int:
@@ -100,12 +152,8 @@ class RunSettings:
 
     def gpt_config(self) -> GPTConfig:
         return GPTConfig(
-            n_layer=self.layers,
-            n_head=self.heads,
-            n_embd=self.hidden,
-            seq_len=self.seq,
-            dropout=self.dropout,
-            attention=self.attention,
+            n_layer=self.layers, n_head=self.heads, n_embd=self.hidden, seq_len=self.seq,
+            dropout=self.dropout, attention=self.attention,
         )
 
 
@@ -114,9 +162,12 @@ class Preset:
     """A named starting point: settings (overridable flag by flag) and the configurations to run."""
 
     settings: dict
-    variants: tuple[str, ...]
+    variants: tuple[Variant, ...]
     help: str
 
+
+_BASELINES = (REFERENCE, Variant(Kind.CHECKPOINT), Variant(Kind.SAVE_ON_CPU))
+_COMPARISON = _BASELINES + engine_variants() + (Variant(Kind.TORCHTUNE),)
 
 PRESETS: dict[str, Preset] = {
     "demo": Preset(
@@ -124,15 +175,26 @@ PRESETS: dict[str, Preset] = {
         # at 1e-6 between processes even with no engine at all, hiding whether the engine is exact.
         dict(layers=4, hidden=256, heads=4, seq=256, batch=4, steps=3, warmup=3, dtype="fp32", device="cpu",
              attention="math"),
-        ("none", "checkpoint", "save_on_cpu", "offload-25%", "auto-25%"),
-        "CPU, five configurations, a few minutes at most on 2 cores",
+        _BASELINES + (Variant(Kind.ENGINE, "offload", 0.25), Variant(Kind.ENGINE, "auto", 0.25)),
+        "CPU, five configurations of MiniGPT 4 x 256",
     ),
     "h200": Preset(
-        dict(
-            layers=4, hidden=4096, heads=32, seq=4096, batch=1, steps=3, warmup=3,
-            dtype="bf16", device="cuda", attention="sdpa", deterministic=True,
-        ),
-        tuple(VARIANTS),
-        "a 7B-class layer shape (h=4096, s=4096) x 4 blocks in bf16 on one large GPU, every configuration",
+        # ~1.6B parameters (8 x 200M): estimated (not yet measured) ~75 ms of compute per step on an H200, so the ~18
+        # configurations x (grad check + 3 + 2 steps) should take about a minute (gpu_check gives it 110 s).
+        dict(layers=8, hidden=4096, heads=32, seq=4096, batch=1, steps=2, warmup=3, dtype="bf16", device="cuda",
+             attention="sdpa", check_seq=1024),
+        _COMPARISON,
+        "a 7B-class layer shape (h=4096, s=4096) x 8 blocks in bf16 on one large GPU, every configuration",
+    ),
+    "tiny": Preset(
+        dict(layers=3, hidden=32, heads=2, seq=16, batch=2, steps=1, warmup=3, dtype="fp32", device="cpu",
+             min_offload_bytes=0),
+        _COMPARISON,
+        "the h200 configurations at a tiny shape: every code path of the GPU run, in under a minute (CPU or CUDA)",
+    ),
+    "sweep": Preset(
+        dict(layers=6, hidden=256, heads=4, seq=256, batch=8, steps=4, warmup=3, dtype="fp32", device="cpu"),
+        (REFERENCE, Variant(Kind.ENGINE, "none")) + engine_variants(),
+        "CPU budget sweep: every policy at 100/50/25/10 %%, auto judged against the best fixed policy",
     ),
 }

@@ -1,160 +1,243 @@
-"""What the step benchmark reports: per-configuration summaries, metrics.csv, the table, the plot.
+"""What the step benchmark reports: one row per configuration, the verdicts, the files, the plot.
 
-Works on the records the runs emitted (``step`` rows and one ``summary`` per configuration, as
-plain dicts), so it never touches a device. matplotlib is imported only inside ``plot``.
+Works on the records the runs emitted (``step`` rows and one ``summary`` per configuration and
+repeat, as plain dicts), so it never touches a device. matplotlib is imported only inside ``plot``.
 
-    step rows ──▶ summarize() ──▶ one row per configuration ──▶ format_table(), summary JSON
-              └─▶ write_csv()  (one row per step)              └─▶ plot()  (peak vs time, resident trace)
+    records ──▶ summarize() ──▶ rows ──▶ table(), verdicts() ──▶ table.md, summary.json, stdout
+            └─▶ metrics.csv (one row per step)        └─▶ plot(): memory vs time, Pareto front
+
+Per configuration: step time, memory (peak, activation peak, optimizer peak), bytes moved and
+link rates, exposed wait, the cost model's lower bound, and gradients and losses against the
+reference; ``LEGEND`` defines each column as the tables print it.
 """
 
 from __future__ import annotations
 
 import csv
-import datetime
-import os
-import platform
-import statistics
-import subprocess
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
-import torch
+from offload.bench.config import MB, REFERENCE, Kind, RunSettings, Variant
+from offload.bench.measure import describe_machine, median, table, write_json
 
-from .._probe import cpu_model
+__all__ = ["CSV_COLUMNS", "Report", "pareto_front", "plot", "summarize", "verdicts"]
 
-import offload
-from offload.bench.config import MB, REFERENCE, VARIANTS, Kind, RunSettings
+AUTO_SLOWER_LIMIT = 1.05
+"""auto may be at most 5% slower than the best fixed policy that holds the same budget."""
+PREDICTION_TOLERANCE = 0.15
+"""The planner's predicted step time should be within 15% of the measured one."""
 
-__all__ = ["CSV_COLUMNS", "cpu_model", "environment", "format_table", "plot", "summarize", "write_csv"]
-
-
-def _median(values) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def summarize(run: RunSettings, names: list[str], results: dict[str, dict]) -> list[dict]:
-    """One row per configuration: medians over measured steps, peak, losses against the reference."""
-    reference = [r["loss"] for r in results.get(REFERENCE, {}).get("steps", [])]
-    reference_ms = None
-    rows = []
-    for name in names:
-        result = results[name]
-        steps = result["steps"]
-        measured = [s for s in steps if not s["warmup"]]
-        summary = result["summary"] or {}
-        losses = [s["loss"] for s in steps]
-        match, diff = None, None
-        if name != REFERENCE and reference and len(losses) == len(reference):
-            match = losses == reference
-            diff = max(abs(a - b) for a, b in zip(losses, reference))
-        step_ms = _median(s["step_ms"] for s in measured)
-        if name == REFERENCE:
-            reference_ms = step_ms
-        peak = max((s["peak_bytes"] for s in measured), default=None)
-        row = {
-            "config": name,
-            "kind": VARIANTS[name].kind.value,
-            "policy": VARIANTS[name].policy,
-            "budget_mb": summary.get("budget_mb"),
-            "measured_steps": len(measured),
-            "step_ms_median": step_ms,
-            "peak_mb": None if peak is None else peak / MB,
-            "saved_mb": _bytes_mb(_median(s.get("saved_bytes") for s in measured)),
-            "moved_mb": _bytes_mb(_median(s.get("offloaded_bytes") for s in measured)),
-            "spilled_mb": _bytes_mb(_median(s.get("spilled_bytes") for s in measured)),
-            "reloaded_mb": _bytes_mb(_median(s.get("reloaded_bytes") for s in measured)),
-            "peak_resident_mb": _bytes_mb(_median(s.get("peak_resident_bytes") for s in measured)),
-            "recomputed_regions": _median(s.get("recomputed_regions") for s in measured),
-            "prefetch_hits": _median(s.get("prefetch_hits") for s in measured),
-            "prefetch_misses": _median(s.get("prefetch_misses") for s in measured),
-            "reload_wait_ms": _median(s.get("reload_wait_ms") for s in measured),
-            "evict_wait_ms": _median(s.get("evict_wait_ms") for s in measured),
-            "losses": losses,
-            "losses_match": match,
-            "max_loss_diff": diff,
-            "error": result["error"],
-        }
-        if name == REFERENCE and summary.get("activation_bytes") is not None:
-            row["saved_mb"] = summary["activation_bytes"] / MB
-        rows.append(row)
-    for row in rows:
-        ms = row["step_ms_median"]
-        row["ratio_vs_none"] = ms / reference_ms if ms is not None and reference_ms else None
-    return rows
+_STAT_FIELDS = ("saved_bytes", "offloaded_bytes", "reloaded_bytes", "spilled_bytes", "recomputed_regions",
+                "prefetch_hits", "prefetch_misses", "reload_wait_ms", "evict_wait_ms", "d2h_busy_ms", "h2d_busy_ms")
 
 
-def _bytes_mb(value) -> Optional[float]:
+def _mb(value) -> Optional[float]:
     return None if value is None else value / MB
 
 
-CSV_COLUMNS = (
-    "config", "step", "warmup", "loss", "loss_match", "step_ms", "peak_mb", "budget_mb",
-    "saved_bytes", "resident_bytes", "peak_resident_bytes", "offloaded_bytes", "reloaded_bytes",
-    "spilled_bytes", "host_bytes", "recomputed_regions", "prefetch_hits", "prefetch_misses",
-    "reload_wait_ms", "evict_wait_ms",
-)
-"""metrics.csv, one row per step and configuration. Engine columns are empty without an engine;
-``peak_mb`` is CUDA max allocated, or peak RSS on the CPU (see ``peak_source`` in summary.json)."""
+def _ratio(a, b) -> Optional[float]:
+    return a / b if a is not None and b else None
 
 
-def write_csv(path: Path, names: list[str], results: dict[str, dict]) -> None:
-    reference = {s["step"]: s["loss"] for s in results.get(REFERENCE, {}).get("steps", [])}
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for name in names:
-            for s in results[name]["steps"]:
-                row = dict(s)
-                row["warmup"] = int(s["warmup"])
-                row["peak_mb"] = round(s["peak_bytes"] / MB, 3)
-                row["loss"] = repr(s["loss"])
-                row["loss_match"] = "" if name == REFERENCE or s["step"] not in reference else int(
-                    s["loss"] == reference[s["step"]])
-                writer.writerow(row)
+def _paired(numerators: list, denominators: list) -> Optional[float]:
+    """Median of the ratios paired by repeat (None where either side is missing in every pair)."""
+    return median([a / b for a, b in zip(numerators, denominators) if a is not None and b])
 
 
-def _fmt(value, spec: str, missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
+def _grads_verdict(check: Optional[dict], reference: Optional[dict]) -> str:
+    if check is None:
+        return "-"
+    if "error" in check:
+        return f"check failed: {check['error']}"
+    if reference is None or "error" in reference:
+        return "reference check failed"
+    ours, theirs = check["checksums"], reference["checksums"]
+    differ = [n for n in theirs if ours.get(n) != theirs[n]]
+    if not differ:
+        return "equal"
+    worst = max((abs(ours[n][1] - theirs[n][1]) / (theirs[n][1] or 1.0) for n in differ if ours.get(n) and theirs[n]),
+                default=float("nan"))
+    return f"differs {len(differ)}/{len(theirs)} (norm {worst:.1g})"
 
 
-def format_table(rows: list[dict]) -> str:
-    """The human table: one line per configuration."""
-    header = ("config", "ms/step", "x none", "peak MB", "saved MB", "moved MB", "recomp", "wait ms", "losses")
-    lines = [header]
-    for r in rows:
-        if r["error"] is not None:
-            first = r["error"].splitlines()[0] if r["error"] else "failed"
-            lines.append((r["config"], "FAILED", first[:60], "", "", "", "", "", ""))
-            continue
-        match = {None: "ref" if r["config"] == REFERENCE else "-", True: "equal", False: "DIFFER"}[r["losses_match"]]
-        if r["losses_match"] is False:
-            match += f" ({r['max_loss_diff']:.2g})"
-        lines.append((
-            r["config"],
-            _fmt(r["step_ms_median"], ".1f"),
-            _fmt(r["ratio_vs_none"], ".2f"),
-            _fmt(r["peak_mb"], ".1f"),
-            _fmt(r["saved_mb"], ".1f"),
-            _fmt(r["moved_mb"], ".1f"),
-            _fmt(r["recomputed_regions"], "g"),
-            _fmt(r["reload_wait_ms"], ".1f"),
-            match,
-        ))
-    widths = [max(len(line[i]) for line in lines if line[1] != "FAILED" or i < 2) for i in range(len(header))]
-    out = []
-    for n, line in enumerate(lines):
-        if line[1] == "FAILED":
-            out.append(f"{line[0].ljust(widths[0])}  FAILED: {line[2]}")
+def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list[dict]], machine) -> list[dict]:
+    """One row per configuration."""
+    ref_runs = results.get(REFERENCE.name) or [{}]
+    compiled_ref = results.get(dataclasses.replace(REFERENCE, compiled=True).name) or ref_runs
+    # Compiled blocks run other kernels than eager ones: their losses compare with the compiled reference.
+    ref_losses = {c: [s["loss"] for s in runs[0].get("steps", [])] for c, runs in ((False, ref_runs), (True, compiled_ref))}
+    ref_summary = ref_runs[0].get("summary") or {}
+    ref_block_ms = median(s.get("block_forward_ms") for s in ref_runs[0].get("steps", []) if not s["warmup"])
+    out_gbps, back_gbps = (machine.offload_gb_per_s() if machine is not None else (0.0, 0.0))
+    rows = []
+    for v in variants:
+        runs = results[v.name]
+        measured = [s for r in runs for s in r["steps"] if not s["warmup"]]
+        summary = next((r["summary"] for r in runs if r["summary"]), None) or {}
+        runs_ms = [median(s["step_ms"] for s in r["steps"] if not s["warmup"]) for r in runs]
+        stats = {f: median(s.get(f) for s in measured) for f in _STAT_FIELDS}
+        losses, reference = [s["loss"] for s in runs[0]["steps"]], ref_losses[v.compiled]
+        is_ref = v.kind is Kind.NONE
+        row = {
+            "config": v.name, "kind": v.kind.value, "policy": v.policy, "budget_fraction": v.budget_fraction,
+            "compiled": v.compiled, "budget_mb": summary.get("budget_mb"), "measured_steps": len(measured),
+            "step_ms": median(runs_ms), "runs_step_ms": runs_ms, "cpu_ms": median(s["cpu_ms"] for s in measured),
+            "opt_ms": median(s["opt_ms"] for s in measured),
+            "peak_mb": _mb(max((s["peak_bytes"] for s in measured), default=None)),
+            "act_peak_mb": _mb(max((s["act_peak_bytes"] for s in measured), default=None)),
+            "opt_peak_mb": _mb(max((s["opt_peak_bytes"] for s in measured), default=None)),
+            "engine_peak_mb": _mb(max((s.get("peak_resident_bytes") or 0 for r in runs for s in r["steps"]), default=0)
+                                  if v.kind is Kind.ENGINE else None),
+            **{f.replace("_bytes", "_mb"): (_mb(stats[f]) if f.endswith("_bytes") else stats[f]) for f in _STAT_FIELDS},
+            "losses": losses,
+            "losses_match": None if is_ref or not reference or len(losses) != len(reference) else losses == reference,
+            "max_loss_diff": None if is_ref else max((abs(a - b) for a, b in zip(losses, reference)), default=None),
+            "grads": "ref" if v == REFERENCE else _grads_verdict(summary.get("grad_check"), ref_summary.get("grad_check")),
+            "runs_predicted_ms": [((r["summary"] or {}).get("plan") or {}).get("predicted_step_ms") for r in runs],
+            "decisions": "".join(x["decision"][0].upper() for x in (summary.get("plan") or {}).get("regions", [])) or None,
+            "error": next((r["error"] for r in runs if r["error"]), None),
+            "skipped": next((r["skipped"] for r in runs if r["skipped"]), None)
+            or (None if any(r["steps"] or r["summary"] or r["error"] for r in runs) else "not run (yet)"),
+        }
+        if v == REFERENCE and summary.get("activation_bytes") is not None:
+            row["saved_mb"] = _mb(summary["activation_bytes"])
+        row["predicted_ms"] = median(row["runs_predicted_ms"])
+        row["exposed_wait_ms"] = (None if stats["reload_wait_ms"] is None
+                                  else stats["reload_wait_ms"] + (stats["evict_wait_ms"] or 0.0))
+        row["d2h_gb_per_s"] = _gbps(stats["offloaded_bytes"], stats["d2h_busy_ms"])
+        row["h2d_gb_per_s"] = _gbps(stats["reloaded_bytes"], stats["h2d_busy_ms"])
+        recomputed = run.layers if v.kind is Kind.CHECKPOINT else (stats["recomputed_regions"] or 0)
+        row["recompute_ms"] = None if ref_block_ms is None else recomputed * ref_block_ms / run.layers
+        moved = [(stats["offloaded_bytes"], out_gbps), (stats["reloaded_bytes"], back_gbps)]
+        row["link_ms"] = sum(b / (g * 1e9) * 1e3 for b, g in moved if b and g) if v.kind is Kind.ENGINE else None
+        rows.append(row)
+    ref = rows[0] if rows and rows[0]["config"] == REFERENCE.name else None
+    for row in rows:
+        row["ratio"] = _ratio(row["step_ms"], ref and ref["step_ms"])
+        row["act_ratio"] = _ratio(row["act_peak_mb"], ref and ref["act_peak_mb"])
+        compute = ref and ref["step_ms"]
+        if compute and row["recompute_ms"] is not None and row["kind"] in (Kind.NONE.value, Kind.CHECKPOINT.value, Kind.ENGINE.value):
+            row["bound_ms"] = max(compute + row["recompute_ms"], row["link_ms"] or 0.0)
         else:
-            out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+            row["bound_ms"] = None
+        row["over_bound"] = _ratio(row["step_ms"], row["bound_ms"])
+    return rows
 
 
-def plot(path: Path, rows: list[dict], results: dict[str, dict], run: RunSettings) -> Optional[Path]:
-    """Peak memory vs step time per configuration, and resident bytes over one step; None without matplotlib."""
+def _gbps(moved_bytes, busy_ms) -> Optional[float]:
+    return moved_bytes / (busy_ms * 1e-3) / 1e9 if moved_bytes and busy_ms else None
+
+
+def verdicts(rows: list[dict]) -> dict:
+    """Per budget: auto against the best fixed policy that holds the budget (engine peak <= budget),
+    as the median of step-time ratios paired within each repeat, and the planner's error."""
+    out = []
+    for fraction in sorted({r["budget_fraction"] for r in rows if r.get("budget_fraction")}, reverse=True):
+        at = {r["policy"]: r for r in rows if r.get("budget_fraction") == fraction and not r.get("compiled")
+              and r.get("step_ms") is not None}
+        auto = at.get("auto")
+        if auto is None:
+            continue
+        held = {p: r for p, r in at.items() if r["engine_peak_mb"] is not None and r["engine_peak_mb"] <= r["budget_mb"]}
+        fixed = {p: r for p, r in held.items() if p != "auto"}
+        best = min(fixed, key=lambda p: fixed[p]["step_ms"]) if fixed else None
+        ratio = _paired(auto["runs_step_ms"], fixed[best]["runs_step_ms"]) if best else None
+        predicted = _paired(auto["runs_predicted_ms"], auto["runs_step_ms"])
+        out.append({
+            "fraction": fraction, "auto_ms": auto["step_ms"], "best_fixed": best,
+            "best_fixed_ms": fixed[best]["step_ms"] if best else None, "auto_over_best": ratio,
+            "auto_within_5pct": ratio is not None and ratio <= AUTO_SLOWER_LIMIT, "auto_holds_budget": "auto" in held,
+            "predicted_ms": auto.get("predicted_ms"), "predicted_over_measured": predicted,
+            "prediction_within_15pct": predicted is not None and abs(predicted - 1) <= PREDICTION_TOLERANCE,
+            "decisions": auto.get("decisions"),
+        })
+    return {
+        "verdicts": out,
+        "auto_within_5pct_everywhere": all(v["auto_within_5pct"] for v in out),
+        "auto_holds_budget_everywhere": all(v["auto_holds_budget"] for v in out),
+        "prediction_within_15pct_everywhere": all(v["prediction_within_15pct"] for v in out),
+    }
+
+
+def _f(value, spec: str):
+    return None if value is None else format(value, spec)
+
+
+def _losses(r: dict) -> str:
+    if r["kind"] == Kind.NONE.value:
+        return "ref"
+    return {None: "-", True: "equal", False: f"differ ({_f(r['max_loss_diff'], '.1g')})"}[r["losses_match"]]
+
+
+def main_table(rows: list[dict], device: str, markdown: bool = False) -> str:
+    memory = "alloc" if device == "cuda" else "RSS+cache"
+    header = ("config", "ms/step", "x none", f"peak {memory} MB", "act MB", "x none", "opt MB", "moved MB",
+              "D2H GB/s", "H2D GB/s", "wait ms", "bound ms", "/bound", "grads step 0", "losses")
+    lines = []
+    for r in rows:
+        if r["error"] or r["skipped"]:
+            what = f"FAILED: {r['error'].splitlines()[0][:100]}" if r["error"] else f"skipped: {r['skipped'][:100]}"
+            lines.append((r["config"], what))
+            continue
+        lines.append((
+            r["config"], _f(r["step_ms"], ".1f"), _f(r["ratio"], ".2f"), _f(r["peak_mb"], ".1f"),
+            _f(r["act_peak_mb"], ".1f"), _f(r["act_ratio"], ".2f"), _f(r["opt_peak_mb"], ".1f"),
+            _f(r["offloaded_mb"], ".1f"), _f(r["d2h_gb_per_s"], ".1f"), _f(r["h2d_gb_per_s"], ".1f"),
+            _f(r["exposed_wait_ms"], ".1f"), _f(r["bound_ms"], ".1f"), _f(r["over_bound"], ".2f"),
+            r["grads"], _losses(r),
+        ))
+    return table(header, lines, markdown=markdown)
+
+
+def engine_table(rows: list[dict], markdown: bool = False) -> str:
+    header = ("config", "budget MB", "CPU ms", "engine peak MB", "recomputed", "decisions", "predicted ms",
+              "predicted / measured")
+    lines = [(r["config"], _f(r["budget_mb"], ".1f"), _f(r["cpu_ms"], ".0f"), _f(r["engine_peak_mb"], ".1f"),
+              _f(r["recomputed_regions"], "g"), r["decisions"], _f(r["predicted_ms"], ".1f"),
+              _f(_paired(r["runs_predicted_ms"], r["runs_step_ms"]), ".2f"))
+             for r in rows if r["kind"] == Kind.ENGINE.value and not (r["error"] or r["skipped"])]
+    return table(header, lines, markdown=markdown)
+
+
+def verdict_table(checked: dict, markdown: bool = False) -> str:
+    header = ("budget %", "auto ms", "best fixed", "its ms", "auto / best", "<= 1.05", "holds budget",
+              "predicted / measured", "decisions")
+    yes = {True: "yes", False: "NO"}
+    lines = [(f"{100 * v['fraction']:.0f}", _f(v["auto_ms"], ".1f"), v["best_fixed"], _f(v["best_fixed_ms"], ".1f"),
+              _f(v["auto_over_best"], ".3f"), yes[v["auto_within_5pct"]], yes[v["auto_holds_budget"]],
+              _f(v["predicted_over_measured"], ".2f"), v["decisions"]) for v in checked["verdicts"]]
+    return table(header, lines, markdown=markdown)
+
+
+LEGEND = """\
+ms/step: median over measured steps (then over repeats) of forward + backward + AdamW step.
+peak: CUDA max allocated, or on the CPU the process's peak RSS plus the page cache of the spill
+files (sampled at the end of forward, as the last block's backward starts and at the end of
+backward). act: that peak from the start of forward to the end of backward minus the memory in use
+at the start (weight gradients included, alike everywhere); opt: the optimizer step's own peak.
+moved: bytes offloaded per step. D2H / H2D GB/s: bytes over the side streams' busy time, where the
+engine reports it. wait: reload + evict wait on the compute stream. bound: max(reference step +
+recomputed blocks x reference forward ms per block, bytes out / probed out GB/s + bytes back /
+probed back GB/s). grads step 0: gradients of one step on the initial weights under strict
+determinism (math attention) against the reference's; losses: every step's against the
+reference's (a compiled configuration's against none+compile). engine peak: most engine-resident bytes at
+once over every step, profiling included. decisions: one letter per block (Keep, Offload, Recompute)."""
+
+
+def pareto_front(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The (time, memory, name) points no other point beats on both time and memory, by time."""
+    front, best = [], float("inf")
+    for point in sorted(points):
+        if point[1] < best:
+            front.append(point)
+            best = point[1]
+    return front
+
+
+def plot(path: Path, rows: list[dict], results: dict, run: RunSettings) -> Optional[Path]:
+    """Activation peak vs step time (every configuration a point, the Pareto front drawn), and
+    engine-resident bytes over one step; None without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -163,39 +246,35 @@ def plot(path: Path, rows: list[dict], results: dict[str, dict], run: RunSetting
     fig = Figure(figsize=(12, 4.8))
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
-    memory_label = "peak CUDA allocated, MB" if run.device == "cuda" else "peak RSS of the process, MB"
-    plotted = [r for r in rows if r["step_ms_median"] is not None and r["peak_mb"] is not None]
-    for i, r in enumerate(plotted):
-        left.scatter(r["step_ms_median"], r["peak_mb"], s=36)
-        # Alternate labels above and below their points: configurations often land close together.
-        left.annotate(r["config"], (r["step_ms_median"], r["peak_mb"]), textcoords="offset points",
-                      xytext=(5, 5 if i % 2 == 0 else -12), fontsize=8)
+    points = [(r["step_ms"], r["act_peak_mb"], r["config"]) for r in rows
+              if r["step_ms"] is not None and r["act_peak_mb"] is not None]
+    for i, (ms, mb, name) in enumerate(points):
+        left.scatter(ms, mb, s=30)
+        left.annotate(name, (ms, mb), textcoords="offset points", xytext=(5, 5 if i % 2 == 0 else -12), fontsize=7)
+    front = pareto_front(points)
+    left.step([p[0] for p in front], [p[1] for p in front], where="post", color="gray", lw=1, ls="--",
+              label="Pareto front")
     left.set_xlabel("step time, ms (median)")
-    left.set_ylabel(memory_label)
+    left.set_ylabel("activation peak, MB" + (" (RSS + spill page cache)" if run.device == "cpu" else " (allocated)"))
     left.set_title("memory vs time per configuration")
+    left.legend(fontsize=8)
     left.grid(alpha=0.3)
-
     traced = [r for r in rows if r["kind"] == Kind.ENGINE.value and r["budget_mb"] is not None
-              and results[r["config"]]["summary"] and results[r["config"]]["summary"]["trace"]]
+              and ((results[r["config"]][0]["summary"] or {}).get("trace"))]
     if traced:
         smallest = min(r["budget_mb"] for r in traced)
-        phases = None
-        for r in traced:
-            if r["budget_mb"] != smallest:
-                continue
-            samples = results[r["config"]]["summary"]["trace"]
-            phases = [s["phase"] for s in samples]
-            right.plot(range(len(samples)), [s["resident_bytes"] / MB for s in samples], marker="o", ms=3,
+        for r in (r for r in traced if r["budget_mb"] == smallest):
+            samples = results[r["config"]][0]["summary"]["trace"]
+            right.plot(range(len(samples)), [(s["resident_bytes"] or 0) / MB for s in samples], marker="o", ms=3,
                        label=r["config"])
+            right.set_xticks(range(len(samples)), [s["phase"] for s in samples], rotation=60, fontsize=7)
         right.axhline(smallest, color="gray", ls="--", lw=1, label=f"budget {smallest:.3g} MB")
-        right.set_xticks(range(len(phases)), phases, rotation=60, fontsize=7)
         right.set_ylabel("engine resident bytes, MB")
         right.set_title("resident activations over the last step")
         right.legend(fontsize=8)
         right.grid(alpha=0.3)
     else:
         right.set_axis_off()
-        right.text(0.5, 0.5, "no engine configuration with a budget", ha="center", va="center")
     fig.suptitle(f"MiniGPT {run.layers}x{run.hidden}, seq {run.seq}, batch {run.batch}, {run.dtype} on {run.device}",
                  fontsize=10)
     fig.tight_layout()
@@ -203,39 +282,72 @@ def plot(path: Path, rows: list[dict], results: dict[str, dict], run: RunSetting
     return path
 
 
-def _git_commit() -> Optional[str]:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(offload.__file__).resolve().parents[1],
-                             capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
+CSV_COLUMNS = ("config", "repeat", "step", "warmup", "loss", "loss_match", "step_ms", "fwd_bwd_ms", "opt_ms",
+               "cpu_ms", "peak_mb", "act_peak_mb", "opt_peak_mb", "budget_mb", "block_forward_ms",
+               "resident_bytes", "peak_resident_bytes", "host_bytes") + _STAT_FIELDS
+"""metrics.csv, one row per step, configuration and repeat. Engine columns are empty without an engine."""
 
 
-def environment(results: dict[str, dict]) -> dict:
-    env = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host_cpu": cpu_model(),
-        "cpu_cores_logical": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "offload": offload.__version__,
-        "git_commit": _git_commit(),
-    }
-    try:
-        import psutil
+def _write_csv(path: Path, results: dict[str, list[dict]]) -> None:
+    reference = {s["step"]: s["loss"] for s in (results.get(REFERENCE.name) or [{"steps": []}])[0]["steps"]}
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for name, runs in results.items():
+            for s in (s for r in runs for s in r["steps"]):
+                row = dict(s, warmup=int(s["warmup"]), loss=repr(s["loss"]),
+                           **{k.replace("_bytes", "_mb"): round(s[k] / MB, 3) for k in ("peak_bytes", "act_peak_bytes", "opt_peak_bytes")})
+                row["loss_match"] = "" if name == REFERENCE.name or s["step"] not in reference else int(
+                    s["loss"] == reference[s["step"]])
+                writer.writerow(row)
 
-        env["ram_gb"] = round(psutil.virtual_memory().total / 1e9, 1)
-    except ImportError:
-        pass
-    for result in results.values():
-        summary = result["summary"]
-        if summary and summary.get("malloc_mmap_threshold"):
-            env["malloc_mmap_threshold"] = summary["malloc_mmap_threshold"]
-        if summary:
-            env.update({k: summary[k] for k in ("device_name", "device_memory_gb", "cuda") if k in summary})
-            if summary.get("machine"):
-                env["machine_profile"] = summary["machine"]
-            env["peak_source"] = summary["peak_source"]
-    return env
+
+class Report:
+    """The outputs of one benchmark run, rewritten whole each time ``write`` is called."""
+
+    def __init__(self, out: Path, run: RunSettings, variants: list[Variant], env: dict, machine) -> None:
+        self.out, self.run, self.variants, self.env, self.machine = out, run, variants, env, machine
+        self.rows: list[dict] = []
+
+    def write(self, results: dict[str, list[dict]], wall_s: Optional[float] = None) -> dict:
+        """Write metrics.csv, summary.json, table.md (and the plot, once ``wall_s`` is given); return
+        the payload of the last JSON line."""
+        run = self.run
+        self.rows = summarize(run, self.variants, results, self.machine)
+        self.checked = verdicts(self.rows)
+        _write_csv(self.out / "metrics.csv", results)
+        plot_path = plot(self.out / "step.png", self.rows, results, run) if wall_s is not None else None
+        payload = {
+            "benchmark": "step", "settings": dataclasses.asdict(run), "env": self.env,
+            "machine": None if self.machine is None else dataclasses.asdict(self.machine),
+            "finished": wall_s is not None, "wall_s": None if wall_s is None else round(wall_s, 1),
+            "results": [{k: v for k, v in r.items() if k != "losses"} for r in self.rows],
+            "verdicts": self.checked, "csv": str(self.out / "metrics.csv"),
+            "plot": None if plot_path is None else str(plot_path),
+        }
+        runs = {n: [{k: r[k] for k in ("summary", "error", "skipped")} | {"losses": [s["loss"] for s in r["steps"]]}
+                    for r in rs] for n, rs in results.items()}
+        write_json(self.out / "summary.json", payload | {"runs": runs})
+        tmp = self.out / ".table.md.tmp"
+        tmp.write_text(self.text(markdown=True) + "\n")
+        tmp.replace(self.out / "table.md")
+        return payload
+
+    def title(self) -> str:
+        run = self.run
+        return (f"MiniGPT {run.layers} x {run.hidden} (heads {run.heads}), seq {run.seq}, batch {run.batch}, "
+                f"{run.dtype}, attention {run.attention}, dropout {run.dropout}; {run.warmup} warm-up + {run.steps} "
+                f"measured steps x {run.repeats} repeats; {describe_machine(self.env)}")
+
+    def text(self, markdown: bool = False) -> str:
+        parts = [("# Step benchmark\n\n" if markdown else "") + self.title(),
+                 main_table(self.rows, self.run.device, markdown)]
+        if any(r["kind"] == Kind.ENGINE.value for r in self.rows):
+            parts.append(engine_table(self.rows, markdown))
+        if self.checked["verdicts"]:
+            parts.append(verdict_table(self.checked, markdown))
+        parts.append(LEGEND)
+        if self.run.device == "cuda" and not self.run.deterministic and any(r["losses_match"] is False for r in self.rows):
+            parts.append("note: without --deterministic, CUDA backward kernels may use atomics; losses can differ "
+                         "after step 0 (the step-0 gradient check is strict either way)")
+        return "\n\n".join(parts)

@@ -2,604 +2,213 @@
 
 Every configuration trains the same model (same seed, same weights, same batches, the RNG reseeded
 before each step so dropout draws the same masks) and records, per step, the loss, the step time,
-the peak memory and what the engine did. The engine never changes the math, so on a deterministic
-device each configuration's losses must equal the reference's exactly; the table says whether they
-do.
+the memory and what the engine did (``loop``). Its first-step gradients are checked against the
+reference's under strict determinism; on a deterministic device its losses must equal the
+reference's too. ``report`` tables, plots and judges what came out.
 
-    configuration        what saved activations do
-    ------------------   ------------------------------------------------------------------------
-    none                 stay on the device (the reference)
-    checkpoint           torch.utils.checkpoint(use_reentrant=False) on every block: only block
-                         inputs are kept, each block's forward re-runs in backward
-    save_on_cpu          torch.autograd.graph.save_on_cpu: every one copied to host memory (pinned
-                         on CUDA) and back, synchronously
-    offload-50%, -25%    offload.engine(policy="offload", regions=model.blocks) with a budget of
-                         that share of the reference's saved bytes
-    auto-50%, -25%       offload.engine(policy="auto", ...): keep, offload or recompute per block
-    recompute            offload.engine(policy="recompute"): the engine's own checkpointing
+The configurations and how to name them are ``config``'s; the reference is "none" (no engine).
 
-How memory is measured, and why in a fresh process per configuration on the CPU::
+On the CPU each configuration runs in a fresh child process (``--one``, JSON lines back to the
+parent) so its peak resident set is its own, with glibc's mmap threshold fixed
+(``MALLOC_MMAP_THRESHOLD_BYTES``) so that freed activations leave the RSS; on CUDA all run in
+this process, one after another. ``--repeats N`` runs everything N times, the order rotated each
+time; figures are medians over repeats, comparisons paired within a repeat.
 
-    parent ──spawn──▶ child "none"   ──JSON lines (one per step, then a summary)──▶ parent
-           ──spawn──▶ child "offload-25%" (budget from the reference's saved bytes) ──▶ parent
-           ...        (CUDA: one child runs every configuration in turn)
+    python -m offload.bench --demo                       # CPU, five configurations
+    python -m offload.bench --preset h200 --out out/h200 # one large GPU, every configuration
+    python -m offload.bench --preset tiny --in-process   # the h200 configurations, tiny
+    python -m offload.bench --preset sweep --repeats 5   # CPU budget sweep with auto's verdicts
+    python -m offload.bench --compile --configs none,offload-25%,auto-25%
 
-- CUDA: ``torch.cuda.max_memory_allocated``, reset before each step. Configurations may share a
-  process because the counter can be reset and the caching allocator's reserve is not counted.
-- CPU: the process's peak resident set size. Before each step glibc hands freed heap back to the
-  OS (``malloc_trim``) and the kernel's high-water mark (VmHWM) is reset through
-  ``/proc/self/clear_refs``, where Linux allows it; elsewhere ``ru_maxrss``, which never goes
-  down. Either way a configuration's figure must not inherit another's heap, so each runs in its
-  own process, started with glibc's mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_BYTES``) so
-  that freed activations leave the RSS. Spill files land in the page cache, which RSS does not
-  count.
-
-Step time is the median over the measured steps, after warm-up steps that are trained and
-recorded (their losses are compared too) but not timed: the engine's regions profile and plan on
-the first steps (up to three for "auto"; any step that still profiles counts as warm-up). The configurations run one after another, not interleaved, so slow drift on a
-shared machine shows up as noise between rows; rerun on a quiet machine before quoting numbers.
-
-    python -m offload.bench --demo                      # CPU, under 3 minutes on 2 cores
-    python -m offload.bench --preset h200 --out out/h200
-    python -m offload.bench --layers 2 --hidden 64 --seq 64 --configs none,offload-25%
-
-Outputs in ``--out``: ``metrics.csv`` (one row per step and configuration), ``summary.json``
-(everything, including each engine's plan and a resident-bytes trace over one step),
-``step.png`` when matplotlib is installed, a table on stdout and, last, one line of JSON.
+Outputs in ``--out`` (rewritten as each configuration finishes, so a timeout keeps what ran):
+``metrics.csv`` (one row per step), ``summary.json`` (everything), ``table.md``, ``step.png``
+when matplotlib is installed; a table on stdout and, last, one line of JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import os
-import re
-import resource
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 import offload
-from offload.bench import report
-from offload.bench.config import DTYPES, MB, PRESETS, VARIANTS, Kind, RunSettings, Variant
-from offload.models import MiniGPT, batches, load_corpus
+from offload.bench import loop, report
+from offload.bench.config import DTYPES, PRESETS, REFERENCE, RunSettings, Variant, parse_variant
+from offload.bench.measure import environment
+from offload.models import load_corpus
 
-__all__ = ["main", "run_one"]
+__all__ = ["main"]
 
 DEFAULT_OUT = Path("out") / "bench"
 """Where outputs go without ``--out``, relative to the working directory."""
 
-LEARNING_RATE = 1e-3
-"""AdamW learning rate: small enough that a few steps of bf16 training stay finite."""
-
-CUBLAS_WORKSPACE_CONFIG = ":4096:8"
-"""cuBLAS workspace setting that ``torch.use_deterministic_algorithms`` requires on CUDA."""
-
-_JSON_PREFIX = "@offload-bench "
-"""Marks a child's result lines on stdout, so stray prints from libraries are never parsed."""
-
 MALLOC_MMAP_THRESHOLD_BYTES = 128 * 1024
 """CPU children: glibc serves allocations at least this large with mmap and unmaps them on free.
 glibc's default raises the threshold after each large free (up to 32 MiB), after which freed
-activations stay in the heap and RSS stops tracking live memory; fixing it (``MALLOC_MMAP_THRESHOLD_``)
-makes peak RSS a measure of what was alive. 128 KiB is glibc's own starting value."""
+activations stay in the heap and RSS stops tracking live memory. 128 KiB is glibc's own start."""
 
+_JSON_PREFIX = "@offload-bench "
+"""Marks a child's result lines on stdout, so stray prints from libraries are never parsed."""
 _STDERR_TAIL_CHARS = 4000
-"""How much of a failed child's stderr to show."""
 
 
-# ---------------------------------------------------------------------------------------------
-# one configuration, in this process
-
-
-class PeakMemory:
-    """Peak memory of a step: CUDA allocated bytes, or this process's peak resident set size."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        if device.type == "cuda":
-            self.source = "cuda.max_memory_allocated"
-        elif _reset_hwm():
-            self.source = "VmHWM (malloc_trim, then reset per step)"
-        else:
-            self.source = "ru_maxrss (whole process)"
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.source.startswith("VmHWM"):
-            _release_free_heap()
-            _reset_hwm()
-
-    def peak_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        if self.source.startswith("VmHWM"):
-            return _proc_status_bytes("VmHWM")
-        scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-    def current_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
-        rss = _proc_status_bytes("VmRSS")
-        return rss if rss else self.peak_bytes()
-
-
-def _release_free_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc ``malloc_trim``), so RSS counts live memory.
-
-    Without it glibc keeps the previous step's freed activations mapped, and every step's peak
-    starts from the largest heap any earlier step reached.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_hwm() -> bool:
-    """Reset this process's peak-RSS mark (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return _proc_status_bytes("VmHWM") > 0
-
-
-def _proc_status_bytes(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
-    except OSError:
-        return 0
-    return int(match.group(1)) * 1024 if match else 0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class ResidentTrace:
-    """Engine resident bytes and device memory at the block boundaries of one step.
-
-    A forward hook on each block samples after its forward; a hook on the block's output gradient
-    samples just before its backward. Reading ``eng.stats`` retires completed copies a little
-    earlier than the engine would on its own; the trace is taken on the last step only, and its
-    2 x layers + 3 samples add well under a millisecond to that step's time.
-    """
-
-    def __init__(self, blocks, engine, memory: PeakMemory) -> None:
-        self.engine, self.memory = engine, memory
-        self.samples: list[dict] = []
-        self._handles = [
-            block.register_forward_hook(functools.partial(self._after_forward, i)) for i, block in enumerate(blocks)
-        ]
-
-    def sample(self, phase: str) -> None:
-        resident = self.engine.stats.resident_bytes if self.engine is not None else None
-        self.samples.append({"phase": phase, "resident_bytes": resident, "memory_bytes": self.memory.current_bytes()})
-
-    def _after_forward(self, index: int, module, args, output) -> None:
-        self.sample(f"fwd{index}")
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda grad: self.sample(f"bwd{index}"))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-def _checkpoint_blocks(model: MiniGPT) -> None:
-    """Every block's forward through ``torch.utils.checkpoint`` (non-reentrant)."""
-    from torch.utils.checkpoint import checkpoint
-
-    for block in model.blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-
-
-def _build(run: RunSettings, device: torch.device):
-    torch.manual_seed(run.seed)
-    with torch.device(device):
-        model = MiniGPT(run.gpt_config())
-    model = model.to(DTYPES[run.dtype]).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    return model, optimizer
-
-
-def _measure_saved_bytes(model: MiniGPT, x: torch.Tensor, y: torch.Tensor, run: RunSettings) -> int:
-    """Bytes of distinct saved storages one forward leaves for backward (an engine that only counts)."""
-    counter = offload.engine(budget_mb=None, model=model, **_engine_kwargs(run))
-    try:
-        with counter:
-            _, loss = model(x, y)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return counter.stats.saved_bytes
-    finally:
-        counter.close()
-
-
-def _engine_kwargs(run: RunSettings) -> dict:
-    kwargs = {}
-    if run.min_offload_bytes is not None:
-        kwargs["min_offload_bytes"] = run.min_offload_bytes
-    if run.spill_dir is not None:
-        kwargs["spill_dir"] = run.spill_dir
-    return kwargs
-
-
-def run_one(
-    run: RunSettings,
-    variant: Variant,
-    data: torch.Tensor,
-    *,
-    activation_bytes: Optional[int] = None,
-    emit: Callable[[dict], None] = lambda record: None,
-) -> dict:
-    """Train ``run.total_steps`` steps under ``variant`` in this process; return its summary.
-
-    Each step is passed to ``emit`` as it finishes. ``activation_bytes`` (the reference's saved
-    bytes) sizes budgets; measured here when a budget needs it and it is None.
-    """
-    device = torch.device(run.device)
-    model, optimizer = _build(run, device)
-    stream = batches(data, run.batch, run.seq, torch.Generator().manual_seed(run.seed))
-    memory = PeakMemory(device)
-    engine, machine, budget_mb = None, None, None
-    forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-
-    if variant.budget_fraction is not None and activation_bytes is None:
-        x, y = next(batches(data, run.batch, run.seq, torch.Generator().manual_seed(run.seed)))
-        activation_bytes = _measure_saved_bytes(model, x.to(device), y.to(device), run)
-    if variant.kind is Kind.CHECKPOINT:
-        _checkpoint_blocks(model)
-    elif variant.kind is Kind.SAVE_ON_CPU:
-        forward_context = functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=device.type == "cuda")
-    elif variant.kind is Kind.ENGINE:
-        if variant.budget_fraction is not None:
-            budget_mb = variant.budget_fraction * activation_bytes / MB
-        if variant.policy in ("auto", "offload"):
-            machine = offload.probe(device, spill_dir=run.spill_dir)  # cached on disk after the first
-        engine = offload.engine(
-            budget_mb, policy=variant.policy, regions=model.blocks, model=model, machine=machine,
-            **_engine_kwargs(run),
-        )
-        forward_context = lambda: engine  # noqa: E731 - the engine is its own context manager
-
-    trace = None
-    try:
-        for step, (x, y) in zip(range(run.total_steps), stream):
-            x, y = x.to(device), y.to(device)
-            last = step == run.total_steps - 1
-            if last:
-                trace = ResidentTrace(model.blocks, engine, memory)
-            torch.manual_seed(run.seed + 1 + step)  # same dropout masks in every configuration
-            profiling = engine is not None and engine.profiling  # a profiling step is never timed
-            if engine is not None:
-                engine.reset_stats()
-            _sync(device)
-            memory.reset()
-            if trace is not None:
-                trace.sample("start")
-            start = time.perf_counter()
-            with forward_context():
-                _, loss = model(x, y)
-            if trace is not None:
-                trace.sample("loss")
-            loss.backward()
-            if trace is not None:
-                trace.sample("backward")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            _sync(device)
-            step_ms = (time.perf_counter() - start) * 1e3
-            row = {
-                "type": "step",
-                "config": variant.name,
-                "step": step,
-                "warmup": step < run.warmup or profiling,
-                "loss": loss.item(),
-                "step_ms": step_ms,
-                "peak_bytes": memory.peak_bytes(),
-                "budget_mb": budget_mb,
-            }
-            if engine is not None:
-                row.update(engine.stats.to_dict())
-            emit(row)
-            del loss
-        if trace is not None:
-            trace.remove()
-        if variant.kind is Kind.NONE:
-            x, y = next(stream)
-            activation_bytes = _measure_saved_bytes(model, x.to(device), y.to(device), run)
-        summary = {
-            "type": "summary",
-            "config": variant.name,
-            "activation_bytes": activation_bytes,
-            "budget_mb": budget_mb,
-            "peak_source": memory.source,
-            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-            "plan": None if engine is None or engine.plan is None else str(engine.plan),
-            "machine": None if machine is None else dataclasses.asdict(machine),
-            "trace": trace.samples if trace is not None else [],
-            **_device_facts(device),
-        }
-        return summary
-    finally:
-        if engine is not None:
-            engine.close()
-        del model, optimizer
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-
-def _device_facts(device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {"device_name": report.cpu_model()}
-    props = torch.cuda.get_device_properties(device)
-    return {
-        "device_name": props.name,
-        "device_memory_gb": round(props.total_memory / 1e9, 1),
-        "cuda": torch.version.cuda,
-    }
-
-
-@contextlib.contextmanager
-def _determinism(run: RunSettings):
-    """Deterministic kernels where torch has them (a warning where it has not), restored on exit.
-
-    New tensors are not NaN-filled (a debugging aid of deterministic mode): that would add a fill
-    to every reload buffer and skew the timings.
-    """
-    if not run.deterministic:
-        yield
-        return
-    if run.device == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)  # read at cuBLAS init
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    try:
-        import torch.utils.deterministic as fill_flag  # torch >= 2.1
-    except ImportError:
-        fill_flag = None
-    fill = getattr(fill_flag, "fill_uninitialized_memory", None)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    if fill_flag is not None:
-        fill_flag.fill_uninitialized_memory = False
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-        if fill_flag is not None:
-            fill_flag.fill_uninitialized_memory = fill
-
-
-def _child(spec_json: str) -> int:
-    """``--one``: run the named configurations in this process, printing one JSON line per record."""
-    spec = json.loads(spec_json)
-    run = RunSettings(**spec["run"])
-    activation_bytes = spec.get("activation_bytes")
-
-    def emit(record: dict) -> None:
-        sys.stdout.write(_JSON_PREFIX + json.dumps(record) + "\n")
-        sys.stdout.flush()
-
+def _run_jobs(run: RunSettings, jobs: list[tuple[str, int]], activation_bytes, emit: Callable[[dict], None]) -> None:
+    """Run (configuration, repeat) jobs in this process, passing every record to ``emit``."""
     data = load_corpus()
-    failed = False
-    for name in spec["variants"]:
+    for name, repeat in jobs:
+        tag = {"config": name, "repeat": repeat}
         try:
-            with _determinism(run):
-                summary = run_one(run, VARIANTS[name], data, activation_bytes=activation_bytes, emit=emit)
-        except Exception as error:  # noqa: BLE001 - reported to the parent, which tables it as failed
-            failed = True
-            emit({"type": "error", "config": name, "error": f"{type(error).__name__}: {error}"})
-            gc.collect()
-            if run.device.startswith("cuda"):
-                torch.cuda.empty_cache()
+            summary = loop.run_one(run, parse_variant(name), data, activation_bytes=activation_bytes,
+                                   emit=lambda record: emit(record | tag))
+        except loop.Skipped as reason:
+            emit({"type": "skipped", "reason": str(reason)} | tag)
             continue
-        if activation_bytes is None:
-            activation_bytes = summary["activation_bytes"]
-        emit(summary)
-    return 1 if failed else 0
+        except Exception as error:  # noqa: BLE001 - tabled as failed; the others still run
+            emit({"type": "error", "error": f"{type(error).__name__}: {error}"} | tag)
+            del error  # its traceback holds the failed configuration's model: free it before the next
+            gc.collect()
+            continue
+        activation_bytes = activation_bytes or summary["activation_bytes"]
+        emit(summary | tag)
 
 
-# ---------------------------------------------------------------------------------------------
-# the parent: spawn, collect, report
-
-
-class _Progress:
-    """A one-line progress bar on stderr (a line per configuration when stderr is not a terminal)."""
-
-    WIDTH = 24
-
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-        self.tty = sys.stderr.isatty()
-
-    def step(self, config: str, step: int, steps: int, step_ms: float) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        if self.tty:
-            filled = self.WIDTH * self.done // max(self.total, 1)
-            bar = "#" * filled + "-" * (self.WIDTH - filled)
-            sys.stderr.write(f"\r[{bar}] {self.done}/{self.total}  {config:<12} step {step + 1}/{steps}  "
-                             f"{step_ms:8.1f} ms ")
-            sys.stderr.flush()
-        elif step + 1 == steps:
-            sys.stderr.write(f"bench: {config} done ({self.done}/{self.total} steps)\n")
-
-    def finish(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
-
-
-def _spawn(run: RunSettings, names: list[str], activation_bytes, on_record: Callable[[dict], None]) -> tuple[int, str]:
-    """Run configurations ``names`` in a fresh ``python -m offload.bench --one`` process."""
-    spec = {"run": dataclasses.asdict(run), "variants": names, "activation_bytes": activation_bytes}
+def _spawn(run: RunSettings, job: tuple[str, int], activation_bytes, emit: Callable[[dict], None]) -> tuple[int, str]:
+    """Run one job in a fresh ``python -m offload.bench --one`` process."""
+    spec = {"run": dataclasses.asdict(run), "jobs": [job], "activation_bytes": activation_bytes}
     env = dict(os.environ)
     package_root = str(Path(offload.__file__).resolve().parents[1])  # works without an install too
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    if run.deterministic:
-        env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
-    if run.device == "cpu":
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD_BYTES))
-    with _TempText() as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "offload.bench", "--one", json.dumps(spec)],
-            stdout=subprocess.PIPE, stderr=err.file, text=True, env=env,
-        )
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD_BYTES))
+    with tempfile.TemporaryFile(mode="w+") as err:  # a pipe could fill up and stall the child
+        proc = subprocess.Popen([sys.executable, "-m", "offload.bench", "--one", json.dumps(spec)],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         for line in proc.stdout:
             if line.startswith(_JSON_PREFIX):
-                on_record(json.loads(line[len(_JSON_PREFIX):]))
+                emit(json.loads(line[len(_JSON_PREFIX):]))
         code = proc.wait()
+        err.seek(0)
         return code, err.read()
 
 
-class _TempText:
-    """A temporary file for a child's stderr (a pipe could fill up and stall the child)."""
+def collect(run: RunSettings, variants: list[Variant], in_process: bool,
+            on_done: Callable[[dict], None] = lambda results: None) -> dict[str, list[dict]]:
+    """Run every configuration ``run.repeats`` times; per name, one record set per repeat:
+    ``{"steps": [...], "summary", "error", "skipped"}``. ``on_done`` sees the results so far
+    each time a configuration finishes."""
+    names = [v.name for v in variants]
+    results = {n: [{"steps": [], "summary": None, "error": None, "skipped": None} for _ in range(run.repeats)]
+               for n in names}
+    head, rest = (names[:1], names[1:]) if names[0] == REFERENCE.name else ([], names)
+    jobs = [(n, r) for r in range(run.repeats) for n in head + rest[r % max(len(rest), 1):] + rest[:r % max(len(rest), 1)]]
+    state = {"activation_bytes": None}
 
-    def __enter__(self):
-        self.file = tempfile.TemporaryFile(mode="w+")
-        return self
-
-    def read(self) -> str:
-        self.file.seek(0)
-        return self.file.read()
-
-    def __exit__(self, *exc) -> None:
-        self.file.close()
-
-
-def _collect(run: RunSettings, names: list[str], in_process: bool, progress: _Progress) -> dict[str, dict]:
-    """Run every configuration; return per name: its step rows, its summary, or its error."""
-    results: dict[str, dict] = {name: {"steps": [], "summary": None, "error": None} for name in names}
-
-    def on_record(record: dict) -> None:
-        result = results[record["config"]]
-        if record["type"] == "step":
+    def emit(record: dict) -> None:
+        result = results[record["config"]][record["repeat"]]
+        kind = record["type"]
+        if kind == "step":
             result["steps"].append(record)
-            progress.step(record["config"], record["step"], run.total_steps, record["step_ms"])
-        elif record["type"] == "summary":
+            return
+        if kind == "summary":
             result["summary"] = record
+            state["activation_bytes"] = state["activation_bytes"] or record["activation_bytes"]
         else:
-            result["error"] = record["error"]
+            result[kind] = record["reason" if kind == "skipped" else "error"]
+        print(f"bench: {record['config']} (repeat {record['repeat'] + 1}/{run.repeats}) {kind}", file=sys.stderr)
+        on_done(results)
 
-    activation_bytes = None
-    if in_process:
-        data = load_corpus()
-        for name in names:
-            try:
-                with _determinism(run):
-                    summary = run_one(run, VARIANTS[name], data, activation_bytes=activation_bytes, emit=on_record)
-            except Exception as error:  # noqa: BLE001 - tabled as failed, the others still run
-                on_record({"type": "error", "config": name, "error": f"{type(error).__name__}: {error}"})
-                continue
-            activation_bytes = activation_bytes or summary["activation_bytes"]
-            on_record(summary)
+    if in_process or run.device != "cpu":
+        _run_jobs(run, jobs, None, emit)
         return results
-
-    # CPU: a fresh process per configuration (peak RSS must not inherit another's heap).
-    # CUDA: one process for all (the peak counter resets; start-up is paid once).
-    groups = [[name] for name in names] if run.device == "cpu" else [names]
-    for group in groups:
-        code, stderr = _spawn(run, group, activation_bytes, on_record)
-        for name in group:
-            result = results[name]
-            if result["summary"] is None and result["error"] is None:
-                tail = stderr.strip()[-_STDERR_TAIL_CHARS:]
-                result["error"] = f"child process exited with code {code}" + (f":\n{tail}" if tail else "")
-            if activation_bytes is None and result["summary"] is not None:
-                activation_bytes = result["summary"]["activation_bytes"]
+    for job in jobs:  # CPU: a fresh process per configuration (peak RSS must not inherit another's heap)
+        code, stderr = _spawn(run, job, state["activation_bytes"], emit)
+        result = results[job[0]][job[1]]
+        if result["summary"] is None and result["error"] is None and result["skipped"] is None:
+            tail = stderr.strip()[-_STDERR_TAIL_CHARS:]
+            result["error"] = f"child process exited with code {code}" + (f":\n{tail}" if tail else "")
+            on_done(results)
     return results
-
-
-
-# ---------------------------------------------------------------------------------------------
-# command line
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m offload.bench",
-        description="Train MiniGPT a few steps under each way of handling activations; compare time, memory, losses.",
+        description="Train MiniGPT a few steps under each way of handling activations; compare time, memory, gradients.",
     )
     p.add_argument("--demo", action="store_true", help="the short CPU demo (same as --preset demo)")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="; ".join(f"{k}: {v.help}" for k, v in PRESETS.items()))
-    p.add_argument("--layers", type=int)
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--seq", type=int)
-    p.add_argument("--batch", type=int)
-    p.add_argument("--steps", type=int, help="measured steps per configuration")
-    p.add_argument("--warmup", type=int, help="untimed steps first (trained, recorded, losses compared)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="; ".join(f"{k}: {v.help}" for k, v in PRESETS.items()).replace("%", "%%"))
+    for name, kind in (("layers", int), ("hidden", int), ("heads", int), ("seq", int), ("batch", int),
+                       ("steps", int), ("warmup", int), ("repeats", int), ("dropout", float), ("seed", int),
+                       ("min-offload-bytes", int), ("check-seq", int), ("spill-dir", str)):
+        p.add_argument(f"--{name}", type=kind)
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--device", choices=("cpu", "cuda"))
     p.add_argument("--attention", choices=("sdpa", "math"))
-    p.add_argument("--dropout", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--min-offload-bytes", type=int, help="engine min_offload_bytes (default: the engine's)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.use_deterministic_algorithms(True, warn_only=True) in every configuration")
-    p.add_argument("--spill-dir", help="engine spill directory (default: a private temp dir)")
-    p.add_argument("--configs", help=f"comma-separated, from: {', '.join(VARIANTS)} (default: the preset's, or all)"
-                   .replace("%", "%%"))  # argparse formats help with %
+                   help="timed steps under torch.use_deterministic_algorithms(True, warn_only=True)")
+    p.add_argument("--check-grads", action=argparse.BooleanOptionalAction, default=None,
+                   help="first-step gradients under strict determinism, compared with the reference's (default on)")
+    p.add_argument("--configs", help="comma-separated configuration names, e.g. "
+                   + ", ".join(v.name for v in PRESETS["tiny"].variants).replace("%", "%%")
+                   + " (default: the preset's)")
+    p.add_argument("--compile", action="store_true", help="each configuration also with torch.compile'd blocks")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     p.add_argument("--in-process", action="store_true",
-                   help="run every configuration in this process (faster; CPU peak RSS then carries over)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+                   help="run every configuration in this process (CUDA always does; CPU peak RSS then carries over)")
+    p.add_argument("--no-progress", action="store_true", help="accepted for compatibility: progress is one line per configuration")
     p.add_argument("--one", metavar="SPEC", help=argparse.SUPPRESS)  # internal: a child process
     return p
 
 
-def _settings(args: argparse.Namespace) -> tuple[RunSettings, list[str]]:
+def _settings(args: argparse.Namespace) -> tuple[RunSettings, list[Variant]]:
     preset = PRESETS["demo" if args.demo else args.preset] if (args.demo or args.preset) else None
     values = dict(preset.settings) if preset else {}
     for field in dataclasses.fields(RunSettings):
         given = getattr(args, field.name, None)
         if given is not None:
             values[field.name] = given
-    if "device" not in values:
-        values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    if "dtype" not in values:
-        values["dtype"] = "bf16" if values["device"] == "cuda" else "fp32"
+    values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    values.setdefault("dtype", "bf16" if values["device"] == "cuda" else "fp32")
     run = RunSettings(**values)
     run.gpt_config()  # validates the shape (ValueError names the field)
-    if run.steps < 1 or run.warmup < 0:
-        raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {run.steps} and {run.warmup}")
+    if run.steps < 1 or run.warmup < 0 or run.repeats < 1:
+        raise ValueError(f"--steps and --repeats must be >= 1 and --warmup >= 0, got {run.steps}, {run.repeats}, {run.warmup}")
     if args.configs:
-        names = [n.strip() for n in args.configs.split(",") if n.strip()]
-        unknown = [n for n in names if n not in VARIANTS]
-        if unknown:
-            raise ValueError(f"unknown configuration(s) {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
+        variants = [parse_variant(n.strip()) for n in args.configs.split(",") if n.strip()]
     else:
-        names = list(preset.variants) if preset else list(VARIANTS)
-    names = sorted(set(names), key=list(VARIANTS).index)  # the reference runs first: it sizes the budgets
-    return run, names
+        variants = list(preset.variants if preset else PRESETS["demo"].variants)
+    if args.compile:
+        variants = [w for v in variants for w in (v, dataclasses.replace(v, compiled=True)) if not v.compiled]
+    variants = list(dict.fromkeys(variants))
+    variants.sort(key=lambda v: v != REFERENCE)  # the reference runs first: it sizes the budgets
+    return run, variants
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the benchmark; returns 0, or 1 when a configuration failed (2 for bad arguments)."""
     args = _parser().parse_args(argv)
     if args.one is not None:
-        return _child(args.one)
+        spec = json.loads(args.one)
+
+        def emit(record: dict) -> None:
+            sys.stdout.write(_JSON_PREFIX + json.dumps(record) + "\n")
+            sys.stdout.flush()
+
+        _run_jobs(RunSettings(**spec["run"]), [tuple(j) for j in spec["jobs"]], spec["activation_bytes"], emit)
+        return 0
     try:
-        run, names = _settings(args)
+        run, variants = _settings(args)
     except ValueError as error:
         print(f"offload.bench: error: {error}", file=sys.stderr)
         return 2
@@ -608,45 +217,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"offload.bench: skipped: {reason}", file=sys.stderr)
         print(json.dumps({"benchmark": "step", "skipped": reason}))
         return 0
+    if run.device == "cuda":  # read when cuBLAS initializes: before this process's first matmul
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", loop.CUBLAS_WORKSPACE_CONFIG)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"offload.bench: MiniGPT {run.layers} layers x {run.hidden} (heads {run.heads}), seq {run.seq}, "
-          f"batch {run.batch}, {run.dtype} on {run.device}; {run.warmup} warm-up + {run.steps} measured steps; "
-          f"configurations: {', '.join(names)}", file=sys.stderr)
-    progress = _Progress(len(names) * run.total_steps, enabled=not args.no_progress)
+          f"batch {run.batch}, {run.dtype} on {run.device}; {run.warmup} warm-up + {run.steps} measured steps"
+          f" x {run.repeats}; configurations: {', '.join(v.name for v in variants)}", file=sys.stderr)
     started = time.perf_counter()
-    try:
-        results = _collect(run, names, args.in_process, progress)
-    finally:
-        progress.finish()
-    rows = report.summarize(run, names, results)
-
-    csv_path, summary_path = out / "metrics.csv", out / "summary.json"
-    report.write_csv(csv_path, names, results)
-    plot_path = report.plot(out / "step.png", rows, results, run)
-    env = report.environment(results)
-    payload = {
-        "benchmark": "step",
-        "settings": dataclasses.asdict(run),
-        "env": env,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "results": [{k: v for k, v in r.items() if k != "losses"} for r in rows],
-        "csv": str(csv_path),
-        "plot": None if plot_path is None else str(plot_path),
-    }
-    summary_path.write_text(json.dumps(
-        payload | {"runs": {n: {"summary": results[n]["summary"], "error": results[n]["error"],
-                                "losses": [s["loss"] for s in results[n]["steps"]]} for n in names}},
-        indent=1) + "\n")
-
-    where = env.get("device_name", run.device)
-    print(f"MiniGPT {run.layers}x{run.hidden}, seq {run.seq}, batch {run.batch}, {run.dtype}, "
-          f"{run.steps} measured steps; {where}; torch {env['torch']}; {env['date_utc']}")
-    print(report.format_table(rows))
-    if any(r["losses_match"] is False for r in rows) and run.device == "cuda" and not run.deterministic:
-        print("note: without --deterministic, CUDA backward kernels may use atomics; losses can differ after step 0")
-    print(f"metrics: {csv_path}\nsummary: {summary_path}")
-    print(f"plot:    {plot_path}" if plot_path else "plot:    (matplotlib not installed: pip install offload[plot])")
+    device = torch.device(run.device)
+    env = environment(device)
+    machine = offload.probe(device)  # measured once, cached on disk: children read the cache
+    reporter = report.Report(out, run, variants, env, machine)
+    results = collect(run, variants, args.in_process, on_done=reporter.write)
+    payload = reporter.write(results, wall_s=time.perf_counter() - started)
+    print(reporter.text())
     print(json.dumps(payload))
-    return 1 if any(r["error"] is not None for r in rows) else 0
+    return 1 if any(r["error"] is not None for r in reporter.rows) else 0

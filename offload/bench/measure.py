@@ -1,0 +1,217 @@
+"""How the benchmarks measure: memory, time, the machine; and how they write what they measured.
+
+    Memory        peak memory of a window: CUDA allocated bytes, or this process's peak resident
+                  set plus the page cache that the engine's own spill files hold
+    sync, timed   synchronize before reading the clock; interleave the variants compared
+    environment   hardware, versions, date, commit: what a committed result must name
+    table         the one plain-text table printer
+    write_json    whole or not at all (a temporary file renamed into place)
+
+Every benchmark here and in ``bench/`` uses these, so each figure means one thing everywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import offload
+from offload._pagecache import cached_bytes_under
+from offload._probe import cpu_model
+
+__all__ = ["Memory", "environment", "describe_machine", "median", "sync", "table", "timed", "write_json"]
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so the host clock reads real time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+class Memory:
+    """Memory in use and its peak since ``reset``, on one device.
+
+    - CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` (the caching allocator's
+      reserve is not counted).
+    - CPU: the resident set (``VmRSS``) and its high-water mark (``VmHWM``), reset through
+      ``/proc/self/clear_refs`` after glibc hands freed heap back (``malloc_trim``), where Linux
+      allows it; elsewhere ``ru_maxrss``, which never goes down. Plus the page cache held by the
+      files under ``spill_dir`` (``offload._pagecache``), sampled when ``sample_cache`` is called:
+      a byte parked in the spill files' page cache is still RAM, so no configuration looks better
+      by parking it there.
+    """
+
+    def __init__(self, device: torch.device, spill_dir: Optional[str] = None) -> None:
+        self.device, self.spill_dir = device, spill_dir
+        self.cache_peak = 0
+        if device.type == "cuda":
+            self.source = "cuda.max_memory_allocated"
+        elif _reset_hwm():
+            self.source = "VmHWM (malloc_trim, then reset per window) + spill page cache"
+        else:
+            self.source = "ru_maxrss (whole process) + spill page cache"
+
+    def reset(self) -> None:
+        self.cache_peak = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.source.startswith("VmHWM"):
+            _release_free_heap()
+            _reset_hwm()
+
+    def sample_cache(self) -> None:
+        if self.device.type != "cuda" and self.spill_dir is not None:
+            self.cache_peak = max(self.cache_peak, cached_bytes_under(self.spill_dir) or 0)
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        if self.source.startswith("VmHWM"):
+            return _proc_status_bytes("VmHWM") + self.cache_peak
+        scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale + self.cache_peak
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        cache = (cached_bytes_under(self.spill_dir) or 0) if self.spill_dir else 0
+        return _proc_status_bytes("VmRSS") + cache
+
+
+def _release_free_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``), so RSS counts live memory."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_hwm() -> bool:
+    """Reset this process's peak-RSS mark (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _proc_status_bytes("VmHWM") > 0
+
+
+def _proc_status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    except OSError:
+        return 0
+    return int(match.group(1)) * 1024 if match else 0
+
+
+def timed(
+    fns: dict[str, Callable[[], None]], *, rounds: int, warmup: int, device: torch.device,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Time each function ``rounds`` times, interleaved (A B C A B C ...), after ``warmup`` rounds.
+
+    Each call is bracketed by device synchronizations. Returns (wall ms, process CPU ms) per call,
+    per name. CPU time (all threads) is what a call costs on a shared host whose other tenants
+    steal the wall clock; it misses time spent waiting on the disk or the device.
+    """
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(warmup + rounds):
+        for name, fn in fns.items():
+            sync(device)
+            cpu_start, start = time.process_time(), time.perf_counter()
+            fn()
+            sync(device)
+            if i >= warmup:
+                wall[name].append((time.perf_counter() - start) * 1e3)
+                cpu[name].append((time.process_time() - cpu_start) * 1e3)
+    return wall, cpu
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(offload.__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def environment(device: torch.device) -> dict:
+    """Hardware, versions and date: what a committed result must name. Never initializes CUDA
+    unless ``device`` is a CUDA device."""
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "host_cpu": cpu_model(),
+        "cpu_cores_logical": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),  # > cores: something else shared the machine
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "offload": offload.__version__,
+        "git_commit": _git_commit(),
+        "device": str(device),
+    }
+    try:
+        import psutil  # optional: RAM size only
+
+        env["ram_gb"] = round(psutil.virtual_memory().total / 1e9, 1)
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 1e9, 1))
+    return env
+
+
+def describe_machine(env: dict) -> str:
+    """One line naming the hardware and versions, for table headers."""
+    where = env.get("gpu") or f"{env['host_cpu']} ({env['cpu_cores_logical']} cores)"
+    return f"{where}, torch {env['torch']}, python {env['python']}, {env['date_utc']}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence], *, markdown: bool = False, left: int = 1) -> str:
+    """Rows under a header: aligned plain text (the first ``left`` columns left-aligned, the rest
+    right-aligned), or a markdown table. None prints as '-'. A row shorter than the header (a
+    name and a note, e.g. "skipped: ...") prints its note across the remaining columns."""
+    lines = [[str(c) for c in header]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    full = [line for line in lines if len(line) == len(header)]
+    if markdown:
+        out = ["| " + " | ".join(lines[0]) + " |", "|" + "---|" * len(header)]
+        return "\n".join(out + ["| " + " | ".join(line + [""] * (len(header) - len(line))) + " |" for line in lines[1:]])
+    widths = [max(len(line[i]) for line in full) for i in range(len(header))]
+    out = [("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+            if len(line) == len(header) else "  ".join([line[0].ljust(widths[0])] + line[1:])) for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def write_json(path, payload) -> Path:
+    """Write ``payload`` as JSON, whole or not at all: a reader never sees a file cut short."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
