@@ -27,18 +27,20 @@ class OffloadError(RuntimeError):
 
 
 
-def inplace_error(type_name: str, shape, now: int, expected: int) -> RuntimeError:
+def inplace_error(type_name: str, shape, now: int, expected: int, where: str = "") -> RuntimeError:
     """The error PyTorch raises for a saved tensor modified in place, for checks the engine does itself.
 
     Saved-tensor hooks switch off autograd's own version check, so the engine (its store, the
     pass-through path and the recompute path) compares versions and raises this instead, worded as
     PyTorch words it, so that code and people matching on it see the same error with and without
-    the engine. ``type_name`` is ``Tensor.type()`` (``torch.FloatTensor``).
+    the engine. ``type_name`` is ``Tensor.type()`` (``torch.FloatTensor``); ``where`` names the
+    tensor's place where that helps (``tensor input 0 of region 'blocks.1'``).
     """
     dims = ", ".join(str(d) for d in shape)
+    place = f", {where}," if where else ""
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"[{type_name} [{dims}]] is at version {now}; expected version {expected} instead. Hint: enable anomaly "
+        f"[{type_name} [{dims}]]{place} is at version {now}; expected version {expected} instead. Hint: enable anomaly "
         "detection to find the operation that failed to compute its gradient, with "
         "torch.autograd.set_detect_anomaly(True). (offload checked this: saved-tensor hooks turn off PyTorch's own check.)"
     )

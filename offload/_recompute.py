@@ -32,13 +32,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._errors import OffloadError
+from ._errors import OffloadError, inplace_error
+from ._stats import record
 
 __all__ = ["checkpoint", "timed_checkpoint"]
-
-
-def _record(name: str):
-    return torch.autograd.profiler.record_function(name)
 
 
 class _RNGState:
@@ -193,10 +190,8 @@ class _Frame:
         if self.forward_values is not None:
             value, version = self.forward_values[slot.index]
             if value._version != version:
-                raise RuntimeError(
-                    f"one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: saved tensor {slot.index} of region {self.name!r} is at version {value._version}; "
-                    f"expected version {version} instead"
+                raise inplace_error(
+                    value.type(), value.shape, value._version, version, f"saved tensor {slot.index} of region {self.name!r}"
                 )
             return value
         if self.values is None:
@@ -223,10 +218,8 @@ class _Frame:
             if a is _ARG:
                 i, (packed, version, requires_grad) = next(tensors)
                 if version is not None and packed._version != version:
-                    raise RuntimeError(
-                        f"one of the variables needed for gradient computation has been modified by an inplace "
-                        f"operation: tensor input {i} of region {self.name!r} is at version {packed._version}; "
-                        f"expected version {version} instead"
+                    raise inplace_error(
+                        packed.type(), packed.shape, packed._version, version, f"tensor input {i} of region {self.name!r}"
                     )
                 return self._unpack_input(packed).detach().requires_grad_(requires_grad)
             return a
@@ -278,7 +271,7 @@ class _Frame:
         if timed:
             _synchronize(self.rng.cuda_devices)
             start = time.perf_counter()
-        with _record("offload::recompute"):
+        with record("offload::recompute"):
             args, kwargs = self._rebuild_args()
             with self.rng.restored(), self.autocast.restored(), torch.enable_grad():
                 with torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured):

@@ -163,3 +163,83 @@ def test_checkpoint_input_changed_after_forward(budget, tmp_path):
     with pytest.raises(RuntimeError, match=INPLACE):
         out.sum().backward()
     eng.close()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(N, N)
+
+    def forward(self, x):
+        return self.lin(x).tanh()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+@pytest.mark.parametrize("budget", [None, 0.1, 0], ids=lambda b: f"budget={b}")
+def test_region_input_modified_after_forward_raises(policy, budget, tmp_path):
+    """Regions under policy "recompute" / "auto": a block's input changed in place after forward is
+    refused in backward like torch's checkpoint refuses it, on every step (profiling included)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(), _Block(), _Block())
+    if budget is None and policy == "auto":
+        pytest.skip("auto without a budget keeps everything: no region is recomputed")
+    eng = offload.engine(budget, regions=list(model), model=model, policy=policy, spill_dir=tmp_path,
+                         machine=_MACHINE, min_offload_bytes=0)
+    for step in range(4):  # auto: measure, recompute trial, offload trial, then its plan
+        x = torch.randn(16, N, requires_grad=True)
+        with eng:
+            h = x * 2  # the first block's input: a non-leaf the user can still change
+            out = model(h)
+        out.sum().backward()  # unmodified: fine
+        with eng:
+            h = x * 2
+            out = model(h)
+        h.add_(1)
+        with pytest.raises(RuntimeError, match=INPLACE):
+            out.sum().backward()
+        del out, h
+    eng.close()
+
+
+_MACHINE = offload.MachineProfile(
+    device_type="cpu", device_name="test", d2h_gb_per_s=0.0, h2d_gb_per_s=0.0,
+    disk_write_gb_per_s=1.0, disk_read_gb_per_s=1.0, per_tensor_overhead_us=50.0,
+)
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=lambda b: f"budget={b}")
+def test_allow_mutation_on_saved_tensors_inside_the_engine(budget, tmp_path):
+    """torch's ``allow_mutation_on_saved_tensors`` inside the engine: its hooks are innermost, so
+    it owns what is saved there and mutation works exactly as without the engine."""
+
+    def run(eng):
+        torch.manual_seed(0)
+        x = torch.randn(N, N, requires_grad=True)
+        with eng if eng is not None else contextlib.nullcontext():
+            with torch.autograd.graph.allow_mutation_on_saved_tensors():
+                z = x * 2
+                w = z.sin()
+                z.add_(1)  # allowed: the saved z was cloned before the write
+                w.sum().backward()
+        return x.grad
+
+    want = run(None)
+    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=tmp_path)
+    assert torch.equal(run(eng), want)
+    eng.close()
+
+
+def test_engine_inside_allow_mutation_refuses_like_plain_autograd(tmp_path):
+    """The other order: the engine's hooks are innermost, so ``allow_mutation_on_saved_tensors``
+    never sees the saves and cannot clone them; the mutation is then refused with PyTorch's
+    in-place error (never wrong gradients). Put the engine outside that context to combine them."""
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=tmp_path)
+    x = torch.randn(N, N, requires_grad=True)
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        with eng:
+            z = x * 2
+            w = z.sin()
+        z.add_(1)
+        with pytest.raises(RuntimeError, match=INPLACE):
+            w.sum().backward()
+    eng.close()

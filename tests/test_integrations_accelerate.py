@@ -73,6 +73,6 @@ def test_accelerate_loop_equal_with_engine(spill_dir):
     stats = wait_clean(eng, spill_dir)
     assert stats.saved_tensors > 0 and stats.offloaded_bytes > 0
     assert stats.offloaded_bytes == stats.saved_bytes  # budget 0: everything eligible moved
-    assert stats.reloaded_bytes >= stats.offloaded_bytes  # and came back for backward
+    assert stats.reloaded_bytes > 0  # and came back for backward (once per storage, or again for a user far apart)
     eng.close()
     assert files_under(spill_dir) == []

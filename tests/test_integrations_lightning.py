@@ -122,7 +122,7 @@ def test_fit_equal_with_callback(variant, spill_dir):
     stats = callback.engine.stats  # readable after fit
     assert stats.saved_tensors > 0 and stats.offloaded_bytes > 0
     assert stats.offloaded_bytes == stats.saved_bytes  # budget 0: everything eligible moved
-    assert stats.reloaded_bytes >= stats.offloaded_bytes  # and came back for backward
+    assert stats.reloaded_bytes > 0  # and came back for backward (once per storage, or again for a user far apart)
     assert stats.peak_resident_bytes == 0
     assert files_under(spill_dir) == []  # closed at train end: no spill file left
     assert trainer.callback_metrics["offload_moved_mb"] > 0  # the last batch's figures were logged

@@ -671,7 +671,7 @@ def settle(eng) -> offload.Stats:
     while True:
         gc.collect()
         stats = eng.stats
-        if (stats.resident_bytes == 0 and stats.spill_files == 0) or time.monotonic() > deadline:
+        if (stats.resident_bytes == 0 and stats.spill_bytes == 0) or time.monotonic() > deadline:
             return stats
         time.sleep(0.01)
 
@@ -700,6 +700,6 @@ def test_engine_over_blocks_with_inner_grads_equals_no_engine(policy, budget, sa
         if budget != "none":
             assert "recompute" in stages, f"auto never tried recomputing these blocks: {stages}"
     stats = settle(eng)
-    assert stats.resident_bytes == 0 and stats.spill_files == 0
+    assert stats.resident_bytes == 0 and stats.spill_bytes == 0
     eng.close()
     assert frames_alive() == 0
