@@ -4,24 +4,15 @@
     python bench/overhead.py --disk [--repeats 7] [--spill-dir DIR] [--json-out PATH]
 
 Every measurement is interleaved (A B C ... A B C ...) after a warm-up so drift hits every
-variant alike, and reported as a median (bench/README.md says what each figure means):
+variant alike, and reported as a median; bench/README.md says what each figure means.
 
-1. Per saved tensor. A chain of ``CHAIN_LENGTH`` tiny ``sin`` ops (each saves its input; all
-   eligible with ``min_offload_bytes=0``), forward and backward, under identity hooks,
-   ``save_on_cpu``, the engine at budget None (bookkeeping only) and at budget 0 (every tensor to
-   the tier and back), minus the same chain without hooks, per tensor, in microseconds.
-2. Per training step: the step benchmark's ``Trainer`` without the engine and under engines at
-   budget None, 25 % of the step's saved bytes, and 0. The figure of merit is the overhead at
-   budget None, the price of having the engine installed when the budget is not binding; the
-   target is <= 3 %.
-
-``--disk`` (the CPU, one thread; the disk is the tier there) measures the disk tier instead:
-
-- per tensor: a chain saving 64 KiB tensors, budget 0 minus budget None, per saved tensor;
-- per MB: a chain saving 8 MiB tensors, the same difference per MB moved;
-- page cache: bytes of the spill files resident in the page cache (mincore) at the end of a
-  MiniGPT forward at budget 0 and at 2 MB, as a share of the bytes spilled;
-- reads per byte: reloaded / offloaded bytes of those MiniGPT steps.
+1. Per saved tensor: a chain of ``CHAIN_LENGTH`` tiny ``sin`` ops under identity hooks,
+   ``save_on_cpu`` and the engine at budget None and 0, minus the chain without hooks.
+2. Per training step: ``offload.bench.loop.Trainer`` without the engine and under engines at
+   budget None (the figure of merit; target <= 3 %), 25 % of the step's saved bytes, and 0.
+3. ``--disk`` (the CPU, one thread: the disk is the tier there): budget 0 minus budget None per
+   64 KiB tensor and per MB (8 MiB tensors); the spill files' page cache at the end of a MiniGPT
+   forward as a share of the bytes spilled, and reloaded / offloaded bytes, at budget 0 and 2 MB.
 
 Run the old and new code in one session (``PYTHONPATH=<checkout>``) to compare them as ratios.
 Prints a table and, as the last line, one JSON object with every figure, the hardware, the
