@@ -101,7 +101,7 @@ SIZE_PRESETS: dict[str, tuple[Size, ...]] = {
 
 ROUNDS = {"cpu": (1, 7), "cuda": (2, 10)}
 """(warm-up rounds, timed rounds) per timed variant, by device type."""
-DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
+LAYER_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
 """What training uses on each device type: fp32 on the CPU, bf16 on CUDA."""
 KINDS = ("keep", "offload", "recompute")
 """The timed variants, in timing order: each keep runs just before its offload (the paired reference)."""
@@ -151,7 +151,7 @@ class LayerBench:
     """
 
     def __init__(self, case: Case, device: torch.device, seed: int = 0) -> None:
-        self.case, self.device, self.dtype = case, device, DTYPES.get(device.type, torch.float32)
+        self.case, self.device, self.dtype = case, device, LAYER_DTYPES.get(device.type, torch.float32)
         torch.manual_seed(seed)
         with torch.device(device):
             self.module = LAYERS[case.layer](case.size).to(self.dtype).train()
@@ -234,7 +234,7 @@ def layer_row(case: Case, device: torch.device, medians_ms: dict[str, float], tr
         winner = "offload" if max(transfer, 0.0) < recompute else "recompute"
     return {
         "layer": case.layer, "size": case.size.name, "shape": list(case.shape),
-        "dtype": str(DTYPES.get(device.type, torch.float32)).replace("torch.", ""),
+        "dtype": str(LAYER_DTYPES.get(device.type, torch.float32)).replace("torch.", ""),
         "keep_ms": round(keep, 3), "offload_ms": round(offloaded, 3), "transfer_ms": round(transfer, 3),
         "recompute_ms": round(recompute, 3),
         "round_trip_gb_per_s": round(2 * saved / (transfer * 1e-3) / 1e9, 3) if transfer > 0 else None,
