@@ -6,7 +6,7 @@
     resolve_device, set_threads   the device (CUDA with its index) and torch's thread count
     environment   hardware, versions, date, commit: what a committed result must name
     table         the one plain-text table printer
-    write_json    whole or not at all (a temporary file renamed into place)
+    write_text, write_json   whole or not at all (a temporary file renamed into place)
 
 Every benchmark here and in ``bench/`` uses these, so each figure means one thing everywhere.
 """
@@ -35,7 +35,7 @@ from offload._pagecache import cached_bytes_under
 from offload._probe import cpu_model
 
 __all__ = ["THREADS_ENV", "Memory", "describe_machine", "environment", "median", "resolve_device", "set_threads",
-           "sync", "table", "timed", "write_json"]
+           "sync", "table", "timed", "write_json", "write_text"]
 
 THREADS_ENV = "OFFLOAD_BENCH_THREADS"
 """Environment variable: torch intra-op threads of bench/'s scripts (default: torch's choice)."""
@@ -231,11 +231,17 @@ def table(header: Sequence[str], rows: Sequence[Sequence], *, markdown: bool = F
     return "\n".join(out)
 
 
-def write_json(path, payload) -> Path:
-    """Write ``payload`` as JSON, whole or not at all: a reader never sees a file cut short."""
+def write_text(path, text: str) -> Path:
+    """Write ``text`` whole or not at all (a temporary file renamed into place): a reader never
+    sees a file cut short."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def write_json(path, payload) -> Path:
+    """``write_text`` of ``payload`` as JSON."""
+    return write_text(path, json.dumps(payload, indent=1, default=str) + "\n")
