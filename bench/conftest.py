@@ -14,11 +14,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parent
-for path in (BENCH_DIR, BENCH_DIR.parent):  # `import layers` and `import offload` without installing
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import layers` (which finds offload itself)
 import layers  # noqa: E402
 
 _RESULTS = pytest.StashKey["LayerResults"]()
@@ -28,25 +24,27 @@ class LayerResults:
     """Medians and untimed facts per (layer, size), filled by the tests, read at session end."""
 
     def __init__(self) -> None:
-        self.cases: dict[str, tuple] = {}  # case id -> (case, medians by kind, transfer ms, facts)
+        self.medians: dict[layers.Case, dict[str, float]] = {}
+        self.transfer_ms: dict[layers.Case, float] = {}
+        self.facts: dict[layers.Case, dict] = {}
         self.device = None
 
     def record(self, case: layers.Case, device, kind: str, median_ms: float,
                transfer_ms: float | None = None, facts: dict | None = None) -> None:
         self.device = device
-        _, medians, transfer, known = self.cases.get(case.id, (case, {}, None, {}))
-        medians[kind] = median_ms
-        self.cases[case.id] = (case, medians, transfer if transfer_ms is None else transfer_ms, facts or known)
+        self.medians.setdefault(case, {})[kind] = median_ms
+        if transfer_ms is not None:
+            self.transfer_ms[case] = transfer_ms
+        if facts:
+            self.facts[case] = facts
 
     def rows(self) -> list[dict]:
-        return [layers.layer_row(case, self.device, medians, transfer, facts)
-                for case, medians, transfer, facts in self.cases.values()]
+        return [layers.layer_row(case, self.device, medians, self.transfer_ms.get(case), self.facts.get(case, {}))
+                for case, medians in self.medians.items()]
 
     def complete(self) -> bool:
-        expected = {case.id for case in layers.cases(self.device)}
-        return expected <= set(self.cases) and all(
-            len(m) == len(layers.LayerBench.KINDS) and not any(math.isnan(v) for v in m.values())
-            for _, m, _, _ in self.cases.values())
+        return set(layers.cases(self.device)) <= set(self.medians) and all(
+            len(m) == len(layers.KINDS) and not any(math.isnan(v) for v in m.values()) for m in self.medians.values())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -61,7 +59,7 @@ def layer_results(request: pytest.FixtureRequest) -> LayerResults:
 @pytest.hookimpl(trylast=True)  # after pytest-benchmark's own tables, so ours is the last word
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     results = config.stash.get(_RESULTS, None)
-    if results is None or not results.cases:
+    if results is None or not results.medians:
         return
     terminalreporter.write_line("")
     layers.report(results.rows(), results.device, "pytest bench (pytest-benchmark)",

@@ -39,6 +39,9 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}  # strict determinism on CUDA needs it
 KILL_AFTER_S=3  # SIGKILL this long after the SIGTERM of a timeout
+# On the CPU (GPU_CHECK_DEVICE=cpu) one intra-op thread: on a shared host OpenMP threads spin-wait
+# against the other tenants, and the probe alone then outlasts its 15 s (see bench/README.md).
+[ "$DEVICE" = cpu ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 STEP_ARGS=(--preset h200)
 OVERHEAD_ARGS=(--device "$DEVICE" --steps 20 --repeats 9)

@@ -23,6 +23,7 @@ same functions and write the same JSON (``results/layers-<device>.json`` or ``$O
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,16 +36,16 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run from a checkout without installing (PYTHONPATH=. works too)
-    sys.path.insert(0, str(REPO_ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
 import offload  # noqa: E402
-from offload.bench.measure import describe_machine, environment, median, sync, table, timed, write_json  # noqa: E402
+from offload.bench.config import MB  # noqa: E402
+from offload.bench.measure import (  # noqa: E402
+    describe_machine, environment, median, resolve_device, set_threads, sync, table, timed, write_json,
+)
 from offload.models.gpt import Block, CausalSelfAttention, GPTConfig, SwiGLU  # noqa: E402
 
-MB = 1 << 20
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 OUT_ENV = "OFFLOAD_BENCH_OUT"
 """Environment variable: path of the layer JSON (default ``results/layers-<device>.json``)."""
@@ -52,48 +53,6 @@ DEVICE_ENV = "OFFLOAD_BENCH_DEVICE"
 """Environment variable: device for the layer suite (default: cuda when available, else cpu)."""
 SIZES_ENV = "OFFLOAD_BENCH_SIZES"
 """Environment variable: size preset: 'cpu', 'cuda' or 'tiny' (plumbing checks)."""
-THREADS_ENV = "OFFLOAD_BENCH_THREADS"
-"""Environment variable: torch intra-op threads (default: torch's choice)."""
-
-
-def set_threads(threads: Optional[int]) -> None:
-    """Pin torch's intra-op threads (None: ``$OFFLOAD_BENCH_THREADS`` or torch's default). On a
-    shared machine 1 thread avoids OpenMP spin-waits against other processes."""
-    threads = threads or int(os.environ.get(THREADS_ENV) or 0)
-    if threads:
-        torch.set_num_threads(threads)
-
-
-def parse_device(name: Optional[str]) -> torch.device:
-    """The device to run on, with its index when it is CUDA (tensors report ``cuda:0``, and an
-    engine given a bare ``cuda`` compares device objects, so the two must be spelled alike)."""
-    device = torch.device(name or os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit(f"device {device} asked for, but torch.cuda.is_available() is False here")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _gpt(dim: int, n_head: int, seq: int) -> GPTConfig:
-    return GPTConfig(n_layer=1, n_head=n_head, n_embd=dim, seq_len=seq)
-
-
-TOKEN_LAYERS: dict[str, Callable[[int, int, int], nn.Module]] = {
-    "linear": lambda dim, n_head, seq: nn.Linear(dim, dim, bias=False),
-    "swiglu_mlp": lambda dim, n_head, seq: SwiGLU(_gpt(dim, n_head, seq)),
-    "attention": lambda dim, n_head, seq: CausalSelfAttention(_gpt(dim, n_head, seq)),
-    "rmsnorm": lambda dim, n_head, seq: nn.RMSNorm(dim),
-    "layernorm": lambda dim, n_head, seq: nn.LayerNorm(dim),
-    "gpt_block": lambda dim, n_head, seq: Block(_gpt(dim, n_head, seq)),
-}
-"""Layers fed a (batch, seq, dim) activation: name -> builder(dim, n_head, seq)."""
-
-IMAGE_LAYERS: dict[str, Callable[[int], nn.Module]] = {
-    "conv_bn_relu": lambda ch: nn.Sequential(nn.Conv2d(ch, ch, 3, padding=1, bias=False), nn.BatchNorm2d(ch), nn.ReLU()),
-}
-"""Layers fed a (batch, channels, height, width) activation: name -> builder(channels)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +68,22 @@ class Size:
     channels: int
     hw: int
 
+    def gpt(self) -> GPTConfig:
+        return GPTConfig(n_layer=1, n_head=self.n_head, n_embd=self.dim, seq_len=self.seq)
+
+
+LAYERS: dict[str, Callable[[Size], nn.Module]] = {
+    "linear": lambda s: nn.Linear(s.dim, s.dim, bias=False),
+    "swiglu_mlp": lambda s: SwiGLU(s.gpt()),
+    "attention": lambda s: CausalSelfAttention(s.gpt()),
+    "rmsnorm": lambda s: nn.RMSNorm(s.dim),
+    "layernorm": lambda s: nn.LayerNorm(s.dim),
+    "gpt_block": lambda s: Block(s.gpt()),
+    "conv_bn_relu": lambda s: nn.Sequential(nn.Conv2d(s.channels, s.channels, 3, padding=1, bias=False),
+                                            nn.BatchNorm2d(s.channels), nn.ReLU()),
+}
+"""name -> builder; a layer is fed a (batch, seq, dim) activation, or an image one if in IMAGE_LAYERS."""
+IMAGE_LAYERS = {"conv_bn_relu"}
 
 SIZE_PRESETS: dict[str, tuple[Size, ...]] = {
     "cpu": (  # fp32 on a small CPU: the whole suite stays near a minute on 2 cores
@@ -126,6 +101,10 @@ SIZE_PRESETS: dict[str, tuple[Size, ...]] = {
 
 ROUNDS = {"cpu": (1, 7), "cuda": (2, 10)}
 """(warm-up rounds, timed rounds) per timed variant, by device type."""
+LAYER_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
+"""What training uses on each device type: fp32 on the CPU, bf16 on CUDA."""
+KINDS = ("keep", "offload", "recompute")
+"""The timed variants, in timing order: each keep runs just before its offload (the paired reference)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +121,10 @@ class Case:
         s = self.size
         return (s.img_batch, s.channels, s.hw, s.hw) if self.layer in IMAGE_LAYERS else (s.batch, s.seq, s.dim)
 
-    def build(self) -> nn.Module:
-        s = self.size
-        if self.layer in IMAGE_LAYERS:
-            return IMAGE_LAYERS[self.layer](s.channels)
-        return TOKEN_LAYERS[self.layer](s.dim, s.n_head, s.seq)
+
+def parse_device(name: Optional[str]) -> torch.device:
+    """``name``, else ``$OFFLOAD_BENCH_DEVICE``, else cuda when available (``measure.resolve_device``)."""
+    return resolve_device(name or os.environ.get(DEVICE_ENV))
 
 
 def size_preset(device: torch.device) -> str:
@@ -157,12 +135,7 @@ def cases(device: torch.device) -> list[Case]:
     preset = size_preset(device)
     if preset not in SIZE_PRESETS:
         raise ValueError(f"{SIZES_ENV}={preset!r} is not a size preset; valid: {', '.join(SIZE_PRESETS)}")
-    return [Case(layer, size) for layer in list(TOKEN_LAYERS) + list(IMAGE_LAYERS) for size in SIZE_PRESETS[preset]]
-
-
-def layer_dtype(device: torch.device) -> torch.dtype:
-    """fp32 on the CPU (what CPU training uses), bf16 on CUDA (what GPU training uses)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return [Case(layer, size) for layer in LAYERS for size in SIZE_PRESETS[preset]]
 
 
 def layer_rounds(device: torch.device) -> tuple[int, int]:
@@ -177,70 +150,53 @@ class LayerBench:
     same work. The offload engine is made once and reused across steps, as in training.
     """
 
-    KINDS = ("keep", "offload", "recompute")
-
     def __init__(self, case: Case, device: torch.device, seed: int = 0) -> None:
-        self.case, self.device, self.dtype = case, device, layer_dtype(device)
+        self.case, self.device, self.dtype = case, device, LAYER_DTYPES.get(device.type, torch.float32)
         torch.manual_seed(seed)
         with torch.device(device):
-            self.module = case.build().to(self.dtype).train()
+            self.module = LAYERS[case.layer](case.size).to(self.dtype).train()
             self.x_leaf = torch.randn(case.shape, dtype=self.dtype, requires_grad=True)
         with torch.no_grad():
             self.grad_out = torch.randn_like(self.module(self.x_leaf))
         self.engine = offload.engine(budget_mb=0, min_offload_bytes=0, device=device)
 
-    def _zero_grad(self) -> None:
+    def _step_under(self, engine) -> None:
         self.module.zero_grad(set_to_none=True)
         self.x_leaf.grad = None
-
-    def keep(self) -> None:
-        self._zero_grad()
-        self.module(self.x_leaf.clone()).backward(self.grad_out)
-
-    def offload(self) -> None:
-        self._zero_grad()
         x = self.x_leaf.clone()
-        with self.engine:
+        with engine:
             out = self.module(x)
         out.backward(self.grad_out)
+
+    def keep(self) -> None:
+        self._step_under(contextlib.nullcontext())
+
+    def offload(self) -> None:
+        self._step_under(self.engine)
 
     def recompute(self) -> None:
         out = self.module(self.x_leaf.clone())  # grad enabled: builds the graph a recompute rebuilds
         del out
 
-    def step(self, kind: str) -> Callable[[], None]:
-        """The function to time for ``kind``, synchronizing the device before it returns."""
+    def step(self, kind: str, times_ms: Optional[list[float]] = None) -> Callable[[], None]:
+        """The function to time for ``kind``, synchronizing the device before it returns; given
+        ``times_ms``, it also times itself into that list (the paired reference of pytest's runner)."""
         fn = getattr(self, kind)
 
         def synced() -> None:
-            fn()
-            sync(self.device)
-
-        return synced
-
-    def timed(self, kind: str, into: list[float]) -> Callable[[], None]:
-        """Like ``step``, timing itself: appends wall milliseconds to ``into`` (the paired reference)."""
-        fn = self.step(kind)
-
-        def timed_fn() -> None:
             sync(self.device)
             start = time.perf_counter()
             fn()
-            into.append((time.perf_counter() - start) * 1e3)
+            sync(self.device)
+            if times_ms is not None:
+                times_ms.append((time.perf_counter() - start) * 1e3)
 
-        return timed_fn
+        return synced
 
     def facts(self) -> dict:
         """Untimed figures: saved bytes (engine at budget None), forward FLOPs, one offload step's stats."""
-        from torch.utils.flop_counter import FlopCounterMode
-
         counter = offload.engine(budget_mb=None, min_offload_bytes=0, device=self.device)
-        self._zero_grad()
-        x = self.x_leaf.clone()
-        with counter:
-            out = self.module(x)
-        out.backward(self.grad_out)
-        del out
+        self._step_under(counter)
         saved = counter.stats
         counter.close()
         flops = FlopCounterMode(display=False)
@@ -270,7 +226,7 @@ def layer_row(case: Case, device: torch.device, medians_ms: dict[str, float], tr
               facts: dict) -> dict:
     """One result row: the measured medians, the derived costs and the winner. ``transfer_ms`` is
     the paired estimate; when None, the difference of the keep and offload medians stands in."""
-    keep, offloaded, recompute = (medians_ms.get(k, float("nan")) for k in LayerBench.KINDS)
+    keep, offloaded, recompute = (medians_ms.get(k, float("nan")) for k in KINDS)
     transfer = offloaded - keep if transfer_ms is None else transfer_ms
     saved = facts.get("saved_bytes", 0)
     winner = ""
@@ -278,7 +234,7 @@ def layer_row(case: Case, device: torch.device, medians_ms: dict[str, float], tr
         winner = "offload" if max(transfer, 0.0) < recompute else "recompute"
     return {
         "layer": case.layer, "size": case.size.name, "shape": list(case.shape),
-        "dtype": str(layer_dtype(device)).replace("torch.", ""),
+        "dtype": str(LAYER_DTYPES.get(device.type, torch.float32)).replace("torch.", ""),
         "keep_ms": round(keep, 3), "offload_ms": round(offloaded, 3), "transfer_ms": round(transfer, 3),
         "recompute_ms": round(recompute, 3),
         "round_trip_gb_per_s": round(2 * saved / (transfer * 1e-3) / 1e9, 3) if transfer > 0 else None,
@@ -302,19 +258,17 @@ def layers_table(rows: list[dict]) -> str:
 def transfer_fit(rows: list[dict]) -> Optional[dict]:
     """Least-squares fit transfer_ms ~ a * saved MB + b * saved tensors: the two numbers a cost model
     of moving needs (round-trip bandwidth and fixed cost per tensor), as this run measured them."""
-    import numpy as np
-
     rows = [r for r in rows if r.get("saved_bytes") and not math.isnan(r["transfer_ms"])]
     if len(rows) < 3:
         return None
-    a = np.array([[r["saved_bytes"] / MB, r["saved_tensors"]] for r in rows], dtype=float)
-    y = np.array([r["transfer_ms"] for r in rows], dtype=float)
-    (ms_per_mb, ms_per_tensor), *_ = np.linalg.lstsq(a, y, rcond=None)
-    fitted = a @ np.array([ms_per_mb, ms_per_tensor])
+    a = torch.tensor([[r["saved_bytes"] / MB, r["saved_tensors"]] for r in rows], dtype=torch.float64)
+    y = torch.tensor([[r["transfer_ms"]] for r in rows], dtype=torch.float64)
+    coefficients = torch.linalg.lstsq(a, y).solution
+    ms_per_mb, ms_per_tensor = coefficients.flatten().tolist()
     return {
-        "ms_per_mb": round(float(ms_per_mb), 4), "ms_per_tensor": round(float(ms_per_tensor), 4),
+        "ms_per_mb": round(ms_per_mb, 4), "ms_per_tensor": round(ms_per_tensor, 4),
         "round_trip_gb_per_s": round(2 * MB / 1e9 / (ms_per_mb * 1e-3), 3) if ms_per_mb > 0 else None,
-        "median_abs_error_ms": round(float(np.median(np.abs(fitted - y))), 3),
+        "median_abs_error_ms": round(float((a @ coefficients - y).abs().median()), 3),
     }
 
 
@@ -338,24 +292,17 @@ DEFINITIONS = {
 }
 
 
-def layers_payload(rows: list[dict], device: torch.device, runner: str) -> dict:
-    warmup, rounds = layer_rounds(device)
-    return {"benchmark": "layers", "runner": runner, "size_preset": size_preset(device), "warmup_rounds": warmup,
-            "rounds": rounds, "definitions": DEFINITIONS, "env": environment(device),
-            "transfer_fit": transfer_fit(rows), "rows": rows}
-
-
-def layers_out_path(device: torch.device) -> Path:
-    return Path(os.environ.get(OUT_ENV) or RESULTS_DIR / f"layers-{device.type}.json")
-
-
 def report(rows: list[dict], device: torch.device, runner: str, write: bool, say: Callable[[str], None]) -> dict:
     """Print the table and the fit through ``say``; write the JSON when ``write``. Both runners end here."""
-    payload = layers_payload(rows, device, runner)
+    warmup, rounds = layer_rounds(device)
+    payload = {"benchmark": "layers", "runner": runner, "size_preset": size_preset(device), "warmup_rounds": warmup,
+               "rounds": rounds, "definitions": DEFINITIONS, "env": environment(device),
+               "transfer_fit": transfer_fit(rows), "rows": rows}
     for line in [f"layers on {describe_machine(payload['env'])}", layers_table(rows), describe_fit(payload["transfer_fit"])]:
         say(line)
     if write:
-        say(f"wrote {write_json(layers_out_path(device), payload)}")
+        path = os.environ.get(OUT_ENV) or RESULTS_DIR / f"layers-{device.type}.json"
+        say(f"wrote {write_json(path, payload)}")
     else:
         say(f"partial run: results not written (set {OUT_ENV}=PATH to keep them)")
     return payload
@@ -383,8 +330,7 @@ def main(argv=None) -> int:
             continue
         bench = LayerBench(case, device)
         try:
-            fns = {kind: bench.step(kind) for kind in LayerBench.KINDS}  # keep runs just before offload
-            times, _ = timed(fns, rounds=rounds, warmup=warmup, device=device)
+            times, _ = timed({kind: bench.step(kind) for kind in KINDS}, rounds=rounds, warmup=warmup, device=device)
             facts = bench.facts()
         finally:
             bench.close()

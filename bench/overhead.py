@@ -1,25 +1,20 @@
-"""What the engine costs when it has nothing to do, and what moving everything costs.
+"""What the engine costs when it has nothing to do, what moving everything costs, and the disk tier.
 
     python bench/overhead.py [--device cpu|cuda] [--steps N] [--repeats R] [--json-out PATH]
+    python bench/overhead.py --disk [--repeats 7] [--spill-dir DIR] [--json-out PATH]
 
-Two measurements, each interleaved (A B C ... A B C ...) after a warm-up so drift hits every
-variant alike, each reported as a median:
+Every measurement is interleaved (A B C ... A B C ...) after a warm-up so drift hits every
+variant alike, and reported as a median; bench/README.md says what each figure means.
 
-1. Per saved tensor. A chain of ``CHAIN_LENGTH`` tiny ``sin`` ops (each saves its input; all
-   eligible with ``min_offload_bytes=0``), forward and backward, timed under each variant and
-   without hooks. Per tensor = median over repeats of (variant - no hooks, same repeat) / chain
-   length, in microseconds. Variants: identity hooks (the floor any saved_tensors_hooks user
-   pays), ``torch.autograd.graph.save_on_cpu`` (pin_memory=False on the CPU, where it copies
-   nothing: a reference hook pair in Python), the engine at budget None (bookkeeping only) and at
-   budget 0 (every tensor to the tier and back: a spill file each on the CPU, a pooled pinned
-   buffer and two copies each on CUDA).
+1. Per saved tensor: a chain of ``CHAIN_LENGTH`` tiny ``sin`` ops under identity hooks,
+   ``save_on_cpu`` and the engine at budget None and 0, minus the chain without hooks.
+2. Per training step: ``offload.bench.loop.Trainer`` without the engine and under engines at
+   budget None (the figure of merit; target <= 3 %), 25 % of the step's saved bytes, and 0.
+3. ``--disk`` (the CPU, one thread: the disk is the tier there): budget 0 minus budget None per
+   64 KiB tensor and per MB (8 MiB tensors); the spill files' page cache at the end of a MiniGPT
+   forward as a share of the bytes spilled, and reloaded / offloaded bytes, at budget 0 and 2 MB.
 
-2. Per training step: the step benchmark's own (``offload.bench.loop.Trainer``; the model in bf16
-   on CUDA) without the engine and under engines at budget None, 25 % of the step's saved bytes,
-   and 0 (everything to the tier). One engine per variant, reused across steps. The figure of
-   merit is the overhead at budget None, the price of having the engine installed when the
-   budget is not binding; the target is <= 3 %.
-
+Run the old and new code in one session (``PYTHONPATH=<checkout>``) to compare them as ratios.
 Prints a table and, as the last line, one JSON object with every figure, the hardware, the
 versions and the date.
 """
@@ -31,24 +26,31 @@ import contextlib
 import dataclasses
 import json
 import sys
+import tempfile
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from layers import parse_device, set_threads  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
 import offload  # noqa: E402
+from offload._pagecache import cached_bytes_under  # noqa: E402
 from offload.bench.config import MB, REFERENCE, RunSettings  # noqa: E402
 from offload.bench.loop import Trainer  # noqa: E402
-from offload.bench.measure import describe_machine, environment, median, sync, table, timed, write_json  # noqa: E402
+from offload.bench.measure import (  # noqa: E402
+    describe_machine, environment, median, resolve_device, set_threads, sync, table, timed, write_json,
+)
 from offload.models import load_corpus  # noqa: E402
+from offload.models.gpt import GPTConfig, MiniGPT  # noqa: E402
 
 CHAIN_LENGTH = 2000
 """Saved tensors per chain run: enough that ~1-10 us per tensor dwarfs the timer's noise."""
 CHAIN_NUMEL = 16
 """Elements per chained tensor: tiny, so the op itself costs next to nothing."""
+DISK_CHAINS = {"per_tensor": (16 * 1024, 300), "per_mb": (2 * 1024 * 1024, 24)}
+"""--disk: (fp32 elements per saved tensor, chain length): 64 KiB tensors for the fixed cost per
+tensor, 8 MiB ones for the cost per MB."""
+DISK_WARMUP = 2
+DISK_GPT_BUDGETS_MB = (0, 2)
 STEP_TARGET_OVERHEAD = 0.03
 """Step-time overhead allowed at budget None (3 %)."""
 PARTIAL_BUDGET_FRACTION = 0.25
@@ -63,14 +65,29 @@ GPT_PRESETS = {
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. per saved tensor
+# chains of saved tensors
 
 
-def _chain(x: torch.Tensor, length: int) -> None:
-    y = x.clone()  # a non-leaf, so the first sin's saved input is eligible too
-    for _ in range(length):
-        y = y.sin()
-    y.sum().backward()
+def _chain(x: torch.Tensor, length: int, make_context) -> None:
+    x.grad = None
+    with make_context():
+        y = x.clone()  # a non-leaf, so the first sin's saved input is eligible too
+        for _ in range(length):
+            y = y.sin()
+        y.sum().backward()
+
+
+def _timed_chains(x: torch.Tensor, length: int, contexts: dict, *, rounds: int, warmup: int, device) -> tuple:
+    """(wall ms, CPU ms) per context name, the chains interleaved."""
+    fns = {name: (lambda ctx=ctx: _chain(x, length, ctx)) for name, ctx in contexts.items()}
+    return timed(fns, rounds=rounds, warmup=warmup, device=device)
+
+
+def _one_chain_stats(x: torch.Tensor, length: int, engine):
+    """The engine's stats for one chain run."""
+    engine.reset_stats()
+    _chain(x, length, lambda: engine)
+    return engine.stats
 
 
 def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CHAIN_LENGTH) -> dict:
@@ -84,32 +101,16 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
         "engine budget None": lambda: counting,
         "engine budget 0": lambda: moving,
     }
-
-    def run(make_context):
-        def fn() -> None:
-            x.grad = None
-            with make_context():
-                _chain(x, length)
-
-        return fn
-
-    fns = {name: run(ctx) for name, ctx in contexts.items()}
-    times, cpu = timed(fns, rounds=repeats, warmup=warmup, device=device)
-    counting.reset_stats()
-    with counting:
-        _chain(x, length)
-    saved = counting.stats.saved_tensors
+    times, cpu = _timed_chains(x, length, contexts, rounds=repeats, warmup=warmup, device=device)
+    saved = _one_chain_stats(x, length, counting).saved_tensors
     counting.close()
     moving.close()
     if saved != length:
         raise RuntimeError(f"expected the engine to take {length} saved tensors, it took {saved}")
 
-    base, base_cpu = times["no hooks"], cpu["no hooks"]
-    variants = {}
-    for name, ms in times.items():
-        if name == "no hooks":
-            continue
-        variants[name] = {
+    base, base_cpu = times.pop("no hooks"), cpu["no hooks"]
+    variants = {
+        name: {
             # median over repeats of (this variant - no hooks, same repeat), per saved tensor
             "median_us": round(median([(v - b) * 1e3 / saved for v, b in zip(ms, base)]), 3),
             # min - min: the least disturbed runs; noise (a busy neighbour) only ever adds time
@@ -117,6 +118,8 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
             # process CPU time: what the hooks cost when other tenants steal the wall clock
             "cpu_us": round(median([(v - b) * 1e3 / saved for v, b in zip(cpu[name], base_cpu)]), 3),
         }
+        for name, ms in times.items()
+    }
     return {
         "chain_length": length,
         "numel": CHAIN_NUMEL,
@@ -127,11 +130,33 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
     }
 
 
+def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
+    """Budget 0 (every tensor to the spill files and back) against budget None, on the CPU."""
+    x = torch.ones(numel, requires_grad=True)
+    counting = offload.engine(budget_mb=None, min_offload_bytes=0)
+    moving = offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=spill_dir)
+    times, _ = _timed_chains(x, length, {"base": lambda: counting, "moved": lambda: moving},
+                             rounds=repeats, warmup=DISK_WARMUP, device=torch.device("cpu"))
+    moved_mb = _one_chain_stats(x, length, moving).offloaded_bytes / MB
+    counting.close()
+    moving.close()
+    diff_ms = median([m - b for m, b in zip(times["moved"], times["base"])])
+    return {
+        "tensors": length,
+        "tensor_bytes": numel * 4,
+        "base_ms": round(median(times["base"]), 3),
+        "moved_ms": round(median(times["moved"]), 3),
+        "per_tensor_us": round(diff_ms * 1e3 / length, 1),
+        "per_mb_ms": round(diff_ms / moved_mb, 3) if moved_mb else None,
+        "offloaded_mb": round(moved_mb, 2),
+    }
+
+
 # ---------------------------------------------------------------------------------------------
-# 2. per training step
+# training steps
 
 
-def step_overhead(device: torch.device, steps: int, warmup: int, batch: Optional[int] = None) -> dict:
+def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> dict:
     settings = GPT_PRESETS["cuda" if device.type == "cuda" else "cpu"]
     settings = dataclasses.replace(settings, batch=batch or settings.batch)
     step = Trainer(settings, REFERENCE, load_corpus(), device)
@@ -163,19 +188,17 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch: Optional
     variants = {}
     for name, ms in times.items():
         med = median(ms)
-        paired = median([v / b - 1 for v, b in zip(ms, times["no engine"])])
         row = {
             "median_ms": round(med, 3),
             "min_ms": round(min(ms), 3),
             "cpu_median_ms": round(median(cpu[name]), 3),
             "overhead": round(med / base_ms - 1, 4),
-            "paired_overhead": round(paired, 4),
+            "paired_overhead": round(median([v / b - 1 for v, b in zip(ms, times["no engine"])]), 4),
             "min_overhead": round(min(ms) / min(times["no engine"]) - 1, 4),
             "cpu_overhead": round(median(cpu[name]) / base_cpu_ms - 1, 4),
         }
         if name in stats:
-            s = stats[name]
-            calls = warmup + steps
+            s, calls = stats[name], warmup + steps
             row.update(
                 offloaded_mb_per_step=round(s.offloaded_bytes / calls / MB, 2),
                 peak_resident_mb=round(s.peak_resident_bytes / MB, 2),
@@ -203,44 +226,49 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch: Optional
     }
 
 
+def disk_gpt_step(budget_mb: float, spill_dir: str) -> dict:
+    """Page cache held by the spill files at the end of a MiniGPT 4 x 256 forward, and reads per byte."""
+    torch.manual_seed(0)
+    model = MiniGPT(GPTConfig(n_layer=4, n_embd=256, n_head=4, seq_len=256))
+    idx = torch.randint(0, 256, (8, 256))
+    eng = offload.engine(budget_mb=budget_mb, spill_dir=spill_dir, model=model)
+    for _ in range(2):
+        with eng:
+            _, loss = model(idx, idx)
+        loss.backward()
+    eng.reset_stats()
+    with eng:
+        _, loss = model(idx, idx)
+    cached = cached_bytes_under(spill_dir)
+    spilled = eng.stats.spilled_bytes
+    loss.backward()
+    stats = eng.stats
+    eng.close()
+    return {
+        "budget_mb": budget_mb,
+        "offloaded_mb": round(stats.offloaded_bytes / MB, 2),
+        "reloaded_mb": round(stats.reloaded_bytes / MB, 2),
+        "reload_ratio": round(stats.reloaded_bytes / stats.offloaded_bytes, 3) if stats.offloaded_bytes else None,
+        "spilled_at_forward_end_mb": round(spilled / MB, 2),
+        "page_cache_at_forward_end_mb": None if cached is None else round(cached / MB, 2),
+        "page_cache_share": None if not (cached is not None and spilled) else round(cached / spilled, 3),
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default: 30)")
-    parser.add_argument("--repeats", type=int, default=15, help="timed chain runs per variant (default: 15)")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up runs per variant (default: 3)")
-    parser.add_argument("--chain", type=int, default=CHAIN_LENGTH, help=f"saved tensors per chain run (default: {CHAIN_LENGTH})")
-    parser.add_argument("--batch", type=int, default=None, help="the step's batch size (default: the device's preset)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--json-out", default=None, help="also write the JSON object to this file")
-    args = parser.parse_args(argv)
-    for name in ("steps", "repeats", "chain"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    device = parse_device(args.device)
-    set_threads(args.threads)
-
-    tensor = per_tensor(device, args.repeats, args.warmup, args.chain)
-    step = step_overhead(device, args.steps, args.warmup, args.batch)
-    env = environment(device)
-
-    print(f"offload overhead on {describe_machine(env)}")
-    print()
-    print(f"per saved tensor: chain of {args.chain} sin ops on {CHAIN_NUMEL} floats, "
-          f"no hooks {tensor['no_hooks_ms']:.2f} ms, median of {args.repeats} paired repeats")
-    rows = [
-        (name, f"{v['median_us']:.2f}", f"{v['min_us']:.2f}", f"{v['cpu_us']:.2f}")
-        for name, v in tensor["variants"].items()
-    ]
+def print_overhead(tensor: dict, step: dict, env: dict) -> None:
+    print(f"offload overhead on {describe_machine(env)}\n")
+    print(f"per saved tensor: chain of {tensor['chain_length']} sin ops on {CHAIN_NUMEL} floats, "
+          f"no hooks {tensor['no_hooks_ms']:.2f} ms, median of {tensor['repeats']} paired repeats")
+    rows = [(name, f"{v['median_us']:.2f}", f"{v['min_us']:.2f}", f"{v['cpu_us']:.2f}")
+            for name, v in tensor["variants"].items()]
     print(table(("hooks", "pack+unpack us (median)", "(min)", "(cpu time)"), rows))
-    print()
     m = step["model"]
-    print(f"per step: MiniGPT n_layer={m['n_layer']} n_embd={m['n_embd']} seq_len={m['seq_len']} batch={m['batch']} "
+    print(f"\nper step: MiniGPT n_layer={m['n_layer']} n_embd={m['n_embd']} seq_len={m['seq_len']} batch={m['batch']} "
           f"({m['params'] / 1e6:.1f}M params), {step['saved_tensors_per_step']} saved tensors "
-          f"({step['saved_bytes_per_step'] / MB:.1f} MB) per step, median of {args.steps} interleaved steps")
+          f"({step['saved_bytes_per_step'] / MB:.1f} MB) per step, median of {step['steps']} interleaved steps")
     rows = [
         (name, f"{v['median_ms']:.2f}", f"{100 * v['overhead']:+.2f}%", f"{100 * v['paired_overhead']:+.2f}%",
          f"{v['min_ms']:.2f}", f"{100 * v['min_overhead']:+.2f}%",
@@ -256,10 +284,49 @@ def main(argv=None) -> int:
           f"({verdict} the {100 * STEP_TARGET_OVERHEAD:.0f}% target); by CPU time "
           f"{100 * step['cpu_overhead_budget_none']:+.2f}%; load average {env['load_avg_1m']} on {env['cpu_cores_logical']} cores")
 
-    payload = {"benchmark": "overhead", "env": env, "per_tensor": tensor, "step": step}
+
+def disk_tier(repeats: int, spill_parent) -> dict:
+    with tempfile.TemporaryDirectory(dir=spill_parent) as spill_dir:
+        chains = {name: disk_chain(numel, length, repeats, spill_dir) for name, (numel, length) in DISK_CHAINS.items()}
+        steps = [disk_gpt_step(budget_mb, spill_dir) for budget_mb in DISK_GPT_BUDGETS_MB]
+    print(f"per tensor (64 KiB): {chains['per_tensor']['per_tensor_us']} us   "
+          f"per MB (8 MiB tensors): {chains['per_mb']['per_mb_ms']} ms")
+    for s in steps:
+        print(f"MiniGPT budget {s['budget_mb']} MB: reloaded/offloaded {s['reload_ratio']}, "
+              f"page cache {s['page_cache_at_forward_end_mb']} of {s['spilled_at_forward_end_mb']} MB spilled")
+    return {"benchmark": "disk_tier", "offload_file": offload.__file__, **chains, "gpt_steps": steps}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default: 30)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed chain runs per variant (default: 15; --disk 7)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up runs per variant (default: 3)")
+    parser.add_argument("--chain", type=int, default=CHAIN_LENGTH, help=f"saved tensors per chain run (default: {CHAIN_LENGTH})")
+    parser.add_argument("--batch", type=int, default=None, help="the step's batch size (default: the device's preset)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice; --disk 1)")
+    parser.add_argument("--disk", action="store_true", help="the disk tier's figures instead (CPU)")
+    parser.add_argument("--spill-dir", default=None, help="--disk: parent of the spill directory (default: the temp dir)")
+    parser.add_argument("--json-out", default=None, help="also write the JSON object to this file")
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or (7 if args.disk else 15)
+    for name in ("steps", "repeats", "chain"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.disk:
+        set_threads(args.threads or 1)
+        payload = disk_tier(args.repeats, args.spill_dir) | {"env": environment(torch.device("cpu"))}
+    else:
+        device = resolve_device(args.device)
+        set_threads(args.threads)
+        tensor = per_tensor(device, args.repeats, args.warmup, args.chain)
+        step = step_overhead(device, args.steps, args.warmup, args.batch)
+        env = environment(device)
+        print_overhead(tensor, step, env)
+        payload = {"benchmark": "overhead", "env": env, "per_tensor": tensor, "step": step}
     if args.json_out:
-        write_json(args.json_out, payload)
-        print(f"wrote {args.json_out}")
+        print(f"wrote {write_json(args.json_out, payload)}")
     print(json.dumps(payload))
     return 0
 

@@ -30,7 +30,7 @@ DEVICE = layers.parse_device(None)
 PARAMS = [
     pytest.param(case, kind, id=f"{case.id}-{kind}")
     for case in layers.cases(DEVICE)
-    for kind in layers.LayerBench.KINDS
+    for kind in layers.KINDS
 ]
 
 
@@ -39,7 +39,7 @@ def test_layer(benchmark, layer_results, case: layers.Case, kind: str) -> None:
     bench = layers.LayerBench(case, DEVICE)
     warmup, rounds = layers.layer_rounds(DEVICE)
     keep_before_ms: list[float] = []
-    setup = bench.timed("keep", keep_before_ms) if kind == "offload" else None  # the paired reference
+    setup = bench.step("keep", keep_before_ms) if kind == "offload" else None  # the paired reference
     try:
         facts = bench.facts() if kind == "offload" else None
         benchmark.group = f"{case.layer} ({DEVICE.type})"

@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.bench.config import DTYPES, MB, Kind, RunSettings, Variant
-from offload.bench.measure import Memory, sync
+from offload.bench.measure import Memory, resolve_device, sync
 from offload.models import MiniGPT, batches
 
 __all__ = ["CUBLAS_WORKSPACE_CONFIG", "Skipped", "Trainer", "grad_checksums", "run_one"]
@@ -74,13 +74,32 @@ def _torchtune_offload() -> type:
         raise Skipped(f"torchtune's OffloadActivations is not importable ({error}); pip install torchtune") from error
 
 
-class BlockTimer:
-    """Forward time of each block, per step: CUDA events on the compute stream, or the host clock."""
+class BlockHooks:
+    """Hooks on every block of an eager model (compiled code runs no Python hooks), for three figures:
 
-    def __init__(self, blocks, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list[tuple] = []
-        self._handles = [h for b in blocks for h in (b.register_forward_pre_hook(self._start), b.register_forward_hook(self._end))]
+    - each block's forward time while ``timing`` (CUDA events on the compute stream, or the host clock);
+    - engine-resident bytes and memory in use after each block's forward and as its backward starts,
+      over the step after ``start_trace`` (for the plot);
+    - the spill page cache as the last block's backward starts, when the spill files hold the most
+      they will this step (``on_last_backward``).
+    """
+
+    def __init__(self, blocks, device: torch.device, on_last_backward: Callable[[], None]) -> None:
+        self.cuda, self.last, self.on_last_backward = device.type == "cuda", len(blocks) - 1, on_last_backward
+        self.timing = False
+        self.marks: list[list] = []
+        self.trace: Optional[list[dict]] = None
+        self._engine = self._memory = None
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(self._start)
+            block.register_forward_hook(functools.partial(self._end, index))
+
+    def start_trace(self, engine, memory: Memory) -> None:
+        self.trace, self._engine, self._memory = [], engine, memory
+
+    def stop_trace(self) -> list[dict]:
+        trace, self.trace = self.trace or [], None
+        return trace
 
     def _now(self):
         if not self.cuda:
@@ -90,10 +109,24 @@ class BlockTimer:
         return event
 
     def _start(self, module, args) -> None:
-        self.marks.append((self._now(), None))
+        if self.timing:
+            self.marks.append([self._now(), None])
 
-    def _end(self, module, args, output) -> None:
-        self.marks[-1] = (self.marks[-1][0], self._now())
+    def _sample(self, phase: str) -> None:
+        resident = self._engine.stats.resident_bytes if self._engine is not None else None
+        self.trace.append({"phase": phase, "resident_bytes": resident, "memory_bytes": self._memory.current()})
+
+    def _end(self, index: int, module, args, output) -> None:
+        if self.timing:
+            self.marks[-1][1] = self._now()
+        if self.trace is not None:
+            self._sample(f"fwd{index}")
+        if not (isinstance(output, torch.Tensor) and output.requires_grad):
+            return
+        if index == self.last:
+            output.register_hook(lambda grad: self.on_last_backward())
+        if self.trace is not None:
+            output.register_hook(lambda grad: self._sample(f"bwd{index}"))
 
     def forward_ms(self) -> float:
         """Sum over the blocks of the last step (call after a device synchronization); then clear."""
@@ -103,33 +136,6 @@ class BlockTimer:
             total = sum((end - start) * 1e3 for start, end in self.marks if end is not None)
         self.marks = []
         return total
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-class ResidentTrace:
-    """Engine resident bytes and memory in use at the block boundaries of one step (for the plot):
-    after each block's forward, and as each block's backward starts (a hook on its output)."""
-
-    def __init__(self, blocks, engine, memory: Memory) -> None:
-        self.engine, self.memory = engine, memory
-        self.samples: list[dict] = []
-        self._handles = [b.register_forward_hook(functools.partial(self._after_forward, i)) for i, b in enumerate(blocks)]
-
-    def sample(self, phase: str) -> None:
-        resident = self.engine.stats.resident_bytes if self.engine is not None else None
-        self.samples.append({"phase": phase, "resident_bytes": resident, "memory_bytes": self.memory.current()})
-
-    def _after_forward(self, index: int, module, args, output) -> None:
-        self.sample(f"fwd{index}")
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda grad: self.sample(f"bwd{index}"))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
 
 
 class Trainer:
@@ -146,9 +152,7 @@ class Trainer:
         self.stream = batches(data, run.batch, run.seq, torch.Generator().manual_seed(run.seed))
         self._memory: Optional[Memory] = None
         self._paused_s = 0.0
-        if device.type == "cpu" and not variant.compiled:  # the page cache is sampled on the CPU only
-            # As the last block's backward starts, the spill files hold the most they will this step.
-            self.model.blocks[-1].register_forward_hook(self._hook_backward)
+        self.hooks = None if variant.compiled else BlockHooks(self.model.blocks, device, self._sample_cache)
         for block in self.model.blocks:
             if variant.kind is Kind.CHECKPOINT:
                 block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
@@ -197,16 +201,12 @@ class Trainer:
         self._memory = None
         return record
 
-    def _sample_cache(self, *_) -> None:
+    def _sample_cache(self) -> None:
         """Sample the spill page cache (``Memory.sample_cache``), its time kept out of the step's."""
         if self._memory is not None:
             start = time.perf_counter()
             self._memory.sample_cache()
             self._paused_s += time.perf_counter() - start
-
-    def _hook_backward(self, module, args, output) -> None:
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(self._sample_cache)
 
     def saved_bytes(self, engine_kwargs: dict) -> int:
         """Bytes of distinct saved storages one step leaves for backward (an engine that only counts)."""
@@ -277,9 +277,7 @@ def run_one(
     Each step is passed to ``emit`` as it finishes. ``activation_bytes`` (the reference's saved
     bytes) sizes budgets; measured here when a budget needs it and it is None.
     """
-    device = torch.device(run.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(run.device)
     if variant.kind is Kind.TORCHTUNE and _torchtune_offload() and device.type != "cuda":
         raise Skipped("torchtune's OffloadActivations needs CUDA streams")
     spill_dir = tempfile.mkdtemp(prefix="offload-bench-", dir=run.spill_dir)
@@ -289,7 +287,7 @@ def run_one(
     trainer = Trainer(run, variant, data, device)
     memory = Memory(device, spill_dir)
     machine = offload.probe(device) if variant.policy in ("auto", "offload") else None  # cached after the first
-    engine, timer, trace, summary = None, None, None, {"type": "summary", "config": variant.name}
+    engine, summary, hooks = None, {"type": "summary", "config": variant.name}, trainer.hooks
     try:
         if variant.budget_fraction is not None and activation_bytes is None:
             activation_bytes = Trainer(run, variant, data, device).saved_bytes(engine_kwargs)
@@ -299,23 +297,24 @@ def run_one(
             scale = (run.check_seq or run.seq) / run.seq
             summary["grad_check"] = _grad_check(trainer, budget_mb and budget_mb * scale, engine_kwargs, machine)
         context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine)
-        if variant.kind is Kind.NONE and not variant.compiled:
-            timer = BlockTimer(trainer.model.blocks, device)
+        if hooks is not None:
+            hooks.timing = variant.kind is Kind.NONE
         with _determinism(strict=False) if run.deterministic else contextlib.nullcontext():
             for step in range(run.total_steps):
-                if step == run.total_steps - 1 and not variant.compiled:  # no Python hooks in compiled code
-                    trace = ResidentTrace(trainer.model.blocks, engine, memory)
+                if step == run.total_steps - 1 and hooks is not None:
+                    hooks.start_trace(engine, memory)
                 profiling = engine is not None and engine.profiling  # a profiling step is never timed
                 if engine is not None:
                     engine.reset_stats()
                 record = trainer.step(context, memory)
                 record.update(type="step", config=variant.name, step=step, budget_mb=budget_mb,
                               warmup=step < run.warmup or profiling)
-                if timer is not None:
-                    record["block_forward_ms"] = timer.forward_ms()
+                if hooks is not None and hooks.timing:
+                    record["block_forward_ms"] = hooks.forward_ms()
                 if engine is not None:
                     record.update(engine.stats.to_dict())
                 emit(record)
+        trace = [] if hooks is None else hooks.stop_trace()
         if variant.kind is Kind.NONE:
             activation_bytes = trainer.saved_bytes(engine_kwargs)
         plan = None if engine is None else engine.plan
@@ -324,13 +323,10 @@ def run_one(
             malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
             plan=None if plan is None else plan.to_dict(), plan_text=None if plan is None else str(plan),
             machine=None if machine is None else dataclasses.asdict(machine),
-            trace=trace.samples if trace is not None else [],
+            trace=trace,
         )
         return summary
     finally:
-        for hooks in (timer, trace):
-            if hooks is not None:
-                hooks.remove()
         if engine is not None:
             engine.close()
         del trainer

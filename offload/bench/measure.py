@@ -3,9 +3,10 @@
     Memory        peak memory of a window: CUDA allocated bytes, or this process's peak resident
                   set plus the page cache that the engine's own spill files hold
     sync, timed   synchronize before reading the clock; interleave the variants compared
+    resolve_device, set_threads   the device (CUDA with its index) and torch's thread count
     environment   hardware, versions, date, commit: what a committed result must name
     table         the one plain-text table printer
-    write_json    whole or not at all (a temporary file renamed into place)
+    write_text, write_json   whole or not at all (a temporary file renamed into place)
 
 Every benchmark here and in ``bench/`` uses these, so each figure means one thing everywhere.
 """
@@ -33,13 +34,36 @@ import offload
 from offload._pagecache import cached_bytes_under
 from offload._probe import cpu_model
 
-__all__ = ["Memory", "environment", "describe_machine", "median", "sync", "table", "timed", "write_json"]
+__all__ = ["THREADS_ENV", "Memory", "describe_machine", "environment", "median", "resolve_device", "set_threads",
+           "sync", "table", "timed", "write_json", "write_text"]
+
+THREADS_ENV = "OFFLOAD_BENCH_THREADS"
+"""Environment variable: torch intra-op threads of bench/'s scripts (default: torch's choice)."""
 
 
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work, so the host clock reads real time."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def resolve_device(name: Optional[str]) -> torch.device:
+    """The device ``name`` (None: cuda when available, else cpu), with its index when it is CUDA
+    (tensors report ``cuda:0``, and an engine given a bare ``cuda`` compares device objects)."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device} asked for, but torch.cuda.is_available() is False here; use cpu")
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def set_threads(threads: Optional[int]) -> None:
+    """Pin torch's intra-op threads (None: ``$OFFLOAD_BENCH_THREADS`` or torch's default). On a
+    shared machine 1 thread avoids OpenMP spin-waits against other processes."""
+    threads = threads or int(os.environ.get(THREADS_ENV) or 0)
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def median(values) -> Optional[float]:
@@ -207,11 +231,17 @@ def table(header: Sequence[str], rows: Sequence[Sequence], *, markdown: bool = F
     return "\n".join(out)
 
 
-def write_json(path, payload) -> Path:
-    """Write ``payload`` as JSON, whole or not at all: a reader never sees a file cut short."""
+def write_text(path, text: str) -> Path:
+    """Write ``text`` whole or not at all (a temporary file renamed into place): a reader never
+    sees a file cut short."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def write_json(path, payload) -> Path:
+    """``write_text`` of ``payload`` as JSON."""
+    return write_text(path, json.dumps(payload, indent=1, default=str) + "\n")

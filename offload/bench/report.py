@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from offload.bench.config import MB, REFERENCE, Kind, RunSettings, Variant
-from offload.bench.measure import describe_machine, median, table, write_json
+from offload.bench.measure import describe_machine, median, table, write_json, write_text
 
 __all__ = ["CSV_COLUMNS", "Report", "pareto_front", "plot", "summarize", "verdicts"]
 
@@ -328,9 +328,7 @@ class Report:
         runs = {n: [{k: r[k] for k in ("summary", "error", "skipped")} | {"losses": [s["loss"] for s in r["steps"]]}
                     for r in rs] for n, rs in results.items()}
         write_json(self.out / "summary.json", payload | {"runs": runs})
-        tmp = self.out / ".table.md.tmp"
-        tmp.write_text(self.text(markdown=True) + "\n")
-        tmp.replace(self.out / "table.md")
+        write_text(self.out / "table.md", self.text(markdown=True) + "\n")
         return payload
 
     def title(self) -> str:

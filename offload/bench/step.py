@@ -222,14 +222,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"offload.bench: MiniGPT {run.layers} layers x {run.hidden} (heads {run.heads}), seq {run.seq}, "
-          f"batch {run.batch}, {run.dtype} on {run.device}; {run.warmup} warm-up + {run.steps} measured steps"
-          f" x {run.repeats}; configurations: {', '.join(v.name for v in variants)}", file=sys.stderr)
     started = time.perf_counter()
     device = torch.device(run.device)
-    env = environment(device)
     machine = offload.probe(device)  # measured once, cached on disk: children read the cache
-    reporter = report.Report(out, run, variants, env, machine)
+    reporter = report.Report(out, run, variants, environment(device), machine)
+    print(f"offload.bench: {reporter.title()}; configurations: {', '.join(v.name for v in variants)}", file=sys.stderr)
     results = collect(run, variants, args.in_process, on_done=reporter.write)
     payload = reporter.write(results, wall_s=time.perf_counter() - started)
     print(reporter.text())
