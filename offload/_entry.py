@@ -181,7 +181,8 @@ class Handle:
         self.seen_gen = -1
         self.alias = t.detach()  # See Note: [version watch]
         self.layout: Optional[tuple] = None
-        if entry.device_copy() is not None and entry.device_copy().original:
+        device = entry.copies.get(Tier.DEVICE)
+        if device is not None and device.original:
             entry.handles.append(weakref.ref(self))
         else:
             self.let_go()

@@ -559,15 +559,19 @@ class Store:
 
     def _release(self, e: Entry) -> None:
         """Free everything an entry holds; copies still in flight are freed when they settle."""
-        if self._held is e:
-            self._held = None
         if self._by_key.get(e.key) is e:
             del self._by_key[e.key]
         residence = e.residence
-        if residence is Residence.HOT:
+        if residence is Residence.HOT:  # the common case, kept short: only the original, nothing in flight
             del self._hot[e.seq]
             self._hot_bytes -= e.nbytes
-        elif residence is Residence.KEPT:
+            self._resident_bytes -= e.nbytes
+            e.copies = {}
+            e.residence = Residence.RELEASED
+            return
+        if self._held is e:
+            self._held = None
+        if residence is Residence.KEPT:
             del self._kept[e.seq]
         elif residence is Residence.LEAVING:
             self._leaving.remove(e)

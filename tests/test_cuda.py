@@ -203,7 +203,7 @@ def _uninitialized_memory_is_nan():
         torch.use_deterministic_algorithms(deterministic)
 
 
-def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 3) -> None:
+def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 2) -> None:
     model = delayed_chain(depth=6, width=1024)
     link = SlowLink(torch.device("cuda", torch.cuda.current_device())) if slow_link else None
     eng = offload.engine(
@@ -211,7 +211,7 @@ def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 3) -> N
         spill_dir=spill_dir, prefetch=prefetch, model=model, link=link,
     )
     with _uninitialized_memory_is_nan():
-        for i in range(steps):  # later steps reuse the pinned slabs; each step has a new input
+        for i in range(steps):  # the second step reuses the pinned slabs; each step has a new input
             torch.manual_seed(100 + i)
             x = torch.randn(512, 1024, device="cuda")
             ref = step(copy.deepcopy(model), x)
@@ -222,9 +222,12 @@ def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 3) -> N
     eng.close()
 
 
-@pytest.mark.parametrize("budget", [0, "some"], ids=lambda b: f"budget={b}")
-@pytest.mark.parametrize("prefetch", [True, False], ids=lambda p: f"prefetch={p}")
-@pytest.mark.parametrize("slow_link", [False, True], ids=["compute-delayed", "side-streams-delayed"])
+@pytest.mark.parametrize(
+    "budget, prefetch, slow_link",
+    [(0, True, False), ("some", False, False), (0, False, True), ("some", True, True)],
+    ids=["budget=0-prefetch-compute-delayed", "budget=some-no-prefetch-compute-delayed",
+         "budget=0-no-prefetch-side-streams-delayed", "budget=some-prefetch-side-streams-delayed"],
+)
 def test_delayed_streams_and_reused_memory(budget, prefetch, slow_link, spill_dir):
     """No early free, no early use: with the compute stream or the side streams delayed, freed and
     fresh memory overwritten with NaN, and a new input each step, the gradients are bitwise those
