@@ -20,13 +20,14 @@ Not thread-safe: the store's lock guards it.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 from typing import Callable, Optional
 
 import psutil
 import torch
+
+from ._ranges import FreeRanges
 
 __all__ = ["ALIGN_BYTES", "Block", "HostArena"]
 
@@ -65,39 +66,18 @@ def _empty_host_cache() -> None:
 
 
 class _Slab:
-    """One pinned allocation and its free ranges, as sorted (offset, size) lists."""
+    """One pinned allocation and its free ranges."""
 
-    __slots__ = ("tensor", "nbytes", "free_offsets", "free_sizes", "used_bytes")
+    __slots__ = ("tensor", "nbytes", "ranges")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.nbytes = tensor.numel()
-        self.free_offsets, self.free_sizes = [0], [self.nbytes]
-        self.used_bytes = 0
+        self.ranges = FreeRanges(self.nbytes)
 
-    def take(self, size: int) -> Optional[int]:
-        for i, free in enumerate(self.free_sizes):
-            if free >= size:
-                offset = self.free_offsets[i]
-                if free == size:
-                    del self.free_offsets[i], self.free_sizes[i]
-                else:
-                    self.free_offsets[i], self.free_sizes[i] = offset + size, free - size
-                self.used_bytes += size
-                return offset
-        return None
-
-    def give(self, offset: int, size: int) -> None:
-        i = bisect.bisect(self.free_offsets, offset)
-        self.free_offsets.insert(i, offset)
-        self.free_sizes.insert(i, size)
-        self.used_bytes -= size
-        if i + 1 < len(self.free_offsets) and offset + size == self.free_offsets[i + 1]:  # merge right
-            self.free_sizes[i] += self.free_sizes.pop(i + 1)
-            self.free_offsets.pop(i + 1)
-        if i > 0 and self.free_offsets[i - 1] + self.free_sizes[i - 1] == offset:  # merge left
-            self.free_sizes[i - 1] += self.free_sizes.pop(i)
-            self.free_offsets.pop(i)
+    @property
+    def used_bytes(self) -> int:
+        return self.ranges.used_bytes
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -149,13 +129,13 @@ class HostArena:
         """A block of at least ``nbytes``, or None if neither the slabs nor the cap have room."""
         size = _round_up(max(nbytes, 1), ALIGN_BYTES)
         for slab in self._slabs:
-            offset = slab.take(size)
+            offset = slab.ranges.take(size)
             if offset is not None:
                 return Block(slab.tensor[offset : offset + size], slab, offset, size)
         slab = self._new_slab(size)
         if slab is None:
             return None
-        offset = slab.take(size)
+        offset = slab.ranges.take(size)
         return Block(slab.tensor[offset : offset + size], slab, offset, size)
 
     def _new_slab(self, size: int) -> Optional[_Slab]:
@@ -194,7 +174,7 @@ class HostArena:
 
     def release(self, block: Block) -> None:
         """Give a block back; its slab stays for reuse until ``trim`` or ``clear``."""
-        block.slab.give(block.offset, block.size)
+        block.slab.ranges.give(block.offset, block.size)
 
     def trim(self) -> None:
         """Drop every slab with nothing handed out, and give their pinned pages back to the OS."""

@@ -27,7 +27,6 @@ tensor bytes stay on disk.
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
 import dataclasses
 import errno
@@ -48,6 +47,7 @@ import psutil
 import torch
 
 from ._pending import FromFuture, Pending, failed
+from ._ranges import FreeRanges
 
 __all__ = ["ALIGN_BYTES", "Extent", "SpillFile"]
 
@@ -95,41 +95,6 @@ class Extent:
     offset: int
     size: int
     nbytes: int
-
-
-class _Extents:
-    """Free ranges of the file as sorted (offset, size) lists; the file's end grows when none fits."""
-
-    def __init__(self) -> None:
-        self.offsets: list[int] = []
-        self.sizes: list[int] = []
-        self.end = 0
-        self.used_bytes = 0
-
-    def take(self, size: int) -> int:
-        self.used_bytes += size
-        for i, free in enumerate(self.sizes):
-            if free >= size:
-                offset = self.offsets[i]
-                if free == size:
-                    del self.offsets[i], self.sizes[i]
-                else:
-                    self.offsets[i], self.sizes[i] = offset + size, free - size
-                return offset
-        offset, self.end = self.end, self.end + size
-        return offset
-
-    def give(self, offset: int, size: int) -> None:
-        self.used_bytes -= size
-        i = bisect.bisect(self.offsets, offset)
-        self.offsets.insert(i, offset)
-        self.sizes.insert(i, size)
-        if i + 1 < len(self.offsets) and offset + size == self.offsets[i + 1]:
-            self.sizes[i] += self.sizes.pop(i + 1)
-            self.offsets.pop(i + 1)
-        if i > 0 and self.offsets[i - 1] + self.sizes[i - 1] == offset:
-            self.sizes[i - 1] += self.sizes.pop(i)
-            self.offsets.pop(i)
 
 
 def _is_own_dir(path: str) -> bool:
@@ -239,7 +204,7 @@ class SpillFile:
         self._workers = workers
         self._dir: Optional[str] = None
         self._file: Optional[_File] = None
-        self._extents = _Extents()
+        self._extents = FreeRanges()
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._finalizer: Optional[weakref.finalize] = None
         self._closed = False
@@ -332,7 +297,7 @@ class SpillFile:
             self._finalizer = None
         self._file = None
         self._dir = None
-        self._extents = _Extents()
+        self._extents = FreeRanges()
 
 
 def _close_file(fd: int, directory: str) -> None:

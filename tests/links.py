@@ -169,3 +169,23 @@ class ThreadedLink:
     def close(self) -> None:
         self._queue.put((0.0, None, None))
         self._thread.join()
+
+
+@contextlib.contextmanager
+def link_named(name: str):
+    """A link by its test-parameter name: "disk" (None: no host tier), "deferred-N" (a
+    DeferredLink landing after N polls) or "threaded" (a ThreadedLink, closed afterwards, which
+    must never have copied from a source the engine had already let go)."""
+    if name == "disk":
+        yield None
+    elif name.startswith("deferred-"):
+        yield DeferredLink(int(name.split("-")[1]))
+    elif name == "threaded":
+        made = ThreadedLink(delay_s=0.002)
+        try:
+            yield made
+        finally:
+            made.close()
+        assert made.sources_gone == 0, "a copy's source was let go before the copy finished"
+    else:
+        raise ValueError(f"unknown test link {name!r}; use 'disk', 'deferred-N' or 'threaded'")

@@ -37,7 +37,7 @@ from torch import nn
 import offload
 import offload._arena
 import offload._spill
-from links import DeferredLink, ThreadedLink
+from links import link_named
 from zoo import MB, assert_same, files_under, run_step, wait_clean
 
 SIZE = 16 * 1024
@@ -531,13 +531,8 @@ ACT_MB = ACT_BYTES / MB
 def link(request):
     """Both stand-ins for the CUDA side streams; a threaded run must never have copied from a
     source the engine had already let go."""
-    if request.param == "threaded":
-        made = ThreadedLink(delay_s=0.002)
+    with link_named("deferred-2" if request.param == "deferred" else request.param) as made:
         yield made
-        made.close()
-        assert made.sources_gone == 0, "a copy's source was let go before the copy finished"
-    else:
-        yield DeferredLink(2)
 
 
 def _host_engine(link, budget_mb, **options):
@@ -809,13 +804,8 @@ def _assert_reset(eng, spill_dir):
 @pytest.fixture(params=["disk", "deferred", "threaded"])
 def tier(request):
     """Below the device: the disk alone, or a host tier (with a cap, then disk) over either link."""
-    if request.param == "threaded":
-        made = ThreadedLink(delay_s=0.002)
+    with link_named("deferred-3" if request.param == "deferred" else request.param) as made:
         yield made
-        made.close()
-        assert made.sources_gone == 0, "a copy's source was let go before the copy finished"
-    else:
-        yield None if request.param == "disk" else DeferredLink(3)
 
 
 def _exception_engine(link, spill_dir):

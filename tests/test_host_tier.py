@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import offload
-from links import DeferredLink, ThreadedLink
+from links import ThreadedLink, link_named
 from zoo import MB, wait_clean
 
 
@@ -44,13 +44,8 @@ def _engine(link, **kwargs):
 
 @pytest.fixture(params=["deferred-1", "deferred-4", "threaded"])
 def link(request):
-    if request.param == "threaded":
-        made = ThreadedLink(delay_s=0.002)
+    with link_named(request.param) as made:
         yield made
-        made.close()
-        assert made.sources_gone == 0, "a copy's source was let go before the copy finished"
-    else:
-        yield DeferredLink(int(request.param.split("-")[1]))
 
 
 @pytest.mark.parametrize("budget_mb", [0, 0.25, 0.5])

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import time
 import weakref
 
 import pytest
@@ -30,15 +29,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import offload
 from offload import _recompute
+from test_recompute import settle
+from test_regions import MACHINE
 
 SEED = 4321
 """Seed set before each forward, so dropout masks agree between variants."""
 
 ROWS, WIDTH = 16, 8
-
-SETTLE_TIMEOUT_S = 5.0
-"""How long spill writes still in flight may take to land before 'nothing left behind' fails."""
-
 
 def leaf(seed: int = 0, shape=(ROWS, WIDTH)) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
@@ -572,14 +569,6 @@ def test_region_with_an_inner_grad_is_recomputed_once_per_pass():
 # ------------------------------------------------------------------------ under the engine
 
 
-MACHINE = offload.MachineProfile(
-    device_type="cpu",
-    device_name="test machine",
-    disk_write_gb_per_s=1.0,
-    disk_read_gb_per_s=2.0,
-    per_tensor_overhead_us=2.0,
-)
-"""Fixed costs: no probe, and the same plans on any machine."""
 
 STEPS = 5
 """Enough for "auto" to profile (up to three steps) and then follow its plan twice."""
@@ -664,16 +653,6 @@ def saved_bytes() -> int:
     del loss
     eng.close()
     return nbytes
-
-
-def settle(eng) -> offload.Stats:
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    while True:
-        gc.collect()
-        stats = eng.stats
-        if (stats.resident_bytes == 0 and stats.spill_bytes == 0) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.01)
 
 
 ENGINE_CASES = [(policy, budget) for policy in ("recompute", "auto") for budget in ("none", "small", "zero")]
