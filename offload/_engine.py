@@ -74,6 +74,8 @@ class Engine:
         if self._closed:
             raise RuntimeError("this offload engine was closed; make a new one with offload.engine(...)")
         self._session.eligible.skip_modules(self._models)  # storages can change between steps (to(), load_state_dict)
+        if self._regions is not None:
+            self._regions.rewrap_compiled()  # a block.compile() since the last step
         self._session.enter()
         return self
 

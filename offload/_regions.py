@@ -123,19 +123,29 @@ class Regions:
         self._step_start: Optional[float] = None
         self._last_step: Optional[tuple[float, float, str]] = None  # (start, regions' ms, stage) of the last measured step
         self._other_ms = 0.0
-        self._originals = []
+        self._wrapped: list[_Wrapped] = []
         for index, (name, module) in enumerate(regions):
-            self._originals.append((module, module.__dict__.get("forward")))
-            module.forward = self._wrap(index, name, module.forward)
+            self._install(index, name, module)
+
+    def _install(self, index: int, name: str, module: torch.nn.Module) -> None:
+        """Wrap the region's call (See Note: [a block compiled in place])."""
+        attr = _COMPILED_CALL if getattr(module, _COMPILED_CALL, None) is not None else "forward"
+        self._wrapped.append(_Wrapped(module, index, name, attr, module.__dict__.get(attr)))
+        setattr(module, attr, self._wrap(index, name, getattr(module, attr)))
+
+    def rewrap_compiled(self) -> None:
+        """Re-wrap the regions compiled in place since the engine wrapped them (at ``with eng:``)."""
+        for w in list(self._wrapped):
+            if w.attr == "forward" and getattr(w.module, _COMPILED_CALL, None) is not None:
+                w.put_back()
+                self._wrapped.remove(w)
+                self._install(w.index, w.name, w.module)
 
     def restore(self) -> None:
         """Put the modules' own forwards back."""
-        for module, original in self._originals:
-            if original is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = original
-        self._originals = []
+        for w in self._wrapped:
+            w.put_back()
+        self._wrapped = []
 
     def _wrap(self, index: int, name: str, forward):
         def region_forward(*args, **kwargs):
@@ -292,6 +302,36 @@ class Regions:
             self._profiles = None
             _finish_after_backward(out, self.finish_pending)
         return out
+
+
+# Note: [a block compiled in place]
+#     ``block.compile()`` (unlike ``torch.compile(block)``, which returns a wrapper module) sets the
+#     module's ``_compiled_call_impl``: its ``__call__`` then runs a compiled ``_call_impl`` that
+#     calls ``self.forward`` inside the traced graph. Wrapping ``forward`` there would put the
+#     region's own machinery (checkpoint placeholders, timing) inside what Dynamo traces, and the
+#     recompute would re-run the eager forward: a different set of saved tensors than the compiled
+#     forward saved, and the engine's determinism check raised. So a block compiled in place is
+#     wrapped around its compiled call instead: the region runs (and re-runs) the compiled code.
+#     ``_compiled_call_impl`` is private to torch (2.2+); a module without it is wrapped on forward.
+
+_COMPILED_CALL = "_compiled_call_impl"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wrapped:
+    """One region's wrapped attribute and what it held before (None: the class's own)."""
+
+    module: torch.nn.Module
+    index: int
+    name: str
+    attr: str
+    original: object
+
+    def put_back(self) -> None:
+        if self.original is None:
+            self.module.__dict__.pop(self.attr, None)
+        else:
+            setattr(self.module, self.attr, self.original)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -154,6 +154,47 @@ def test_compiled_blocks_as_recompute_regions(fresh_dynamo, spill_dir):
         assert_same(want, got, f"recompute step {step}")
 
 
+def compiled_in_place(base: Net, backend) -> Net:
+    """A copy of ``base`` whose blocks are compiled with ``block.compile()``: no wrapper module."""
+    model = copy.deepcopy(base)
+    for block in model.blocks:
+        block.compile(backend=backend)
+    return model
+
+
+@pytest.mark.parametrize("compile_after_engine", [False, True], ids=["compiled-first", "compiled-after"])
+@pytest.mark.parametrize("policy", ["recompute", "auto"])
+def test_blocks_compiled_in_place_as_regions(policy, compile_after_engine, fresh_dynamo, spill_dir):
+    """``block.compile()`` then regions (or the other way round): the region wraps the compiled
+    call, so its recompute re-runs the compiled forward (See Note: [a block compiled in place]).
+    Wrapped on ``forward`` instead, Dynamo traced the region's own wrapper and the eager re-run
+    saved other tensors than the compiled forward: OffloadError."""
+    torch.manual_seed(0)
+    base = Net()
+    model = copy.deepcopy(base) if compile_after_engine else compiled_in_place(base, "aot_eager")
+    eng = offload.engine(0, regions=model.blocks, policy=policy, model=model,
+                         min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir)
+    if compile_after_engine:
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
+    steps = 4 if policy == "auto" else STEPS  # auto: profiling steps first, then its plan
+    lr = LR / 20  # at LR this model's loss reaches NaN by step 4, and NaN never equals NaN
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    results = []
+    for _ in range(steps):
+        results.append(run_step(model, make_input, eng))
+        optimizer.step()
+    stats = wait_clean(eng, spill_dir)
+    eng.close()
+    assert stats.recomputed_regions >= DEPTH
+    reference_model = compiled_in_place(base, "aot_eager")
+    optimizer = torch.optim.SGD(reference_model.parameters(), lr=lr)
+    for step, got in enumerate(results):
+        want = run_step(reference_model, make_input)
+        optimizer.step()
+        assert_same(want, got, f"{policy} step {step}")
+
+
 def test_fake_tensors_pass_through():
     """Autograd on fake tensors (what tracing runs) under the engine: nothing taken, no error."""
     from torch._subclasses.fake_tensor import FakeTensorMode
