@@ -50,7 +50,7 @@ class _RNGState:
     def restored(self):
         with torch.random.fork_rng(devices=self.cuda_devices):
             torch.set_rng_state(self.cpu)
-            for d, state in zip(self.cuda_devices, self.cuda):
+            for d, state in zip(self.cuda_devices, self.cuda, strict=True):
                 torch.cuda.set_rng_state(state, d)
             yield
 
@@ -156,15 +156,16 @@ class _Frame:
         for i, a in enumerate(a for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)):
             if a.grad_fn is None:
                 continue
+            node = a.grad_fn.name()
 
-            def refuse(grad_outputs, i=i, node=a.grad_fn.name()):
+            def refuse(grad_outputs, i=i, node=node):
                 raise OffloadError(
                     f"offload: region {name!r} ran a backward (torch.autograd.grad or .backward()) during its forward "
                     f"that reached {node}, the node that produced its tensor input {i}, outside the region; a "
                     f"recomputed region is re-run from detached inputs, so its backward could not do that again. "
                     f"Differentiate with respect to the region's inputs (or tensors created inside it), move the "
-                    f"code that needs the outer graph out of the region, or do not recompute this region (leave it out of "
-                    f"regions=, or use policy='offload')"
+                    f"code that needs the outer graph out of the region, or do not recompute this region "
+                    f"(leave it out of regions=, or use policy='offload')"
                 )
 
             guards.append(a.grad_fn.register_prehook(refuse))
@@ -285,7 +286,7 @@ class _Frame:
         values = list(captured)
         captured.clear()  # the re-run's graph may outlive it: See Note: [recompute hooks hold no frame]
         if len(values) != len(self.meta) or any(
-            c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(values, self.meta)
+            c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(values, self.meta, strict=True)
         ):
             got = [(tuple(c.shape), c.dtype) for c in values]
             want = [(tuple(s), d) for s, d in self.meta]

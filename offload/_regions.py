@@ -231,7 +231,7 @@ class Regions:
                 dataclasses.replace(
                     size, forward_ms=p.forward_ms, backward_ms=p.backward_ms, recompute_ms=p.recompute_ms
                 )
-                for size, p in zip(self._sizes[key], profiles)
+                for size, p in zip(self._sizes[key], profiles, strict=True)
             ]
             self._timed[key] = (timed, span_ms)
             used = timed

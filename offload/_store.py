@@ -77,7 +77,7 @@ class Store:
         self.spill = SpillFile(config.spill_dir, config.spill_workers)
         self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link)
         self._tier = {t.tier: t for t in self.tiers}
-        self._above = {lower.tier: upper for upper, lower in zip(self.tiers, self.tiers[1:])}
+        self._above = {lower.tier: upper for upper, lower in zip(self.tiers, self.tiers[1:], strict=False)}
         self._top = self.tiers[0]
         self._out = self.tiers[1]  # where eviction sends a hot entry
         host = self._tier.get(Tier.HOST)

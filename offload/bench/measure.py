@@ -225,7 +225,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence], *, markdown: bool = F
         out = ["| " + " | ".join(lines[0]) + " |", "|" + "---|" * len(header)]
         return "\n".join(out + ["| " + " | ".join(line + [""] * (len(header) - len(line))) + " |" for line in lines[1:]])
     widths = [max(len(line[i]) for line in full) for i in range(len(header))]
-    out = [("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+    out = [("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
             if len(line) == len(header) else "  ".join([line[0].ljust(widths[0])] + line[1:])) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)

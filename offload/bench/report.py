@@ -42,7 +42,7 @@ def _ratio(a, b) -> Optional[float]:
 
 def _paired(numerators: list, denominators: list) -> Optional[float]:
     """Median of the ratios paired by repeat (None where either side is missing in every pair)."""
-    return median([a / b for a, b in zip(numerators, denominators) if a is not None and b])
+    return median([a / b for a, b in zip(numerators, denominators, strict=False) if a is not None and b])
 
 
 def _grads_verdict(check: Optional[dict], reference: Optional[dict]) -> str:
@@ -92,7 +92,7 @@ def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list
             **{f.replace("_bytes", "_mb"): (_mb(stats[f]) if f.endswith("_bytes") else stats[f]) for f in _STAT_FIELDS},
             "losses": losses,
             "losses_match": None if is_ref or not reference or len(losses) != len(reference) else losses == reference,
-            "max_loss_diff": None if is_ref else max((abs(a - b) for a, b in zip(losses, reference)), default=None),
+            "max_loss_diff": None if is_ref else max((abs(a - b) for a, b in zip(losses, reference, strict=False)), default=None),
             "grads": "ref" if v == REFERENCE else _grads_verdict(summary.get("grad_check"), ref_summary.get("grad_check")),
             "runs_predicted_ms": [((r["summary"] or {}).get("plan") or {}).get("predicted_step_ms") for r in runs],
             "decisions": "".join(x["decision"][0].upper() for x in (summary.get("plan") or {}).get("regions", [])) or None,

@@ -70,7 +70,7 @@ def _run_jobs(run: RunSettings, jobs: list[tuple[str, int]], activation_bytes, e
         tag = {"config": name, "repeat": repeat}
         try:
             summary = loop.run_one(run, parse_variant(name), data, activation_bytes=activation_bytes,
-                                   emit=lambda record: emit(record | tag))
+                                   emit=lambda record, tag=tag: emit(record | tag))
         except loop.Skipped as reason:
             emit({"type": "skipped", "reason": str(reason)} | tag)
             continue
@@ -143,7 +143,8 @@ def collect(run: RunSettings, variants: list[Variant], in_process: bool,
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m offload.bench",
-        description="Train MiniGPT a few steps under each way of handling activations; compare time, memory, gradients.",
+        description="Train MiniGPT a few steps under each way of handling activations; "
+        "compare time, memory, gradients.",
     )
     p.add_argument("--demo", action="store_true", help="the short CPU demo (same as --preset demo)")
     p.add_argument("--preset", choices=sorted(PRESETS),

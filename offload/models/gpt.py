@@ -89,7 +89,8 @@ class GPTConfig:
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"choose n_embd as a multiple of n_head (e.g. {self.n_head * 2 * max(1, self.n_embd // (2 * self.n_head))})."
+                "choose n_embd as a multiple of n_head "
+                f"(e.g. {self.n_head * 2 * max(1, self.n_embd // (2 * self.n_head))})."
             )
         if self.head_dim % 2 != 0:
             raise ValueError(
