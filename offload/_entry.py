@@ -31,11 +31,14 @@ import dataclasses
 import enum
 import logging
 import weakref
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from ._pending import FINISHED, AllOf, Pending
+
+if TYPE_CHECKING:  # for annotations only: _store imports this module
+    from ._store import Store
 
 __all__ = ["Copy", "CopyState", "Entry", "Handle", "Residence", "Tier"]
 
@@ -175,11 +178,11 @@ class Handle:
 
     __slots__ = ("store", "entry", "version", "alias", "layout", "seen_gen", "__weakref__")
 
-    def __init__(self, store, entry: Entry, t: torch.Tensor) -> None:
+    def __init__(self, store: Store, entry: Entry, t: torch.Tensor) -> None:
         self.store, self.entry = store, entry
         self.version = t._version
         self.seen_gen = -1
-        self.alias = t.detach()  # See Note: [version watch]
+        self.alias: Optional[torch.Tensor] = t.detach()  # See Note: [version watch]
         self.layout: Optional[tuple] = None
         device = entry.copies.get(Tier.DEVICE)
         if device is not None and device.original:
@@ -196,6 +199,7 @@ class Handle:
         if self.layout is not None:
             return
         a = self.alias
+        assert a is not None, "offload internal error: the alias went before the layout was kept"  # set below only
         self.layout = (a.dtype, a.size(), a.stride(), a.storage_offset())
         if _set_version is None:
             return  # an old torch: the alias keeps the storage; still correct, only less memory is freed
@@ -216,6 +220,8 @@ class Handle:
 
     def rebuild(self, data: torch.Tensor) -> torch.Tensor:
         """This saved tensor's exact view (dtype, size, stride, storage offset) onto ``data``'s storage."""
+        # Only a moved entry is rebuilt, and the original leaving called let_go(), which set the layout.
+        assert self.layout is not None, "offload internal error: rebuild() before let_go()"
         dtype, size, stride, offset = self.layout
         return torch.empty(0, dtype=dtype, device=data.device).set_(data.untyped_storage(), offset, size, stride)
 

@@ -27,7 +27,7 @@ class OffloadError(RuntimeError):
 
 
 
-def inplace_error(type_name: str, shape, now: int, expected: int, where: str = "") -> RuntimeError:
+def inplace_error(type_name: str, shape: tuple[int, ...], now: int, expected: int, where: str = "") -> RuntimeError:
     """The error PyTorch raises for a saved tensor modified in place, for checks the engine does itself.
 
     Saved-tensor hooks switch off autograd's own version check, so the engine (its store, the

@@ -114,7 +114,7 @@ class _Frame:
         packed = self.outer[0](t)
         return packed, (t._version if packed is t else None)
 
-    def _unpack_input(self, packed) -> torch.Tensor:
+    def _unpack_input(self, packed: Any) -> torch.Tensor:
         return self.outer[1](packed) if self.outer is not None else packed
 
     def run(self):
@@ -197,6 +197,7 @@ class _Frame:
             return value
         if self.values is None:
             self._recompute()
+        assert self.values is not None  # _recompute() sets them or raises
         value = self.values[slot.index]
         if slot.seen_gen != self.gen:
             slot.seen_gen = self.gen
@@ -280,7 +281,7 @@ class _Frame:
                         self.fn(*args, **kwargs)
                     except _StopRecompute:
                         pass
-        if timed:
+        if self.on_recompute is not None:  # timed
             _synchronize(self.rng.cuda_devices)
             self.on_recompute((time.perf_counter() - start) * 1e3)
         values = list(captured)
@@ -314,7 +315,9 @@ def _synchronize(cuda_devices: list) -> None:
         torch.cuda.synchronize(index)
 
 
-def timed_checkpoint(fn: Callable, args: tuple, kwargs: dict, name: str, on_recompute: Callable[[float], None]):
+def timed_checkpoint(
+    fn: Callable, args: tuple, kwargs: dict, name: str, on_recompute: Callable[[float], None]
+) -> Any:
     """``checkpoint`` that reports each recompute's wall time in ms to ``on_recompute`` (the
     regions' profiling step; on CUDA it synchronizes, so it is for measured steps only)."""
     if not torch.is_grad_enabled():
@@ -322,7 +325,7 @@ def timed_checkpoint(fn: Callable, args: tuple, kwargs: dict, name: str, on_reco
     return _Frame(fn, name, args, kwargs, on_recompute).run()
 
 
-def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: Any):
+def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; re-run it in backward for the rest.
 
     Same results as ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``, with the

@@ -34,7 +34,8 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Optional
+from collections.abc import Iterable
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -63,7 +64,11 @@ _RECENT_STEPS = 64
 """Steps whose stage ``Regions.recent_stages`` remembers (for tests and debugging)."""
 
 
-def resolve_regions(regions, model: Optional[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
+RegionsArg = Union[Iterable[torch.nn.Module], Callable[[torch.nn.Module, str], bool]]
+"""What ``offload.engine(regions=...)`` takes: modules (``model.blocks``) or a ``(module, name) -> bool`` filter."""
+
+
+def resolve_regions(regions: RegionsArg, model: Optional[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
     """(qualified name, module) pairs from an iterable of modules or a ``(module, name) -> bool`` filter."""
     if callable(regions) and not isinstance(regions, torch.nn.Module):
         if model is None:
