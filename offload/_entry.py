@@ -158,13 +158,13 @@ class Entry:
             return False
         return self.residence in ORIGINAL_IS_DATA or self.owner() is owner
 
-    def nearest(self) -> Optional[Copy]:
-        """The copy closest to the device, or None."""
+    def nearest(self) -> Copy:
+        """The copy closest to the device; an entry the store still tracks always has one."""
         for tier in Tier:
             copy = self.copies.get(tier)
             if copy is not None:
                 return copy
-        return None
+        raise RuntimeError(f"offload internal error: the saved tensor {self.describe} has no copy left")
 
     def device_copy(self) -> Optional[Copy]:
         return self.copies.get(Tier.DEVICE)
