@@ -31,14 +31,11 @@ import dataclasses
 import enum
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from ._pending import FINISHED, AllOf, Pending
-
-if TYPE_CHECKING:  # for annotations only: _store imports this module
-    from ._store import Store
 
 __all__ = ["Copy", "CopyState", "Entry", "Handle", "Residence", "Tier"]
 
@@ -170,6 +167,14 @@ class Entry:
         return self.copies.get(Tier.DEVICE)
 
 
+class HandleOwner(Protocol):
+    """What a handle needs of the store that made it (the store imports this module, not back)."""
+
+    def unpack(self, h: Handle) -> torch.Tensor: ...
+
+    def on_handle_dead(self, h: Handle) -> None: ...
+
+
 class Handle:
     """What pack returns to autograd: one saved tensor's view onto an entry.
 
@@ -178,7 +183,7 @@ class Handle:
 
     __slots__ = ("store", "entry", "version", "alias", "layout", "seen_gen", "__weakref__")
 
-    def __init__(self, store: Store, entry: Entry, t: torch.Tensor) -> None:
+    def __init__(self, store: HandleOwner, entry: Entry, t: torch.Tensor) -> None:
         self.store, self.entry = store, entry
         self.version = t._version
         self.seen_gen = -1
