@@ -1,5 +1,6 @@
 # Build, test and demo targets. A fresh clone needs only python3:
 #   make test       create .venv, install torch and the package, run the tests
+#   make lint       ruff check, ruff format --check, mypy offload (installs the lint extra)
 #   make demo       run the built-in demo (offload.bench --demo)
 #   make bench      run the benchmarks in bench/
 #   make gpu-check  run the device checks, results under out/gpu
@@ -13,8 +14,9 @@ TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,torch==
 
 VENV_PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LINT_STAMP := $(VENV)/.installed-lint
 
-.PHONY: install test demo bench gpu-check clean
+.PHONY: install test lint demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -25,8 +27,21 @@ $(STAMP): pyproject.toml
 	$(VENV_PYTHON) -m pip install -e '.[test,plot,hf,lightning,metrics]'
 	touch $@
 
+# mypy reads torch's and the extras' annotations, so the lint tools go into the test venv.
+$(LINT_STAMP): $(STAMP) pyproject.toml
+	$(VENV_PYTHON) -m pip install -e '.[lint]'
+	touch $@
+
 test: $(STAMP)
 	$(VENV_PYTHON) -m pytest -q tests
+
+# All three run and report; the target fails if any of them did.
+lint: $(LINT_STAMP)
+	status=0; \
+	$(VENV_PYTHON) -m ruff check . || status=1; \
+	$(VENV_PYTHON) -m ruff format --check . || status=1; \
+	$(VENV_PYTHON) -m mypy offload || status=1; \
+	exit $$status
 
 demo: $(STAMP)
 	$(VENV_PYTHON) -m offload.bench --demo

@@ -91,7 +91,8 @@ def markdown(s: dict, out: Path) -> str:
     lines = ["# offload device check", "",
              f"- written (UTC): {s['written_utc']}; {s['seconds']} s so far; CUDA available: {s['cuda']}",
              f"- GPU (nvidia-smi name, memory, driver): {s['gpu'] or 'n/a'}",
-             f"- host: {env.get('host_cpu', '?')}, {env.get('cpu_cores_logical', '?')} cores, {env.get('ram_gb', '?')} GB RAM",
+             f"- host: {env.get('host_cpu', '?')}, {env.get('cpu_cores_logical', '?')} cores, "
+             f"{env.get('ram_gb', '?')} GB RAM",
              f"- versions: python {env.get('python', '?')}, torch {env.get('torch', '?')} (CUDA {env.get('cuda_build')}), "
              f"offload {env.get('offload', '?')} at {env.get('git_commit', '?')}",
              "", "## Parts", "", "| part | status | rc | seconds | limit s | output |", "|---|---|---|---|---|---|"]

@@ -42,7 +42,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload`
 import offload  # noqa: E402
 from offload.bench.config import MB  # noqa: E402
 from offload.bench.measure import (  # noqa: E402
-    describe_machine, environment, median, resolve_device, set_threads, sync, table, timed, write_json,
+    describe_machine,
+    environment,
+    median,
+    resolve_device,
+    set_threads,
+    sync,
+    table,
+    timed,
+    write_json,
 )
 from offload.models.gpt import Block, CausalSelfAttention, GPTConfig, SwiGLU  # noqa: E402
 
@@ -219,7 +227,7 @@ class LayerBench:
 
 def paired_difference_ms(after_ms: list[float], before_ms: list[float]) -> float:
     """Median of per-round differences: drift between rounds cancels, as the two ran back to back."""
-    return median([a - b for a, b in zip(after_ms, before_ms)])
+    return median([a - b for a, b in zip(after_ms, before_ms, strict=True)])
 
 
 def layer_row(case: Case, device: torch.device, medians_ms: dict[str, float], transfer_ms: Optional[float],

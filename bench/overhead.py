@@ -37,7 +37,15 @@ from offload._pagecache import cached_bytes_under  # noqa: E402
 from offload.bench.config import MB, REFERENCE, RunSettings  # noqa: E402
 from offload.bench.loop import Trainer  # noqa: E402
 from offload.bench.measure import (  # noqa: E402
-    describe_machine, environment, median, resolve_device, set_threads, sync, table, timed, write_json,
+    describe_machine,
+    environment,
+    median,
+    resolve_device,
+    set_threads,
+    sync,
+    table,
+    timed,
+    write_json,
 )
 from offload.models import load_corpus  # noqa: E402
 from offload.models.gpt import GPTConfig, MiniGPT  # noqa: E402
@@ -112,11 +120,11 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
     variants = {
         name: {
             # median over repeats of (this variant - no hooks, same repeat), per saved tensor
-            "median_us": round(median([(v - b) * 1e3 / saved for v, b in zip(ms, base)]), 3),
+            "median_us": round(median([(v - b) * 1e3 / saved for v, b in zip(ms, base, strict=True)]), 3),
             # min - min: the least disturbed runs; noise (a busy neighbour) only ever adds time
             "min_us": round((min(ms) - min(base)) * 1e3 / saved, 3),
             # process CPU time: what the hooks cost when other tenants steal the wall clock
-            "cpu_us": round(median([(v - b) * 1e3 / saved for v, b in zip(cpu[name], base_cpu)]), 3),
+            "cpu_us": round(median([(v - b) * 1e3 / saved for v, b in zip(cpu[name], base_cpu, strict=True)]), 3),
         }
         for name, ms in times.items()
     }
@@ -140,7 +148,7 @@ def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
     moved_mb = _one_chain_stats(x, length, moving).offloaded_bytes / MB
     counting.close()
     moving.close()
-    diff_ms = median([m - b for m, b in zip(times["moved"], times["base"])])
+    diff_ms = median([m - b for m, b in zip(times["moved"], times["base"], strict=True)])
     return {
         "tensors": length,
         "tensor_bytes": numel * 4,
@@ -193,7 +201,7 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
             "min_ms": round(min(ms), 3),
             "cpu_median_ms": round(median(cpu[name]), 3),
             "overhead": round(med / base_ms - 1, 4),
-            "paired_overhead": round(median([v / b - 1 for v, b in zip(ms, times["no engine"])]), 4),
+            "paired_overhead": round(median([v / b - 1 for v, b in zip(ms, times["no engine"], strict=True)]), 4),
             "min_overhead": round(min(ms) / min(times["no engine"]) - 1, 4),
             "cpu_overhead": round(median(cpu[name]) / base_cpu_ms - 1, 4),
         }
@@ -282,7 +290,8 @@ def print_overhead(tensor: dict, step: dict, env: dict) -> None:
     verdict = "within" if step["within_target"] else "OVER"
     print(f"\nbudget None overhead {100 * step['overhead_budget_none']:+.2f}% "
           f"({verdict} the {100 * STEP_TARGET_OVERHEAD:.0f}% target); by CPU time "
-          f"{100 * step['cpu_overhead_budget_none']:+.2f}%; load average {env['load_avg_1m']} on {env['cpu_cores_logical']} cores")
+          f"{100 * step['cpu_overhead_budget_none']:+.2f}%; load average {env['load_avg_1m']} "
+          f"on {env['cpu_cores_logical']} cores")
 
 
 def disk_tier(repeats: int, spill_parent) -> dict:

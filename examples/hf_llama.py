@@ -91,12 +91,12 @@ def main() -> None:
               f"{'saved MB':>8} {'moved MB':>8} {'peak MB':>7} {'recomp':>6}")
     print(header)
     print("-" * len(header))
-    for step, (plain, ours) in enumerate(zip(baseline, managed)):
+    for step, (plain, ours) in enumerate(zip(baseline, managed, strict=True)):
         s = ours["stats"]
         print(f"{step:>4} | {plain['ms']:>9.1f} {ours['ms']:>9.1f} | {plain['loss']:>10.6f} {ours['loss']:>11.6f} | "
               f"{s.saved_bytes / MB:>8.2f} {s.offloaded_bytes / MB:>8.2f} {s.peak_resident_bytes / MB:>7.2f} "
               f"{s.recomputed_regions:>6}")
-    match = all(plain["loss"] == ours["loss"] for plain, ours in zip(baseline, managed))
+    match = all(plain["loss"] == ours["loss"] for plain, ours in zip(baseline, managed, strict=True))
     print(f"losses match exactly: {'yes' if match else 'NO'}")
 
 

@@ -40,7 +40,7 @@ def train(data: torch.Tensor, *, steps: int, batch_size: int, device: torch.devi
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     stream = batches(data, batch_size, CONFIG.seq_len, torch.Generator().manual_seed(SEED))
     rows = []
-    for _, (x, y) in zip(range(steps), stream):
+    for _, (x, y) in zip(range(steps), stream, strict=False):
         x, y = x.to(device), y.to(device)
         if engine is not None:
             engine.reset_stats()
@@ -85,13 +85,13 @@ def main() -> None:
               f"{'saved MB':>8} {'moved MB':>8} {'peak MB':>7}")
     print(header)
     print("-" * len(header))
-    for step, (plain, ours) in enumerate(zip(baseline, managed)):
+    for step, (plain, ours) in enumerate(zip(baseline, managed, strict=True)):
         stats = ours["stats"]
         print(f"{step:>4} | {plain['ms']:>9.1f} {ours['ms']:>9.1f} | {plain['loss']:>10.6f} {ours['loss']:>11.6f} | "
               f"{stats.saved_bytes / MB:>8.2f} {stats.offloaded_bytes / MB:>8.2f} "
               f"{stats.peak_resident_bytes / MB:>7.2f}")
 
-    match = all(plain["loss"] == ours["loss"] for plain, ours in zip(baseline, managed))
+    match = all(plain["loss"] == ours["loss"] for plain, ours in zip(baseline, managed, strict=True))
     print(f"losses match exactly: {'yes' if match else 'NO'}")
     print("engine stats, last step:")
     for name, value in managed[-1]["stats"].to_dict().items():

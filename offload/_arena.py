@@ -71,13 +71,18 @@ class _Slab:
     __slots__ = ("tensor", "nbytes", "ranges")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor: Optional[torch.Tensor] = tensor  # None once trimmed: its pages went back
         self.nbytes = tensor.numel()
         self.ranges = FreeRanges(self.nbytes)
 
     @property
     def used_bytes(self) -> int:
         return self.ranges.used_bytes
+
+    def view(self, offset: int, size: int) -> torch.Tensor:
+        """The bytes [offset, offset + size) of this slab."""
+        assert self.tensor is not None, "offload internal error: a block from a trimmed slab"
+        return self.tensor[offset : offset + size]
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -131,12 +136,13 @@ class HostArena:
         for slab in self._slabs:
             offset = slab.ranges.take(size)
             if offset is not None:
-                return Block(slab.tensor[offset : offset + size], slab, offset, size)
-        slab = self._new_slab(size)
-        if slab is None:
+                return Block(slab.view(offset, size), slab, offset, size)
+        new = self._new_slab(size)
+        if new is None:
             return None
-        offset = slab.ranges.take(size)
-        return Block(slab.tensor[offset : offset + size], slab, offset, size)
+        offset = new.ranges.take(size)
+        assert offset is not None, "offload internal error: a new slab has no room for the block it was made for"
+        return Block(new.view(offset, size), new, offset, size)
 
     def _new_slab(self, size: int) -> Optional[_Slab]:
         if self.failed:

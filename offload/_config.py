@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -30,7 +30,7 @@ DEFAULT_SPILL_WORKERS = 2
 without fighting the compute threads for cores on small machines."""
 
 
-def _check_mb(name: str, value, *, allow_none: bool = True) -> Optional[float]:
+def _check_mb(name: str, value: object, *, allow_none: bool = True) -> Optional[float]:
     if value is None:
         if allow_none:
             return None
@@ -52,7 +52,7 @@ def _check_mb(name: str, value, *, allow_none: bool = True) -> Optional[float]:
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
 
-def parse_device(device) -> Optional[torch.device]:
+def parse_device(device: Union[str, int, torch.device, None]) -> Optional[torch.device]:
     """A ``torch.device`` of a supported type from what a user passed (None stays None)."""
     if device is None:
         return None
@@ -68,7 +68,7 @@ def parse_device(device) -> Optional[torch.device]:
     return parsed
 
 
-def _check_spill_dir(spill_dir) -> Optional[Path]:
+def _check_spill_dir(spill_dir: object) -> Optional[Path]:
     if spill_dir is None:
         return None
     if not isinstance(spill_dir, (str, os.PathLike)):
@@ -119,16 +119,16 @@ class Config:
     @classmethod
     def from_user(
         cls,
-        budget_mb=None,
+        budget_mb: Optional[float] = None,
         *,
-        spill_dir=None,
-        host_budget_mb=None,
-        min_offload_bytes=DEFAULT_MIN_OFFLOAD_BYTES,
-        device=None,
-        prefetch=True,
-        spill_workers=DEFAULT_SPILL_WORKERS,
-        policy=None,
-        has_regions=False,
+        spill_dir: Union[str, os.PathLike, None] = None,
+        host_budget_mb: Optional[float] = None,
+        min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+        device: Union[str, torch.device, None] = None,
+        prefetch: bool = True,
+        spill_workers: int = DEFAULT_SPILL_WORKERS,
+        policy: Optional[str] = None,
+        has_regions: bool = False,
     ) -> "Config":
         """Validate what a user passed to ``offload.engine``; ``policy`` None: "auto" with regions,
         else "offload"."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Optional
+from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import torch
 
@@ -25,12 +25,15 @@ from ._config import Config
 from ._cost import MB, MachineProfile
 from ._planner import Plan
 from ._probe import probe
-from ._regions import Regions, resolve_regions
+from ._regions import Regions, RegionsArg, resolve_regions
 from ._session import Session
 from ._stats import Stats
 from ._transfer import Link
 
 __all__ = ["Engine", "engine", "explain"]
+
+_Decorated = TypeVar("_Decorated", bound=Callable[..., Any])
+"""A function or an nn.Module: ``Engine.__call__`` returns what it was given, wrapped."""
 
 
 class Engine:
@@ -45,7 +48,7 @@ class Engine:
         self,
         config: Config,
         model: Optional[torch.nn.Module] = None,
-        regions=None,
+        regions: Optional[RegionsArg] = None,
         machine: Optional[MachineProfile] = None,
         link: Optional[Link] = None,
     ) -> None:
@@ -79,10 +82,10 @@ class Engine:
         self._session.enter()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._session.exit(*exc)
 
-    def __call__(self, fn):
+    def __call__(self, fn: _Decorated) -> _Decorated:
         """Decorate a function, or a module (its ``forward``), so each call runs under the engine."""
         if isinstance(fn, torch.nn.Module):
             module = fn
@@ -93,11 +96,11 @@ class Engine:
             raise TypeError(f"an offload engine decorates a function or an nn.Module, got {fn!r}")
 
         @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             with self:
                 return fn(*args, **kwargs)
 
-        return wrapper
+        return cast(_Decorated, wrapper)  # functools.wraps: it reads as fn, called as fn
 
     @property
     def plan(self) -> Optional[Plan]:
@@ -183,13 +186,13 @@ def _option_names() -> list[str]:
 
 
 def engine(
-    budget_mb=None,
+    budget_mb: Optional[float] = None,
     *,
     model: Optional[torch.nn.Module] = None,
-    regions=None,
+    regions: Optional[RegionsArg] = None,
     machine: Optional[MachineProfile] = None,
     link: Optional[Link] = None,
-    **options,
+    **options: Any,
 ) -> Engine:
     """Make an engine that keeps at most ``budget_mb`` MB of saved activations on the device.
 
@@ -223,7 +226,7 @@ def engine(
     return Engine(config, model=model, regions=regions, machine=machine, link=link)
 
 
-def explain(what) -> str:
+def explain(what: Union[Engine, Plan, None]) -> str:
     """The plan table of an engine (its latest plan) or of a ``Plan``, as text."""
     plan = what.plan if isinstance(what, Engine) else what
     if plan is None:

@@ -31,7 +31,7 @@ import dataclasses
 import enum
 import logging
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -155,16 +155,24 @@ class Entry:
             return False
         return self.residence in ORIGINAL_IS_DATA or self.owner() is owner
 
-    def nearest(self) -> Optional[Copy]:
-        """The copy closest to the device, or None."""
+    def nearest(self) -> Copy:
+        """The copy closest to the device; an entry the store still tracks always has one."""
         for tier in Tier:
             copy = self.copies.get(tier)
             if copy is not None:
                 return copy
-        return None
+        raise RuntimeError(f"offload internal error: the saved tensor {self.describe} has no copy left")
 
     def device_copy(self) -> Optional[Copy]:
         return self.copies.get(Tier.DEVICE)
+
+
+class HandleOwner(Protocol):
+    """What a handle needs of the store that made it (the store imports this module, not back)."""
+
+    def unpack(self, h: Handle) -> torch.Tensor: ...
+
+    def on_handle_dead(self, h: Handle) -> None: ...
 
 
 class Handle:
@@ -175,11 +183,11 @@ class Handle:
 
     __slots__ = ("store", "entry", "version", "alias", "layout", "seen_gen", "__weakref__")
 
-    def __init__(self, store, entry: Entry, t: torch.Tensor) -> None:
+    def __init__(self, store: HandleOwner, entry: Entry, t: torch.Tensor) -> None:
         self.store, self.entry = store, entry
         self.version = t._version
         self.seen_gen = -1
-        self.alias = t.detach()  # See Note: [version watch]
+        self.alias: Optional[torch.Tensor] = t.detach()  # See Note: [version watch]
         self.layout: Optional[tuple] = None
         device = entry.copies.get(Tier.DEVICE)
         if device is not None and device.original:
@@ -196,6 +204,7 @@ class Handle:
         if self.layout is not None:
             return
         a = self.alias
+        assert a is not None, "offload internal error: the alias went before the layout was kept"  # set below only
         self.layout = (a.dtype, a.size(), a.stride(), a.storage_offset())
         if _set_version is None:
             return  # an old torch: the alias keeps the storage; still correct, only less memory is freed
@@ -216,6 +225,8 @@ class Handle:
 
     def rebuild(self, data: torch.Tensor) -> torch.Tensor:
         """This saved tensor's exact view (dtype, size, stride, storage offset) onto ``data``'s storage."""
+        # Only a moved entry is rebuilt, and the original leaving called let_go(), which set the layout.
+        assert self.layout is not None, "offload internal error: rebuild() before let_go()"
         dtype, size, stride, offset = self.layout
         return torch.empty(0, dtype=dtype, device=data.device).set_(data.untyped_storage(), offset, size, stride)
 

@@ -27,7 +27,7 @@ class OffloadError(RuntimeError):
 
 
 
-def inplace_error(type_name: str, shape, now: int, expected: int, where: str = "") -> RuntimeError:
+def inplace_error(type_name: str, shape: tuple[int, ...], now: int, expected: int, where: str = "") -> RuntimeError:
     """The error PyTorch raises for a saved tensor modified in place, for checks the engine does itself.
 
     Saved-tensor hooks switch off autograd's own version check, so the engine (its store, the
@@ -42,5 +42,6 @@ def inplace_error(type_name: str, shape, now: int, expected: int, where: str = "
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"[{type_name} [{dims}]]{place} is at version {now}; expected version {expected} instead. Hint: enable anomaly "
         "detection to find the operation that failed to compute its gradient, with "
-        "torch.autograd.set_detect_anomaly(True). (offload checked this: saved-tensor hooks turn off PyTorch's own check.)"
+        "torch.autograd.set_detect_anomaly(True). "
+        "(offload checked this: saved-tensor hooks turn off PyTorch's own check.)"
     )

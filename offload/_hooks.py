@@ -17,7 +17,8 @@ Passed through, and why:
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Iterable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,7 +37,7 @@ class Eligibility:
         self.min_bytes = min_bytes
         self.skip_storages: set[int] = set()
 
-    def skip_modules(self, modules) -> None:
+    def skip_modules(self, modules: Iterable[torch.nn.Module]) -> None:
         """Never move the storages of these modules' parameters and buffers.
 
         The set is rebuilt, not added to: a storage freed since the last step (``to()``,
@@ -119,7 +120,7 @@ def _unpass(packed: _Passed) -> torch.Tensor:
     return packed.unwrap()
 
 
-def no_offload():
+def no_offload() -> torch.autograd.graph.saved_tensors_hooks:
     """A context in which saved tensors stay where they are (e.g. around an LM head).
 
     It installs pass-through saved-tensor hooks; only the innermost hooks are active, so an
@@ -128,16 +129,21 @@ def no_offload():
     return torch.autograd.graph.saved_tensors_hooks(_pass, _unpass)
 
 
-def make_hooks(take: Callable[[torch.Tensor], bool], pack_entry, unpack_entry, on_passthrough):
+def make_hooks(
+    take: Callable[[torch.Tensor], bool],
+    pack_entry: Callable[[torch.Tensor], Any],
+    unpack_entry: Callable[[Any], torch.Tensor],
+    on_passthrough: Callable[[], None],
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
     """The (pack, unpack) pair for ``saved_tensors_hooks``."""
 
-    def pack(t):
+    def pack(t: torch.Tensor) -> Any:
         if take(t):
             return pack_entry(t)
         on_passthrough()
         return _Passed(t)  # See Note: [pass through a detached alias]
 
-    def unpack(packed):
+    def unpack(packed: Any) -> torch.Tensor:
         if type(packed) is _Passed:
             return packed.unwrap()
         return unpack_entry(packed)

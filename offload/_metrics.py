@@ -30,6 +30,12 @@ Metrics, with the default ``prefix="offload"``:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # annotations only: importing offload.metrics stays as light as it is
+    from ._engine import Engine
+    from ._stats import Stats
+
 __all__ = ["PrometheusExporter", "WAIT_BUCKETS_S", "export_prometheus"]
 
 WAIT_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -82,7 +88,7 @@ class PrometheusExporter:
             exporter.update()
     """
 
-    def __init__(self, engine, registry=None, prefix: str = "offload") -> None:
+    def __init__(self, engine: Engine, registry: Any = None, prefix: str = "offload") -> None:
         prom = _prometheus()
         from ._engine import Engine
 
@@ -130,10 +136,10 @@ class PrometheusExporter:
             self.moved_bytes.labels(movement=movement)
         for result in ("hit", "miss"):
             self.prefetch.labels(result=result)
-        self.last = None
+        self.last: Optional[Stats] = None
         """The ``Stats`` window the latest ``update()`` exported."""
 
-    def update(self):
+    def update(self) -> Stats:
         """Export what the engine did since the previous update, then reset its stats.
 
         Returns the exported ``Stats`` snapshot (the window that just ended).
@@ -161,7 +167,7 @@ class PrometheusExporter:
         return f"offload.metrics.PrometheusExporter({self.engine!r})"
 
 
-def export_prometheus(engine, registry=None, prefix: str = "offload") -> PrometheusExporter:
+def export_prometheus(engine: Engine, registry: Any = None, prefix: str = "offload") -> PrometheusExporter:
     """Shorthand for ``PrometheusExporter(engine, registry, prefix)``."""
     return PrometheusExporter(engine, registry=registry, prefix=prefix)
 

@@ -72,7 +72,7 @@ def cached_bytes(paths: Iterable[str]) -> Optional[int]:
 
 def cached_bytes_under(directory: str) -> Optional[int]:
     """Page-cache-resident bytes of every regular file under ``directory`` (0 if it is gone)."""
-    paths = []
+    paths: list[str] = []
     for root, _dirs, files in os.walk(directory):
         paths.extend(os.path.join(root, name) for name in files)
     return cached_bytes(paths)

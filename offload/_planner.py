@@ -256,7 +256,7 @@ def _run_timeline(
     # Forward: compute runs region after region; copies out queue on the out-link.
     now_ms = 0.0
     out_link_free_ms = 0.0
-    for i, (region, decision) in enumerate(zip(regions, decisions)):
+    for i, (region, decision) in enumerate(zip(regions, decisions, strict=True)):
         now_ms += region.forward_ms
         if decision is Decision.OFFLOAD:
             overhead_ms = overhead_ms_per_tensor * region.num_tensors
@@ -408,7 +408,7 @@ def build_plan(
 ) -> Plan:
     timeline = _run_timeline(regions, decisions, machine)
     region_plans = []
-    for region, decision, exposed_ms in zip(regions, decisions, timeline.exposed_ms):
+    for region, decision, exposed_ms in zip(regions, decisions, timeline.exposed_ms, strict=True):
         resident_bytes = {
             Decision.KEEP: region.saved_bytes,
             Decision.RECOMPUTE: region.input_bytes,

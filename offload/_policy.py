@@ -115,7 +115,7 @@ class OffloadPolicy(Policy):
             )
         candidates = [(Decision.OFFLOAD,) * (n - num_kept) + (Decision.KEEP,) * num_kept for num_kept in range(n)]
         peaks = [simulate(regions, decisions, machine)[1] for decisions in candidates]
-        fitting = [decisions for decisions, peak in zip(candidates, peaks) if peak <= budget_bytes]
+        fitting = [decisions for decisions, peak in zip(candidates, peaks, strict=True) if peak <= budget_bytes]
         if fitting:
             return fitting[-1]  # the most regions kept hot
         return candidates[peaks.index(min(peaks))]
@@ -229,7 +229,7 @@ class _Search:
         while not self.fits(decisions):
             step_ms, peak_bytes = self.cost(decisions)
             best = None  # (ms per byte the peak drops, region index, action); ties keep the earliest
-            for i, region in enumerate(self._regions):
+            for i in range(len(self._regions)):
                 if decisions[i] is not Decision.KEEP:
                     continue
                 for action in actions:

@@ -46,6 +46,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -159,6 +160,7 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
         # is_available() asks the driver for a device count; it does not initialize CUDA.
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = parse_device(device)
+    assert resolved is not None  # parse_device keeps only None as None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: CUDA is not available on this machine; pass device='cpu'")
@@ -292,7 +294,7 @@ def _measure_per_tensor_overhead_us(
     def with_hooks() -> None:
         chain(moving)
 
-    def best_s(fn) -> float:
+    def best_s(fn: Callable[[], None]) -> float:
         fn()  # warm-up
         times_s = []
         for _ in range(repeats):

@@ -50,7 +50,7 @@ class _RNGState:
     def restored(self):
         with torch.random.fork_rng(devices=self.cuda_devices):
             torch.set_rng_state(self.cpu)
-            for d, state in zip(self.cuda_devices, self.cuda):
+            for d, state in zip(self.cuda_devices, self.cuda, strict=True):
                 torch.cuda.set_rng_state(state, d)
             yield
 
@@ -114,7 +114,7 @@ class _Frame:
         packed = self.outer[0](t)
         return packed, (t._version if packed is t else None)
 
-    def _unpack_input(self, packed) -> torch.Tensor:
+    def _unpack_input(self, packed: Any) -> torch.Tensor:
         return self.outer[1](packed) if self.outer is not None else packed
 
     def run(self):
@@ -156,15 +156,16 @@ class _Frame:
         for i, a in enumerate(a for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)):
             if a.grad_fn is None:
                 continue
+            node = a.grad_fn.name()
 
-            def refuse(grad_outputs, i=i, node=a.grad_fn.name()):
+            def refuse(grad_outputs, i=i, node=node):
                 raise OffloadError(
                     f"offload: region {name!r} ran a backward (torch.autograd.grad or .backward()) during its forward "
                     f"that reached {node}, the node that produced its tensor input {i}, outside the region; a "
                     f"recomputed region is re-run from detached inputs, so its backward could not do that again. "
                     f"Differentiate with respect to the region's inputs (or tensors created inside it), move the "
-                    f"code that needs the outer graph out of the region, or do not recompute this region (leave it out of "
-                    f"regions=, or use policy='offload')"
+                    f"code that needs the outer graph out of the region, or do not recompute this region "
+                    f"(leave it out of regions=, or use policy='offload')"
                 )
 
             guards.append(a.grad_fn.register_prehook(refuse))
@@ -196,6 +197,7 @@ class _Frame:
             return value
         if self.values is None:
             self._recompute()
+        assert self.values is not None  # _recompute() sets them or raises
         value = self.values[slot.index]
         if slot.seen_gen != self.gen:
             slot.seen_gen = self.gen
@@ -279,13 +281,13 @@ class _Frame:
                         self.fn(*args, **kwargs)
                     except _StopRecompute:
                         pass
-        if timed:
+        if self.on_recompute is not None:  # timed
             _synchronize(self.rng.cuda_devices)
             self.on_recompute((time.perf_counter() - start) * 1e3)
         values = list(captured)
         captured.clear()  # the re-run's graph may outlive it: See Note: [recompute hooks hold no frame]
         if len(values) != len(self.meta) or any(
-            c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(values, self.meta)
+            c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(values, self.meta, strict=True)
         ):
             got = [(tuple(c.shape), c.dtype) for c in values]
             want = [(tuple(s), d) for s, d in self.meta]
@@ -313,7 +315,9 @@ def _synchronize(cuda_devices: list) -> None:
         torch.cuda.synchronize(index)
 
 
-def timed_checkpoint(fn: Callable, args: tuple, kwargs: dict, name: str, on_recompute: Callable[[float], None]):
+def timed_checkpoint(
+    fn: Callable, args: tuple, kwargs: dict, name: str, on_recompute: Callable[[float], None]
+) -> Any:
     """``checkpoint`` that reports each recompute's wall time in ms to ``on_recompute`` (the
     regions' profiling step; on CUDA it synchronizes, so it is for measured steps only)."""
     if not torch.is_grad_enabled():
@@ -321,7 +325,7 @@ def timed_checkpoint(fn: Callable, args: tuple, kwargs: dict, name: str, on_reco
     return _Frame(fn, name, args, kwargs, on_recompute).run()
 
 
-def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: Any):
+def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; re-run it in backward for the rest.
 
     Same results as ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``, with the

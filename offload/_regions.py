@@ -34,7 +34,8 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Optional
+from collections.abc import Iterable
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -63,7 +64,11 @@ _RECENT_STEPS = 64
 """Steps whose stage ``Regions.recent_stages`` remembers (for tests and debugging)."""
 
 
-def resolve_regions(regions, model: Optional[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
+RegionsArg = Union[Iterable[torch.nn.Module], Callable[[torch.nn.Module, str], bool]]
+"""What ``offload.engine(regions=...)`` takes: modules (``model.blocks``) or a ``(module, name) -> bool`` filter."""
+
+
+def resolve_regions(regions: RegionsArg, model: Optional[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
     """(qualified name, module) pairs from an iterable of modules or a ``(module, name) -> bool`` filter."""
     if callable(regions) and not isinstance(regions, torch.nn.Module):
         if model is None:
@@ -85,14 +90,14 @@ def resolve_regions(regions, model: Optional[torch.nn.Module]) -> list[tuple[str
     return found
 
 
-def _signature(args, kwargs) -> tuple:
+def _signature(args: tuple, kwargs: dict) -> tuple:
     return tuple(
         (tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else type(a).__name__
         for a in list(args) + list(kwargs.values())
     )
 
 
-def _input_bytes(args, kwargs) -> int:
+def _input_bytes(args: tuple, kwargs: dict) -> int:
     return sum(a.untyped_storage().nbytes() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
 
 
@@ -147,8 +152,8 @@ class Regions:
             w.put_back()
         self._wrapped = []
 
-    def _wrap(self, index: int, name: str, forward):
-        def region_forward(*args, **kwargs):
+    def _wrap(self, index: int, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def region_forward(*args: Any, **kwargs: Any) -> Any:
             if not (self._session.active() and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
             if index == 0:
@@ -163,32 +168,33 @@ class Regions:
                 return self._eagerly(forward, args, kwargs)
             return forward(*args, **kwargs)
 
-        region_forward.__wrapped__ = forward
+        region_forward.__wrapped__ = forward  # type: ignore[attr-defined]  # functions take attributes; Callable does not say so
         return region_forward
 
-    def _eagerly(self, forward, args, kwargs):
+    def _eagerly(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         with self._session.eagerly():
             return forward(*args, **kwargs)
 
-    def _begin_step(self, args, kwargs) -> None:
+    def _begin_step(self, args: tuple, kwargs: dict) -> None:
         now = time.perf_counter()
         self.finish_pending()  # a measured step whose backward never ran (or ran without its callback)
         if self._last_step is not None:
             # The last measured step ran from its first region to now (embedding, head, loss and
             # the optimizer included): what it cost outside the regions goes into later plans.
-            start, regions_ms, stage = self._last_step
+            start, regions_ms, last_stage = self._last_step
             self._last_step = None
-            if stage != OFFLOAD_TRIAL:  # moving everything slows the rest too
+            if last_stage != OFFLOAD_TRIAL:  # moving everything slows the rest too
                 self._other_ms = max(0.0, (now - start) * 1e3 - regions_ms)
         if self._profiles is not None and self._key is not None:
             # The last profiling step never reached its last region (its forward raised, or
             # skipped regions): run that stage again rather than plan from half a measurement.
+            assert self._stage is not None  # a profiling step has both: profiles and its stage
             self._stages.setdefault(self._key, []).insert(0, self._stage)
         self._step_start = now
         key = _signature(args, kwargs)
         self.plan = self.plans.get(key)
         self._key = key
-        stage = None
+        stage: Optional[str] = None
         if self.policy in _PROFILED_POLICIES:
             stages = self._stages.setdefault(key, [MEASURE])
             if stages:
@@ -241,7 +247,7 @@ class Regions:
                 dataclasses.replace(
                     size, forward_ms=p.forward_ms, backward_ms=p.backward_ms, recompute_ms=p.recompute_ms
                 )
-                for size, p in zip(self._sizes[key], profiles)
+                for size, p in zip(self._sizes[key], profiles, strict=True)
             ]
             self._timed[key] = (timed, span_ms)
             used = timed
@@ -276,7 +282,7 @@ class Regions:
             return self.plan.regions[index].decision
         return Decision.RECOMPUTE if self.policy == "recompute" else Decision.KEEP
 
-    def _measure(self, index: int, name: str, forward, args, kwargs):
+    def _measure(self, index: int, name: str, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         cuda = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.is_cuda), None)
         m = _Measurement(name=name, input_bytes=_input_bytes(args, kwargs))
         if cuda is not None:
@@ -296,6 +302,8 @@ class Regions:
         bytes_after, tensors_after = self._session.saved()
         m.saved_bytes, m.num_tensors = bytes_after - bytes_before, tensors_after - tensors_before
         m.time_backward(args, kwargs, out, cuda)
+        # Only a profiling step measures, and _begin_step gave it a key, a stage and its list.
+        assert self._profiles is not None and self._key is not None and self._stage is not None
         self._profiles.append(m)
         if index == len(self.regions) - 1:
             self._pending = _Pending(key=self._key, stage=self._stage, measurements=self._profiles)
@@ -355,14 +363,14 @@ class _Pending:
     measurements: list
 
 
-def _finish_after_backward(out, finish) -> None:
+def _finish_after_backward(out: Any, finish: Callable[[], None]) -> None:
     """Run ``finish`` once the backward that reaches ``out`` (the last region's output) completes."""
     outputs = [t for t in _tensors(out) if t.requires_grad]
     if not outputs:
         return
-    queued = []
+    queued: list[bool] = []
 
-    def queue(grad):
+    def queue(grad: torch.Tensor) -> None:
         if not queued:
             queued.append(True)
             torch.autograd.Variable._execution_engine.queue_callback(finish)
@@ -378,7 +386,7 @@ def _span_ms(measurements: list) -> Optional[float]:
     return (measurements[0].end - measurements[0].forward_start) * 1e3
 
 
-def _tensors(value) -> list:
+def _tensors(value: Any) -> list:
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
@@ -405,12 +413,12 @@ class _Measurement:
         self.forward_start, self.forward_ms = 0.0, 0.0
         self.recompute_ms = 0.0
         self.start = self.end = None
-        self._hooks = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def add_recompute(self, ms: float) -> None:
         self.recompute_ms += ms
 
-    def time_backward(self, args, kwargs, out, cuda: Optional[torch.device]) -> None:
+    def time_backward(self, args: tuple, kwargs: dict, out: Any, cuda: Optional[torch.device]) -> None:
         outputs = [t for t in _tensors(out) if t.requires_grad]
         inputs = [t for t in _tensors(list(args) + list(kwargs.values())) if t.requires_grad]
         if not (outputs and inputs):

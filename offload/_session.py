@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ._config import Config
 from ._cost import MachineProfile
+from ._entry import Handle
 from ._hooks import Eligibility, make_hooks
 from ._stats import Counters
 from ._store import Store
@@ -61,11 +62,11 @@ class Session:
                 self._store = store
         return self._store
 
-    def _pack(self, t: torch.Tensor):
+    def _pack(self, t: torch.Tensor) -> Handle:
         store = self._store or self._open_store(t.device)
         return store.pack(t, getattr(self._local, "eager", False))
 
-    def _unpack(self, handle):
+    def _unpack(self, handle: Handle) -> torch.Tensor:
         return handle.store.unpack(handle)
 
     def _passthrough(self) -> None:
@@ -82,7 +83,7 @@ class Session:
             stack = self._local.stack = []
         stack.append(ctx)
 
-    def exit(self, *exc) -> None:
+    def exit(self, *exc: Any) -> None:
         self._local.stack.pop().__exit__(*exc)
 
     # ------------------------------------------------------------------ what regions may ask

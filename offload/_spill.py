@@ -111,7 +111,7 @@ def _remove_tree(path: str) -> None:
     say so once, naming the directory (never what was in it)."""
     refused: list = []
 
-    def note(_function, _path, error) -> None:
+    def note(_function: object, _path: str, error: object) -> None:
         refused.append(error[1] if isinstance(error, tuple) else error)
 
     if sys.version_info >= (3, 12):
@@ -150,7 +150,7 @@ class _File:
             padded = _round_up(n)
             if padded > n:
                 bounce[n:padded] = 0
-            self._pwrite_all(memoryview(bounce[:padded]), extent.offset + done)
+            self._pwrite_all(bounce[:padded].data, extent.offset + done)
             done += n
         if not self.direct:
             os.fdatasync(self.fd)
@@ -170,7 +170,7 @@ class _File:
             padded = _round_up(n)
             got = 0
             while got < n:
-                count = os.preadv(self.fd, [memoryview(bounce[got:padded])], extent.offset + done + got)
+                count = os.preadv(self.fd, [bounce[got:padded].data], extent.offset + done + got)
                 if count == 0:  # an OSError, like every other I/O failure the store turns into OffloadError
                     raise OSError(
                         errno.EIO, f"the spill file ended after {done + got} of {extent.nbytes} bytes of a tensor"
@@ -271,7 +271,10 @@ class SpillFile:
             error.__traceback__ = None  # its frames (pack, the forward) would hold the graph
             return Extent(0, 0, nbytes), failed(error)
         size = _round_up(nbytes)
-        extent = Extent(self._extents.take(size), size, nbytes)
+        offset = self._extents.take(size)
+        # The file grows as needed (its ranges have no limit), and opening it made the executor.
+        assert offset is not None and self._executor is not None
+        extent = Extent(offset, size, nbytes)
         return extent, FromFuture(self._executor.submit(file.write, extent, data))
 
     def read(self, extent: Extent, out: torch.Tensor) -> Pending:

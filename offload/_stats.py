@@ -9,13 +9,14 @@ counts once.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
 __all__ = ["Counters", "Stats", "record"]
 
 
-def record(name: str):
+def record(name: str) -> torch.autograd.profiler.record_function:
     """A named range in ``torch.profiler`` traces (``offload::d2h``, ``offload::recompute``, ...)."""
     return torch.autograd.profiler.record_function(name)
 
@@ -81,6 +82,19 @@ class Counters:
     """The engine's mutable tally of events; gauges are not here (the store owns what it holds)."""
 
     __slots__ = tuple(f.name for f in dataclasses.fields(Stats) if f.name not in _GAUGES + _FROM_LINK)
+    # The same names spelled out for type checkers, which cannot read a computed __slots__
+    # (tests/test_typing.py checks that the two lists agree).
+    saved_tensors: int
+    passthrough_tensors: int
+    saved_bytes: int
+    offloaded_bytes: int
+    reloaded_bytes: int
+    spilled_bytes: int
+    prefetch_hits: int
+    prefetch_misses: int
+    reload_wait_ms: float
+    evict_wait_ms: float
+    recomputed_regions: int
 
     def __init__(self) -> None:
         self.reset()
@@ -90,7 +104,7 @@ class Counters:
         for name in self.__slots__:
             setattr(self, name, 0.0 if name.endswith("_ms") else 0)
 
-    def snapshot(self, **gauges) -> Stats:
+    def snapshot(self, **gauges: Any) -> Stats:
         """A frozen ``Stats`` of these counters and the gauges (and link readings) given."""
         values = {name: getattr(self, name) for name in self.__slots__}
         values.update(gauges)

@@ -77,7 +77,7 @@ class Store:
         self.spill = SpillFile(config.spill_dir, config.spill_workers)
         self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link)
         self._tier = {t.tier: t for t in self.tiers}
-        self._above = {lower.tier: upper for upper, lower in zip(self.tiers, self.tiers[1:])}
+        self._above = {lower.tier: upper for upper, lower in zip(self.tiers, self.tiers[1:], strict=False)}
         self._top = self.tiers[0]
         self._out = self.tiers[1]  # where eviction sends a hot entry
         host = self._tier.get(Tier.HOST)
@@ -195,6 +195,7 @@ class Store:
     def _enforce_budget(self) -> None:
         if self.budget is None:
             return
+        assert self.evict_at is not None  # set_planned() sets it whenever there is a budget
         while self._hot and self._hot_bytes + self._loaded_bytes > self.evict_at:
             self._evict(next(iter(self._hot.values())))
         if self._resident_bytes > self.budget and self._leaving:
@@ -360,9 +361,12 @@ class Store:
             e = h.entry
             if h.modified():  # See Note: [version watch]
                 a = h.alias
+                assert a is not None  # modified() is False without one
                 raise inplace_error(a.type(), e.shape, a._version, h.version)
             if e.residence in ORIGINAL_IS_DATA:
-                return h.alias  # the live tensor itself, detached (autograd makes its own shallow copy)
+                alias = h.alias
+                assert alias is not None  # a handle lets its alias go only once the original has left
+                return alias  # the live tensor itself, detached (autograd makes its own shallow copy)
             if e.residence is Residence.RELEASED:
                 raise OffloadError(
                     f"offload: the saved tensor {e.describe} was released because the engine was closed; "
@@ -373,7 +377,7 @@ class Store:
                 held = self._held
                 if held is not None and held is not e:
                     self._held = None
-                    if held.residence is Residence.LOADED and self._resident_bytes > self.budget:
+                    if held.residence is Residence.LOADED and self.budget is not None and self._resident_bytes > self.budget:
                         self._drop_device(held)  # its next user is not next: it reads it again
                 if e.residence is Residence.AWAY:
                     self.counters.prefetch_misses += 1
@@ -432,6 +436,7 @@ class Store:
                             self._climbing.remove(e)
                         self._climb(e)
                     device = e.device_copy()
+                    assert device is not None  # the loop above ran until the hop to the device started
                     host_waited = host_waited or device.filled.blocks_host
                     device.filled.order_compute()  # every user's stream waits (cheap once it is done)
                 except OSError as error:
@@ -443,7 +448,11 @@ class Store:
                 device.state, device.filled = CopyState.READY, FINISHED
             if host_waited:
                 self.counters.reload_wait_ms += (time.perf_counter() - start) * 1e3
-        view = h.alias if device.original else h.rebuild(as_bytes(device.data))
+        if device.original:
+            assert h.alias is not None  # the original is still here: the handle has not let it go
+            view = h.alias
+        else:
+            view = h.rebuild(as_bytes(device.data))
         if h.seen_gen != e.load_gen:
             h.seen_gen = e.load_gen
             e.users_left -= 1

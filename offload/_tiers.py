@@ -23,7 +23,7 @@ Which tiers exist is decided once, in ``make_tiers``; the store never asks which
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -37,7 +37,7 @@ __all__ = ["DeviceTier", "DiskTier", "HostTier", "make_tiers"]
 log = logging.getLogger(__name__)
 
 
-def as_bytes(data) -> torch.Tensor:
+def as_bytes(data: Union[torch.UntypedStorage, Block, torch.Tensor]) -> torch.Tensor:
     """A device or host copy's memory as a 1-D uint8 tensor: the original is kept as its
     UntypedStorage, a host copy as an arena ``Block`` (or a pageable tensor)."""
     if isinstance(data, torch.UntypedStorage):
@@ -134,7 +134,7 @@ class HostTier(_Tier):
         copy.add_reader(filled)  # See Note: [keep-alive until the copy event]: the host block too
         return Copy(Tier.DEVICE, dst, CopyState.FILLING, filled)
 
-    def alloc(self, nbytes: int):
+    def alloc(self, nbytes: int) -> Union[Block, torch.Tensor]:
         """A destination for a read from disk: a block, or pageable memory when the arena is full."""
         block = self.arena.acquire(nbytes)
         if block is not None:
@@ -178,7 +178,7 @@ class DiskTier(_Tier):
         src.add_reader(filled)  # See Note: [keep-alive until the copy event]
         return Copy(Tier.DISK, extent, CopyState.FILLING, filled)
 
-    def start_back(self, copy: Copy, above, nbytes: int) -> Copy:
+    def start_back(self, copy: Copy, above: Union[DeviceTier, HostTier], nbytes: int) -> Copy:
         dst = above.alloc(nbytes)
         filled = self.spill.read(copy.data, as_bytes(dst)[:nbytes])
         copy.add_reader(filled)

@@ -35,9 +35,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from collections.abc import Iterator
 from typing import Optional, Protocol
 
 import torch
+
+from ._pending import Pending
 
 __all__ = ["CudaLink", "Link"]
 
@@ -49,11 +52,11 @@ class Link(Protocol):
     ``released`` is told when the engine lets a host buffer go (a test link may poison it).
     """
 
-    def batch(self): ...
+    def batch(self) -> contextlib.AbstractContextManager[None]: ...
 
-    def d2h(self, src_device: torch.Tensor, dst_host: torch.Tensor): ...
+    def d2h(self, src_device: torch.Tensor, dst_host: torch.Tensor) -> Pending: ...
 
-    def h2d(self, src_host: torch.Tensor, nbytes: int): ...
+    def h2d(self, src_host: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, Pending]: ...
 
     def released(self, host: torch.Tensor) -> None: ...
 
@@ -74,7 +77,13 @@ class _CopyEvent:
     __slots__ = ("event", "link", "dst", "alloc_stream")
     blocks_host = False
 
-    def __init__(self, event: "torch.cuda.Event", link: "CudaLink", dst=None, alloc_stream=None) -> None:
+    def __init__(
+        self,
+        event: "torch.cuda.Event",
+        link: "CudaLink",
+        dst: Optional[torch.Tensor] = None,
+        alloc_stream: Optional["torch.cuda.Stream"] = None,
+    ) -> None:
         self.event, self.link, self.dst, self.alloc_stream = event, link, dst, alloc_stream
 
     def done(self) -> bool:
@@ -103,8 +112,8 @@ class _Direction:
         self.fenced: Optional[object] = None  # the batch whose fence this stream waited for
         self.spans: collections.deque = collections.deque()  # (start, end) events, until folded
         self.busy_ms = 0.0
-        self._start = None
-        self._last = None
+        self._start: Optional["torch.cuda.Event"] = None
+        self._last: Optional["torch.cuda.Event"] = None
 
     def enter(self, batch: object, fence: "torch.cuda.Event") -> "torch.cuda.Stream":
         if self.stream is None:
@@ -162,7 +171,7 @@ class CudaLink:
         self._stall_ms = 0.0
 
     @contextlib.contextmanager
-    def batch(self):
+    def batch(self) -> Iterator[None]:
         """One pack or unpack: copies started inside share one fence. See Note: [one fence per batch]."""
         if self._batch is not None:
             raise RuntimeError("offload internal error: link batches do not nest (the store's lock is not re-entrant)")
@@ -181,7 +190,7 @@ class CudaLink:
             self._fence.record(torch.cuda.current_stream(self.device))
         return self._fence
 
-    def _enter(self, direction: _Direction):
+    def _enter(self, direction: _Direction) -> "torch.cuda.Stream":
         if self._batch is None:
             raise RuntimeError("offload internal error: a copy was started outside link.batch()")
         return direction.enter(self._batch, self._fence_now())

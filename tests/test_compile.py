@@ -134,7 +134,7 @@ def test_compiled_blocks_equal_no_engine(backend, fresh_dynamo, spill_dir):
 
     reference = train(compiled(base, counter))
     for budget, results in runs.items():
-        for step, (want, got) in enumerate(zip(reference, results)):
+        for step, (want, got) in enumerate(zip(reference, results, strict=True)):
             assert_same(want, got, f"{backend} budget {budget} step {step}")
 
 
@@ -150,7 +150,7 @@ def test_compiled_blocks_as_recompute_regions(fresh_dynamo, spill_dir):
     eng.close()
     assert stats.recomputed_regions == DEPTH * STEPS
     reference = train(compiled(base, "aot_eager"))
-    for step, (want, got) in enumerate(zip(reference, results)):
+    for step, (want, got) in enumerate(zip(reference, results, strict=True)):
         assert_same(want, got, f"recompute step {step}")
 
 

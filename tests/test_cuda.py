@@ -86,7 +86,7 @@ def step(model: nn.Module, x: torch.Tensor, eng=None) -> list[torch.Tensor]:
 
 
 def assert_grads_equal(ref: list[torch.Tensor], got: list[torch.Tensor], what: str) -> None:
-    for i, (a, b) in enumerate(zip(ref, got)):
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert not torch.isnan(b).any(), f"{what}: gradient {i} has NaN (a block was used after it was freed)"
         assert torch.equal(a, b), f"{what}: gradient {i} differs by {(a - b).abs().max().item():.3g}"
 

@@ -70,7 +70,7 @@ def _check(results: list[dict]) -> None:
         assert all(g.abs().sum() > 0 for step in reference for g in step.values()), "reference gradients are zero"
         for budget in BUDGETS_MB:
             run = res[budget]
-            for step, (want, got) in enumerate(zip(reference, run["grads"])):
+            for step, (want, got) in enumerate(zip(reference, run["grads"], strict=True)):
                 assert want.keys() == got.keys()
                 for name in want:
                     assert torch.equal(want[name], got[name]), f"rank {rank} budget {budget} step {step}: {name} differs"

@@ -24,7 +24,17 @@ from torch import nn
 import offload
 from links import ThreadedLink
 from zoo import (
-    GPTLoss, Recurrent, Tied, assert_same, budget_between, cnn, gpt, mlp, run_step, saved_bytes, wait_clean,
+    GPTLoss,
+    Recurrent,
+    Tied,
+    assert_same,
+    budget_between,
+    cnn,
+    gpt,
+    mlp,
+    run_step,
+    saved_bytes,
+    wait_clean,
 )
 
 SOME = "some"
@@ -139,7 +149,7 @@ class SaveViews(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         views = ctx.saved_tensors
-        for i, (v, (size, stride, offset, values)) in enumerate(zip(views, ctx.expected)):
+        for i, (v, (size, stride, offset, values)) in enumerate(zip(views, ctx.expected, strict=True)):
             assert (v.size(), v.stride(), v.storage_offset()) == (size, stride, offset), f"view {i} layout"
             assert torch.equal(v, values), f"view {i} values"
         strided, offset_view, transposed, expanded = views
@@ -183,7 +193,7 @@ class SaveDtypeViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        for i, (v, (size, stride, offset, values)) in enumerate(zip(ctx.saved_tensors, ctx.expected)):
+        for i, (v, (size, stride, offset, values)) in enumerate(zip(ctx.saved_tensors, ctx.expected, strict=True)):
             assert (v.size(), v.stride(), v.storage_offset()) == (size, stride, offset), f"view {i} layout"
             assert torch.equal(v, values), f"view {i} bits"
         return grad.expand(8, 16).clone()
@@ -288,7 +298,7 @@ def test_retain_graph_backward_twice(budget, spill_dir):
     loss.backward(retain_graph=True)
     first = [p.grad.clone() for p in model.parameters()]
     loss.backward()
-    for p, p_ref, g1 in zip(model.parameters(), ref.parameters(), first):
+    for p, p_ref, g1 in zip(model.parameters(), ref.parameters(), first, strict=True):
         assert torch.equal(p.grad, p_ref.grad)
         assert torch.equal(p.grad, 2 * g1)
     del loss
@@ -311,7 +321,7 @@ def test_autograd_grad_on_a_subset_of_inputs(budget, spill_dir):
     (g_first,) = torch.autograd.grad(loss, [model[0].weight], retain_graph=True)
     g_last = torch.autograd.grad(loss, [model[-1].weight, model[-1].bias])
     assert torch.equal(g_first, g_first_ref)
-    assert all(torch.equal(a, b) for a, b in zip(g_last, g_last_ref))
+    assert all(torch.equal(a, b) for a, b in zip(g_last, g_last_ref, strict=True))
     del loss
     wait_clean(eng, spill_dir)
     eng.close()
@@ -346,7 +356,7 @@ def test_double_backward_gradient_penalty(budget, backward_inside, spill_dir):
     total = saved_bytes(model, lambda: x.clone())
     eng = make_engine(budget, total, spill_dir)
     grads = _gradient_penalty_step(model, x, eng, backward_inside=backward_inside)
-    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
     wait_clean(eng, spill_dir)
     eng.close()
 
@@ -370,7 +380,7 @@ def test_backward_in_save_order_prefetch_guesses_wrong(budget_mb, spill_dir):
     ref = _two_chains(None)
     eng = offload.engine(budget_mb, min_offload_bytes=0, spill_dir=spill_dir)
     got = _two_chains(eng)
-    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
     stats = wait_clean(eng, spill_dir)
     assert stats.offloaded_bytes > 0 and stats.prefetch_misses > 0
     if budget_mb:
@@ -681,5 +691,5 @@ def test_engines_in_two_threads(tmp_path):
     if errors:
         raise errors[0]
     for name in cases:
-        for step, (ref, got) in enumerate(zip(refs[name], results[name])):
+        for step, (ref, got) in enumerate(zip(refs[name], results[name], strict=True)):
             assert_same(ref, got, f"{name} step {step}")

@@ -10,8 +10,9 @@ not (autograd must then refuse, in forward or in backward).
 Each program runs once without the engine (the reference) and once under each budget (None: keep
 and count; 0: everything spills; SMALL: a couple of tensors stay), on the CPU's disk tier and on
 the CUDA path's host tier (emulated with test_host_tier's deferred copies, a pinned pool of two
-buffers, then disk), with ``min_offload_bytes=0`` so every small tensor is managed. The outcome must be identical: the same outputs and gradients
-bit for bit (NaNs included: compared as integer bits), or the same kind of error.
+buffers, then disk), with ``min_offload_bytes=0`` so every small tensor is managed. The outcome must
+be identical: the same outputs and gradients bit for bit (NaNs included: compared as integer bits),
+or the same kind of error.
 
 One exception, the engine's documented contract (see test_engine's in-place test): where autograd
 refuses a saved tensor modified in place, the engine may instead differentiate the values as
@@ -224,7 +225,7 @@ def _bits(t: Optional[torch.Tensor]):
 def _assert_same(ref: Outcome, got: Outcome, where: str) -> None:
     assert ref.error == got.error, f"{where}: without the engine {ref.error or 'ran'}, with it {got.error or 'ran'}"
     assert len(ref.tensors) == len(got.tensors)
-    for i, (r, g) in enumerate(zip(ref.tensors, got.tensors)):
+    for i, (r, g) in enumerate(zip(ref.tensors, got.tensors, strict=True)):
         assert (r is None) == (g is None), f"{where}: tensor {i} is None on one side"
         if r is not None:
             assert r.dtype == g.dtype and r.shape == g.shape, f"{where}: tensor {i}: {r.dtype} {r.shape} vs {g.dtype} {g.shape}"

@@ -56,7 +56,7 @@ def test_host_tier_gradients_bitwise_equal(budget_mb, link):
     for _ in range(2):
         eng.reset_stats()
         got = _grads(model, x, eng)
-        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
         stats = wait_clean(eng)
         assert stats.offloaded_bytes > 0 and link.d2h_count > 0 and link.h2d_count > 0
         # Each moved storage comes back at most once (one still leaving when backward reached it is
@@ -74,7 +74,7 @@ def test_host_cap_spills_to_disk_and_reads_back(tmp_path, link):
     want = _grads(model, x)
     eng = _engine(link, budget_mb=0.5, host_budget_mb=0.5, spill_dir=tmp_path)
     got = _grads(model, x, eng)
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     stats = wait_clean(eng, tmp_path)
     assert stats.spilled_bytes > 0
     assert stats.host_bytes <= 0.5 * MB, "the host cap bounds the memory really held"
@@ -88,7 +88,7 @@ def test_host_tier_retain_graph_twice(tmp_path, link):
     want = _grads(model, x, retain=True)
     eng = _engine(link, budget_mb=0.5, host_budget_mb=1, spill_dir=tmp_path)
     got = _grads(model, x, eng, retain=True)
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     wait_clean(eng, tmp_path)
     eng.close()
 
@@ -115,7 +115,7 @@ def test_fresh_inputs_every_step_under_a_slow_link(tmp_path):
         x = torch.randn(256, 128)
         want = _grads(model, x)
         got = _grads(model, x, eng)
-        assert all(torch.equal(a, b) for a, b in zip(want, got)), f"step {step}"
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), f"step {step}"
     wait_clean(eng, tmp_path)
     eng.close()
     link.close()

@@ -185,7 +185,7 @@ def test_region_input_modified_after_forward_raises(policy, budget, tmp_path):
         pytest.skip("auto without a budget keeps everything: no region is recomputed")
     eng = offload.engine(budget, regions=list(model), model=model, policy=policy, spill_dir=tmp_path,
                          machine=_MACHINE, min_offload_bytes=0)
-    for step in range(4):  # auto: measure, recompute trial, offload trial, then its plan
+    for _ in range(4):  # auto: measure, recompute trial, offload trial, then its plan
         x = torch.randn(16, N, requires_grad=True)
         with eng:
             h = x * 2  # the first block's input: a non-leaf the user can still change

@@ -80,7 +80,7 @@ def test_rotary_buffers_are_not_in_state_dict():
 
 def test_same_seed_same_weights():
     a, b = _model(seed=7), _model(seed=7)
-    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(pa, pb), name
 
 
@@ -161,7 +161,7 @@ def test_math_attention_backward_is_bitwise_reproducible():
         idx = _tokens()
         model(idx, torch.roll(idx, -1, dims=1))[1].backward()
         grads.append([p.grad for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 def test_corpus_is_bytes_within_limit(corpus):
@@ -198,7 +198,7 @@ def test_batches_are_deterministic_for_a_seed(corpus):
         stream = batches(corpus, 4, 32, torch.Generator().manual_seed(seed))
         return [t for pair in itertools.islice(stream, 3) for t in pair]
 
-    assert all(torch.equal(a, b) for a, b in zip(take(1), take(1)))
+    assert all(torch.equal(a, b) for a, b in zip(take(1), take(1), strict=True))
     assert not torch.equal(take(1)[0], take(2)[0])
 
 

@@ -16,7 +16,6 @@ costs at most one extra forward of itself per backward pass.
 
 from __future__ import annotations
 
-import copy
 import gc
 import weakref
 
@@ -240,7 +239,7 @@ def test_parameter_grads_of_nested_regions_with_inner_grads():
 
     want = run(no_ckpt)
     for name in ("torch", "offload"):
-        for i, (a, b) in enumerate(zip(run(WRAPPERS[name]), want)):
+        for i, (a, b) in enumerate(zip(run(WRAPPERS[name]), want, strict=True)):
             assert torch.equal(a, b), f"{name}: grad of parameter {i} differs"
 
 
@@ -304,7 +303,7 @@ def test_backward_into_parameters_inside_a_region_runs_again_as_under_torch():
         x_grad = grads_of(lambda c: c(region), leaf(), wrap)
         results[name] = (x_grad, lin.weight.grad.clone(), lin.bias.grad.clone())
     assert torch.equal(results["offload"][0], results["plain"][0])
-    for a, b in zip(results["offload"], results["torch"]):
+    for a, b in zip(results["offload"], results["torch"], strict=True):
         assert torch.equal(a, b), "parameter grads differ from torch's checkpoint"
 
 
@@ -667,9 +666,9 @@ def test_engine_over_blocks_with_inner_grads_equals_no_engine(policy, budget, sa
         min_offload_bytes=0,
     )
     history = train(model, eng)
-    for step, ((loss_g, grads_g, stats), (loss_w, grads_w, _)) in enumerate(zip(history, reference)):
+    for step, ((loss_g, grads_g, _stats), (loss_w, grads_w, _)) in enumerate(zip(history, reference, strict=True)):
         assert torch.equal(loss_g, loss_w), f"{policy} at budget {budget}: loss differs at step {step}"
-        for i, (a, b) in enumerate(zip(grads_g, grads_w)):
+        for i, (a, b) in enumerate(zip(grads_g, grads_w, strict=True)):
             assert (a is None and b is None) or torch.equal(a, b), f"{policy} at budget {budget}: grad of parameter {i} differs at step {step}"
     if policy == "recompute":
         assert [s.recomputed_regions for _, _, s in history] == [N_BLOCKS] * STEPS

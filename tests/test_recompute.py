@@ -119,7 +119,7 @@ def assert_same(got, want, what: str) -> None:
         assert xg_g is None, f"{what}: input got a grad it should not have"
     else:
         assert torch.equal(xg_g, xg_w), f"{what}: input grads differ"
-    for i, (a, b) in enumerate(zip(pg_g, pg_w)):
+    for i, (a, b) in enumerate(zip(pg_g, pg_w, strict=True)):
         assert torch.equal(a, b), f"{what}: grad of parameter {i} differs"
 
 

@@ -80,9 +80,9 @@ def train(
 
 
 def assert_same_history(got, want, what: str) -> None:
-    for step, ((loss_g, grads_g), (loss_w, grads_w)) in enumerate(zip(got, want)):
+    for step, ((loss_g, grads_g), (loss_w, grads_w)) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(loss_g, loss_w), f"{what}: loss differs at step {step}"
-        for i, (a, b) in enumerate(zip(grads_g, grads_w)):
+        for i, (a, b) in enumerate(zip(grads_g, grads_w, strict=True)):
             assert torch.equal(a, b), f"{what}: grad of parameter {i} differs at step {step}"
 
 
@@ -438,7 +438,7 @@ def test_auto_plans_from_the_trial_timings(saved_bytes, spill_dir):
     sizes, timed, span_ms = steps["measure"].regions, steps["recompute"].regions, steps["recompute"].span_ms
     assert steps["measure"].inputs == steps["recompute"].inputs
     assert span_ms is not None and span_ms > 0
-    for size, region, planned in zip(sizes, timed, eng.plan.regions):
+    for size, region, planned in zip(sizes, timed, eng.plan.regions, strict=True):
         assert region.saved_bytes == size.saved_bytes == planned.saved_bytes > 0
         assert region.num_tensors == size.num_tensors > 0
         assert region.recompute_ms > 0 and region.backward_ms > 0 and region.forward_ms > 0
@@ -460,7 +460,7 @@ def test_a_plan_in_force_does_not_spill_what_it_keeps(saved_bytes, spill_dir):
     assert offload.Decision.KEEP in plan.decisions and plan.fits_budget, str(plan)
     planned_out = sum(r.saved_bytes for r in plan.regions if r.decision is offload.Decision.OFFLOAD)
     stages = list(eng.recent_stages)
-    for stage, nbytes in zip(stages, offloaded):
+    for stage, nbytes in zip(stages, offloaded, strict=True):
         if stage is None:
             assert nbytes <= planned_out, f"{nbytes} bytes moved; the plan moves {planned_out}\n{plan}"
     eng.close()

@@ -119,7 +119,7 @@ def _soak(eng, steps: int, spill_dir, host_cap_bytes=None) -> None:
         grads = _step(model, idx, eng)
         if step % CHECK_EVERY == 0:
             want = _step(model, idx)
-            assert all(torch.equal(a, b) for a, b in zip(grads, want)), f"step {step}: gradients differ"
+            assert all(torch.equal(a, b) for a, b in zip(grads, want, strict=True)), f"step {step}: gradients differ"
         stats = _settled(eng)
         assert _holds_nothing(stats), f"step {step}: {stats}"
         files = [p for p in spill_dir.rglob("*") if p.is_file()]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+from collections.abc import Iterable
 from typing import Optional
 
 import torch
@@ -100,7 +101,7 @@ BUDGETS = (1.0, 0.5, 0.25, 0.1)
 """Budgets of the comparisons, as shares of the reference's saved activation bytes."""
 
 
-def engine_variants(budgets=BUDGETS) -> tuple[Variant, ...]:
+def engine_variants(budgets: Iterable[float] = BUDGETS) -> tuple[Variant, ...]:
     """The engine under every registered comparison policy at every budget."""
     policies = [p for p in ENGINE_POLICIES if p in offload.policies()]
     return tuple(Variant(Kind.ENGINE, p, b) for b in budgets for p in policies)

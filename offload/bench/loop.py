@@ -33,8 +33,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
-from typing import Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch
 import torch.utils.deterministic as deterministic_flags
@@ -84,17 +84,18 @@ class BlockHooks:
       they will this step (``on_last_backward``).
     """
 
-    def __init__(self, blocks, device: torch.device, on_last_backward: Callable[[], None]) -> None:
+    def __init__(self, blocks: torch.nn.ModuleList, device: torch.device, on_last_backward: Callable[[], None]) -> None:
         self.cuda, self.last, self.on_last_backward = device.type == "cuda", len(blocks) - 1, on_last_backward
         self.timing = False
         self.marks: list[list] = []
         self.trace: Optional[list[dict]] = None
-        self._engine = self._memory = None
+        self._engine: Optional[offload.Engine] = None
+        self._memory: Optional[Memory] = None
         for index, block in enumerate(blocks):
             block.register_forward_pre_hook(self._start)
             block.register_forward_hook(functools.partial(self._end, index))
 
-    def start_trace(self, engine, memory: Memory) -> None:
+    def start_trace(self, engine: Optional[offload.Engine], memory: Memory) -> None:
         self.trace, self._engine, self._memory = [], engine, memory
 
     def stop_trace(self) -> list[dict]:
@@ -108,15 +109,16 @@ class BlockHooks:
         event.record()
         return event
 
-    def _start(self, module, args) -> None:
+    def _start(self, module: torch.nn.Module, args: tuple) -> None:
         if self.timing:
             self.marks.append([self._now(), None])
 
     def _sample(self, phase: str) -> None:
+        assert self.trace is not None and self._memory is not None  # start_trace() set both
         resident = self._engine.stats.resident_bytes if self._engine is not None else None
         self.trace.append({"phase": phase, "resident_bytes": resident, "memory_bytes": self._memory.current()})
 
-    def _end(self, index: int, module, args, output) -> None:
+    def _end(self, index: int, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self.timing:
             self.marks[-1][1] = self._now()
         if self.trace is not None:
@@ -222,10 +224,10 @@ class Trainer:
             counter.close()
 
 
-def grad_checksums(model: torch.nn.Module) -> dict[str, list]:
+def grad_checksums(model: torch.nn.Module) -> dict[str, Optional[list]]:
     """Per parameter: [sum of the gradient's bit patterns as int64, its norm in float64]. Two
     gradients with equal checksums are equal bit for bit but for a vanishing chance of collision."""
-    out = {}
+    out: dict[str, Optional[list]] = {}
     for name, p in model.named_parameters():
         if p.grad is None:
             out[name] = None
@@ -237,23 +239,26 @@ def grad_checksums(model: torch.nn.Module) -> dict[str, list]:
 
 
 @contextlib.contextmanager
-def _determinism(strict: bool):
+def _determinism(strict: bool) -> Iterator[None]:
     """strict: deterministic kernels or an error, the math attention kernel, new memory NaN-filled
     (what ``torch.use_deterministic_algorithms(True)`` does). Else: deterministic kernels where
     torch has them, a warning elsewhere, and no NaN-filling (it would skew the timings)."""
+    # fill_uninitialized_memory is a property of the class torch gives this module; stubs do not see it.
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             deterministic_flags.fill_uninitialized_memory)
+             deterministic_flags.fill_uninitialized_memory)  # type: ignore[attr-defined]  # see above
     torch.use_deterministic_algorithms(True, warn_only=not strict)
-    deterministic_flags.fill_uninitialized_memory = strict
+    deterministic_flags.fill_uninitialized_memory = strict  # type: ignore[attr-defined]  # see above
     try:
         with sdpa_kernel(SDPBackend.MATH) if strict else contextlib.nullcontext():
             yield
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-        deterministic_flags.fill_uninitialized_memory = saved[2]
+        deterministic_flags.fill_uninitialized_memory = saved[2]  # type: ignore[attr-defined]  # see above
 
 
-def _make_context(trainer: Trainer, budget_mb, engine_kwargs: dict, machine):
+def _make_context(
+    trainer: Trainer, budget_mb: Optional[float], engine_kwargs: dict, machine: Optional[offload.MachineProfile]
+) -> tuple[Callable[[], Any], Optional[offload.Engine]]:
     """(context factory, engine or None) for the trainer's configuration."""
     variant, device = trainer.variant, trainer.device
     if variant.kind is Kind.SAVE_ON_CPU:
@@ -281,17 +286,21 @@ def run_one(
     if variant.kind is Kind.TORCHTUNE and _torchtune_offload() and device.type != "cuda":
         raise Skipped("torchtune's OffloadActivations needs CUDA streams")
     spill_dir = tempfile.mkdtemp(prefix="offload-bench-", dir=run.spill_dir)
-    engine_kwargs = {"spill_dir": spill_dir}
+    engine_kwargs: dict[str, Any] = {"spill_dir": spill_dir}
     if run.min_offload_bytes is not None:
         engine_kwargs["min_offload_bytes"] = run.min_offload_bytes
     trainer = Trainer(run, variant, data, device)
     memory = Memory(device, spill_dir)
     machine = offload.probe(device) if variant.policy in ("auto", "offload") else None  # cached after the first
-    engine, summary, hooks = None, {"type": "summary", "config": variant.name}, trainer.hooks
+    engine: Optional[offload.Engine] = None
+    summary: dict[str, Any] = {"type": "summary", "config": variant.name}
+    hooks = trainer.hooks
     try:
-        if variant.budget_fraction is not None and activation_bytes is None:
-            activation_bytes = Trainer(run, variant, data, device).saved_bytes(engine_kwargs)
-        budget_mb = None if variant.budget_fraction is None else variant.budget_fraction * activation_bytes / MB
+        budget_mb = None
+        if variant.budget_fraction is not None:
+            if activation_bytes is None:
+                activation_bytes = Trainer(run, variant, data, device).saved_bytes(engine_kwargs)
+            budget_mb = variant.budget_fraction * activation_bytes / MB
         if run.check_grads and not variant.compiled:
             # A shorter check batch saves proportionally less: its budget shrinks alike, so it moves what a step would.
             scale = (run.check_seq or run.seq) / run.seq
@@ -343,7 +352,9 @@ def _check_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -logits.float().log_softmax(-1).gather(-1, targets.unsqueeze(-1)).mean()
 
 
-def _grad_check(trainer: Trainer, budget_mb, engine_kwargs: dict, machine) -> dict:
+def _grad_check(
+    trainer: Trainer, budget_mb: Optional[float], engine_kwargs: dict, machine: Optional[offload.MachineProfile]
+) -> dict:
     """One step on the initial weights under strict determinism, through its own context (an
     engine of its own); the gradients' checksums, or the error strict determinism raised."""
     context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine)

@@ -24,9 +24,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -66,9 +66,9 @@ def set_threads(threads: Optional[int]) -> None:
         torch.set_num_threads(threads)
 
 
-def median(values) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def median(values: Iterable[Optional[float]]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 class Memory:
@@ -225,13 +225,13 @@ def table(header: Sequence[str], rows: Sequence[Sequence], *, markdown: bool = F
         out = ["| " + " | ".join(lines[0]) + " |", "|" + "---|" * len(header)]
         return "\n".join(out + ["| " + " | ".join(line + [""] * (len(header) - len(line))) + " |" for line in lines[1:]])
     widths = [max(len(line[i]) for line in full) for i in range(len(header))]
-    out = [("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+    out = [("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
             if len(line) == len(header) else "  ".join([line[0].ljust(widths[0])] + line[1:])) for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)
 
 
-def write_text(path, text: str) -> Path:
+def write_text(path: Union[str, os.PathLike], text: str) -> Path:
     """Write ``text`` whole or not at all (a temporary file renamed into place): a reader never
     sees a file cut short."""
     path = Path(path)
@@ -242,6 +242,6 @@ def write_text(path, text: str) -> Path:
     return path
 
 
-def write_json(path, payload) -> Path:
+def write_json(path: Union[str, os.PathLike], payload: Any) -> Path:
     """``write_text`` of ``payload`` as JSON."""
     return write_text(path, json.dumps(payload, indent=1, default=str) + "\n")

@@ -16,8 +16,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+from offload import MachineProfile
 from offload.bench.config import MB, REFERENCE, Kind, RunSettings, Variant
 from offload.bench.measure import describe_machine, median, table, write_json, write_text
 
@@ -32,17 +33,17 @@ _STAT_FIELDS = ("saved_bytes", "offloaded_bytes", "reloaded_bytes", "spilled_byt
                 "prefetch_hits", "prefetch_misses", "reload_wait_ms", "evict_wait_ms", "d2h_busy_ms", "h2d_busy_ms")
 
 
-def _mb(value) -> Optional[float]:
+def _mb(value: Optional[float]) -> Optional[float]:
     return None if value is None else value / MB
 
 
-def _ratio(a, b) -> Optional[float]:
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
 def _paired(numerators: list, denominators: list) -> Optional[float]:
     """Median of the ratios paired by repeat (None where either side is missing in every pair)."""
-    return median([a / b for a, b in zip(numerators, denominators) if a is not None and b])
+    return median([a / b for a, b in zip(numerators, denominators, strict=False) if a is not None and b])
 
 
 def _grads_verdict(check: Optional[dict], reference: Optional[dict]) -> str:
@@ -61,7 +62,9 @@ def _grads_verdict(check: Optional[dict], reference: Optional[dict]) -> str:
     return f"differs {len(differ)}/{len(theirs)} (norm {worst:.1g})"
 
 
-def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list[dict]], machine) -> list[dict]:
+def summarize(
+    run: RunSettings, variants: list[Variant], results: dict[str, list[dict]], machine: Optional[MachineProfile]
+) -> list[dict]:
     """One row per configuration."""
     ref_runs = results.get(REFERENCE.name) or [{}]
     compiled_ref = results.get(dataclasses.replace(REFERENCE, compiled=True).name) or ref_runs
@@ -70,7 +73,7 @@ def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list
     ref_summary = ref_runs[0].get("summary") or {}
     ref_block_ms = median(s.get("block_forward_ms") for s in ref_runs[0].get("steps", []) if not s["warmup"])
     out_gbps, back_gbps = (machine.offload_gb_per_s() if machine is not None else (0.0, 0.0))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for v in variants:
         runs = results[v.name]
         measured = [s for r in runs for s in r["steps"] if not s["warmup"]]
@@ -79,7 +82,7 @@ def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list
         stats = {f: median(s.get(f) for s in measured) for f in _STAT_FIELDS}
         losses, reference = [s["loss"] for s in runs[0]["steps"]], ref_losses[v.compiled]
         is_ref = v.kind is Kind.NONE
-        row = {
+        row: dict[str, Any] = {
             "config": v.name, "kind": v.kind.value, "policy": v.policy, "budget_fraction": v.budget_fraction,
             "compiled": v.compiled, "budget_mb": summary.get("budget_mb"), "measured_steps": len(measured),
             "step_ms": median(runs_ms), "runs_step_ms": runs_ms, "cpu_ms": median(s["cpu_ms"] for s in measured),
@@ -92,7 +95,7 @@ def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list
             **{f.replace("_bytes", "_mb"): (_mb(stats[f]) if f.endswith("_bytes") else stats[f]) for f in _STAT_FIELDS},
             "losses": losses,
             "losses_match": None if is_ref or not reference or len(losses) != len(reference) else losses == reference,
-            "max_loss_diff": None if is_ref else max((abs(a - b) for a, b in zip(losses, reference)), default=None),
+            "max_loss_diff": None if is_ref else max((abs(a - b) for a, b in zip(losses, reference, strict=False)), default=None),
             "grads": "ref" if v == REFERENCE else _grads_verdict(summary.get("grad_check"), ref_summary.get("grad_check")),
             "runs_predicted_ms": [((r["summary"] or {}).get("plan") or {}).get("predicted_step_ms") for r in runs],
             "decisions": "".join(x["decision"][0].upper() for x in (summary.get("plan") or {}).get("regions", [])) or None,
@@ -114,8 +117,8 @@ def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list
         rows.append(row)
     ref = rows[0] if rows and rows[0]["config"] == REFERENCE.name else None
     for row in rows:
-        row["ratio"] = _ratio(row["step_ms"], ref and ref["step_ms"])
-        row["act_ratio"] = _ratio(row["act_peak_mb"], ref and ref["act_peak_mb"])
+        row["ratio"] = _ratio(row["step_ms"], ref["step_ms"] if ref else None)
+        row["act_ratio"] = _ratio(row["act_peak_mb"], ref["act_peak_mb"] if ref else None)
         compute = ref and ref["step_ms"]
         if compute and row["recompute_ms"] is not None and row["kind"] in (Kind.NONE.value, Kind.CHECKPOINT.value, Kind.ENGINE.value):
             row["bound_ms"] = max(compute + row["recompute_ms"], row["link_ms"] or 0.0)
@@ -125,7 +128,7 @@ def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list
     return rows
 
 
-def _gbps(moved_bytes, busy_ms) -> Optional[float]:
+def _gbps(moved_bytes: Optional[float], busy_ms: Optional[float]) -> Optional[float]:
     return moved_bytes / (busy_ms * 1e-3) / 1e9 if moved_bytes and busy_ms else None
 
 
@@ -160,7 +163,7 @@ def verdicts(rows: list[dict]) -> dict:
     }
 
 
-def _f(value, spec: str):
+def _f(value: Optional[float], spec: str) -> Optional[str]:
     return None if value is None else format(value, spec)
 
 
@@ -174,7 +177,7 @@ def main_table(rows: list[dict], device: str, markdown: bool = False) -> str:
     memory = "alloc" if device == "cuda" else "RSS+cache"
     header = ("config", "ms/step", "x none", f"peak {memory} MB", "act MB", "x none", "opt MB", "moved MB",
               "D2H GB/s", "H2D GB/s", "wait ms", "bound ms", "/bound", "grads step 0", "losses")
-    lines = []
+    lines: list[tuple] = []
     for r in rows:
         if r["error"] or r["skipped"]:
             what = f"FAILED: {r['error'].splitlines()[0][:100]}" if r["error"] else f"skipped: {r['skipped'][:100]}"
@@ -305,7 +308,9 @@ def _write_csv(path: Path, results: dict[str, list[dict]]) -> None:
 class Report:
     """The outputs of one benchmark run, rewritten whole each time ``write`` is called."""
 
-    def __init__(self, out: Path, run: RunSettings, variants: list[Variant], env: dict, machine) -> None:
+    def __init__(
+        self, out: Path, run: RunSettings, variants: list[Variant], env: dict, machine: Optional[MachineProfile]
+    ) -> None:
         self.out, self.run, self.variants, self.env, self.machine = out, run, variants, env, machine
         self.rows: list[dict] = []
 

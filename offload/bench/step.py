@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -63,14 +63,20 @@ _JSON_PREFIX = "@offload-bench "
 _STDERR_TAIL_CHARS = 4000
 
 
-def _run_jobs(run: RunSettings, jobs: list[tuple[str, int]], activation_bytes, emit: Callable[[dict], None]) -> None:
+def _run_jobs(
+    run: RunSettings, jobs: list[tuple[str, int]], activation_bytes: Optional[int], emit: Callable[[dict], None]
+) -> None:
     """Run (configuration, repeat) jobs in this process, passing every record to ``emit``."""
     data = load_corpus()
     for name, repeat in jobs:
         tag = {"config": name, "repeat": repeat}
+
+        def emit_tagged(record: dict, tag: dict = tag) -> None:
+            emit(record | tag)
+
         try:
             summary = loop.run_one(run, parse_variant(name), data, activation_bytes=activation_bytes,
-                                   emit=lambda record: emit(record | tag))
+                                   emit=emit_tagged)
         except loop.Skipped as reason:
             emit({"type": "skipped", "reason": str(reason)} | tag)
             continue
@@ -83,7 +89,9 @@ def _run_jobs(run: RunSettings, jobs: list[tuple[str, int]], activation_bytes, e
         emit(summary | tag)
 
 
-def _spawn(run: RunSettings, job: tuple[str, int], activation_bytes, emit: Callable[[dict], None]) -> tuple[int, str]:
+def _spawn(
+    run: RunSettings, job: tuple[str, int], activation_bytes: Optional[int], emit: Callable[[dict], None]
+) -> tuple[int, str]:
     """Run one job in a fresh ``python -m offload.bench --one`` process."""
     spec = {"run": dataclasses.asdict(run), "jobs": [job], "activation_bytes": activation_bytes}
     env = dict(os.environ)
@@ -93,6 +101,7 @@ def _spawn(run: RunSettings, job: tuple[str, int], activation_bytes, emit: Calla
     with tempfile.TemporaryFile(mode="w+") as err:  # a pipe could fill up and stall the child
         proc = subprocess.Popen([sys.executable, "-m", "offload.bench", "--one", json.dumps(spec)],
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             if line.startswith(_JSON_PREFIX):
                 emit(json.loads(line[len(_JSON_PREFIX):]))
@@ -102,16 +111,17 @@ def _spawn(run: RunSettings, job: tuple[str, int], activation_bytes, emit: Calla
 
 
 def collect(run: RunSettings, variants: list[Variant], in_process: bool,
-            on_done: Callable[[dict], None] = lambda results: None) -> dict[str, list[dict]]:
+            on_done: Callable[[dict[str, list[dict]]], object] = lambda results: None) -> dict[str, list[dict]]:
     """Run every configuration ``run.repeats`` times; per name, one record set per repeat:
     ``{"steps": [...], "summary", "error", "skipped"}``. ``on_done`` sees the results so far
     each time a configuration finishes."""
     names = [v.name for v in variants]
-    results = {n: [{"steps": [], "summary": None, "error": None, "skipped": None} for _ in range(run.repeats)]
-               for n in names}
+    results: dict[str, list[dict[str, Any]]] = {
+        n: [{"steps": [], "summary": None, "error": None, "skipped": None} for _ in range(run.repeats)] for n in names
+    }
     head, rest = (names[:1], names[1:]) if names[0] == REFERENCE.name else ([], names)
     jobs = [(n, r) for r in range(run.repeats) for n in head + rest[r % max(len(rest), 1):] + rest[:r % max(len(rest), 1)]]
-    state = {"activation_bytes": None}
+    state: dict[str, Optional[int]] = {"activation_bytes": None}
 
     def emit(record: dict) -> None:
         result = results[record["config"]][record["repeat"]]
@@ -143,7 +153,8 @@ def collect(run: RunSettings, variants: list[Variant], in_process: bool,
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m offload.bench",
-        description="Train MiniGPT a few steps under each way of handling activations; compare time, memory, gradients.",
+        description="Train MiniGPT a few steps under each way of handling activations; "
+        "compare time, memory, gradients.",
     )
     p.add_argument("--demo", action="store_true", help="the short CPU demo (same as --preset demo)")
     p.add_argument("--preset", choices=sorted(PRESETS),

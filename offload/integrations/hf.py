@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -95,7 +95,7 @@ class OffloadCallback(transformers.TrainerCallback):
     fresh engine.
     """
 
-    def __init__(self, **engine_kwargs) -> None:
+    def __init__(self, **engine_kwargs: Any) -> None:
         offload.engine(**engine_kwargs).close()  # the engine's own checks, at construction
         self._engine_kwargs = engine_kwargs
         self.engine: Optional[offload.Engine] = None
@@ -131,7 +131,7 @@ class OffloadCallback(transformers.TrainerCallback):
 
     # ------------------------------------------------------------------ the forward seam
 
-    def _wrap(self, run: _Run, forward):
+    def _wrap(self, run: _Run, forward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(forward)
         def training_forward(*args, **kwargs):
             if run is not self._run or not (run.model.training and torch.is_grad_enabled()):

@@ -25,7 +25,9 @@ Gradient accumulation (``accumulate_grad_batches``) runs the same brackets per b
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 import offload
 
@@ -49,64 +51,69 @@ class OffloadCallback(pl.Callback):
     after ``fit``. Each ``fit`` gets a fresh engine. ``log_figures=False`` logs nothing.
     """
 
-    def __init__(self, *, log_figures: bool = True, **engine_kwargs) -> None:
+    def __init__(self, *, log_figures: bool = True, **engine_kwargs: Any) -> None:
         offload.engine(**engine_kwargs).close()  # the engine's own checks, at construction
         self._engine_kwargs = engine_kwargs
         self._log_figures = log_figures
         self.engine: Optional[offload.Engine] = None
         """The engine of the latest ``fit`` (closed once training ended); None before the first."""
         self._open = False
-        """True from train start to train end: the engine is this fit's, and open."""
+        """True from train start to train end: the engine is this fit's, and open (so not None)."""
         self._inside = False
         """True between entering the engine and leaving it (a bracket above is open)."""
         self._logged: Optional[offload.Stats] = None
 
     # ------------------------------------------------------------------ Lightning hooks
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()  # a previous fit that raised past on_exception
         self.engine = offload.engine(**self._engine_kwargs).watch(pl_module)
         self._logged = self.engine.stats
         self._open = True
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._enter()
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._leave()
 
-    def on_after_backward(self, trainer, pl_module) -> None:
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._enter()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._leave()
         if self._log_figures and self._open:
+            assert self.engine is not None and self._logged is not None  # set by on_train_start
             now = self.engine.stats
             pl_module.log_dict(_figures.log_figures(self._logged, now), on_step=True, on_epoch=False)
             self._logged = now
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._leave()
 
-    def on_validation_start(self, trainer, pl_module) -> None:
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._leave()
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()
 
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._finish()
 
     # ------------------------------------------------------------------ the bracket
 
     def _enter(self) -> None:
         if self._open and not self._inside:
+            assert self.engine is not None  # _open: on_train_start made it
             self.engine.__enter__()
             self._inside = True
 
     def _leave(self) -> None:
         if self._inside:
             self._inside = False
+            assert self.engine is not None  # _inside: _enter() entered it
             self.engine.__exit__(None, None, None)
 
     def _finish(self) -> None:
@@ -114,4 +121,5 @@ class OffloadCallback(pl.Callback):
         self._leave()
         if self._open:
             self._open = False
+            assert self.engine is not None  # _open: on_train_start made it
             self.engine.close()

@@ -89,7 +89,8 @@ class GPTConfig:
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"choose n_embd as a multiple of n_head (e.g. {self.n_head * 2 * max(1, self.n_embd // (2 * self.n_head))})."
+                "choose n_embd as a multiple of n_head "
+                f"(e.g. {self.n_head * 2 * max(1, self.n_embd // (2 * self.n_head))})."
             )
         if self.head_dim % 2 != 0:
             raise ValueError(
@@ -138,6 +139,9 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary position embedding: rotates channel pairs (i, i + d/2) by a position-dependent angle."""
 
+    cos: torch.Tensor  # buffers, registered in __init__
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, seq_len: int) -> None:
         super().__init__()
         inv_freq = ROPE_BASE ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
@@ -155,6 +159,8 @@ class Rotary(nn.Module):
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with rotary q and k, on the path ``config.attention`` names."""
+
+    causal_mask: torch.Tensor  # a buffer, registered in __init__ on the "math" path only
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
