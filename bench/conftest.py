@@ -38,5 +38,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     complete = set(layers.cases(device)) <= set(results) and all(
         not math.isnan(r.get(kind, math.nan)) for r in results.values() for kind in layers.KINDS)
     terminalreporter.write_line("")
-    layers.report(rows, device, "pytest bench (pytest-benchmark)", write=complete or bool(os.environ.get(layers.OUT_ENV)),
-                  say=terminalreporter.write_line)
+    write = complete or bool(os.environ.get(layers.OUT_ENV))
+    layers.report(rows, device, "pytest bench (pytest-benchmark)", write=write, say=terminalreporter.write_line)

@@ -62,9 +62,9 @@ def summarize(out: Path, seconds) -> dict:
                               "rows": [{k: r.get(k) for k in STEP_KEYS} for r in step.get("results", [])],
                               "verdicts": step.get("verdicts")},
             "tests": _tests(out / "tests.xml"),
-            "overhead": None if not over else {"per_tensor_us": {k: v["median_us"] for k, v in over["per_tensor"]["variants"].items()},
-                                  "step_overhead_budget_none": over["step"]["overhead_budget_none"],
-                                  "step_model": over["step"]["model"]},
+            "overhead": None if not over else {
+                "per_tensor_us": {k: v["median_us"] for k, v in over["per_tensor"]["variants"].items()},
+                "step_overhead_budget_none": over["step"]["overhead_budget_none"], "step_model": over["step"]["model"]},
             "layers": None if not layers else {"transfer_fit": layers.get("transfer_fit"),
                                   "winners": {f"{r['layer']}-{r['size']}": r["winner"] for r in layers["rows"]}},
         },

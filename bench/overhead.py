@@ -144,7 +144,8 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
     variants = {}
     for name, ms in times.items():
         variants[name] = {
-            "median_ms": round(median(ms), 3), "min_ms": round(min(ms), 3), "cpu_median_ms": round(median(cpu[name]), 3),
+            "median_ms": round(median(ms), 3), "min_ms": round(min(ms), 3),
+            "cpu_median_ms": round(median(cpu[name]), 3),
             "overhead": round(median(ms) / median(base) - 1, 4),
             "paired_overhead": round(median([v / b - 1 for v, b in zip(ms, base)]), 4),
             "min_overhead": round(min(ms) / min(base) - 1, 4),
@@ -215,8 +216,9 @@ def print_overhead(tensor: dict, step: dict, env: dict) -> None:
             for name, v in step["variants"].items()]
     print(table(("variant", "median ms", "overhead", "paired", "min ms", "min ovh", "cpu ms", "cpu ovh",
                  "moved MB/step", "peak resident MB"), rows))
+    verdict = "within" if step["within_target"] else "OVER"
     print(f"\nbudget None overhead {100 * step['overhead_budget_none']:+.2f}% "
-          f"({'within' if step['within_target'] else 'OVER'} the {100 * STEP_TARGET_OVERHEAD:.0f}% target); by CPU time "
+          f"({verdict} the {100 * STEP_TARGET_OVERHEAD:.0f}% target); by CPU time "
           f"{100 * step['cpu_overhead_budget_none']:+.2f}%; load average {env['load_avg_1m']} on {env['cpu_cores_logical']} cores")
 
 

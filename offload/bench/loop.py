@@ -95,8 +95,8 @@ class BlockHooks:
             self.marks.append([self._now(), None])
 
     def _sample(self, phase: str) -> None:
-        self.trace.append({"phase": phase, "resident_bytes": None if self._engine is None else self._engine.stats.resident_bytes,
-                           "memory_bytes": self._memory.current()})
+        resident = None if self._engine is None else self._engine.stats.resident_bytes
+        self.trace.append({"phase": phase, "resident_bytes": resident, "memory_bytes": self._memory.current()})
 
     def _end(self, index: int, module, args, output) -> None:
         if self.timing:
@@ -314,8 +314,9 @@ def _grad_check(trainer: Trainer, budget_mb, engine_kwargs: dict, machine) -> di
     engine of its own); the gradients' checksums, or the error strict determinism raised."""
     context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine)
     run = trainer.run  # a batch of its own: the timed steps see the same batches whether or not a check ran
-    x, y = (t.to(trainer.device) for t in next(batches(
-        trainer.data, run.batch, run.check_seq or run.seq, torch.Generator().manual_seed(run.seed + CHECK_SEED_OFFSET))))
+    check_batches = batches(trainer.data, run.batch, run.check_seq or run.seq,
+                            torch.Generator().manual_seed(run.seed + CHECK_SEED_OFFSET))
+    x, y = (t.to(trainer.device) for t in next(check_batches))
     torch.manual_seed(run.seed)
     try:
         with _determinism(strict=True):

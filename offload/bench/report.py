@@ -24,6 +24,8 @@ __all__ = ["CSV_COLUMNS", "Report", "pareto_front", "plot", "summarize", "verdic
 AUTO_SLOWER_LIMIT = 1.05  # auto may be at most 5% slower than the best fixed policy that holds the budget
 PREDICTION_TOLERANCE = 0.15  # the planner's predicted step time should be within 15% of the measured one
 
+_BOUNDED_KINDS = (Kind.NONE.value, Kind.CHECKPOINT.value, Kind.ENGINE.value)
+"""Kinds the cost-model bound covers (save_on_cpu and torchtune move bytes it does not count)."""
 _STAT_FIELDS = ("saved_bytes", "offloaded_bytes", "reloaded_bytes", "spilled_bytes", "recomputed_regions",
                 "prefetch_hits", "prefetch_misses", "reload_wait_ms", "evict_wait_ms", "d2h_busy_ms", "h2d_busy_ms")
 
@@ -112,9 +114,9 @@ def summarize(run: RunSettings, variants: list[Variant], results: dict[str, list
     for row in rows:
         row["ratio"] = _ratio(row["step_ms"], ref and ref["step_ms"])
         row["act_ratio"] = _ratio(row["act_peak_mb"], ref and ref["act_peak_mb"])
-        compute, bounded = ref and ref["step_ms"], row["kind"] in (Kind.NONE.value, Kind.CHECKPOINT.value, Kind.ENGINE.value)
-        row["bound_ms"] = (max(compute + row["recompute_ms"], row["link_ms"] or 0.0)
-                           if compute and row["recompute_ms"] is not None and bounded else None)
+        compute = ref and ref["step_ms"]
+        bounded = compute and row["recompute_ms"] is not None and row["kind"] in _BOUNDED_KINDS
+        row["bound_ms"] = max(compute + row["recompute_ms"], row["link_ms"] or 0.0) if bounded else None
         row["over_bound"] = _ratio(row["step_ms"], row["bound_ms"])
     return rows
 
