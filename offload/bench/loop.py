@@ -10,7 +10,8 @@ trains one step under a context; ``run_one`` trains a configuration and returns 
 
 The spill page cache is sampled at the end of forward, as the last block's backward starts and at
 the end of backward, its sampling time kept out of the step's. ``_grad_check`` first runs one step
-on the initial weights under strict determinism and math attention, through an engine of its own.
+on the initial weights under strict determinism (no warn_only) and math attention, through an
+engine of its own, so the timed engine's profiling steps see the real kernels.
 """
 
 from __future__ import annotations
