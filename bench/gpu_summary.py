@@ -1,11 +1,8 @@
 """The summary of a ``bench/gpu_check.sh`` run: ``python bench/gpu_summary.py OUTDIR [SECONDS]``.
 
-Reads what the parts left in OUTDIR (``*.part.json``, ``env.json``, ``gpu.csv``, ``probe.json``,
-``step/summary.json``, ``tests.xml``, ``overhead.json``, ``layers.json``) and writes
-``summary.json`` and ``summary.md``: every part's status, its key figures, the hardware, the
-versions and the date. Both are written to a temporary file and renamed into place, so they are
-whole at every moment; run after every part, a timeout later on loses nothing already summarized.
-Standard library only, and no torch: it must run even when torch does not import.
+Reads what the parts left in OUTDIR and writes ``summary.json`` and ``summary.md`` (every part's
+status, its key figures, hardware, versions, date), each to a temporary file renamed into place.
+Standard library only, no torch: it must run even when torch does not import.
 """
 
 from __future__ import annotations
@@ -18,6 +15,8 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 PART_ORDER = ("env", "probe", "step", "tests", "overhead", "layers")
+STEP_KEYS = ("config", "step_ms", "ratio", "act_peak_mb", "act_ratio", "opt_peak_mb", "offloaded_mb", "d2h_gb_per_s",
+             "h2d_gb_per_s", "exposed_wait_ms", "bound_ms", "over_bound", "grads", "losses_match", "error", "skipped")
 
 
 def _load(path: Path):
@@ -41,53 +40,39 @@ def _tests(path: Path):
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     if suite is None:
         return None
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    counts["failed"] = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
-                        if case.find("failure") is not None or case.find("error") is not None]
-    return counts
-
-
-def _step(summary):
-    if not summary:
-        return None
-    keys = ("config", "step_ms", "ratio", "act_peak_mb", "act_ratio", "opt_peak_mb", "offloaded_mb", "d2h_gb_per_s",
-            "h2d_gb_per_s", "exposed_wait_ms", "bound_ms", "over_bound", "grads", "losses_match", "error", "skipped")
-    return {"finished": summary.get("finished"), "settings": summary.get("settings"),
-            "rows": [{k: r.get(k) for k in keys} for r in summary.get("results", [])],
-            "verdicts": summary.get("verdicts")}
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} | {"failed": [
+        f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase") if c.find("failure") is not None
+        or c.find("error") is not None]}
 
 
 def summarize(out: Path, seconds) -> dict:
     parts = {p.name[: -len(".part.json")]: _load(p) for p in out.glob("*.part.json")}
-    ordered = [parts[n] for n in PART_ORDER if n in parts] + [v for n, v in parts.items() if n not in PART_ORDER]
+    step, over, layers = (_load(out / name) for name in ("step/summary.json", "overhead.json", "layers.json"))
     env = _load(out / "env.json") or {}
-    probe = _load(out / "probe.json")
-    over = _load(out / "overhead.json")
-    layers = _load(out / "layers.json")
-    gpu = (out / "gpu.csv").read_text().strip() if (out / "gpu.csv").exists() else None
     return {
         "cuda": bool(env.get("cuda")),
         "written_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "seconds": seconds,
-        "gpu": gpu,
+        "gpu": (out / "gpu.csv").read_text().strip() if (out / "gpu.csv").exists() else None,
         "env": env,
-        "parts": ordered,
+        "parts": [parts.pop(n) for n in PART_ORDER if n in parts] + list(parts.values()),
         "figures": {
-            "probe": probe,
-            "step": _step(_load(out / "step" / "summary.json")),
+            "probe": _load(out / "probe.json"),
+            "step": None if not step else {"finished": step.get("finished"), "settings": step.get("settings"),
+                              "rows": [{k: r.get(k) for k in STEP_KEYS} for r in step.get("results", [])],
+                              "verdicts": step.get("verdicts")},
             "tests": _tests(out / "tests.xml"),
             "overhead": None if not over else {
                 "per_tensor_us": {k: v["median_us"] for k, v in over["per_tensor"]["variants"].items()},
-                "step_overhead_budget_none": over["step"]["overhead_budget_none"],
-                "step_model": over["step"]["model"]},
+                "step_overhead_budget_none": over["step"]["overhead_budget_none"], "step_model": over["step"]["model"]},
             "layers": None if not layers else {"transfer_fit": layers.get("transfer_fit"),
-                                               "winners": {f"{r['layer']}-{r['size']}": r["winner"] for r in layers["rows"]}},
+                                  "winners": {f"{r['layer']}-{r['size']}": r["winner"] for r in layers["rows"]}},
         },
     }
 
 
 def markdown(s: dict, out: Path) -> str:
-    env = s["env"]
+    env, fig = s["env"], s["figures"]
     lines = ["# offload device check", "",
              f"- written (UTC): {s['written_utc']}; {s['seconds']} s so far; CUDA available: {s['cuda']}",
              f"- GPU (nvidia-smi name, memory, driver): {s['gpu'] or 'n/a'}",
@@ -98,27 +83,22 @@ def markdown(s: dict, out: Path) -> str:
              "", "## Parts", "", "| part | status | rc | seconds | limit s | output |", "|---|---|---|---|---|---|"]
     lines += [f"| {p['part']} | {p['status']} | {p['rc']} | {p['seconds']} | {p['limit_s']} | {p['output']} |"
               for p in s["parts"] if p]
-    fig = s["figures"]
     if fig["probe"]:
         lines += ["", "## Probe", ""] + [f"- {k}: {v}" for k, v in fig["probe"].items()]
     if (out / "step" / "table.md").exists():
         lines += ["", (out / "step" / "table.md").read_text().strip().replace("# Step benchmark", "## Step benchmark", 1)]
-    if fig["tests"]:
-        t = fig["tests"]
+    if t := fig["tests"]:
         lines += ["", "## CUDA tests", "", f"{t['tests']} tests, {t['failures']} failures, {t['errors']} errors, "
                   f"{t['skipped']} skipped"] + [f"- FAILED {name}" for name in t["failed"]]
-    if fig["overhead"]:
-        o = fig["overhead"]
+    if o := fig["overhead"]:
         lines += ["", "## Overhead", "", "per saved tensor, pack + unpack, median us: "
                   + ", ".join(f"{k} {v}" for k, v in o["per_tensor_us"].items()),
                   f"step overhead at budget None: {100 * o['step_overhead_budget_none']:+.2f}% ({o['step_model']})"]
-    if fig["layers"] and fig["layers"]["transfer_fit"]:
-        f = fig["layers"]["transfer_fit"]
+    if fig["layers"] and (f := fig["layers"]["transfer_fit"]):
         lines += ["", "## Layers", "", f"fit: transfer ms = {f['ms_per_mb']} x saved MB + {f['ms_per_tensor']} x saved "
                   f"tensors (round trip {f['round_trip_gb_per_s']} GB/s)", "winners: "
                   + ", ".join(f"{k} {v}" for k, v in fig["layers"]["winners"].items())]
-    lines += ["", "Logs: one `<part>.log` per part in this directory."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", "Logs: one `<part>.log` per part in this directory."]) + "\n"
 
 
 def main(argv=None) -> int:

@@ -1,23 +1,14 @@
 """Per layer: the cost of moving its saved activations out and back, versus recomputing it.
 
     python bench/layers.py [--device cpu|cuda] [--sizes cpu|cuda|tiny] [--only LAYER,...] [--json-out PATH]
-    pytest bench -q          # the same measurements under pytest-benchmark (test_layers.py)
+    pytest bench -q          # the same ``LayerBench`` timed by pytest-benchmark (test_layers.py)
 
-What a layer measurement is (see ``LayerBench``)::
+    keep       x ──fwd──▶ out ──bwd──▶ grads              (no engine: the reference step)
+    offload    the same under engine(budget 0): every saved storage to the tier and back
+    recompute  x ──fwd, grad enabled──▶ out                (what a recompute re-runs)
+    transfer_ms = median over rounds of (offload_i − keep_i), keep_i run just before offload_i
 
-    keep       x ──fwd──▶ out ──bwd──▶ grads                      (no engine: the reference step)
-    offload    x ──fwd under engine(budget 0)──▶ out ──bwd──▶     (every saved storage goes to the
-                                                                   tier and comes back: disk on the
-                                                                   CPU, pinned host on CUDA)
-    recompute  x ──fwd, grad enabled──▶ out                        (what a recompute re-runs)
-
-    transfer_ms  = median over rounds of (offload_i − keep_i), keep_i run just before offload_i:
-                   the round trip of the layer's saved bytes, not hidden
-    recompute_ms = recompute          one extra forward, as torch.utils.checkpoint would run it
-
-The layers are the built-in model's own (``offload.models.gpt``) plus Linear, the norms and
-Conv2d+BatchNorm+ReLU. This runner (no pytest-benchmark needed) and ``test_layers.py`` time the
-same functions and write the same JSON (``results/layers-<device>.json`` or ``$OFFLOAD_BENCH_OUT``).
+bench/README.md defines every figure; both runners write the same JSON (``report``).
 """
 
 from __future__ import annotations
@@ -55,12 +46,9 @@ from offload.bench.measure import (  # noqa: E402
 from offload.models.gpt import Block, CausalSelfAttention, GPTConfig, SwiGLU  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-OUT_ENV = "OFFLOAD_BENCH_OUT"
-"""Environment variable: path of the layer JSON (default ``results/layers-<device>.json``)."""
-DEVICE_ENV = "OFFLOAD_BENCH_DEVICE"
-"""Environment variable: device for the layer suite (default: cuda when available, else cpu)."""
-SIZES_ENV = "OFFLOAD_BENCH_SIZES"
-"""Environment variable: size preset: 'cpu', 'cuda' or 'tiny' (plumbing checks)."""
+OUT_ENV = "OFFLOAD_BENCH_OUT"  # path of the JSON (default results/layers-<device>.json)
+DEVICE_ENV = "OFFLOAD_BENCH_DEVICE"  # default: cuda when available, else cpu
+SIZES_ENV = "OFFLOAD_BENCH_SIZES"  # a SIZE_PRESETS name (default: the device's type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +95,8 @@ SIZE_PRESETS: dict[str, tuple[Size, ...]] = {
     "tiny": (Size("T", batch=1, seq=32, dim=64, n_head=2, img_batch=2, channels=8, hw=8),),  # seconds
 }
 
-ROUNDS = {"cpu": (1, 7), "cuda": (2, 10)}
-"""(warm-up rounds, timed rounds) per timed variant, by device type."""
-LAYER_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}
-"""What training uses on each device type: fp32 on the CPU, bf16 on CUDA."""
+ROUNDS = {"cpu": (1, 7), "cuda": (2, 10)}  # (warm-up rounds, timed rounds) per variant
+LAYER_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}  # what training uses on each device type
 KINDS = ("keep", "offload", "recompute")
 """The timed variants, in timing order: each keep runs just before its offload (the paired reference)."""
 
@@ -140,8 +126,7 @@ def size_preset(device: torch.device) -> str:
 
 
 def cases(device: torch.device) -> list[Case]:
-    preset = size_preset(device)
-    if preset not in SIZE_PRESETS:
+    if (preset := size_preset(device)) not in SIZE_PRESETS:
         raise ValueError(f"{SIZES_ENV}={preset!r} is not a size preset; valid: {', '.join(SIZE_PRESETS)}")
     return [Case(layer, size) for layer in LAYERS for size in SIZE_PRESETS[preset]]
 
@@ -151,12 +136,9 @@ def layer_rounds(device: torch.device) -> tuple[int, int]:
 
 
 class LayerBench:
-    """One layer at one size on one device, and the three functions the runners time.
-
-    The input is a non-leaf (``x_leaf.clone()``), as inside a model, so the engine may take it
-    and its gradient is computed. Gradients are cleared before each step, so every step does the
-    same work. The offload engine is made once and reused across steps, as in training.
-    """
+    """One layer at one size on one device, and the three functions the runners time. The input is
+    a non-leaf (``x_leaf.clone()``), as inside a model; gradients are cleared before each step; the
+    offload engine is made once and reused across steps, as in training."""
 
     def __init__(self, case: Case, device: torch.device, seed: int = 0) -> None:
         self.case, self.device, self.dtype = case, device, LAYER_DTYPES.get(device.type, torch.float32)
@@ -183,18 +165,16 @@ class LayerBench:
         self._step_under(self.engine)
 
     def recompute(self) -> None:
-        out = self.module(self.x_leaf.clone())  # grad enabled: builds the graph a recompute rebuilds
-        del out
+        self.module(self.x_leaf.clone())  # grad enabled: builds (then drops) the graph a recompute rebuilds
 
     def step(self, kind: str, times_ms: Optional[list[float]] = None) -> Callable[[], None]:
         """The function to time for ``kind``, synchronizing the device before it returns; given
         ``times_ms``, it also times itself into that list (the paired reference of pytest's runner)."""
-        fn = getattr(self, kind)
 
         def synced() -> None:
             sync(self.device)
             start = time.perf_counter()
-            fn()
+            getattr(self, kind)()
             sync(self.device)
             if times_ms is not None:
                 times_ms.append((time.perf_counter() - start) * 1e3)
@@ -207,8 +187,7 @@ class LayerBench:
         self._step_under(counter)
         saved = counter.stats
         counter.close()
-        flops = FlopCounterMode(display=False)
-        with flops:
+        with (flops := FlopCounterMode(display=False)):
             self.module(self.x_leaf.clone())
         self.engine.reset_stats()
         self.offload()
@@ -237,9 +216,8 @@ def layer_row(case: Case, device: torch.device, medians_ms: dict[str, float], tr
     keep, offloaded, recompute = (medians_ms.get(k, float("nan")) for k in KINDS)
     transfer = offloaded - keep if transfer_ms is None else transfer_ms
     saved = facts.get("saved_bytes", 0)
-    winner = ""
-    if not (math.isnan(transfer) or math.isnan(recompute)):
-        winner = "offload" if max(transfer, 0.0) < recompute else "recompute"
+    winner = "" if math.isnan(transfer) or math.isnan(recompute) else (
+        "offload" if max(transfer, 0.0) < recompute else "recompute")
     return {
         "layer": case.layer, "size": case.size.name, "shape": list(case.shape),
         "dtype": str(LAYER_DTYPES.get(device.type, torch.float32)).replace("torch.", ""),
@@ -248,19 +226,6 @@ def layer_row(case: Case, device: torch.device, medians_ms: dict[str, float], tr
         "round_trip_gb_per_s": round(2 * saved / (transfer * 1e-3) / 1e9, 3) if transfer > 0 else None,
         "winner": winner, "moved_all": facts.get("offloaded_bytes") == saved, **facts,
     }
-
-
-def layers_table(rows: list[dict]) -> str:
-    """The human table: layer, size, saved MB, keep, transfer, recompute, winner."""
-    header = ("layer", "size", "shape", "saved MB", "keep ms", "transfer ms", "recompute ms", "GB/s", "winner")
-    lines = [(r["layer"], r["size"], "x".join(str(d) for d in r["shape"]), f"{r.get('saved_bytes', 0) / MB:.2f}",
-              f"{r['keep_ms']:.2f}", f"{r['transfer_ms']:.2f}", f"{r['recompute_ms']:.2f}",
-              r.get("round_trip_gb_per_s"), r["winner"]) for r in rows]
-    out = [table(header, lines, left=3)]
-    out += [f"WARNING {r['layer']} {r['size']}: the budget-0 engine moved {r.get('offloaded_bytes')} of "
-            f"{r.get('saved_bytes')} saved bytes; its transfer figure is not a full round trip"
-            for r in rows if not r.get("moved_all", True)]
-    return "\n".join(out)
 
 
 def transfer_fit(rows: list[dict]) -> Optional[dict]:
@@ -280,14 +245,6 @@ def transfer_fit(rows: list[dict]) -> Optional[dict]:
     }
 
 
-def describe_fit(fit: Optional[dict]) -> str:
-    if not fit:
-        return ""
-    return (f"fit: transfer ms = {fit['ms_per_mb']:.3f} x saved MB + {fit['ms_per_tensor']:.3f} x saved tensors "
-            f"(round trip {fit['round_trip_gb_per_s']} GB/s, {1e3 * fit['ms_per_tensor']:.0f} us per tensor; "
-            f"median error {fit['median_abs_error_ms']} ms)")
-
-
 DEFINITIONS = {
     "keep_ms": "median forward+backward without the engine",
     "offload_ms": "median forward+backward under engine(budget_mb=0, min_offload_bytes=0)",
@@ -303,14 +260,25 @@ DEFINITIONS = {
 def report(rows: list[dict], device: torch.device, runner: str, write: bool, say: Callable[[str], None]) -> dict:
     """Print the table and the fit through ``say``; write the JSON when ``write``. Both runners end here."""
     warmup, rounds = layer_rounds(device)
+    fit = transfer_fit(rows)
     payload = {"benchmark": "layers", "runner": runner, "size_preset": size_preset(device), "warmup_rounds": warmup,
-               "rounds": rounds, "definitions": DEFINITIONS, "env": environment(device),
-               "transfer_fit": transfer_fit(rows), "rows": rows}
-    for line in [f"layers on {describe_machine(payload['env'])}", layers_table(rows), describe_fit(payload["transfer_fit"])]:
-        say(line)
+               "rounds": rounds, "definitions": DEFINITIONS, "env": environment(device), "transfer_fit": fit,
+               "rows": rows}
+    header = ("layer", "size", "shape", "saved MB", "keep ms", "transfer ms", "recompute ms", "GB/s", "winner")
+    say(f"layers on {describe_machine(payload['env'])}")
+    say(table(header, [(r["layer"], r["size"], "x".join(map(str, r["shape"])), f"{r.get('saved_bytes', 0) / MB:.2f}",
+                        f"{r['keep_ms']:.2f}", f"{r['transfer_ms']:.2f}", f"{r['recompute_ms']:.2f}",
+                        r.get("round_trip_gb_per_s"), r["winner"]) for r in rows], left=3))
+    for r in rows:
+        if not r.get("moved_all", True):
+            say(f"WARNING {r['layer']} {r['size']}: the budget-0 engine moved {r.get('offloaded_bytes')} of "
+                f"{r.get('saved_bytes')} saved bytes; its transfer figure is not a full round trip")
+    say("" if not fit else (
+        f"fit: transfer ms = {fit['ms_per_mb']:.3f} x saved MB + {fit['ms_per_tensor']:.3f} x saved tensors "
+        f"(round trip {fit['round_trip_gb_per_s']} GB/s, {1e3 * fit['ms_per_tensor']:.0f} us per tensor; "
+        f"median error {fit['median_abs_error_ms']} ms)"))
     if write:
-        path = os.environ.get(OUT_ENV) or RESULTS_DIR / f"layers-{device.type}.json"
-        say(f"wrote {write_json(path, payload)}")
+        say(f"wrote {write_json(os.environ.get(OUT_ENV) or RESULTS_DIR / f'layers-{device.type}.json', payload)}")
     else:
         say(f"partial run: results not written (set {OUT_ENV}=PATH to keep them)")
     return payload

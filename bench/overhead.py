@@ -3,20 +3,10 @@
     python bench/overhead.py [--device cpu|cuda] [--steps N] [--repeats R] [--json-out PATH]
     python bench/overhead.py --disk [--repeats 7] [--spill-dir DIR] [--json-out PATH]
 
-Every measurement is interleaved (A B C ... A B C ...) after a warm-up so drift hits every
-variant alike, and reported as a median; bench/README.md says what each figure means.
-
-1. Per saved tensor: a chain of ``CHAIN_LENGTH`` tiny ``sin`` ops under identity hooks,
-   ``save_on_cpu`` and the engine at budget None and 0, minus the chain without hooks.
-2. Per training step: ``offload.bench.loop.Trainer`` without the engine and under engines at
-   budget None (the figure of merit; target <= 3 %), 25 % of the step's saved bytes, and 0.
-3. ``--disk`` (the CPU, one thread: the disk is the tier there): budget 0 minus budget None per
-   64 KiB tensor and per MB (8 MiB tensors); the spill files' page cache at the end of a MiniGPT
-   forward as a share of the bytes spilled, and reloaded / offloaded bytes, at budget 0 and 2 MB.
-
-Run the old and new code in one session (``PYTHONPATH=<checkout>``) to compare them as ratios.
-Prints a table and, as the last line, one JSON object with every figure, the hardware, the
-versions and the date.
+Per saved tensor (a chain of tiny ``sin`` ops under each kind of hooks, minus no hooks), per
+training step (``offload.bench.loop.Trainer`` under engines at budget None, 25 % and 0, step by
+step interleaved) and, with ``--disk``, the disk tier; bench/README.md defines every figure.
+A table, then one JSON line. Run old and new code in one session to compare them as ratios.
 """
 
 from __future__ import annotations
@@ -72,10 +62,6 @@ GPT_PRESETS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# chains of saved tensors
-
-
 def _chain(x: torch.Tensor, length: int, make_context) -> None:
     x.grad = None
     with make_context():
@@ -92,7 +78,6 @@ def _timed_chains(x: torch.Tensor, length: int, contexts: dict, *, rounds: int, 
 
 
 def _one_chain_stats(x: torch.Tensor, length: int, engine):
-    """The engine's stats for one chain run."""
     engine.reset_stats()
     _chain(x, length, lambda: engine)
     return engine.stats
@@ -115,27 +100,15 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
     moving.close()
     if saved != length:
         raise RuntimeError(f"expected the engine to take {length} saved tensors, it took {saved}")
-
     base, base_cpu = times.pop("no hooks"), cpu["no hooks"]
-    variants = {
-        name: {
-            # median over repeats of (this variant - no hooks, same repeat), per saved tensor
-            "median_us": round(median([(v - b) * 1e3 / saved for v, b in zip(ms, base, strict=True)]), 3),
-            # min - min: the least disturbed runs; noise (a busy neighbour) only ever adds time
-            "min_us": round((min(ms) - min(base)) * 1e3 / saved, 3),
-            # process CPU time: what the hooks cost when other tenants steal the wall clock
-            "cpu_us": round(median([(v - b) * 1e3 / saved for v, b in zip(cpu[name], base_cpu, strict=True)]), 3),
-        }
+    variants = {  # median of paired differences; min - min (noise only ever adds time); process CPU time
+        name: {"median_us": round(median([(v - b) * 1e3 / saved for v, b in zip(ms, base, strict=True)]), 3),
+               "min_us": round((min(ms) - min(base)) * 1e3 / saved, 3),
+               "cpu_us": round(median([(v - b) * 1e3 / saved for v, b in zip(cpu[name], base_cpu, strict=True)]), 3)}
         for name, ms in times.items()
     }
-    return {
-        "chain_length": length,
-        "numel": CHAIN_NUMEL,
-        "repeats": repeats,
-        "no_hooks_ms": round(median(base), 3),
-        "engine_budget_none_us": variants["engine budget None"]["median_us"],
-        "variants": variants,
-    }
+    return {"chain_length": length, "numel": CHAIN_NUMEL, "repeats": repeats, "no_hooks_ms": round(median(base), 3),
+            "engine_budget_none_us": variants["engine budget None"]["median_us"], "variants": variants}
 
 
 def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
@@ -149,26 +122,15 @@ def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
     counting.close()
     moving.close()
     diff_ms = median([m - b for m, b in zip(times["moved"], times["base"], strict=True)])
-    return {
-        "tensors": length,
-        "tensor_bytes": numel * 4,
-        "base_ms": round(median(times["base"]), 3),
-        "moved_ms": round(median(times["moved"]), 3),
-        "per_tensor_us": round(diff_ms * 1e3 / length, 1),
-        "per_mb_ms": round(diff_ms / moved_mb, 3) if moved_mb else None,
-        "offloaded_mb": round(moved_mb, 2),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# training steps
+    return {"tensors": length, "tensor_bytes": numel * 4, "base_ms": round(median(times["base"]), 3),
+            "moved_ms": round(median(times["moved"]), 3), "per_tensor_us": round(diff_ms * 1e3 / length, 1),
+            "per_mb_ms": round(diff_ms / moved_mb, 3) if moved_mb else None, "offloaded_mb": round(moved_mb, 2)}
 
 
 def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> dict:
     settings = GPT_PRESETS["cuda" if device.type == "cuda" else "cpu"]
     settings = dataclasses.replace(settings, batch=batch or settings.batch)
     step = Trainer(settings, REFERENCE, load_corpus(), device)
-
     counting = offload.engine(budget_mb=None, device=device, model=step.model)
     for _ in range(warmup):
         step.step(lambda: counting)
@@ -182,55 +144,40 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
         f"budget {partial_mb:.1f} MB (25%)": offload.engine(budget_mb=partial_mb, device=device, model=step.model),
         "budget 0": offload.engine(budget_mb=0, device=device, model=step.model),
     }
-    fns = {"no engine": step.step}
-    fns.update({name: (lambda e=e: step.step(lambda: e)) for name, e in engines.items()})
     for e in engines.values():
         e.reset_stats()
+    fns = {"no engine": step.step} | {name: (lambda e=e: step.step(lambda: e)) for name, e in engines.items()}
     times, cpu = timed(fns, rounds=steps, warmup=warmup, device=device)
-    stats = {name: e.stats for name, e in engines.items()}
-    for e in engines.values():
-        e.close()
-
-    base_ms = median(times["no engine"])
-    base_cpu_ms = median(cpu["no engine"])
+    base, base_cpu_ms, calls = times["no engine"], median(cpu["no engine"]), warmup + steps
     variants = {}
     for name, ms in times.items():
-        med = median(ms)
-        row = {
-            "median_ms": round(med, 3),
-            "min_ms": round(min(ms), 3),
+        variants[name] = {
+            "median_ms": round(median(ms), 3), "min_ms": round(min(ms), 3),
             "cpu_median_ms": round(median(cpu[name]), 3),
-            "overhead": round(med / base_ms - 1, 4),
-            "paired_overhead": round(median([v / b - 1 for v, b in zip(ms, times["no engine"], strict=True)]), 4),
-            "min_overhead": round(min(ms) / min(times["no engine"]) - 1, 4),
+            "overhead": round(median(ms) / median(base) - 1, 4),
+            "paired_overhead": round(median([v / b - 1 for v, b in zip(ms, base, strict=True)]), 4),
+            "min_overhead": round(min(ms) / min(base) - 1, 4),
             "cpu_overhead": round(median(cpu[name]) / base_cpu_ms - 1, 4),
         }
-        if name in stats:
-            s, calls = stats[name], warmup + steps
-            row.update(
+        if name in engines:
+            s = engines[name].stats
+            variants[name].update(
                 offloaded_mb_per_step=round(s.offloaded_bytes / calls / MB, 2),
                 peak_resident_mb=round(s.peak_resident_bytes / MB, 2),
                 evict_wait_ms_per_step=round(s.evict_wait_ms / calls, 3),
                 reload_wait_ms_per_step=round(s.reload_wait_ms / calls, 3),
             )
-        variants[name] = row
+            engines[name].close()
     none_row = variants["budget None"]
     return {
         "model": dict(n_layer=settings.layers, n_embd=settings.hidden, n_head=settings.heads, seq_len=settings.seq,
                       batch=settings.batch, dtype=settings.dtype, params=step.model.num_params()),
-        "steps": steps,
-        "warmup": warmup,
-        "saved_bytes_per_step": saved.saved_bytes,
-        "saved_tensors_per_step": saved.saved_tensors,
-        "passthrough_tensors_per_step": saved.passthrough_tensors,
-        "no_engine_ms": round(base_ms, 3),
-        "no_engine_cpu_ms": round(base_cpu_ms, 3),
-        "engine_none_ms": none_row["median_ms"],
-        "overhead_budget_none": none_row["overhead"],
-        "cpu_overhead_budget_none": none_row["cpu_overhead"],
-        "target_overhead": STEP_TARGET_OVERHEAD,
-        "within_target": none_row["overhead"] <= STEP_TARGET_OVERHEAD,
-        "variants": variants,
+        "steps": steps, "warmup": warmup, "saved_bytes_per_step": saved.saved_bytes,
+        "saved_tensors_per_step": saved.saved_tensors, "passthrough_tensors_per_step": saved.passthrough_tensors,
+        "no_engine_ms": round(median(base), 3), "no_engine_cpu_ms": round(base_cpu_ms, 3),
+        "engine_none_ms": none_row["median_ms"], "overhead_budget_none": none_row["overhead"],
+        "cpu_overhead_budget_none": none_row["cpu_overhead"], "target_overhead": STEP_TARGET_OVERHEAD,
+        "within_target": none_row["overhead"] <= STEP_TARGET_OVERHEAD, "variants": variants,
     }
 
 
@@ -252,18 +199,12 @@ def disk_gpt_step(budget_mb: float, spill_dir: str) -> dict:
     loss.backward()
     stats = eng.stats
     eng.close()
-    return {
-        "budget_mb": budget_mb,
-        "offloaded_mb": round(stats.offloaded_bytes / MB, 2),
-        "reloaded_mb": round(stats.reloaded_bytes / MB, 2),
-        "reload_ratio": round(stats.reloaded_bytes / stats.offloaded_bytes, 3) if stats.offloaded_bytes else None,
-        "spilled_at_forward_end_mb": round(spilled / MB, 2),
-        "page_cache_at_forward_end_mb": None if cached is None else round(cached / MB, 2),
-        "page_cache_share": None if not (cached is not None and spilled) else round(cached / spilled, 3),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
+    return {"budget_mb": budget_mb, "offloaded_mb": round(stats.offloaded_bytes / MB, 2),
+            "reloaded_mb": round(stats.reloaded_bytes / MB, 2),
+            "reload_ratio": round(stats.reloaded_bytes / stats.offloaded_bytes, 3) if stats.offloaded_bytes else None,
+            "spilled_at_forward_end_mb": round(spilled / MB, 2),
+            "page_cache_at_forward_end_mb": None if cached is None else round(cached / MB, 2),
+            "page_cache_share": None if not (cached is not None and spilled) else round(cached / spilled, 3)}
 
 
 def print_overhead(tensor: dict, step: dict, env: dict) -> None:
@@ -277,21 +218,16 @@ def print_overhead(tensor: dict, step: dict, env: dict) -> None:
     print(f"\nper step: MiniGPT n_layer={m['n_layer']} n_embd={m['n_embd']} seq_len={m['seq_len']} batch={m['batch']} "
           f"({m['params'] / 1e6:.1f}M params), {step['saved_tensors_per_step']} saved tensors "
           f"({step['saved_bytes_per_step'] / MB:.1f} MB) per step, median of {step['steps']} interleaved steps")
-    rows = [
-        (name, f"{v['median_ms']:.2f}", f"{100 * v['overhead']:+.2f}%", f"{100 * v['paired_overhead']:+.2f}%",
-         f"{v['min_ms']:.2f}", f"{100 * v['min_overhead']:+.2f}%",
-         f"{v['cpu_median_ms']:.2f}", f"{100 * v['cpu_overhead']:+.2f}%",
-         v.get("offloaded_mb_per_step", "-"), v.get("peak_resident_mb", "-"))
-        for name, v in step["variants"].items()
-    ]
-    header = ("variant", "median ms", "overhead", "paired", "min ms", "min ovh", "cpu ms", "cpu ovh",
-              "moved MB/step", "peak resident MB")
-    print(table(header, rows))
+    rows = [(name, f"{v['median_ms']:.2f}", f"{100 * v['overhead']:+.2f}%", f"{100 * v['paired_overhead']:+.2f}%",
+             f"{v['min_ms']:.2f}", f"{100 * v['min_overhead']:+.2f}%", f"{v['cpu_median_ms']:.2f}",
+             f"{100 * v['cpu_overhead']:+.2f}%", v.get("offloaded_mb_per_step", "-"), v.get("peak_resident_mb", "-"))
+            for name, v in step["variants"].items()]
+    print(table(("variant", "median ms", "overhead", "paired", "min ms", "min ovh", "cpu ms", "cpu ovh",
+                 "moved MB/step", "peak resident MB"), rows))
     verdict = "within" if step["within_target"] else "OVER"
     print(f"\nbudget None overhead {100 * step['overhead_budget_none']:+.2f}% "
           f"({verdict} the {100 * STEP_TARGET_OVERHEAD:.0f}% target); by CPU time "
-          f"{100 * step['cpu_overhead_budget_none']:+.2f}%; load average {env['load_avg_1m']} "
-          f"on {env['cpu_cores_logical']} cores")
+          f"{100 * step['cpu_overhead_budget_none']:+.2f}%; load average {env['load_avg_1m']} on {env['cpu_cores_logical']} cores")
 
 
 def disk_tier(repeats: int, spill_parent) -> dict:

@@ -1,17 +1,10 @@
-"""What the benchmark runs: its configurations, model and loop settings, and presets.
+"""What the benchmark runs: its configurations (``Variant``), model and loop (``RunSettings``),
+and ``PRESETS``. Pure data, no work: ``loop`` trains, ``step`` runs, ``report`` tables.
 
-Pure data, no work: ``loop`` trains, ``step`` runs configurations, ``report`` tables them.
-
-    Variant      one way of handling saved activations: none, checkpoint, save_on_cpu, torchtune's
-                 OffloadActivations, or the engine with a policy and a budget (a share of the
-                 reference's saved activation bytes); eager or with torch.compile'd blocks
-    RunSettings  model shape and loop (steps, repeats, dtype, device, seed), shared by every configuration
-    PRESETS      named settings + configuration lists (demo, h200, tiny, sweep)
-
-A configuration's name says what it is, so any of them can be asked for by name (``--configs``):
+A configuration's name says what it is, so any can be asked for by name (``--configs``):
 ``none``, ``checkpoint``, ``save_on_cpu``, ``torchtune``, ``count`` (the engine only counting),
-``<policy>`` (the engine without a budget) or ``<policy>-<percent>%``, each optionally
-``+compile``. Policies are the registered ones (``offload.policies()``).
+``<policy>`` (the engine without a budget) or ``<policy>-<percent>%`` (a share of the
+reference's saved activation bytes), each optionally ``+compile``.
 """
 
 from __future__ import annotations
@@ -29,8 +22,7 @@ from offload.models import GPTConfig
 
 __all__ = ["DTYPES", "MB", "PRESETS", "REFERENCE", "Kind", "Preset", "RunSettings", "Variant", "engine_variants", "parse_variant"]
 
-MB = 1 << 20
-"""Bytes per MB, as ``offload.engine(budget_mb=...)`` counts them."""
+MB = 1 << 20  # bytes per MB, as offload.engine(budget_mb=...) counts them
 
 
 class Kind(enum.Enum):
@@ -96,6 +88,8 @@ def parse_variant(name: str) -> Variant:
 ENGINE_POLICIES = ("offload", "recompute", "auto", "selective")
 """Policies the comparisons run, in table order; one that is not registered (``offload.policies()``)
 is left out, so "selective" joins the tables the day it is registered."""
+PROBED_POLICIES = ("offload", "auto")
+"""Policies whose engine is given the measured machine (``offload.probe``: link and disk speeds)."""
 
 BUDGETS = (1.0, 0.5, 0.25, 0.1)
 """Budgets of the comparisons, as shares of the reference's saved activation bytes."""

@@ -1,25 +1,17 @@
 """The one training loop of the benchmarks: MiniGPT under one way of handling saved activations.
 
-``Trainer`` builds the model (same seed, same weights in every configuration), its optimizer and
-its batch stream, and runs one training step at a time under a context (nothing, save_on_cpu,
-torchtune's OffloadActivations, or an engine). ``run_one`` trains a configuration for its warm-up
-and measured steps and returns what it saw; ``bench/overhead.py`` drives the same ``Trainer``
-under several engines, step by step interleaved.
-
-One step, and what each figure covers::
+``Trainer`` builds the model (same seed, same weights everywhere), its optimizer and batches, and
+trains one step under a context; ``run_one`` trains a configuration and returns what it saw;
+``bench/overhead.py`` steps one ``Trainer`` under several engines, interleaved. One step::
 
     reset peak ─ fwd ─ bwd ─┬─ reset peak ─ optimizer.step ─ zero_grad
     │◀── fwd_bwd_ms ──────▶│ │◀───────── opt_ms ────────────────────▶│     step_ms = the sum
     act_peak = peak(fwd..bwd) − memory at the start;  opt_peak = peak(optimizer) − memory before it
 
-On the CPU the spill directory's page cache is sampled at the end of forward, as the last block's
-backward starts, and at the end of backward (``measure.Memory``); the sampling's own time is left
-out of the step time.
-
-Before the first timed step, ``grad_check`` runs one step on the initial weights under strict
-determinism (``torch.use_deterministic_algorithms(True)``, no warn_only) with the math attention
-kernel, through a separate engine (so the timed engine's profiling steps see the real kernels), and
-returns a checksum of every gradient: the parent compares it with the reference's.
+The spill page cache is sampled at the end of forward, as the last block's backward starts and at
+the end of backward, its sampling time kept out of the step's. ``_grad_check`` first runs one step
+on the initial weights under strict determinism (no warn_only) and math attention, through an
+engine of its own, so the timed engine's profiling steps see the real kernels.
 """
 
 from __future__ import annotations
@@ -33,8 +25,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.utils.deterministic as deterministic_flags
@@ -42,24 +34,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import offload
-from offload.bench.config import DTYPES, MB, Kind, RunSettings, Variant
+from offload.bench.config import DTYPES, MB, PROBED_POLICIES, Kind, RunSettings, Variant
 from offload.bench.measure import Memory, resolve_device, sync
 from offload.models import MiniGPT, batches
 
 __all__ = ["CUBLAS_WORKSPACE_CONFIG", "Skipped", "Trainer", "grad_checksums", "run_one"]
 
-LEARNING_RATE = 1e-3
-"""AdamW learning rate: small enough that a few steps of bf16 training stay finite."""
+LEARNING_RATE = 1e-3  # AdamW: small enough that a few steps of bf16 training stay finite
 
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 """cuBLAS workspace setting that ``torch.use_deterministic_algorithms`` requires on CUDA (read
 when cuBLAS initializes, so the parent sets it for its children)."""
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""Integer dtype per element size: a gradient's bits, summed exactly, checksum it."""
-
-CHECK_SEED_OFFSET = 7
-"""The gradient check's batch comes from its own stream (seed + this), not the training one."""
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a gradient's bits, summed
+CHECK_SEED_OFFSET = 7  # the gradient check's batch comes from its own stream (seed + this)
 
 
 class Skipped(Exception):
@@ -75,14 +63,10 @@ def _torchtune_offload() -> type:
 
 
 class BlockHooks:
-    """Hooks on every block of an eager model (compiled code runs no Python hooks), for three figures:
-
-    - each block's forward time while ``timing`` (CUDA events on the compute stream, or the host clock);
-    - engine-resident bytes and memory in use after each block's forward and as its backward starts,
-      over the step after ``start_trace`` (for the plot);
-    - the spill page cache as the last block's backward starts, when the spill files hold the most
-      they will this step (``on_last_backward``).
-    """
+    """Hooks on every block of an eager model (compiled code runs no Python hooks): each block's
+    forward time while ``timing``; engine-resident bytes and memory in use after each block's
+    forward and backward over the step after ``start_trace`` (the plot); and ``on_last_backward``
+    as the last block's backward starts, when the spill files hold the most they will this step."""
 
     def __init__(self, blocks: torch.nn.ModuleList, device: torch.device, on_last_backward: Callable[[], None]) -> None:
         self.cuda, self.last, self.on_last_backward = device.type == "cuda", len(blocks) - 1, on_last_backward
@@ -105,8 +89,7 @@ class BlockHooks:
     def _now(self):
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        (event := torch.cuda.Event(enable_timing=True)).record()
         return event
 
     def _start(self, module: torch.nn.Module, args: tuple) -> None:
@@ -114,8 +97,8 @@ class BlockHooks:
             self.marks.append([self._now(), None])
 
     def _sample(self, phase: str) -> None:
-        assert self.trace is not None and self._memory is not None  # start_trace() set both
-        resident = self._engine.stats.resident_bytes if self._engine is not None else None
+        assert self.trace is not None and self._memory is not None, "sampled only between start_trace and stop_trace"
+        resident = None if self._engine is None else self._engine.stats.resident_bytes
         self.trace.append({"phase": phase, "resident_bytes": resident, "memory_bytes": self._memory.current()})
 
     def _end(self, index: int, module: torch.nn.Module, args: tuple, output: Any) -> None:
@@ -132,12 +115,8 @@ class BlockHooks:
 
     def forward_ms(self) -> float:
         """Sum over the blocks of the last step (call after a device synchronization); then clear."""
-        if self.cuda:
-            total = sum(start.elapsed_time(end) for start, end in self.marks if end is not None)
-        else:
-            total = sum((end - start) * 1e3 for start, end in self.marks if end is not None)
-        self.marks = []
-        return total
+        marks, self.marks = [m for m in self.marks if m[1] is not None], []
+        return sum(s.elapsed_time(e) if self.cuda else (e - s) * 1e3 for s, e in marks)
 
 
 class Trainer:
@@ -195,9 +174,8 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         sync(self.device)
-        record["opt_ms"] = (time.perf_counter() - start) * 1e3
-        record["step_ms"] = fwd_bwd_ms + record["opt_ms"]
-        record["cpu_ms"] = cpu_ms + (time.process_time() - cpu0) * 1e3
+        opt_ms = (time.perf_counter() - start) * 1e3
+        record.update(opt_ms=opt_ms, step_ms=fwd_bwd_ms + opt_ms, cpu_ms=cpu_ms + (time.process_time() - cpu0) * 1e3)
         if memory is not None:
             record["opt_peak_bytes"] = memory.peak() - base
         self._memory = None
@@ -212,16 +190,13 @@ class Trainer:
 
     def saved_bytes(self, engine_kwargs: dict) -> int:
         """Bytes of distinct saved storages one step leaves for backward (an engine that only counts)."""
-        counter = offload.engine(budget_mb=None, model=self.model, **engine_kwargs)
-        try:
+        with contextlib.closing(offload.engine(budget_mb=None, model=self.model, **engine_kwargs)) as counter:
             x, y = self.batch()
             with counter:
                 _, loss = self.model(x, y)
             loss.backward()
             self.model.zero_grad(set_to_none=True)
             return counter.stats.saved_bytes
-        finally:
-            counter.close()
 
 
 def grad_checksums(model: torch.nn.Module) -> dict[str, Optional[list]]:
@@ -229,12 +204,9 @@ def grad_checksums(model: torch.nn.Module) -> dict[str, Optional[list]]:
     gradients with equal checksums are equal bit for bit but for a vanishing chance of collision."""
     out: dict[str, Optional[list]] = {}
     for name, p in model.named_parameters():
-        if p.grad is None:
-            out[name] = None
-            continue
-        g = p.grad.detach().contiguous()
-        bits = g.view(_INT_OF_SIZE[g.element_size()])
-        out[name] = [int(torch.sum(bits, dtype=torch.int64)), float(g.double().norm())]
+        g = None if p.grad is None else p.grad.detach().contiguous()
+        out[name] = None if g is None else [int(torch.sum(g.view(_INT_OF_SIZE[g.element_size()]), dtype=torch.int64)),
+                                            float(g.double().norm())]
     return out
 
 
@@ -277,11 +249,9 @@ def run_one(
     run: RunSettings, variant: Variant, data: torch.Tensor, *,
     activation_bytes: Optional[int] = None, emit: Callable[[dict], None] = lambda record: None,
 ) -> dict:
-    """Train ``run.total_steps`` steps of ``variant`` in this process; return its summary record.
-
-    Each step is passed to ``emit`` as it finishes. ``activation_bytes`` (the reference's saved
-    bytes) sizes budgets; measured here when a budget needs it and it is None.
-    """
+    """Train ``run.total_steps`` steps of ``variant`` here, passing each step's record to ``emit``;
+    return the summary record. ``activation_bytes`` (the reference's saved bytes) sizes budgets;
+    measured here when a budget needs it and it is None."""
     device = resolve_device(run.device)
     if variant.kind is Kind.TORCHTUNE and _torchtune_offload() and device.type != "cuda":
         raise Skipped("torchtune's OffloadActivations needs CUDA streams")
@@ -291,15 +261,16 @@ def run_one(
         engine_kwargs["min_offload_bytes"] = run.min_offload_bytes
     trainer = Trainer(run, variant, data, device)
     memory = Memory(device, spill_dir)
-    machine = offload.probe(device) if variant.policy in ("auto", "offload") else None  # cached after the first
+    machine = offload.probe(device) if variant.policy in PROBED_POLICIES else None  # cached after the first
     engine: Optional[offload.Engine] = None
     summary: dict[str, Any] = {"type": "summary", "config": variant.name}
     hooks = trainer.hooks
     try:
+        if variant.budget_fraction is not None and activation_bytes is None:
+            activation_bytes = Trainer(run, variant, data, device).saved_bytes(engine_kwargs)
         budget_mb = None
         if variant.budget_fraction is not None:
-            if activation_bytes is None:
-                activation_bytes = Trainer(run, variant, data, device).saved_bytes(engine_kwargs)
+            assert activation_bytes is not None  # measured just above
             budget_mb = variant.budget_fraction * activation_bytes / MB
         if run.check_grads and not variant.compiled:
             # A shorter check batch saves proportionally less: its budget shrinks alike, so it moves what a step would.
@@ -327,14 +298,11 @@ def run_one(
         if variant.kind is Kind.NONE:
             activation_bytes = trainer.saved_bytes(engine_kwargs)
         plan = None if engine is None else engine.plan
-        summary.update(
+        return summary | dict(
             activation_bytes=activation_bytes, budget_mb=budget_mb, peak_source=memory.source,
             malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
             plan=None if plan is None else plan.to_dict(), plan_text=None if plan is None else str(plan),
-            machine=None if machine is None else dataclasses.asdict(machine),
-            trace=trace,
-        )
-        return summary
+            machine=None if machine is None else dataclasses.asdict(machine), trace=trace)
     finally:
         if engine is not None:
             engine.close()
@@ -358,12 +326,11 @@ def _grad_check(
     """One step on the initial weights under strict determinism, through its own context (an
     engine of its own); the gradients' checksums, or the error strict determinism raised."""
     context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine)
-    # A batch of its own, so the timed steps see the same batches whether or not a check ran.
-    run = trainer.run
-    seq = run.check_seq or run.seq
-    x, y = (t.to(trainer.device) for t in next(
-        batches(trainer.data, run.batch, seq, torch.Generator().manual_seed(run.seed + CHECK_SEED_OFFSET))))
-    torch.manual_seed(trainer.run.seed)
+    run = trainer.run  # a batch of its own: the timed steps see the same batches whether or not a check ran
+    check_batches = batches(trainer.data, run.batch, run.check_seq or run.seq,
+                            torch.Generator().manual_seed(run.seed + CHECK_SEED_OFFSET))
+    x, y = (t.to(trainer.device) for t in next(check_batches))
+    torch.manual_seed(run.seed)
     try:
         with _determinism(strict=True):
             with context():

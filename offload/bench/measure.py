@@ -1,14 +1,8 @@
-"""How the benchmarks measure: memory, time, the machine; and how they write what they measured.
-
-    Memory        peak memory of a window: CUDA allocated bytes, or this process's peak resident
-                  set plus the page cache that the engine's own spill files hold
-    sync, timed   synchronize before reading the clock; interleave the variants compared
-    resolve_device, set_threads   the device (CUDA with its index) and torch's thread count
-    environment   hardware, versions, date, commit: what a committed result must name
-    table         the one plain-text table printer
-    write_text, write_json   whole or not at all (a temporary file renamed into place)
-
-Every benchmark here and in ``bench/`` uses these, so each figure means one thing everywhere.
+"""How the benchmarks measure (memory, time, the machine) and write what they measured, so each
+figure means one thing in ``offload.bench`` and ``bench/`` alike: ``Memory`` (peak of a window),
+``sync`` and ``timed`` (synchronize before reading the clock; interleave the variants compared),
+``environment`` (what a committed result must name), ``table`` (the one table printer),
+``write_text`` / ``write_json`` (whole or not at all).
 """
 
 from __future__ import annotations
@@ -24,9 +18,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -37,13 +31,11 @@ from offload._probe import cpu_model
 __all__ = ["THREADS_ENV", "Memory", "describe_machine", "environment", "median", "resolve_device", "set_threads",
            "sync", "table", "timed", "write_json", "write_text"]
 
-THREADS_ENV = "OFFLOAD_BENCH_THREADS"
-"""Environment variable: torch intra-op threads of bench/'s scripts (default: torch's choice)."""
+THREADS_ENV = "OFFLOAD_BENCH_THREADS"  # torch intra-op threads of bench/'s scripts (default: torch's choice)
 
 
 def sync(device: torch.device) -> None:
-    """Wait for the device's queued work, so the host clock reads real time."""
-    if device.type == "cuda":
+    if device.type == "cuda":  # the host clock then reads real time
         torch.cuda.synchronize(device)
 
 
@@ -67,26 +59,19 @@ def set_threads(threads: Optional[int]) -> None:
 
 
 def median(values: Iterable[Optional[float]]) -> Optional[float]:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
+    return statistics.median(values) if (values := [v for v in values if v is not None]) else None
 
 
 class Memory:
-    """Memory in use and its peak since ``reset``, on one device.
-
-    - CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` (the caching allocator's
-      reserve is not counted).
-    - CPU: the resident set (``VmRSS``) and its high-water mark (``VmHWM``), reset through
-      ``/proc/self/clear_refs`` after glibc hands freed heap back (``malloc_trim``), where Linux
-      allows it; elsewhere ``ru_maxrss``, which never goes down. Plus the page cache held by the
-      files under ``spill_dir`` (``offload._pagecache``), sampled when ``sample_cache`` is called:
-      a byte parked in the spill files' page cache is still RAM, so no configuration looks better
-      by parking it there.
+    """Memory in use and its peak since ``reset``, on one device. CUDA: allocated bytes (the caching
+    allocator's reserve not counted). CPU: the resident set and its high-water mark (``VmHWM``, reset
+    through ``/proc/self/clear_refs`` after ``malloc_trim``; elsewhere ``ru_maxrss``, which never goes
+    down), plus the page cache of the files under ``spill_dir`` as ``sample_cache`` last saw it: a
+    byte parked in the spill files' page cache is still RAM, so no configuration looks better by it.
     """
 
     def __init__(self, device: torch.device, spill_dir: Optional[str] = None) -> None:
-        self.device, self.spill_dir = device, spill_dir
-        self.cache_peak = 0
+        self.device, self.spill_dir, self.cache_peak = device, spill_dir, 0
         if device.type == "cuda":
             self.source = "cuda.max_memory_allocated"
         elif _reset_hwm():
@@ -141,8 +126,7 @@ def _reset_hwm() -> bool:
 
 def _proc_status_bytes(field: str) -> int:
     try:
-        with open("/proc/self/status") as f:
-            match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+        match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
     except OSError:
         return 0
     return int(match.group(1)) * 1024 if match else 0
@@ -151,12 +135,9 @@ def _proc_status_bytes(field: str) -> int:
 def timed(
     fns: dict[str, Callable[[], None]], *, rounds: int, warmup: int, device: torch.device,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Time each function ``rounds`` times, interleaved (A B C A B C ...), after ``warmup`` rounds.
-
-    Each call is bracketed by device synchronizations. Returns (wall ms, process CPU ms) per call,
-    per name. CPU time (all threads) is what a call costs on a shared host whose other tenants
-    steal the wall clock; it misses time spent waiting on the disk or the device.
-    """
+    """Time each function ``rounds`` times, interleaved (A B C A B C ...), after ``warmup`` rounds,
+    each call between device synchronizations: (wall ms, process CPU ms) per call, per name. CPU
+    time is what a call costs when other tenants steal the wall clock (it misses disk and device waits)."""
     wall: dict[str, list[float]] = {name: [] for name in fns}
     cpu: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(warmup + rounds):
@@ -232,8 +213,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence], *, markdown: bool = F
 
 
 def write_text(path: Union[str, os.PathLike], text: str) -> Path:
-    """Write ``text`` whole or not at all (a temporary file renamed into place): a reader never
-    sees a file cut short."""
+    """Write ``text`` whole or not at all (a temporary file renamed into place)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -243,5 +223,4 @@ def write_text(path: Union[str, os.PathLike], text: str) -> Path:
 
 
 def write_json(path: Union[str, os.PathLike], payload: Any) -> Path:
-    """``write_text`` of ``payload`` as JSON."""
     return write_text(path, json.dumps(payload, indent=1, default=str) + "\n")

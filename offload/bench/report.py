@@ -1,14 +1,12 @@
 """What the step benchmark reports: one row per configuration, the verdicts, the files, the plot.
 
-Works on the records the runs emitted (``step`` rows and one ``summary`` per configuration and
-repeat, as plain dicts), so it never touches a device. matplotlib is imported only inside ``plot``.
+Works on the records the runs emitted (``step`` rows, one ``summary`` per configuration and
+repeat, plain dicts), so it never touches a device; matplotlib is imported only inside ``plot``.
 
-    records ──▶ summarize() ──▶ rows ──▶ table(), verdicts() ──▶ table.md, summary.json, stdout
+    records ──▶ summarize() ──▶ rows ──▶ tables, verdicts() ──▶ table.md, summary.json, stdout
             └─▶ metrics.csv (one row per step)        └─▶ plot(): memory vs time, Pareto front
 
-Per configuration: step time, memory (peak, activation peak, optimizer peak), bytes moved and
-link rates, exposed wait, the cost model's lower bound, and gradients and losses against the
-reference; ``LEGEND`` defines each column as the tables print it.
+``LEGEND`` defines each column as the tables print it.
 """
 
 from __future__ import annotations
@@ -24,11 +22,11 @@ from offload.bench.measure import describe_machine, median, table, write_json, w
 
 __all__ = ["CSV_COLUMNS", "Report", "pareto_front", "plot", "summarize", "verdicts"]
 
-AUTO_SLOWER_LIMIT = 1.05
-"""auto may be at most 5% slower than the best fixed policy that holds the same budget."""
-PREDICTION_TOLERANCE = 0.15
-"""The planner's predicted step time should be within 15% of the measured one."""
+AUTO_SLOWER_LIMIT = 1.05  # auto may be at most 5% slower than the best fixed policy that holds the budget
+PREDICTION_TOLERANCE = 0.15  # the planner's predicted step time should be within 15% of the measured one
 
+_BOUNDED_KINDS = (Kind.NONE.value, Kind.CHECKPOINT.value, Kind.ENGINE.value)
+"""Kinds the cost-model bound covers (save_on_cpu and torchtune move bytes it does not count)."""
 _STAT_FIELDS = ("saved_bytes", "offloaded_bytes", "reloaded_bytes", "spilled_bytes", "recomputed_regions",
                 "prefetch_hits", "prefetch_misses", "reload_wait_ms", "evict_wait_ms", "d2h_busy_ms", "h2d_busy_ms")
 
@@ -120,10 +118,8 @@ def summarize(
         row["ratio"] = _ratio(row["step_ms"], ref["step_ms"] if ref else None)
         row["act_ratio"] = _ratio(row["act_peak_mb"], ref["act_peak_mb"] if ref else None)
         compute = ref and ref["step_ms"]
-        if compute and row["recompute_ms"] is not None and row["kind"] in (Kind.NONE.value, Kind.CHECKPOINT.value, Kind.ENGINE.value):
-            row["bound_ms"] = max(compute + row["recompute_ms"], row["link_ms"] or 0.0)
-        else:
-            row["bound_ms"] = None
+        bounded = compute and row["recompute_ms"] is not None and row["kind"] in _BOUNDED_KINDS
+        row["bound_ms"] = max(compute + row["recompute_ms"], row["link_ms"] or 0.0) if bounded else None
         row["over_bound"] = _ratio(row["step_ms"], row["bound_ms"])
     return rows
 
@@ -155,12 +151,8 @@ def verdicts(rows: list[dict]) -> dict:
             "prediction_within_15pct": predicted is not None and abs(predicted - 1) <= PREDICTION_TOLERANCE,
             "decisions": auto.get("decisions"),
         })
-    return {
-        "verdicts": out,
-        "auto_within_5pct_everywhere": all(v["auto_within_5pct"] for v in out),
-        "auto_holds_budget_everywhere": all(v["auto_holds_budget"] for v in out),
-        "prediction_within_15pct_everywhere": all(v["prediction_within_15pct"] for v in out),
-    }
+    checks = ("auto_within_5pct", "auto_holds_budget", "prediction_within_15pct")
+    return {"verdicts": out} | {f"{c}_everywhere": all(v[c] for v in out) for c in checks}
 
 
 def _f(value: Optional[float], spec: str) -> Optional[str]:
@@ -242,12 +234,10 @@ def plot(path: Path, rows: list[dict], results: dict, run: RunSettings) -> Optio
     """Activation peak vs step time (every configuration a point, the Pareto front drawn), and
     engine-resident bytes over one step; None without matplotlib."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # a Figure made directly draws through Agg, with no pyplot state
     except ImportError:
         return None
     fig = Figure(figsize=(12, 4.8))
-    FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)
     points = [(r["step_ms"], r["act_peak_mb"], r["config"]) for r in rows
               if r["step_ms"] is not None and r["act_peak_mb"] is not None]
@@ -257,9 +247,8 @@ def plot(path: Path, rows: list[dict], results: dict, run: RunSettings) -> Optio
     front = pareto_front(points)
     left.step([p[0] for p in front], [p[1] for p in front], where="post", color="gray", lw=1, ls="--",
               label="Pareto front")
-    left.set_xlabel("step time, ms (median)")
-    left.set_ylabel("activation peak, MB" + (" (RSS + spill page cache)" if run.device == "cpu" else " (allocated)"))
-    left.set_title("memory vs time per configuration")
+    left.set(xlabel="step time, ms (median)", title="memory vs time per configuration",
+             ylabel="activation peak, MB" + (" (RSS + spill page cache)" if run.device == "cpu" else " (allocated)"))
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
     traced = [r for r in rows if r["kind"] == Kind.ENGINE.value and r["budget_mb"] is not None
@@ -272,8 +261,7 @@ def plot(path: Path, rows: list[dict], results: dict, run: RunSettings) -> Optio
                        label=r["config"])
             right.set_xticks(range(len(samples)), [s["phase"] for s in samples], rotation=60, fontsize=7)
         right.axhline(smallest, color="gray", ls="--", lw=1, label=f"budget {smallest:.3g} MB")
-        right.set_ylabel("engine resident bytes, MB")
-        right.set_title("resident activations over the last step")
+        right.set(ylabel="engine resident bytes, MB", title="resident activations over the last step")
         right.legend(fontsize=8)
         right.grid(alpha=0.3)
     else:

@@ -1,28 +1,16 @@
 """The step benchmark: train MiniGPT a few steps under each way of handling saved activations.
 
-Every configuration trains the same model (same seed, same weights, same batches, the RNG reseeded
-before each step so dropout draws the same masks) and records, per step, the loss, the step time,
-the memory and what the engine did (``loop``). Its first-step gradients are checked against the
-reference's under strict determinism; on a deterministic device its losses must equal the
-reference's too. ``report`` tables, plots and judges what came out.
+Every configuration trains the same model on the same batches with the same dropout masks
+(``loop``); ``report`` tables, plots and judges what came out; bench/README.md says how to run it.
+On the CPU each configuration runs in a fresh child process (``--one``, JSON lines back), so its
+peak resident set is its own; on CUDA (or ``--in-process``) all run here, one after another.
+``--repeats N`` runs everything N times, the order rotated each time.
 
-The configurations and how to name them are ``config``'s; the reference is "none" (no engine).
+    python -m offload.bench --demo | --preset h200|tiny|sweep [--out DIR] [--configs A,B] [--compile]
 
-On the CPU each configuration runs in a fresh child process (``--one``, JSON lines back to the
-parent) so its peak resident set is its own, with glibc's mmap threshold fixed
-(``MALLOC_MMAP_THRESHOLD_BYTES``) so that freed activations leave the RSS; on CUDA all run in
-this process, one after another. ``--repeats N`` runs everything N times, the order rotated each
-time; figures are medians over repeats, comparisons paired within a repeat.
-
-    python -m offload.bench --demo                       # CPU, five configurations
-    python -m offload.bench --preset h200 --out out/h200 # one large GPU, every configuration
-    python -m offload.bench --preset tiny --in-process   # the h200 configurations, tiny
-    python -m offload.bench --preset sweep --repeats 5   # CPU budget sweep with auto's verdicts
-    python -m offload.bench --compile --configs none,offload-25%,auto-25%
-
-Outputs in ``--out`` (rewritten as each configuration finishes, so a timeout keeps what ran):
-``metrics.csv`` (one row per step), ``summary.json`` (everything), ``table.md``, ``step.png``
-when matplotlib is installed; a table on stdout and, last, one line of JSON.
+Outputs in ``--out``, rewritten as each configuration finishes (a timeout keeps what ran):
+``metrics.csv``, ``summary.json``, ``table.md``, ``step.png`` (with matplotlib); a table on
+stdout and, last, one line of JSON.
 """
 
 from __future__ import annotations
@@ -58,8 +46,7 @@ MALLOC_MMAP_THRESHOLD_BYTES = 128 * 1024
 glibc's default raises the threshold after each large free (up to 32 MiB), after which freed
 activations stay in the heap and RSS stops tracking live memory. 128 KiB is glibc's own start."""
 
-_JSON_PREFIX = "@offload-bench "
-"""Marks a child's result lines on stdout, so stray prints from libraries are never parsed."""
+_JSON_PREFIX = "@offload-bench "  # marks a child's result lines: stray prints from libraries are never parsed
 _STDERR_TAIL_CHARS = 4000
 
 
@@ -79,14 +66,13 @@ def _run_jobs(
                                    emit=emit_tagged)
         except loop.Skipped as reason:
             emit({"type": "skipped", "reason": str(reason)} | tag)
-            continue
         except Exception as error:  # noqa: BLE001 - tabled as failed; the others still run
             emit({"type": "error", "error": f"{type(error).__name__}: {error}"} | tag)
             del error  # its traceback holds the failed configuration's model: free it before the next
             gc.collect()
-            continue
-        activation_bytes = activation_bytes or summary["activation_bytes"]
-        emit(summary | tag)
+        else:
+            activation_bytes = activation_bytes or summary["activation_bytes"]
+            emit(summary | tag)
 
 
 def _spawn(
