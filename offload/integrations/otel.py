@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of an engine's steps: one span per step, with its phases, recomputes and waits.
+"""OpenTelemetry traces of an engine's steps: one span per step, with its recomputes and waits.
 
     from opentelemetry import trace
     from offload.integrations.otel import StepTracer   # pip install 'offload[otel]'
@@ -13,16 +13,17 @@ A step (see ``offload._observe``: a forward under the engine and the backward th
 it) is traced only when its forward begins inside a recording span; its span is that span's
 child. Outside a trace a step costs one ``get_current_span()`` call. Per traced step::
 
-    offload.step       forward begin ─▶ backward end; the step's figures (attributes below)
-    ├ offload.forward  the outermost ``with eng:``
-    │ └ offload.evict_wait    the forward's waits for evictions, summed (one span, placed at the
-    │                         forward's start, as long as their sum; only when there were any)
-    └ offload.backward first unpack from the engine ─▶ end of that backward
-      ├ offload.recompute     one per region recompute: its re-run forward, timed (attribute
-      │                       offload.region, and offload.saved_bytes where a plan measured it)
-      └ offload.reload_wait   the backward's waits for reloads, summed, placed the same way
+    offload.step            forward begin ─▶ backward end; the step's figures (attributes below);
+    │                       events "offload.forward_end" (the outermost ``with eng:`` left) and
+    │                       "offload.backward_begin" (the backward's first unpack from the engine)
+    ├ offload.evict_wait    the forward's waits for evictions, summed: one span as long as their
+    │                       sum, placed at the step's start (only when there were any)
+    ├ offload.recompute     one per region recompute: its re-run forward, timed (attribute
+    │                       offload.region, and offload.saved_bytes where a plan measured it)
+    └ offload.reload_wait   the backward's waits for reloads, summed, placed at the backward's begin
 
 Nothing is made per saved tensor: the figures come from ``eng.stats`` at the step's two ends.
+The phases are events, not spans: on a small CPU step each SDK span costs tens of microseconds.
 The spans are made when the step ends, with the times recorded as it ran (OpenTelemetry takes
 explicit start and end times), so nothing here enters or leaves a context while the step runs,
 and the backward may run on autograd's own threads.
@@ -184,39 +185,30 @@ class StepTracer(Observer):
                 attributes["offload.plan.fits_budget"] = plan.fits_budget
 
         step_span = tracer.start_span("offload.step", context=step.parent, start_time=step.start_ns, attributes=attributes)
+        if step.forward_end_ns is not None:
+            step_span.add_event("offload.forward_end", timestamp=step.forward_end_ns)
         inside_step = trace.set_span_in_context(step_span)
-        forward_end_ns = step.forward_end_ns or end_ns
-        forward = tracer.start_span(
-            "offload.forward", context=inside_step, start_time=step.start_ns,
-            attributes={"offload.evict_wait_ms": figures["evict_wait_ms"]},
-        )
-        self._summed_wait(forward, "offload.evict_wait", figures["evict_wait_ms"], step.start_ns)
-        forward.end(end_time=forward_end_ns)
+        self._summed_wait(inside_step, "offload.evict_wait", figures["evict_wait_ms"], step.start_ns)
         if backward and step.backward_start_ns is not None:
-            bwd = tracer.start_span(
-                "offload.backward", context=inside_step, start_time=step.backward_start_ns,
-                attributes={"offload.reload_wait_ms": figures["reload_wait_ms"]},
-            )
-            inside_backward = trace.set_span_in_context(bwd)
+            step_span.add_event("offload.backward_begin", timestamp=step.backward_start_ns)
             for region, ms, recompute_end_ns in step.recomputes:
                 region_attributes = {"offload.region": region, "offload.recompute_ms": ms}
                 if region in saved_by_region:
                     region_attributes["offload.saved_bytes"] = saved_by_region[region]
                 span = tracer.start_span(
-                    "offload.recompute", context=inside_backward, start_time=recompute_end_ns - int(ms * _NS_PER_MS),
+                    "offload.recompute", context=inside_step, start_time=recompute_end_ns - int(ms * _NS_PER_MS),
                     attributes=region_attributes,
                 )
                 span.end(end_time=recompute_end_ns)
-            self._summed_wait(bwd, "offload.reload_wait", figures["reload_wait_ms"], step.backward_start_ns)
-            bwd.end(end_time=end_ns)
+            self._summed_wait(inside_step, "offload.reload_wait", figures["reload_wait_ms"], step.backward_start_ns)
         step_span.end(end_time=end_ns)
 
-    def _summed_wait(self, phase, name: str, wait_ms: float, start_ns: int) -> None:
+    def _summed_wait(self, inside_step, name: str, wait_ms: float, start_ns: int) -> None:
         """One span as long as a phase's summed waits, placed at the phase's start."""
         if wait_ms <= 0:
             return
         span = self._tracer.start_span(
-            name, context=trace.set_span_in_context(phase), start_time=start_ns,
+            name, context=inside_step, start_time=start_ns,
             attributes={"offload.wait_ms": wait_ms, "offload.summed": True},
         )
         span.end(end_time=start_ns + int(wait_ms * _NS_PER_MS))
