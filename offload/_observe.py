@@ -11,10 +11,13 @@ forward (outermost ``with eng:`` with grad enabled) and the backward that unpack
       └──────────── step_ended(backward=False) / step_ended(backward=True) ◀───────────┘
                                               end of that backward (autograd callback)
 
-Only the outermost entry of the stepping thread counts; nested entries, and entries under
+One thread steps at a time; only its outermost entry counts; nested entries, and entries under
 ``torch.no_grad()`` (they save nothing), are ignored. An unpack during the forward (a
 ``torch.autograd.grad`` inside it) does not start the backward. The end of the backward is an
 autograd final callback queued by the first unpack, so it fires when ``backward()`` finishes.
+A backward that unpacks nothing from the engine (every save of the step passed through: tiny
+tensors under ``min_offload_bytes``, parameters) is not seen: that step ends, without a backward,
+when the next one begins.
 
 Cost when nobody observes: the session checks ``if observers`` at each outermost entry and exit,
 and one attribute per unpack. Recomputes are timed only when an observer asks, for this step

@@ -36,7 +36,8 @@ saved bytes the plan measured for each region recomputed; only with a plan), ``o
 ``offload.stage`` (with regions: the profiling stage, or "planned"), ``offload.plan.regions`` and
 ``offload.plan.decisions`` (parallel lists), ``offload.plan.predicted_step_ms``,
 ``offload.plan.fits_budget`` (on a step that followed a plan, not a profiling one), ``offload.backward`` (False: no backward
-unpacked from the engine before the next step began).
+unpacked from the engine before the next step began: an evaluation forward with grad on, or a
+step whose saves all passed through the engine; such a step's span ends with its forward).
 
 Cost on a traced step: each recompute is timed, which on CUDA synchronizes the device before and
 after it (see ``offload._observe``).
