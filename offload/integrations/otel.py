@@ -55,6 +55,7 @@ from .._planner import Plan
 from .._stats import Stats
 
 try:
+    from opentelemetry import context as otel_context
     from opentelemetry import trace
 except ImportError as error:
     raise ImportError(
@@ -134,7 +135,8 @@ class StepTracer(Observer):
         if not trace.get_current_span().is_recording():
             self._step = None
             return
-        self._step = _Step(parent=trace.set_span_in_context(trace.get_current_span()), start_ns=time_ns, stats=self.engine.stats)
+        # The whole current context (baggage included), so the step span is the current span's child.
+        self._step = _Step(parent=otel_context.get_current(), start_ns=time_ns, stats=self.engine.stats)
 
     def forward_ended(self, time_ns: int) -> None:
         step = self._step
