@@ -36,6 +36,8 @@ synchronizes the device before and after each recompute; ``recompute_latency=Fal
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._observe import Observer
 
 __all__ = ["PrometheusExporter", "WAIT_BUCKETS_S", "export_prometheus"]
@@ -139,7 +141,8 @@ class PrometheusExporter:
             buckets=WAIT_BUCKETS_S, **kw,
         )
         self.recompute_seconds = prom.Histogram(
-            f"{prefix}_recompute_seconds", "Wall time of each region's recompute in backward (one observation per recompute)",
+            f"{prefix}_recompute_seconds",
+            "Wall time of each region's recompute in backward (one observation per recompute)",
             buckets=WAIT_BUCKETS_S, **kw,
         )
         self._recompute_observer: Observer | None = None
@@ -190,7 +193,7 @@ class PrometheusExporter:
 class _RecomputeLatency(Observer):
     """Observes each region recompute's wall time in a histogram, on every step."""
 
-    def __init__(self, histogram) -> None:
+    def __init__(self, histogram: Any) -> None:  # a prometheus_client.Histogram
         self.histogram = histogram
 
     def wants_recompute_times(self) -> bool:

@@ -278,7 +278,8 @@ class Regions:
         start = time.perf_counter()
         if self._stage == RECOMPUTE_TRIAL:
             self._session.count_recompute()
-            out = timed_checkpoint(forward, args, kwargs, name, self._session.observers.recompute_timer(name, m.add_recompute))
+            on_recompute = self._session.observers.recompute_timer(name, m.add_recompute)
+            out = timed_checkpoint(forward, args, kwargs, name, on_recompute)
         elif self._stage == OFFLOAD_TRIAL:
             out = self._eagerly(forward, args, kwargs)
         else:

@@ -159,7 +159,7 @@ def test_exporter_recompute_latency_histogram():
     model, x, y = _model_and_batch()
     eng = offload.engine(policy="recompute", regions=model.blocks, model=model)
     timed = offload.metrics.PrometheusExporter(eng, registry=registry)
-    untimed = offload.metrics.PrometheusExporter(eng, registry=registry, prefix="untimed", recompute_latency=False)
+    offload.metrics.PrometheusExporter(eng, registry=registry, prefix="untimed", recompute_latency=False)
     steps = 3
     try:
         for _ in range(steps):

@@ -19,7 +19,6 @@ import offload
 from offload.models import GPTConfig, MiniGPT
 
 pytest.importorskip("opentelemetry.sdk")
-from opentelemetry import trace  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
@@ -149,7 +148,7 @@ def test_one_span_per_step_with_a_recompute_child_per_region(spans, spill_dir):
     finally:
         tracer.close()
         eng.close()
-    for want, got in zip(grads, _reference_grads(x, y)):
+    for want, got in zip(grads, _reference_grads(x, y), strict=True):
         assert torch.equal(want, got)
     for stats, finished in per_step:
         by_name = {}
@@ -292,7 +291,8 @@ def test_grad_inside_forward_does_not_end_the_step(spans, spill_dir):
         eng.close()
     (step,) = _named(exporter, "offload.step")
     events = {e.name: e.timestamp for e in step.events}
-    assert events["offload.forward_end"] <= events["offload.backward_begin"] and step.attributes["offload.backward"] is True
+    assert events["offload.forward_end"] <= events["offload.backward_begin"]
+    assert step.attributes["offload.backward"] is True
 
 
 def test_unpack_outside_a_backward_is_not_one(spans, spill_dir):

@@ -35,9 +35,10 @@ saved bytes the plan measured for each region recomputed; only with a plan), ``o
 ``offload.evict_wait_ms``, ``offload.policy``, ``offload.budget_bytes`` (absent: no budget),
 ``offload.stage`` (with regions: the profiling stage, or "planned"), ``offload.plan.regions`` and
 ``offload.plan.decisions`` (parallel lists), ``offload.plan.predicted_step_ms``,
-``offload.plan.fits_budget`` (on a step that followed a plan, not a profiling one), ``offload.backward`` (False: no backward
-unpacked from the engine before the next step began: an evaluation forward with grad on, or a
-step whose saves all passed through the engine; such a step's span ends with its forward).
+``offload.plan.fits_budget`` (on a step that followed a plan, not a profiling one),
+``offload.backward`` (False: no backward unpacked from the engine before the next step began: an
+evaluation forward with grad on, or a step whose saves all passed through the engine; such a
+step's span ends with its forward).
 
 Cost on a traced step: each recompute is timed, which on CUDA synchronizes the device before and
 after it (see ``offload._observe``).
@@ -46,7 +47,7 @@ after it (see ``offload._observe``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import offload
 
@@ -81,7 +82,7 @@ _STEP_FIELDS = (
 class _Step:
     """One traced step, as it runs; its spans are made when it ends."""
 
-    parent: object  # the OpenTelemetry context current when the forward began
+    parent: otel_context.Context  # the OpenTelemetry context current when the forward began
     start_ns: int
     stats: Stats
     forward_end_ns: Optional[int] = None
@@ -91,7 +92,7 @@ class _Step:
     recomputes: list = dataclasses.field(default_factory=list)  # (region, ms, end_ns)
 
 
-def _window(start: Stats, end: Stats) -> dict:
+def _window(start: Stats, end: Stats) -> dict[str, Any]:
     """The counters' growth over a step; a counter that went down was reset mid-step
     (``reset_stats()``, a metrics exporter's ``update()``): then what it counted since."""
     out = {}
@@ -114,7 +115,7 @@ class StepTracer(Observer):
         ImportError: opentelemetry-api is not installed (``pip install 'offload[otel]'``).
     """
 
-    def __init__(self, engine, *, tracer_provider=None) -> None:
+    def __init__(self, engine: offload.Engine, *, tracer_provider: Optional[trace.TracerProvider] = None) -> None:
         if not isinstance(engine, offload.Engine):
             raise TypeError(f"StepTracer needs an offload Engine (from offload.engine(...)), got {engine!r}")
         self.engine = engine
@@ -161,14 +162,15 @@ class StepTracer(Observer):
             return
         figures = _window(step.stats, self.engine.stats)
         if not backward:
-            if figures["saved_tensors"] == 0 and self.engine.stats.passthrough_tensors == step.stats.passthrough_tensors:
+            passed = self.engine.stats.passthrough_tensors - step.stats.passthrough_tensors
+            if figures["saved_tensors"] == 0 and passed == 0:
                 return  # a forward that saved nothing (an evaluation, an optimizer step under the engine)
             time_ns = step.forward_end_ns or time_ns
         self._emit(step, figures, time_ns, backward)
 
     # ------------------------------------------------------------------ the spans
 
-    def _emit(self, step: _Step, figures: dict, end_ns: int, backward: bool) -> None:
+    def _emit(self, step: _Step, figures: dict[str, Any], end_ns: int, backward: bool) -> None:
         tracer = self._tracer
         saved_by_region = {} if step.plan is None else {r.name: r.saved_bytes for r in step.plan.regions}
         attributes = {f"offload.{name}": value for name, value in figures.items()}
@@ -187,7 +189,9 @@ class StepTracer(Observer):
                 attributes["offload.plan.predicted_step_ms"] = plan.predicted_step_ms
                 attributes["offload.plan.fits_budget"] = plan.fits_budget
 
-        step_span = tracer.start_span("offload.step", context=step.parent, start_time=step.start_ns, attributes=attributes)
+        step_span = tracer.start_span(
+            "offload.step", context=step.parent, start_time=step.start_ns, attributes=attributes
+        )
         if step.forward_end_ns is not None:
             step_span.add_event("offload.forward_end", timestamp=step.forward_end_ns)
         inside_step = trace.set_span_in_context(step_span)
@@ -206,7 +210,7 @@ class StepTracer(Observer):
             self._summed_wait(inside_step, "offload.reload_wait", figures["reload_wait_ms"], step.backward_start_ns)
         step_span.end(end_time=end_ns)
 
-    def _summed_wait(self, inside_step, name: str, wait_ms: float, start_ns: int) -> None:
+    def _summed_wait(self, inside_step: otel_context.Context, name: str, wait_ms: float, start_ns: int) -> None:
         """One span as long as a phase's summed waits, placed at the phase's start."""
         if wait_ms <= 0:
             return
