@@ -23,6 +23,7 @@ import torch
 
 from ._config import Config
 from ._cost import MB, MachineProfile
+from ._observe import Observers
 from ._planner import Plan
 from ._probe import probe
 from ._regions import Regions, RegionsArg, resolve_regions
@@ -133,6 +134,12 @@ class Engine:
     def plans(self) -> dict:
         """Every plan made so far, keyed by the first region's input signature."""
         return {} if self._regions is None else dict(self._regions.plans)
+
+    @property
+    def observers(self) -> Observers:
+        """Who is told of this engine's step boundaries and recomputes: ``add(observer)`` /
+        ``remove(observer)`` with an ``offload._observe.Observer`` (traces, metrics use it)."""
+        return self._session.observers
 
     @property
     def stats(self) -> Stats:

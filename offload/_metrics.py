@@ -1,4 +1,4 @@
-"""Prometheus export of an engine's stats: counters, gauges and a per-step wait histogram.
+"""Prometheus export of an engine's stats: counters, gauges, per-step wait and per-recompute histograms.
 
 Owns the mapping from ``Engine.stats`` to Prometheus metrics, nothing else. prometheus-client is
 an optional extra (``pip install offload[metrics]``) imported only when an exporter is made, so
@@ -26,11 +26,19 @@ Metrics, with the default ``prefix="offload"``:
     offload_host_bytes, offload_spill_files                             gauges
     offload_reload_wait_seconds, offload_evict_wait_seconds             histograms, one
                                                                         observation per update
+    offload_recompute_seconds                                           histogram, one observation
+                                                                        per region recompute
+
+The recompute histogram is fed as backward runs, not by ``update()``: the exporter observes the
+engine (``offload._observe``), which then times each region's recompute. On CUDA that timing
+synchronizes the device before and after each recompute; ``recompute_latency=False`` turns it off.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
+
+from ._observe import Observer
 
 if TYPE_CHECKING:  # annotations only: importing offload.metrics stays as light as it is
     from ._engine import Engine
@@ -40,7 +48,9 @@ __all__ = ["PrometheusExporter", "WAIT_BUCKETS_S", "export_prometheus"]
 
 WAIT_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Histogram buckets for the host time a step waits on copies, seconds: from a hidden transfer
-(well under a millisecond) to a step stalled for seconds on the disk."""
+(well under a millisecond) to a step stalled for seconds on the disk. The recompute histogram
+uses them too: a region's re-run forward spans the same range, from a small block's tenth of a
+millisecond to a large one's seconds on a CPU."""
 
 _MOVEMENTS = ("offloaded", "reloaded", "spilled")
 """Label values of the moved-bytes counter; each names a ``Stats`` field ``<value>_bytes``."""
@@ -69,6 +79,8 @@ class PrometheusExporter:
             registry (what ``start_http_server`` serves). Metric names must be unique in a
             registry: give a second exporter its own ``prefix`` or registry.
         prefix: the first part of every metric name.
+        recompute_latency: observe each region recompute's wall time in ``<prefix>_recompute_seconds``
+            (on CUDA this synchronizes the device around each recompute). ``close()`` stops it.
 
     Raises:
         ImportError: prometheus-client is not installed (``pip install offload[metrics]``).
@@ -88,7 +100,7 @@ class PrometheusExporter:
             exporter.update()
     """
 
-    def __init__(self, engine: Engine, registry: Any = None, prefix: str = "offload") -> None:
+    def __init__(self, engine: Engine, registry: Any = None, prefix: str = "offload", recompute_latency: bool = True) -> None:
         prom = _prometheus()
         from ._engine import Engine
 
@@ -132,6 +144,15 @@ class PrometheusExporter:
             f"{prefix}_evict_wait_seconds", "Host time forward waited for evictions to drain, per update()",
             buckets=WAIT_BUCKETS_S, **kw,
         )
+        self.recompute_seconds = prom.Histogram(
+            f"{prefix}_recompute_seconds",
+            "Wall time of each region's recompute in backward (one observation per recompute)",
+            buckets=WAIT_BUCKETS_S, **kw,
+        )
+        self._recompute_observer: Observer | None = None
+        if recompute_latency:
+            self._recompute_observer = _RecomputeLatency(self.recompute_seconds)
+            engine.observers.add(self._recompute_observer)
         for movement in _MOVEMENTS:  # the series exist (at 0) before the first update
             self.moved_bytes.labels(movement=movement)
         for result in ("hit", "miss"):
@@ -163,11 +184,32 @@ class PrometheusExporter:
         self.last = stats
         return stats
 
+    def close(self) -> None:
+        """Stop observing the engine's recomputes (the metrics stay registered). Idempotent."""
+        if self._recompute_observer is not None:
+            self.engine.observers.remove(self._recompute_observer)
+            self._recompute_observer = None
+
     def __repr__(self) -> str:
         return f"offload.metrics.PrometheusExporter({self.engine!r})"
 
 
-def export_prometheus(engine: Engine, registry: Any = None, prefix: str = "offload") -> PrometheusExporter:
-    """Shorthand for ``PrometheusExporter(engine, registry, prefix)``."""
-    return PrometheusExporter(engine, registry=registry, prefix=prefix)
+class _RecomputeLatency(Observer):
+    """Observes each region recompute's wall time in a histogram, on every step."""
+
+    def __init__(self, histogram: Any) -> None:  # a prometheus_client.Histogram
+        self.histogram = histogram
+
+    def wants_recompute_times(self) -> bool:
+        return True
+
+    def recomputed(self, region: str, ms: float, end_ns: int) -> None:
+        self.histogram.observe(ms / _MS_PER_S)
+
+
+def export_prometheus(
+    engine: Engine, registry: Any = None, prefix: str = "offload", recompute_latency: bool = True
+) -> PrometheusExporter:
+    """Shorthand for ``PrometheusExporter(engine, registry, prefix, recompute_latency)``."""
+    return PrometheusExporter(engine, registry=registry, prefix=prefix, recompute_latency=recompute_latency)
 

@@ -163,6 +163,9 @@ class Regions:
             decision = self._decision(index)
             if decision is Decision.RECOMPUTE:
                 self._session.count_recompute()
+                on_recompute = self._session.observers.recompute_timer(name)  # a traced step times it
+                if on_recompute is not None:
+                    return timed_checkpoint(forward, args, kwargs, name, on_recompute)
                 return checkpoint(forward, *args, name=name, **kwargs)
             if decision is Decision.OFFLOAD:
                 return self._eagerly(forward, args, kwargs)
@@ -291,7 +294,9 @@ class Regions:
         start = time.perf_counter()
         if self._stage == RECOMPUTE_TRIAL:
             self._session.count_recompute()
-            out = timed_checkpoint(forward, args, kwargs, name, m.add_recompute)
+            on_recompute = self._session.observers.recompute_timer(name, m.add_recompute)
+            assert on_recompute is not None  # never None when given a callback of its own
+            out = timed_checkpoint(forward, args, kwargs, name, on_recompute)
         elif self._stage == OFFLOAD_TRIAL:
             out = self._eagerly(forward, args, kwargs)
         else:

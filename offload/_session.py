@@ -22,6 +22,7 @@ from ._config import Config
 from ._cost import MachineProfile
 from ._entry import Handle
 from ._hooks import Eligibility, make_hooks
+from ._observe import Observers
 from ._stats import Counters
 from ._store import Store
 from ._transfer import Link
@@ -44,6 +45,8 @@ class Session:
         self._store_lock = threading.Lock()
         self._planned = False
         self._local = threading.local()
+        self.observers = Observers()
+        """Told of step boundaries and recomputes (``offload._observe``); empty: nothing is called."""
         self.hooks = make_hooks(self.eligible, self._pack, self._unpack, self._passthrough)
         """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
 
@@ -67,6 +70,8 @@ class Session:
         return store.pack(t, getattr(self._local, "eager", False))
 
     def _unpack(self, handle: Handle) -> torch.Tensor:
+        if self.observers.awaiting_backward:
+            self.observers.unpacked()
         return handle.store.unpack(handle)
 
     def _passthrough(self) -> None:
@@ -82,9 +87,14 @@ class Session:
         if stack is None:
             stack = self._local.stack = []
         stack.append(ctx)
+        if self.observers and len(stack) == 1:
+            self.observers.entered()
 
     def exit(self, *exc: Any) -> None:
-        self._local.stack.pop().__exit__(*exc)
+        stack = self._local.stack
+        stack.pop().__exit__(*exc)
+        if self.observers and not stack:
+            self.observers.exited()
 
     # ------------------------------------------------------------------ what regions may ask
 

@@ -150,3 +150,26 @@ def test_exporter_rejects_bad_arguments():
     offload.metrics.PrometheusExporter(eng, registry=registry, prefix="a")
     offload.metrics.PrometheusExporter(eng, registry=registry, prefix="b")  # distinct prefixes share a registry
     eng.close()
+
+
+def test_exporter_recompute_latency_histogram():
+    """One observation per region recompute, fed as backward runs; none when turned off."""
+    prom = pytest.importorskip("prometheus_client")
+    registry = prom.CollectorRegistry()
+    model, x, y = _model_and_batch()
+    eng = offload.engine(policy="recompute", regions=model.blocks, model=model)
+    timed = offload.metrics.PrometheusExporter(eng, registry=registry)
+    offload.metrics.PrometheusExporter(eng, registry=registry, prefix="untimed", recompute_latency=False)
+    steps = 3
+    try:
+        for _ in range(steps):
+            _step(model, eng, x, y)
+            assert timed.update().recomputed_regions == N_LAYER
+        timed.close()
+        _step(model, eng, x, y)  # closed: this step's recomputes are not observed
+    finally:
+        eng.close()
+    assert registry.get_sample_value("offload_recompute_seconds_count") == steps * N_LAYER
+    assert registry.get_sample_value("offload_recompute_seconds_sum") > 0
+    assert registry.get_sample_value("offload_recompute_seconds_bucket", {"le": "+Inf"}) == steps * N_LAYER
+    assert registry.get_sample_value("untimed_recompute_seconds_count") == 0
