@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from ._budget import FreeMemory
 from ._config import Config
 from ._cost import MB, MachineProfile
 from ._planner import Plan
@@ -48,10 +49,11 @@ class Engine:
         regions=None,
         machine: Optional[MachineProfile] = None,
         link: Optional[Link] = None,
+        memory: Optional[FreeMemory] = None,
     ) -> None:
         self.config = config
         self._machine = machine
-        self._session = Session(config, link=link, machine=self._machine_profile)
+        self._session = Session(config, link=link, machine=self._machine_profile, memory=memory)
         self._models: list[torch.nn.Module] = []
         if model is not None:
             self.watch(model)
@@ -135,7 +137,7 @@ class Engine:
         session = self._session
         store = session.store
         if store is None:
-            return session.counters.snapshot()
+            return session.counters.snapshot(budget_bytes=self.config.budget_bytes)
         d2h_ms, h2d_ms, stall_ms = store.copy_ms()
         base = self._link_base
         return session.counters.snapshot(
@@ -145,6 +147,7 @@ class Engine:
             host_in_use_bytes=store.host_in_use_bytes,
             spill_bytes=store.spill_bytes,
             spill_files=store.spill_files,
+            budget_bytes=store.budget,
             d2h_busy_ms=d2h_ms - base[0],
             h2d_busy_ms=h2d_ms - base[1],
             reload_wait_ms=session.counters.reload_wait_ms + stall_ms - base[2],
@@ -167,7 +170,10 @@ class Engine:
         self._closed = True
 
     def __repr__(self) -> str:
-        budget = "None" if self.config.budget_bytes is None else f"{self.config.budget_bytes / MB:g} MB"
+        if self.config.follows_free_memory:
+            budget = f"auto, reserve {self.config.reserve_bytes / MB:g} MB"
+        else:
+            budget = "None" if self.config.budget_bytes is None else f"{self.config.budget_bytes / MB:g} MB"
         return f"offload.Engine(budget={budget}, device={self._session.eligible.device})"
 
     def _machine_profile(self) -> MachineProfile:
@@ -187,6 +193,7 @@ def engine(
     regions=None,
     machine: Optional[MachineProfile] = None,
     link: Optional[Link] = None,
+    memory=None,
     **options,
 ) -> Engine:
     """Make an engine that keeps at most ``budget_mb`` MB of saved activations on the device.
@@ -194,7 +201,9 @@ def engine(
     Args:
         budget_mb: MB (2**20 bytes) of engine-managed activations allowed on the compute device,
             copies in flight included. None: no limit (the engine only counts). 0: move everything
-            eligible off the device.
+            eligible off the device. "auto": follow free memory, keeping ``reserve_mb`` free on the
+            device (default ``offload._budget.DEFAULT_RESERVE_MB``); tensors move only when free
+            memory falls below it (see ``offload._budget``).
         model: a module whose parameters and buffers are never moved (they are detected without
             it too, except buffers: pass the model when it has large buffers).
         regions: the units the policy decides on: an iterable of modules (``model.blocks``), or a
@@ -204,7 +213,11 @@ def engine(
         link: the transport between the device and host memory (``offload._transfer.Link``).
             None: CUDA side streams on a CUDA device; on the CPU none, and tensors go to disk.
             A test passes its own to run the host tier on the CPU.
+        memory: with ``budget_mb="auto"``, how free memory is read: a callable returning the
+            free bytes of the compute device, or an ``offload._budget.FreeMemory`` with its own
+            re-read rule. None: the device's own reading (CUDA allocator and driver, psutil).
         **options: the engine's settings, each documented on ``offload._config.Config``:
+            ``reserve_mb`` (with ``budget_mb="auto"``: MB to keep free on the device),
             ``spill_dir`` (where the spill file goes; None: a private temporary directory),
             ``host_budget_mb`` (cap on host memory below a CUDA device; beyond it tensors spill
             to disk), ``min_offload_bytes`` (smaller storages stay), ``device`` ('cpu', 'cuda',
@@ -218,7 +231,13 @@ def engine(
     config = Config.from_user(budget_mb, has_regions=regions is not None, **options)
     if machine is not None and not isinstance(machine, MachineProfile):
         raise TypeError(f"machine must be an offload MachineProfile (from offload.probe()), got {machine!r}")
-    return Engine(config, model=model, regions=regions, machine=machine, link=link)
+    memory = FreeMemory.from_user(memory)
+    if memory is not None and not config.follows_free_memory:
+        raise ValueError(
+            f"memory= reads free memory for budget_mb='auto', but budget_mb={budget_mb!r}; "
+            f"pass budget_mb='auto' or drop memory="
+        )
+    return Engine(config, model=model, regions=regions, machine=machine, link=link, memory=memory)
 
 
 def explain(what) -> str:

@@ -38,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from ._budget import replan_needed
 from ._cost import MachineProfile, RegionProfile
 from ._planner import Decision, Plan, calibrate_link, link_usable, scale_link
 from ._policy import make_plan
@@ -183,6 +184,8 @@ class Regions:
             stages = self._stages.setdefault(key, [MEASURE])
             if stages:
                 stage = stages.pop(0)
+        if stage is None and self.plan is not None and replan_needed(self.plan.budget_bytes, self._session.budget_in_force()):
+            self.plan = self._replan(key)  # budget_mb="auto": free memory moved well away from the plan's budget
         self._stage = stage
         self._profiles = [] if stage is not None else None
         self.recent_stages.append(stage)
@@ -259,7 +262,19 @@ class Regions:
         return self._key is None or self._pending is not None or bool(self._stages.get(self._key, [MEASURE]))
 
     def _make_plan(self, profiles: list[RegionProfile], machine: MachineProfile) -> Plan:
-        return make_plan(profiles, machine, self.budget_bytes, self.policy, other_ms=self._other_ms)
+        budget = self._session.budget_in_force()  # budget_mb, or with "auto" the latest reading
+        return make_plan(profiles, machine, budget, self.policy, other_ms=self._other_ms)
+
+    def _replan(self, key: tuple) -> Plan:
+        """The plan for ``key`` made again from its measurements, at the budget in force now."""
+        profiles = self._timed[key][0] if key in self._timed else self._sizes[key]  # a plan was made from them
+        machine = self._session.machine()
+        if self._link_scale is not None:
+            machine = scale_link(machine, self._link_scale)
+        plan = self._make_plan(profiles, machine)
+        self.plans[key] = plan
+        log.info("offload: budget in force %s, re-planned inputs %s:\n%s", plan.budget_bytes, key, plan)
+        return plan
 
     def _decision(self, index: int) -> Decision:
         if self.plan is not None:
