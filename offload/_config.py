@@ -124,6 +124,17 @@ def _check_spill_dir(spill_dir) -> Optional[Path]:
     return path
 
 
+def _check_plan_cache(plan_cache) -> Optional[Path]:
+    if plan_cache is None:
+        return None
+    if not isinstance(plan_cache, (str, os.PathLike)):
+        raise TypeError(f"plan_cache must be a file path (str or os.PathLike) or None, got {plan_cache!r}")
+    path = Path(plan_cache).expanduser()
+    if path.is_dir():
+        raise ValueError(f"plan_cache={str(path)!r} is a directory; pass a file path, e.g. {str(path / 'plans.json')!r}")
+    return path
+
+
 def _reserve_bytes(reserve_mb: float) -> int:
     """Bytes of a reserve in MB; an infinite one (more than any machine) becomes a huge int."""
     return int(reserve_mb * MB) if math.isfinite(reserve_mb) else 1 << 80
@@ -159,6 +170,10 @@ class Config:
     False: reload each one only when backward asks for it (slower; for debugging)."""
     spill_workers: int = DEFAULT_SPILL_WORKERS
     """Threads doing spill-file writes and reads."""
+    plan_cache: Optional[Path] = None
+    """A JSON file where final region plans are kept across restarts (``offload._plan_cache``):
+    a restarted job with the same model, shapes, budget, policy, torch and machine runs its first
+    step under the saved plan, without profiling. None: plans live as long as the engine."""
     policy: str = "offload"
     """How regions meet the budget: "none" (keep, only count), "offload" (move tensors), "recompute"
     (checkpoint every region), "auto" (measure, then choose per region), or a registered policy."""
@@ -181,6 +196,7 @@ class Config:
         prefetch=True,
         spill_workers=DEFAULT_SPILL_WORKERS,
         policy=None,
+        plan_cache=None,
         has_regions=False,
     ) -> "Config":
         """Validate what a user passed to ``offload.engine``; ``policy`` None: "auto" with regions,
@@ -204,6 +220,11 @@ class Config:
                 f"policy='none' keeps everything and only counts, but budget_mb={budget_mb!r} was given; "
                 f"use budget_mb=None, or another policy ('offload', 'recompute', 'auto')"
             )
+        if plan_cache is not None and not has_regions:
+            raise ValueError(
+                f"plan_cache={plan_cache!r} keeps region plans and needs regions= (e.g. regions=model.blocks); "
+                f"without regions there is no plan to keep: drop plan_cache"
+            )
         if policy not in ("none", "offload") and not has_regions:
             raise ValueError(
                 f"policy={policy!r} chooses per region and needs regions= (e.g. regions=model.blocks); "
@@ -214,6 +235,7 @@ class Config:
             budget_bytes=None if budget is None else int(budget * MB),
             reserve_bytes=None if reserve is None else _reserve_bytes(reserve),
             spill_dir=_check_spill_dir(spill_dir),
+            plan_cache=_check_plan_cache(plan_cache),
             host_budget_bytes=None if host_budget is None else int(host_budget * MB),
             min_offload_bytes=min_offload_bytes,
             device=device,

@@ -25,7 +25,8 @@ from ._budget import FreeMemory
 from ._config import Config
 from ._cost import MB, MachineProfile
 from ._planner import Plan
-from ._probe import probe
+from ._plan_cache import PlanCache
+from ._probe import machine_key, probe
 from ._regions import Regions, resolve_regions
 from ._session import Session
 from ._stats import Stats
@@ -53,7 +54,13 @@ class Engine:
     ) -> None:
         self.config = config
         self._machine = machine
-        self._session = Session(config, link=link, machine=self._machine_profile, memory=memory)
+        plan_cache = None
+        if config.plan_cache is not None:
+            budget = f"auto reserve {config.reserve_bytes}" if config.follows_free_memory else config.budget_bytes
+            plan_cache = PlanCache(config.plan_cache, budget=budget, policy=config.policy, machine_key=machine_key)
+        self._session = Session(
+            config, link=link, machine=self._machine_profile, memory=memory, plan_cache=plan_cache
+        )
         self._models: list[torch.nn.Module] = []
         if model is not None:
             self.watch(model)
@@ -223,7 +230,9 @@ def engine(
             to disk), ``min_offload_bytes`` (smaller storages stay), ``device`` ('cpu', 'cuda',
             'cuda:1'; None: that of the first tensor saved), ``prefetch`` (default True),
             ``spill_workers`` (I/O threads), ``policy`` (one of ``offload.policies()``: "none",
-            "offload" (the default without regions), "recompute", "auto" (the default with regions)).
+            "offload" (the default without regions), "recompute", "auto" (the default with regions)),
+            ``plan_cache`` (with regions: a JSON file keeping final plans across restarts, so a
+            restarted job does not profile again; see ``offload._plan_cache``).
     """
     unknown = sorted(set(options) - set(_option_names()))
     if unknown:

@@ -177,6 +177,8 @@ class Regions:
             self._stages.setdefault(self._key, []).insert(0, self._stage)
         self._step_start = now
         key = _signature(args, kwargs)
+        if self._session.plan_cache is not None and self.policy in _PROFILED_POLICIES and key not in self._stages:
+            self._adopt_cached(key)  # a previous run's final plan for these inputs: no profiling
         self.plan = self.plans.get(key)
         self._key = key
         stage = None
@@ -254,6 +256,8 @@ class Regions:
         if self._key == key:
             self.plan = plan
         log.info("offload plan for inputs %s (after a %r step):\n%s", key, stage, plan)
+        if self._session.plan_cache is not None and not self._stages.get(key):  # final: keep it for a restart
+            self._session.plan_cache.store(key, self.regions, plan, used, self._other_ms, self._link_scale)
 
     def profiling(self) -> bool:
         """True while the latest input signature still has profiling steps to run (or none ran yet)."""
@@ -264,6 +268,19 @@ class Regions:
     def _make_plan(self, profiles: list[RegionProfile], machine: MachineProfile) -> Plan:
         budget = self._session.budget_in_force()  # budget_mb, or with "auto" the latest reading
         return make_plan(profiles, machine, budget, self.policy, other_ms=self._other_ms)
+
+    def _adopt_cached(self, key: tuple) -> None:
+        cached = self._session.plan_cache.lookup(key, self.regions)
+        if cached is None:
+            return
+        self.plans[key] = cached.plan
+        self._sizes[key] = list(cached.profiles)
+        self._timed[key] = (list(cached.profiles), None)
+        self._stages[key] = []
+        if self._link_scale is None:
+            self._link_scale = cached.link_scale
+        if self._other_ms == 0.0:
+            self._other_ms = cached.other_ms
 
     def _replan(self, key: tuple) -> Plan:
         """The plan for ``key`` made again from its measurements, at the budget in force now."""

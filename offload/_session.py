@@ -5,7 +5,7 @@ the one thing ``Regions`` and the probe talk to:
 
     hooks ──pack/unpack──▶ Session ──▶ Store (made on the first saved tensor, for its device)
     Regions ──active? / eagerly() / set_planned() / saved() / count_recompute() / machine()
-              / budget_in_force()──▶ Session
+              / budget_in_force() / plan_cache──▶ Session
 
 State per thread (the hook stack, eager mode) is thread-local: one engine can serve a training
 thread and an evaluation thread at once.
@@ -23,6 +23,7 @@ from ._budget import FreeMemory
 from ._config import Config
 from ._cost import MachineProfile
 from ._hooks import Eligibility, make_hooks
+from ._plan_cache import PlanCache
 from ._stats import Counters
 from ._store import Store
 from ._transfer import Link
@@ -40,9 +41,12 @@ class Session:
         link: Optional[Link] = None,
         machine: Optional[Callable[[], MachineProfile]] = None,
         memory: Optional[FreeMemory] = None,
+        plan_cache: Optional[PlanCache] = None,
     ) -> None:
         self.config = config
         self._memory = memory
+        self.plan_cache = plan_cache
+        """Where final region plans are kept across restarts (``plan_cache=``), or None."""
         self.counters = Counters()
         self.eligible = Eligibility(config.device, config.min_offload_bytes)
         self._link = link
