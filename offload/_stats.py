@@ -68,7 +68,8 @@ class Stats:
     """Region forwards run as recompute (inputs kept, the rest re-run in backward)."""
     budget_bytes: Optional[int] = None
     """The byte budget in force now (a gauge): ``budget_mb`` in bytes, or with ``budget_mb="auto"``
-    resident + free - reserve at the latest reading of free memory; None: no limit."""
+    resident + free - reserve at the latest reading of free memory; None: no limit (or "auto"
+    before the first eligible tensor was saved: nothing has been read yet)."""
 
     def to_dict(self) -> dict:
         """The fields as a plain dict, for CSV or JSON writers."""
