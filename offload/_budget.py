@@ -44,7 +44,7 @@ import torch
 
 from ._cost import MB
 
-__all__ = ["DEFAULT_RESERVE_MB", "FreeMemory", "FollowFree", "device_free_bytes", "replan_needed"]
+__all__ = ["DEFAULT_RESERVE_MB", "FollowFree", "FreeMemory", "device_free_bytes", "replan_needed"]
 
 DEFAULT_RESERVE_MB = 2048
 """MB kept free on the device with ``budget_mb="auto"`` when ``reserve_mb`` is not given.

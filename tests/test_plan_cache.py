@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_regions import MACHINE, assert_same_history, make_model, train
 
 import offload
 from offload._plan_cache import FORMAT, VERSION, rank_path
-from test_regions import MACHINE, assert_same_history, make_model, train
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("plan_cache_worker.py")
@@ -33,7 +33,7 @@ def run_worker(plan_cache: Path, spill_dir: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, str(WORKER), str(plan_cache), str(spill_dir)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -229,4 +229,35 @@ def test_one_warning_per_engine_however_many_inputs_miss(tmp_path, spill_dir, ca
         got = train(model, eng, steps=1, seq=seq, first_step=step)
         assert_same_history(got, train(want, steps=1, seq=seq, first_step=step), f"step {step}")
     assert len(warnings_from(caplog)) == 1, warnings_from(caplog)
+    eng.close()
+
+
+def test_a_saved_plan_under_budget_auto_is_followed_then_replanned_without_profiling(tmp_path, spill_dir, reference):
+    """budget "auto": the restarted engine follows the saved plan while free memory reads the
+    same, and re-plans from the saved profiles (still no profiling step) once it falls."""
+    from offload._budget import FreeMemory
+
+    path = tmp_path / "plans.json"
+    free = {"bytes": 1 << 40}
+
+    def auto_engine(model):
+        return offload.engine(
+            "auto", reserve_mb=1, memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0), regions=model.blocks,
+            model=model, machine=MACHINE, policy="offload", plan_cache=path, spill_dir=spill_dir,
+        )
+
+    model = make_model()
+    eng = auto_engine(model)
+    train(model, eng, steps=PROFILE_STEPS + 1)
+    saved = eng.plan
+    eng.close()
+    model = make_model()
+    eng = auto_engine(model)
+    history = train(model, eng, steps=1)
+    assert list(eng.recent_stages) == [None] and eng.plan == saved
+    free["bytes"] = 0
+    history += train(model, eng, steps=PROFILE_STEPS, first_step=1)
+    assert list(eng.recent_stages) == [None] * (PROFILE_STEPS + 1), "re-planned from the saved profiles"
+    assert eng.plan != saved and offload.Decision.OFFLOAD in eng.plan.decisions
+    assert_same_history(history, reference, "a saved plan under budget auto")
     eng.close()
