@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 import torch
 
+from ._budget import DEFAULT_RESERVE_MB
 from ._cost import MB
 from ._policy import get_policy, policy_names
 
@@ -47,6 +48,40 @@ def _check_mb(name: str, value: object, *, allow_none: bool = True) -> Optional[
             f"use None for no limit or 0 to move everything eligible off the device"
         )
     return value
+
+
+AUTO_BUDGET = "auto"
+"""The ``budget_mb`` that follows free memory (``offload._budget``)."""
+
+
+def _check_budget(budget_mb: object, reserve_mb: object) -> tuple[Optional[float], Optional[float]]:
+    """(budget MB, reserve MB): one of them None. A string budget must be "auto"; a reserve only goes with it."""
+    if isinstance(budget_mb, str):
+        if budget_mb != AUTO_BUDGET:
+            raise ValueError(
+                f"budget_mb={budget_mb!r}: the only string budget is {AUTO_BUDGET!r} (follow free memory); "
+                f"pass budget_mb='auto', a number of megabytes, or None for no limit"
+            )
+        if reserve_mb is None:
+            return None, float(DEFAULT_RESERVE_MB)
+        if isinstance(reserve_mb, bool) or not isinstance(reserve_mb, (int, float)):
+            raise TypeError(
+                f"reserve_mb must be a number of megabytes (int or float) to keep free on the device, "
+                f"got {reserve_mb!r} of type {type(reserve_mb).__name__}"
+            )
+        reserve = float(reserve_mb)
+        if math.isnan(reserve) or reserve < 0:
+            raise ValueError(
+                f"reserve_mb={reserve_mb!r}: must be a number >= 0 (megabytes kept free on the device); "
+                f"use 0 to move nothing the device can hold, or more than the device to move everything eligible"
+            )
+        return None, reserve
+    if reserve_mb is not None:
+        raise ValueError(
+            f"reserve_mb={reserve_mb!r} applies only to budget_mb='auto', but budget_mb={budget_mb!r}; "
+            f"pass budget_mb='auto' to keep reserve_mb free, or drop reserve_mb to keep the fixed budget"
+        )
+    return _check_mb("budget_mb", budget_mb), None
 
 
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
@@ -89,13 +124,36 @@ def _check_spill_dir(spill_dir: object) -> Optional[Path]:
     return path
 
 
+def _check_plan_cache(plan_cache: object) -> Optional[Path]:
+    if plan_cache is None:
+        return None
+    if not isinstance(plan_cache, (str, os.PathLike)):
+        raise TypeError(f"plan_cache must be a file path (str or os.PathLike) or None, got {plan_cache!r}")
+    path = Path(plan_cache).expanduser()
+    if path.is_dir():
+        raise ValueError(f"plan_cache={str(path)!r} is a directory; pass a file path, e.g. {str(path / 'plans.json')!r}")
+    return path
+
+
+def _reserve_bytes(reserve_mb: float) -> int:
+    """Bytes of a reserve in MB; an infinite one (more than any machine) becomes a huge int."""
+    return int(reserve_mb * MB) if math.isfinite(reserve_mb) else 1 << 80
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """How one engine behaves. Build it through ``offload.engine(...)``."""
 
     budget_bytes: Optional[int] = None
     """Engine-managed activation bytes allowed on the compute device, copies in flight
-    included. None: no limit (the hooks only count). 0: move everything eligible."""
+    included. None: no limit (the hooks only count), or the budget follows free memory
+    (``reserve_bytes`` set). 0: move everything eligible."""
+    reserve_bytes: Optional[int] = None
+    """Set by ``budget_mb="auto"``: bytes to keep free on the compute device; the budget in force
+    is then resident + free - reserve, read as the step runs (``offload._budget``). A larger
+    reserve moves more and leaves more room to the rest of the step (default
+    ``DEFAULT_RESERVE_MB``, see there why); 0 moves nothing the device can hold; more than the
+    device moves everything eligible. None: the budget is ``budget_bytes``."""
     spill_dir: Optional[Path] = None
     """Parent directory for spill files; None: a private directory under the system temp dir.
     On the CPU the disk is the tier behind the budget; on CUDA it takes what exceeds host memory."""
@@ -112,15 +170,25 @@ class Config:
     False: reload each one only when backward asks for it (slower; for debugging)."""
     spill_workers: int = DEFAULT_SPILL_WORKERS
     """Threads doing spill-file writes and reads."""
+    plan_cache: Optional[Path] = None
+    """A JSON file where final region plans are kept across restarts (``offload._plan_cache``):
+    a restarted job with the same model, shapes, budget, policy, torch and machine runs its first
+    step under the saved plan, without profiling. None: plans live as long as the engine."""
     policy: str = "offload"
     """How regions meet the budget: "none" (keep, only count), "offload" (move tensors), "recompute"
     (checkpoint every region), "auto" (measure, then choose per region), or a registered policy."""
 
+    @property
+    def follows_free_memory(self) -> bool:
+        """True for ``budget_mb="auto"``: the budget in force is read from free memory."""
+        return self.reserve_bytes is not None
+
     @classmethod
     def from_user(
         cls,
-        budget_mb: Optional[float] = None,
+        budget_mb: Union[float, str, None] = None,
         *,
+        reserve_mb: Optional[float] = None,
         spill_dir: Union[str, os.PathLike, None] = None,
         host_budget_mb: Optional[float] = None,
         min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
@@ -128,13 +196,14 @@ class Config:
         prefetch: bool = True,
         spill_workers: int = DEFAULT_SPILL_WORKERS,
         policy: Optional[str] = None,
+        plan_cache: Union[str, os.PathLike, None] = None,
         has_regions: bool = False,
     ) -> "Config":
         """Validate what a user passed to ``offload.engine``; ``policy`` None: "auto" with regions,
         else "offload"."""
         if policy is None:
             policy = "auto" if has_regions else "offload"
-        budget = _check_mb("budget_mb", budget_mb)
+        budget, reserve = _check_budget(budget_mb, reserve_mb)
         host_budget = _check_mb("host_budget_mb", host_budget_mb)
         if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes must be an int >= 0 (bytes), got {min_offload_bytes!r}")
@@ -146,10 +215,15 @@ class Config:
         if not isinstance(policy, str):
             raise TypeError(f"policy must be a policy name, one of {list(policy_names())}; got {policy!r}")
         get_policy(policy)  # unknown name -> ValueError listing the valid ones
-        if policy == "none" and budget is not None:
+        if policy == "none" and (budget is not None or reserve is not None):
             raise ValueError(
                 f"policy='none' keeps everything and only counts, but budget_mb={budget_mb!r} was given; "
                 f"use budget_mb=None, or another policy ('offload', 'recompute', 'auto')"
+            )
+        if plan_cache is not None and not has_regions:
+            raise ValueError(
+                f"plan_cache={plan_cache!r} keeps region plans and needs regions= (e.g. regions=model.blocks); "
+                f"without regions there is no plan to keep: drop plan_cache"
             )
         if policy not in ("none", "offload") and not has_regions:
             raise ValueError(
@@ -159,7 +233,9 @@ class Config:
         return cls(
             policy=policy,
             budget_bytes=None if budget is None else int(budget * MB),
+            reserve_bytes=None if reserve is None else _reserve_bytes(reserve),
             spill_dir=_check_spill_dir(spill_dir),
+            plan_cache=_check_plan_cache(plan_cache),
             host_budget_bytes=None if host_budget is None else int(host_budget * MB),
             min_offload_bytes=min_offload_bytes,
             device=device,

@@ -21,11 +21,13 @@ from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import torch
 
+from ._budget import FreeMemory
 from ._config import Config
 from ._cost import MB, MachineProfile
 from ._observe import Observers
+from ._plan_cache import PlanCache
 from ._planner import Plan
-from ._probe import probe
+from ._probe import machine_key, probe
 from ._regions import Regions, RegionsArg, resolve_regions
 from ._session import Session
 from ._stats import Stats
@@ -52,10 +54,17 @@ class Engine:
         regions: Optional[RegionsArg] = None,
         machine: Optional[MachineProfile] = None,
         link: Optional[Link] = None,
+        memory: Optional[FreeMemory] = None,
     ) -> None:
         self.config = config
         self._machine = machine
-        self._session = Session(config, link=link, machine=self._machine_profile)
+        plan_cache = None
+        if config.plan_cache is not None:
+            budget = f"auto reserve {config.reserve_bytes}" if config.follows_free_memory else config.budget_bytes
+            plan_cache = PlanCache(config.plan_cache, budget=budget, policy=config.policy, machine_key=machine_key)
+        self._session = Session(
+            config, link=link, machine=self._machine_profile, memory=memory, plan_cache=plan_cache
+        )
         self._models: list[torch.nn.Module] = []
         if model is not None:
             self.watch(model)
@@ -147,7 +156,7 @@ class Engine:
         session = self._session
         store = session.store
         if store is None:
-            return session.counters.snapshot()
+            return session.counters.snapshot(budget_bytes=self.config.budget_bytes)
         d2h_ms, h2d_ms, stall_ms = store.copy_ms()
         base = self._link_base
         return session.counters.snapshot(
@@ -157,6 +166,7 @@ class Engine:
             host_in_use_bytes=store.host_in_use_bytes,
             spill_bytes=store.spill_bytes,
             spill_files=store.spill_files,
+            budget_bytes=store.budget,
             d2h_busy_ms=d2h_ms - base[0],
             h2d_busy_ms=h2d_ms - base[1],
             reload_wait_ms=session.counters.reload_wait_ms + stall_ms - base[2],
@@ -179,7 +189,10 @@ class Engine:
         self._closed = True
 
     def __repr__(self) -> str:
-        budget = "None" if self.config.budget_bytes is None else f"{self.config.budget_bytes / MB:g} MB"
+        if self.config.reserve_bytes is not None:  # budget_mb="auto"
+            budget = f"auto, reserve {self.config.reserve_bytes / MB:g} MB"
+        else:
+            budget = "None" if self.config.budget_bytes is None else f"{self.config.budget_bytes / MB:g} MB"
         return f"offload.Engine(budget={budget}, device={self._session.eligible.device})"
 
     def _machine_profile(self) -> MachineProfile:
@@ -193,12 +206,13 @@ def _option_names() -> list[str]:
 
 
 def engine(
-    budget_mb: Optional[float] = None,
+    budget_mb: Union[float, str, None] = None,
     *,
     model: Optional[torch.nn.Module] = None,
     regions: Optional[RegionsArg] = None,
     machine: Optional[MachineProfile] = None,
     link: Optional[Link] = None,
+    memory: Optional[FreeMemory] = None,
     **options: Any,
 ) -> Engine:
     """Make an engine that keeps at most ``budget_mb`` MB of saved activations on the device.
@@ -206,7 +220,9 @@ def engine(
     Args:
         budget_mb: MB (2**20 bytes) of engine-managed activations allowed on the compute device,
             copies in flight included. None: no limit (the engine only counts). 0: move everything
-            eligible off the device.
+            eligible off the device. "auto": follow free memory, keeping ``reserve_mb`` free on the
+            device (default ``offload._budget.DEFAULT_RESERVE_MB``); tensors move only when free
+            memory falls below it (see ``offload._budget``).
         model: a module whose parameters and buffers are never moved (they are detected without
             it too, except buffers: pass the model when it has large buffers).
         regions: the units the policy decides on: an iterable of modules (``model.blocks``), or a
@@ -216,13 +232,19 @@ def engine(
         link: the transport between the device and host memory (``offload._transfer.Link``).
             None: CUDA side streams on a CUDA device; on the CPU none, and tensors go to disk.
             A test passes its own to run the host tier on the CPU.
+        memory: with ``budget_mb="auto"``, how free memory is read: a callable returning the
+            free bytes of the compute device, or an ``offload._budget.FreeMemory`` with its own
+            re-read rule. None: the device's own reading (CUDA allocator and driver, psutil).
         **options: the engine's settings, each documented on ``offload._config.Config``:
+            ``reserve_mb`` (with ``budget_mb="auto"``: MB to keep free on the device),
             ``spill_dir`` (where the spill file goes; None: a private temporary directory),
             ``host_budget_mb`` (cap on host memory below a CUDA device; beyond it tensors spill
             to disk), ``min_offload_bytes`` (smaller storages stay), ``device`` ('cpu', 'cuda',
             'cuda:1'; None: that of the first tensor saved), ``prefetch`` (default True),
             ``spill_workers`` (I/O threads), ``policy`` (one of ``offload.policies()``: "none",
-            "offload" (the default without regions), "recompute", "auto" (the default with regions)).
+            "offload" (the default without regions), "recompute", "auto" (the default with regions)),
+            ``plan_cache`` (with regions: a JSON file keeping final plans across restarts, so a
+            restarted job does not profile again; see ``offload._plan_cache``).
     """
     unknown = sorted(set(options) - set(_option_names()))
     if unknown:
@@ -230,7 +252,13 @@ def engine(
     config = Config.from_user(budget_mb, has_regions=regions is not None, **options)
     if machine is not None and not isinstance(machine, MachineProfile):
         raise TypeError(f"machine must be an offload MachineProfile (from offload.probe()), got {machine!r}")
-    return Engine(config, model=model, regions=regions, machine=machine, link=link)
+    memory = FreeMemory.from_user(memory)
+    if memory is not None and not config.follows_free_memory:
+        raise ValueError(
+            f"memory= reads free memory for budget_mb='auto', but budget_mb={budget_mb!r}; "
+            f"pass budget_mb='auto' or drop memory="
+        )
+    return Engine(config, model=model, regions=regions, machine=machine, link=link, memory=memory)
 
 
 def explain(what: Union[Engine, Plan, None]) -> str:

@@ -24,6 +24,7 @@ Metrics, with the default ``prefix="offload"``:
     offload_updates_total                                               counter (steps exported)
     offload_resident_bytes, offload_peak_resident_bytes (in the window) gauges
     offload_host_bytes, offload_spill_files                             gauges
+    offload_budget_bytes (in force; budget_mb="auto" follows free memory) gauge
     offload_reload_wait_seconds, offload_evict_wait_seconds             histograms, one
                                                                         observation per update
     offload_recompute_seconds                                           histogram, one observation
@@ -136,6 +137,7 @@ class PrometheusExporter:
         self.host_bytes = prom.Gauge(f"{prefix}_host_bytes", "Host bytes the engine's host tier holds (pinned slabs)", **kw)
         self.spill_files = prom.Gauge(f"{prefix}_spill_files", "Spill files on disk now", **kw)
         self.spill_bytes = prom.Gauge(f"{prefix}_spill_bytes", "Bytes of the spill file holding copies now", **kw)
+        self.budget_bytes = prom.Gauge(f"{prefix}_budget_bytes", "Byte budget in force (NaN: no limit)", **kw)
         self.reload_wait_seconds = prom.Histogram(
             f"{prefix}_reload_wait_seconds", "Time backward stalled for reloads (host waits; CUDA: compute-stream waits), per update()",
             buckets=WAIT_BUCKETS_S, **kw,
@@ -179,6 +181,7 @@ class PrometheusExporter:
         self.host_bytes.set(stats.host_bytes)
         self.spill_files.set(stats.spill_files)
         self.spill_bytes.set(stats.spill_bytes)
+        self.budget_bytes.set(float("nan") if stats.budget_bytes is None else stats.budget_bytes)
         self.reload_wait_seconds.observe(stats.reload_wait_ms / _MS_PER_S)
         self.evict_wait_seconds.observe(stats.evict_wait_ms / _MS_PER_S)
         self.last = stats

@@ -56,7 +56,7 @@ from ._cost import MB, MachineProfile
 from ._session import Session
 from ._spill import SpillFile
 
-__all__ = ["probe", "default_cache_path"]
+__all__ = ["probe", "default_cache_path", "machine_key"]
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +112,7 @@ def probe(
 
     device_name = _device_name(device)
     host = platform.node()
-    # The per-tensor overhead is measured through the tier behind the device, which on the CPU is
-    # the spill directory: the link key names it too, and the intra-op thread count, since torch's
-    # spinning pool competes with the spill threads for the same cores.
-    link_key = f"{host}|{device.type}:{device_name}|torch {torch.__version__}|{spill_dir}|threads {torch.get_num_threads()}"
+    link_key = _link_key(device, spill_dir)
     disk_key = f"{host}|{spill_dir}"
 
     cache = {} if refresh else _read_cache(cache_file)
@@ -141,6 +138,20 @@ def probe(
         log.debug("probe: using cached figures from %s", cache_file)
 
     return MachineProfile(device_type=device.type, device_name=device_name, **link, **disk)
+
+
+def machine_key(device: str | torch.device | None = None, spill_dir: str | os.PathLike[str] | None = None) -> str:
+    """The key the probe's cached link figures are filed under: host, device, torch version,
+    spill directory and intra-op threads (``offload._plan_cache`` files plans under it too)."""
+    return _link_key(_resolve_device(device), _resolve_spill_dir(spill_dir))
+
+
+def _link_key(device: torch.device, spill_dir: str) -> str:
+    # The per-tensor overhead is measured through the tier behind the device, which on the CPU is
+    # the spill directory: the link key names it too, and the intra-op thread count, since torch's
+    # spinning pool competes with the spill threads for the same cores.
+    host = platform.node()
+    return f"{host}|{device.type}:{_device_name(device)}|torch {torch.__version__}|{spill_dir}|threads {torch.get_num_threads()}"
 
 
 def default_cache_path() -> Path:

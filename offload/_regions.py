@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ._budget import replan_needed
 from ._cost import MachineProfile, RegionProfile
 from ._planner import Decision, Plan, calibrate_link, link_usable, scale_link
 from ._policy import make_plan
@@ -195,6 +196,8 @@ class Regions:
             self._stages.setdefault(self._key, []).insert(0, self._stage)
         self._step_start = now
         key = _signature(args, kwargs)
+        if self._session.plan_cache is not None and self.policy in _PROFILED_POLICIES and key not in self._stages:
+            self._adopt_cached(key)  # a previous run's final plan for these inputs: no profiling
         self.plan = self.plans.get(key)
         self._key = key
         stage: Optional[str] = None
@@ -202,6 +205,8 @@ class Regions:
             stages = self._stages.setdefault(key, [MEASURE])
             if stages:
                 stage = stages.pop(0)
+        if stage is None and self.plan is not None and replan_needed(self.plan.budget_bytes, self._session.budget_in_force()):
+            self.plan = self._replan(key)  # budget_mb="auto": free memory moved well away from the plan's budget
         self._stage = stage
         self._profiles = [] if stage is not None else None
         self.recent_stages.append(stage)
@@ -270,6 +275,8 @@ class Regions:
         if self._key == key:
             self.plan = plan
         log.info("offload plan for inputs %s (after a %r step):\n%s", key, stage, plan)
+        if self._session.plan_cache is not None and not self._stages.get(key):  # final: keep it for a restart
+            self._session.plan_cache.store(key, self.regions, plan, used, self._other_ms, self._link_scale)
 
     def profiling(self) -> bool:
         """True while the latest input signature still has profiling steps to run (or none ran yet)."""
@@ -278,7 +285,34 @@ class Regions:
         return self._key is None or self._pending is not None or bool(self._stages.get(self._key, [MEASURE]))
 
     def _make_plan(self, profiles: list[RegionProfile], machine: MachineProfile) -> Plan:
-        return make_plan(profiles, machine, self.budget_bytes, self.policy, other_ms=self._other_ms)
+        budget = self._session.budget_in_force()  # budget_mb, or with "auto" the latest reading
+        return make_plan(profiles, machine, budget, self.policy, other_ms=self._other_ms)
+
+    def _adopt_cached(self, key: tuple) -> None:
+        cache = self._session.plan_cache
+        assert cache is not None  # called only with plan_cache=
+        cached = cache.lookup(key, self.regions)
+        if cached is None:
+            return
+        self.plans[key] = cached.plan
+        self._sizes[key] = list(cached.profiles)
+        self._timed[key] = (list(cached.profiles), None)
+        self._stages[key] = []
+        if self._link_scale is None:
+            self._link_scale = cached.link_scale
+        if self._other_ms == 0.0:
+            self._other_ms = cached.other_ms
+
+    def _replan(self, key: tuple) -> Plan:
+        """The plan for ``key`` made again from its measurements, at the budget in force now."""
+        profiles = self._timed[key][0] if key in self._timed else self._sizes[key]  # a plan was made from them
+        machine = self._session.machine()
+        if self._link_scale is not None:
+            machine = scale_link(machine, self._link_scale)
+        plan = self._make_plan(profiles, machine)
+        self.plans[key] = plan
+        log.info("offload: budget in force %s, re-planned inputs %s:\n%s", plan.budget_bytes, key, plan)
+        return plan
 
     def _decision(self, index: int) -> Decision:
         if self.plan is not None:

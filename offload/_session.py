@@ -4,7 +4,8 @@ The engine (``_engine``) owns the lifecycle a user sees; this object is what run
 the one thing ``Regions`` and the probe talk to:
 
     hooks ──pack/unpack──▶ Session ──▶ Store (made on the first saved tensor, for its device)
-    Regions ──active? / eagerly() / set_planned() / saved() / count_recompute() / machine()──▶ Session
+    Regions ──active? / eagerly() / set_planned() / saved() / count_recompute() / machine()
+              / budget_in_force() / plan_cache──▶ Session
 
 State per thread (the hook stack, eager mode) is thread-local: one engine can serve a training
 thread and an evaluation thread at once.
@@ -18,11 +19,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ._budget import FreeMemory
 from ._config import Config
 from ._cost import MachineProfile
 from ._entry import Handle
 from ._hooks import Eligibility, make_hooks
 from ._observe import Observers
+from ._plan_cache import PlanCache
 from ._stats import Counters
 from ._store import Store
 from ._transfer import Link
@@ -34,9 +37,18 @@ class Session:
     """The store, counters and thread-local hook state of one engine."""
 
     def __init__(
-        self, config: Config, *, link: Optional[Link] = None, machine: Optional[Callable[[], MachineProfile]] = None
+        self,
+        config: Config,
+        *,
+        link: Optional[Link] = None,
+        machine: Optional[Callable[[], MachineProfile]] = None,
+        memory: Optional[FreeMemory] = None,
+        plan_cache: Optional[PlanCache] = None,
     ) -> None:
         self.config = config
+        self._memory = memory
+        self.plan_cache = plan_cache
+        """Where final region plans are kept across restarts (``plan_cache=``), or None."""
         self.counters = Counters()
         self.eligible = Eligibility(config.device, config.min_offload_bytes)
         self._link = link
@@ -60,7 +72,7 @@ class Session:
     def _open_store(self, device: torch.device) -> Store:
         with self._store_lock:  # two threads saving their first tensor at once make one store
             if self._store is None:
-                store = Store(self.config, device, self.counters, link=self._link)
+                store = Store(self.config, device, self.counters, link=self._link, memory=self._memory)
                 store.set_planned(self._planned)
                 self._store = store
         return self._store
@@ -80,7 +92,9 @@ class Session:
     # ------------------------------------------------------------------ the hook stack (per thread)
 
     def enter(self) -> None:
-        """Install the hooks on this thread (nested entries stack)."""
+        """Install the hooks on this thread (nested entries stack); with budget_mb="auto", read free memory."""
+        if self._store is not None:
+            self._store.read_free()
         ctx = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
         ctx.__enter__()
         stack = getattr(self._local, "stack", None)
@@ -121,6 +135,13 @@ class Session:
     def saved(self) -> tuple[int, int]:
         """(bytes, tensors) saved through the engine so far: regions measure themselves by the difference."""
         return self.counters.saved_bytes, self.counters.saved_tensors
+
+    def budget_in_force(self) -> Optional[int]:
+        """The byte budget to plan against now: ``budget_mb``, or with "auto" the latest reading
+        (None before the first eligible tensor was saved: nothing to budget yet)."""
+        if self._store is not None:
+            return self._store.budget
+        return self.config.budget_bytes
 
     def count_recompute(self) -> None:
         self.counters.recomputed_regions += 1

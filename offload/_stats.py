@@ -9,7 +9,7 @@ counts once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -66,13 +66,20 @@ class Stats:
     """CUDA: time the host-to-device stream spent copying (CUDA events); 0 elsewhere."""
     recomputed_regions: int = 0
     """Region forwards run as recompute (inputs kept, the rest re-run in backward)."""
+    budget_bytes: Optional[int] = None
+    """The byte budget in force now (a gauge): ``budget_mb`` in bytes, or with ``budget_mb="auto"``
+    resident + free - reserve at the latest reading of free memory; None: no limit (or "auto"
+    before the first eligible tensor was saved: nothing has been read yet)."""
 
     def to_dict(self) -> dict:
         """The fields as a plain dict, for CSV or JSON writers."""
         return dataclasses.asdict(self)
 
 
-_GAUGES = ("resident_bytes", "peak_resident_bytes", "host_bytes", "host_in_use_bytes", "spill_bytes", "spill_files")
+_GAUGES = (
+    "resident_bytes", "peak_resident_bytes", "host_bytes", "host_in_use_bytes", "spill_bytes", "spill_files",
+    "budget_bytes",  # the budget in force (budget_mb="auto" reads it from free memory)
+)
 """Fields read from the store when a snapshot is taken, never counted."""
 _FROM_LINK = ("d2h_busy_ms", "h2d_busy_ms")
 """Fields read from the link (CUDA events), offset by what they were at the last reset."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ from typing import Optional
 
 import torch
 
+from ._budget import FollowFree, FreeMemory, device_free_bytes
 from ._config import Config
 from ._entry import ORIGINAL_IS_DATA, Copy, CopyState, Entry, Handle, Residence, Tier
 from ._errors import OffloadError, inplace_error
@@ -61,19 +63,33 @@ INFLIGHT_FRACTION = 0.25
 (1 - this) x budget, so copies drain while compute goes on; pack blocks only at the full budget.
 Not while a region plan is in force (``set_planned``): the plan already keeps its regions within
 the budget and starts the copies of its offloaded regions at once, so early eviction would only
-move tensors the plan keeps (measured: up to a quarter of the budget spilled for nothing)."""
+move tensors the plan keeps (measured: up to a quarter of the budget spilled for nothing).
+A budget that follows free memory has its own window (``_budget.INFLIGHT_FRACTION_OF_RESERVE``)."""
 
 
 class Store:
     """Entries, tiers and the budget for one engine on its compute device."""
 
-    def __init__(self, config: Config, device: torch.device, counters: Counters, link: Optional[Link] = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        device: torch.device,
+        counters: Counters,
+        link: Optional[Link] = None,
+        memory: Optional[FreeMemory] = None,
+    ) -> None:
         self.config = config
         self.device = device
         self.counters = counters
         self.budget = config.budget_bytes
+        """The budget in force, bytes: ``budget_mb``, or with "auto" the latest reading's (None: no limit)."""
         self.evict_at: Optional[int] = None
-        self.set_planned(False)
+        self._follow: Optional[FollowFree] = None
+        if config.reserve_bytes is not None:  # budget_mb="auto"
+            self._follow = FollowFree(
+                config.reserve_bytes, memory or FreeMemory(read=functools.partial(device_free_bytes, device))
+            )
+        self._planned = False
         self.spill = SpillFile(config.spill_dir, config.spill_workers)
         self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link)
         self._tier = {t.tier: t for t in self.tiers}
@@ -100,11 +116,44 @@ class Store:
         self.peak_resident_bytes = 0
         self._write_failed = False
         self._kept_warned = False
+        self.set_planned(False)
+        if self._follow is not None:
+            self._read_free()
 
     def set_planned(self, planned: bool) -> None:
         """Evict at the full budget (a region plan is in force) or keep the in-flight window."""
-        if self.budget is not None:
-            self.evict_at = self.budget if planned else int(self.budget * (1 - INFLIGHT_FRACTION))
+        self._planned = planned
+        if self.budget is None:
+            return
+        if planned:
+            self.evict_at = self.budget
+        elif self._follow is not None:
+            self.evict_at = self._follow.evict_at
+        else:
+            self.evict_at = int(self.budget * (1 - INFLIGHT_FRACTION))
+
+    # ------------------------------------------------------------------ a budget that follows free memory
+
+    @property
+    def free_readings(self) -> int:
+        """How often free memory was read (0 with a fixed budget)."""
+        return 0 if self._follow is None else self._follow.readings
+
+    def read_free(self) -> None:
+        """Read free memory now (the engine calls this as a step starts); nothing with a fixed budget."""
+        if self._follow is not None:
+            with self._lock:
+                self._read_free()
+
+    def _read_free(self) -> None:
+        assert self._follow is not None  # called only with budget_mb="auto"
+        self.budget = self._follow.read(self.resident_bytes)
+        self.set_planned(self._planned)
+
+    def _maybe_read_free(self, nbytes: int) -> None:
+        """Count ``nbytes`` saved or loaded; read free memory when the rule says (``_budget``)."""
+        if self._follow is not None and self._follow.due(nbytes):
+            self._read_free()
 
     # ------------------------------------------------------------------ readings (change nothing)
 
@@ -177,6 +226,7 @@ class Store:
                 self._hot_bytes += e.nbytes
                 self._resident_bytes += e.nbytes
                 self.counters.saved_bytes += e.nbytes
+                self._maybe_read_free(e.nbytes)  # after counting it: it is allocated, not free
             elif e.users_left > 0:
                 e.users_left += 1  # a save during backward (double backward) is a user of this load too
             e.refs += 1
@@ -374,6 +424,7 @@ class Store:
                 )
             with self._batch():
                 self._poll()
+                self._maybe_read_free(0)
                 held = self._held
                 if held is not None and held is not e:
                     self._held = None
@@ -404,6 +455,7 @@ class Store:
         self.counters.reloaded_bytes += e.nbytes
         self._host_lru.pop(e.seq, None)
         self._climb(e)
+        self._maybe_read_free(e.nbytes)  # after the climb allocated its device copy, if it did
 
     def _climb(self, e: Entry) -> None:
         """Start the next hop up from the copy nearest the device, if it is ready."""

@@ -41,7 +41,8 @@ def x_input():
         (-math.inf, ValueError),
         (True, TypeError),
         (False, TypeError),
-        ("512", TypeError),
+        ("512", ValueError),  # a string budget must be "auto" (issue 11)
+        ("Auto", ValueError),
         ([512], TypeError),
     ],
     ids=repr,

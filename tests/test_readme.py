@@ -29,3 +29,4 @@ def test_readme_examples_run(tmp_path, monkeypatch, capsys):
         exec(compile(block, str(README), "exec"), namespace)
     out = capsys.readouterr().out
     assert "region" in out and "decision" in out  # the plan table printed
+    assert "restarted profiling steps: 0" in out  # plan_cache: the restarted engine follows the saved plan

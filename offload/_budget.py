@@ -1,0 +1,161 @@
+"""A budget that follows free memory (``budget_mb="auto"``): the reading, its rule, and re-planning.
+
+With a fixed ``budget_mb`` the user guesses how much of the device the activations may take.
+With ``"auto"`` the engine asks the device instead, and keeps at least ``reserve_mb`` free:
+
+    budget in force = resident + free - reserve        (never below 0)
+
+``resident`` is what the engine holds on the device now and ``free`` what the device could
+still hand out. Both are taken at the same instant, so what the engine itself saves or frees
+between two readings changes neither side of the sum: a saved tensor is already allocated (not
+free) when it reaches the store, and an evicted one goes back to free as it leaves resident.
+What moves the budget is everything else on the device: a longer batch's temporaries, the
+optimizer's state, another process. So short batches keep everything hot, and a spike moves
+just enough to give the reserve back.
+
+When it is read (a reading is a system call: ``cudaMemGetInfo`` or ``/proc/meminfo``)::
+
+    engine entered (step start)  ─▶ read
+    pack of a new storage        ─▶ read if REREAD_BYTES packed since the last reading,
+                                    or REREAD_MS passed (``time.monotonic``, a vDSO call, no syscall)
+    unpack that loads a copy     ─▶ the same rule, counting the bytes loaded
+
+so a step that saves thousands of small tensors reads a handful of times, and a step of a few
+huge ones reads about once per tensor (then each tensor's own cost dwarfs the reading).
+
+What "free" is: on CUDA ``torch.cuda.mem_get_info(device)[0]`` (free to the driver) plus what
+the caching allocator holds unused (``memory_reserved - memory_allocated``), which PyTorch hands
+out without asking the driver; on the CPU ``psutil.virtual_memory().available``.
+
+Regions plan against the budget in force when they plan; a plan made for a budget the reading
+has since left by more than the hysteresis band (``replan_needed``) is made again from the same
+measurements, with no new profiling step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Optional, Union
+
+import psutil
+import torch
+
+from ._cost import MB
+
+__all__ = ["DEFAULT_RESERVE_MB", "FollowFree", "FreeMemory", "device_free_bytes", "replan_needed"]
+
+DEFAULT_RESERVE_MB = 2048
+"""MB kept free on the device with ``budget_mb="auto"`` when ``reserve_mb`` is not given.
+
+The reading counts the caching allocator's unused blocks as free, but a fragmented cache cannot
+always serve one large request from them; cuBLAS keeps a workspace per handle and stream (up
+to tens of MB each), NCCL allocates its channel buffers lazily on the first collective (hundreds
+of MB with many peers), and backward allocates what the engine never sees: the gradients of the
+largest layer, an LM head's logits and their gradient (batch x sequence x vocabulary x 4 bytes:
+1 GB for 8 x 4096 x 32000 in fp32). 2 GiB covers those for the common 7B-class shapes on one
+GPU; raise it for long contexts or large vocabularies, lower it on small devices."""
+
+REREAD_BYTES = 64 * MB
+"""Bytes of new saves (or loads) after which free memory is read again within a step."""
+REREAD_MS = 10.0
+"""Milliseconds after which free memory is read again on the next pack or load, whatever was
+saved: at most ~100 readings a second. Measured on a 2-core AMD EPYC VM (torch 2.13 CPU,
+psutil): a reading takes ~30 us alone, ~160 us inside a training step; MiniGPT 4x256 at
+~1 s a step read ~21 times (0.4 % of the step), MiniGPT 2x64 at ~8 ms once (2 %)."""
+
+INFLIGHT_FRACTION_OF_RESERVE = 0.25
+"""Eviction starts this fraction of the reserve before the budget in force (free memory below
+1.25 x reserve), so copies drain while compute goes on; pack waits for them only at the budget
+itself. A fixed budget's window is a fraction of the budget instead (``_store``); here the
+budget is most of the device, and a quarter of it would move far more than the spike needs."""
+
+REPLAN_BELOW = 0.8
+"""A plan is made again when the budget in force falls below this fraction of its budget..."""
+REPLAN_ABOVE = 1.25
+"""...or rises above this multiple of it (and by at least ``REPLAN_MIN_GAIN_BYTES``): the gap
+between the two is the hysteresis that keeps a budget wavering around one value from re-planning
+every step."""
+REPLAN_MIN_GAIN_BYTES = 16 * MB
+"""A rise smaller than this never re-plans (a plan made at budget 0 would otherwise re-plan at
+any byte of room)."""
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """Bytes the compute device could still hand out now (see the module docstring)."""
+    if device.type == "cuda":
+        free_driver, _ = torch.cuda.mem_get_info(device)
+        cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free_driver + max(0, cached_unused))
+    return int(psutil.virtual_memory().available)
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeMemory:
+    """How an engine reads free memory: ``engine(budget_mb="auto", memory=...)``.
+
+    ``read() -> int`` returns the bytes free on the compute device. A plain callable passed as
+    ``memory=`` gets the default rule; tests pass ``reread_bytes=0`` to read on every pack.
+    """
+
+    read: Callable[[], int]
+    reread_bytes: int = REREAD_BYTES
+    reread_ms: float = REREAD_MS
+
+    @classmethod
+    def from_user(cls, memory: Union["FreeMemory", Callable[[], int], None]) -> Optional["FreeMemory"]:
+        if memory is None or isinstance(memory, FreeMemory):
+            return memory
+        if not callable(memory):
+            raise TypeError(
+                f"memory= must be a callable returning the free bytes of the compute device "
+                f"(or an offload._budget.FreeMemory), got {memory!r}"
+            )
+        return cls(read=memory)
+
+
+class FollowFree:
+    """The budget in force for one store: read from free memory by the rule above."""
+
+    def __init__(self, reserve_bytes: int, memory: FreeMemory) -> None:
+        self.reserve_bytes = reserve_bytes
+        self.memory = memory
+        self.budget_bytes = 0
+        """The budget in force since the latest reading (0 before the first)."""
+        self.readings = 0
+        """How many times free memory was read (for tests and the cost figure)."""
+        self._since_bytes = 0
+        self._read_at = -math.inf
+
+    @property
+    def evict_at(self) -> int:
+        """Hot bytes above which eviction starts (see ``INFLIGHT_FRACTION_OF_RESERVE``)."""
+        return max(0, self.budget_bytes - int(self.reserve_bytes * INFLIGHT_FRACTION_OF_RESERVE))
+
+    def read(self, resident_bytes: int) -> int:
+        """Read free memory now; returns the new budget in force."""
+        free = self.memory.read()
+        if isinstance(free, bool) or not isinstance(free, int) or free < 0:
+            raise TypeError(f"offload: the free-memory reading returned {free!r}; it must return an int >= 0 (bytes)")
+        self.readings += 1
+        self._since_bytes = 0
+        self._read_at = time.monotonic()
+        self.budget_bytes = max(0, resident_bytes + free - self.reserve_bytes)
+        return self.budget_bytes
+
+    def due(self, nbytes: int) -> bool:
+        """Count ``nbytes`` of new saves or loads; True when free memory is to be read again."""
+        self._since_bytes += nbytes
+        if self._since_bytes >= self.memory.reread_bytes:
+            return True
+        return (time.monotonic() - self._read_at) * 1e3 >= self.memory.reread_ms
+
+
+def replan_needed(planned_bytes: Optional[int], now_bytes: Optional[int]) -> bool:
+    """True when a plan made for ``planned_bytes`` should be made again at ``now_bytes``."""
+    if planned_bytes is None or now_bytes is None:
+        return planned_bytes != now_bytes
+    if now_bytes < planned_bytes * REPLAN_BELOW:
+        return True
+    return now_bytes > planned_bytes * REPLAN_ABOVE and now_bytes - planned_bytes >= REPLAN_MIN_GAIN_BYTES

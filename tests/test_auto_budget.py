@@ -1,0 +1,360 @@
+"""``budget_mb="auto"``: a budget that follows free memory, keeping ``reserve_mb`` free.
+
+Oracle: the same model without the engine; the engine only changes where saved tensors live, so
+gradients are bitwise equal (``torch.equal``) whatever the budget did. Pressure is simulated
+through the seam ``engine(memory=FreeMemory(read=...))``: the test sets what "free" reads from
+forward hooks, mid-step. One real-machine test each way uses the device's own reading.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import offload
+from offload._budget import (
+    DEFAULT_RESERVE_MB,
+    REPLAN_ABOVE,
+    REPLAN_BELOW,
+    REPLAN_MIN_GAIN_BYTES,
+    FreeMemory,
+    replan_needed,
+)
+from offload._cost import MB
+
+LAYERS = 12
+WIDTH = 256
+ROWS = 1024
+"""Each layer saves one 1 MiB fp32 tensor (its tanh output, which is also the next Linear's input)."""
+PLENTY = 1 << 40
+"""A free-memory reading far above any reserve in these tests."""
+
+
+def chain() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()) for _ in range(LAYERS)])
+
+
+def x_input() -> torch.Tensor:
+    return torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+def grads(model: torch.nn.Module, eng=None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    if eng is None:
+        loss = model(x_input()).square().sum()
+    else:
+        with eng:
+            loss = model(x_input()).square().sum()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def assert_same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"gradient of parameter {i} differs"
+
+
+class Pressure:
+    """What free memory reads, set by the test, and how often it was read."""
+
+    def __init__(self, free_bytes: int = PLENTY) -> None:
+        self.free_bytes = free_bytes
+        self.readings = 0
+
+    def __call__(self) -> int:
+        self.readings += 1
+        return self.free_bytes
+
+
+class Device:
+    """A simulated device of ``capacity_bytes``: free is what neither the engine's saves nor the
+    rest of the step (``other_bytes``, set by the test) hold, so an eviction frees as it would."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.other_bytes = 0
+        self.engine = None
+
+    def __call__(self) -> int:
+        # Engine.stats takes no lock on the CPU (no link): safe to read from inside the engine.
+        return max(0, self.capacity_bytes - self.other_bytes - self.engine.stats.resident_bytes)
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("bad", ["Auto", "512", "", "automatic"])
+def test_a_string_budget_other_than_auto_is_refused(bad):
+    with pytest.raises(ValueError, match="budget_mb") as info:
+        offload.engine(budget_mb=bad)
+    assert repr(bad) in str(info.value) and "'auto'" in str(info.value), "names the value and the valid string"
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, math.nan, -math.inf])
+def test_a_negative_or_nan_reserve_is_refused(bad):
+    with pytest.raises(ValueError, match="reserve_mb") as info:
+        offload.engine("auto", reserve_mb=bad)
+    assert repr(bad) in str(info.value) and ">= 0" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["512", True, [1], 1j])
+def test_a_reserve_of_the_wrong_type_is_refused(bad):
+    with pytest.raises(TypeError, match="reserve_mb"):
+        offload.engine("auto", reserve_mb=bad)
+
+
+@pytest.mark.parametrize("budget", [0, 512, 0.5, None])
+def test_a_reserve_without_auto_is_refused(budget):
+    with pytest.raises(ValueError, match="reserve_mb") as info:
+        offload.engine(budget, reserve_mb=100)
+    assert "budget_mb='auto'" in str(info.value), "says the fix"
+
+
+def test_auto_with_policy_none_is_refused():
+    with pytest.raises(ValueError, match="policy='none'"):
+        offload.engine("auto", policy="none")
+
+
+def test_memory_without_auto_is_refused():
+    with pytest.raises(ValueError, match="memory="):
+        offload.engine(512, memory=lambda: 0)
+    with pytest.raises(TypeError, match="memory="):
+        offload.engine("auto", memory=1024)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, None, True])
+def test_a_bad_reading_is_refused(bad, spill_dir):
+    eng = offload.engine("auto", reserve_mb=1, memory=lambda: bad, spill_dir=spill_dir)
+    with pytest.raises(TypeError, match="free-memory reading returned"):
+        grads(chain(), eng)
+    eng.close()
+
+
+def test_the_config_holds_the_reserve():
+    assert offload.engine("auto").config.reserve_bytes == DEFAULT_RESERVE_MB * MB
+    eng = offload.engine("auto", reserve_mb=0.5)
+    assert eng.config.reserve_bytes == MB // 2 and eng.config.budget_bytes is None
+    assert eng.config.follows_free_memory and not offload.engine(512).config.follows_free_memory
+    assert offload.engine("auto", reserve_mb=math.inf).config.reserve_bytes > 1 << 70, "more than any machine"
+    assert "auto, reserve 0.5 MB" in repr(eng)
+
+
+# ------------------------------------------------------------------------------- pressure mid-step
+
+
+def test_pressure_rising_and_falling_mid_step_moves_just_enough(spill_dir):
+    """Free memory plentiful for layers 0-3 (nothing moves), below the reserve for layers 4-7
+    (the oldest saves move), plentiful again for 8-11 (nothing more moves); gradients exact."""
+    reserve_mb = 4
+    device = Device(capacity_bytes=64 * MB)
+    model = chain()
+    want = grads(model)
+    eng = device.engine = offload.engine(
+        "auto", reserve_mb=reserve_mb, memory=FreeMemory(read=device, reread_bytes=0), spill_dir=spill_dir
+    )
+    seen: dict[int, offload.Stats] = {}
+
+    def before(i):
+        def hook(module, args):
+            if i == 4:  # the rest of the step takes all but 2 MiB below the reserve
+                free = (reserve_mb - 2) * MB
+                device.other_bytes = device.capacity_bytes - eng.stats.resident_bytes - free
+            elif i == 8:
+                device.other_bytes = 0
+        return hook
+
+    def after(i):
+        def hook(module, args, out):
+            seen[i] = eng.stats
+        return hook
+
+    hooks = []
+    for i, layer in enumerate(model):
+        hooks += [layer.register_forward_pre_hook(before(i)), layer.register_forward_hook(after(i))]
+    got = grads(model, eng)
+    for hook in hooks:
+        hook.remove()
+    assert_same(got, want)
+    assert all(seen[i].offloaded_bytes == 0 for i in range(4)), "plenty free: nothing moves"
+    assert seen[3].budget_bytes == (64 - reserve_mb) * MB
+    moved = seen[7].offloaded_bytes
+    assert 2 * MB <= moved < seen[7].saved_bytes, "under pressure the oldest saves move, not all"
+    assert seen[7].budget_bytes == seen[3].resident_bytes - 2 * MB, "the budget gives the reserve back"
+    assert seen[7].resident_bytes <= seen[7].budget_bytes
+    assert seen[LAYERS - 1].offloaded_bytes == moved, "pressure gone: nothing more moves"
+    stats = eng.stats
+    assert stats.reloaded_bytes == moved and stats.offloaded_bytes == moved
+    # A second step under plenty: nothing moves at all, still exact.
+    eng.reset_stats()
+    assert_same(grads(model, eng), grads(model))
+    assert eng.stats.offloaded_bytes == 0
+    eng.close()
+
+
+def test_free_memory_is_read_by_bytes_packed_not_per_tensor(spill_dir):
+    """Rule: read at the store's first save, at each engine entry, then after every
+    ``reread_bytes`` of new saves; never per tensor (here the time rule is off)."""
+    pressure = Pressure()
+    eng = offload.engine(
+        "auto", reserve_mb=0, memory=FreeMemory(read=pressure, reread_bytes=4 * MB, reread_ms=math.inf),
+        spill_dir=spill_dir,
+    )
+    model = chain()
+    grads(model, eng)
+    saved_mb = eng.stats.saved_bytes // MB
+    assert saved_mb == LAYERS + 1 and eng.stats.saved_tensors == 2 * LAYERS + 1
+    assert pressure.readings == 1 + saved_mb // 4, "first save, then every 4 MiB"
+    before = pressure.readings
+    grads(model, eng)
+    assert pressure.readings - before == 1 + saved_mb // 4, "engine entry, then every 4 MiB"
+    eng.close()
+
+
+def test_free_memory_is_read_again_after_reread_ms(spill_dir):
+    pressure = Pressure()
+    eng = offload.engine(
+        "auto", reserve_mb=0, memory=FreeMemory(read=pressure, reread_bytes=1 << 60, reread_ms=0.0),
+        spill_dir=spill_dir,
+    )
+    grads(chain(), eng)
+    new_storages = eng.stats.saved_bytes // MB
+    assert eng.stats.saved_tensors > new_storages and eng.stats.offloaded_bytes == 0
+    assert pressure.readings == 1 + new_storages, "each save of a new storage; unpacking a hot tensor never reads"
+    eng.close()
+
+
+# ------------------------------------------------------------------------------- the real machine
+
+
+def test_real_machine_reserve_zero_moves_nothing(spill_dir):
+    model = chain()
+    want = grads(model)
+    eng = offload.engine("auto", reserve_mb=0, spill_dir=spill_dir)
+    assert_same(grads(model, eng), want)
+    stats = eng.stats
+    assert stats.saved_bytes > 0 and stats.offloaded_bytes == 0 and stats.spill_files == 0
+    assert stats.budget_bytes > stats.saved_bytes, "this machine has more free than the chain saves"
+    eng.close()
+
+
+def test_real_machine_reserve_beyond_the_machine_moves_everything_eligible(spill_dir):
+    model = chain()
+    want = grads(model)
+    eng = offload.engine("auto", reserve_mb=10**9, spill_dir=spill_dir)
+    assert_same(grads(model, eng), want)
+    stats = eng.stats
+    assert stats.budget_bytes == 0
+    assert stats.saved_bytes > 0 and stats.offloaded_bytes == stats.saved_bytes == stats.reloaded_bytes
+    eng.close()
+
+
+def test_stats_report_the_fixed_budget_too():
+    assert offload.engine(2).stats.budget_bytes == 2 * MB
+    assert offload.engine(None).stats.budget_bytes is None
+
+
+def test_prometheus_exports_the_budget_in_force(spill_dir):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    import offload.metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    eng = offload.engine("auto", reserve_mb=3, memory=lambda: 10 * MB, spill_dir=spill_dir)
+    exporter = offload.metrics.PrometheusExporter(eng, registry=registry)
+    grads(chain(), eng)
+    stats = exporter.update()
+    assert registry.get_sample_value("offload_budget_bytes") == stats.budget_bytes > 0
+    eng.close()
+
+
+# ------------------------------------------------------------------------------- regions re-plan
+
+
+def test_replan_band():
+    planned = 100 * MB
+    assert not replan_needed(planned, planned)
+    assert not replan_needed(planned, int(planned * REPLAN_BELOW))
+    assert replan_needed(planned, int(planned * REPLAN_BELOW) - 1)
+    assert not replan_needed(planned, int(planned * REPLAN_ABOVE))
+    assert replan_needed(planned, int(planned * REPLAN_ABOVE) + 1)
+    assert not replan_needed(0, REPLAN_MIN_GAIN_BYTES - 1), "a tiny rise from 0 does not re-plan"
+    assert replan_needed(0, REPLAN_MIN_GAIN_BYTES)
+    assert not replan_needed(None, None) and replan_needed(None, 1)
+
+
+def test_regions_plan_at_the_budget_in_force_and_replan_when_it_drops(spill_dir):
+    """policy "offload" with regions: planned keep-all with plenty free; free memory falling to
+    the reserve re-plans (regions offloaded, bytes move) without a profiling step; back up,
+    keep-all again. Gradients exact at every step."""
+    from test_regions import MACHINE, assert_same_history, make_model, train
+
+    reserve_mb = 1
+    pressure = Pressure()
+    model = make_model()
+    eng = offload.engine(
+        "auto", reserve_mb=reserve_mb, memory=FreeMemory(read=pressure, reread_bytes=0), spill_dir=spill_dir,
+        regions=model.blocks, model=model, machine=MACHINE, policy="offload",
+    )
+    reference = train(make_model(), steps=6)
+    got = train(model, eng, steps=2)
+    assert not eng.profiling
+    plenty_plan = eng.plan
+    assert plenty_plan.budget_bytes > 1 << 39 and set(plenty_plan.decisions) == {offload.Decision.KEEP}
+    assert eng.stats.offloaded_bytes == 0
+    pressure.free_bytes = 0  # the rest of the device took everything: budget in force < resident
+    stages_before = len(eng.recent_stages)
+    got += train(model, eng, steps=2, first_step=2)
+    assert list(eng.recent_stages)[stages_before:] == [None, None], "re-planned, not profiled again"
+    tight_plan = eng.plan
+    assert tight_plan.budget_bytes < 0.8 * plenty_plan.budget_bytes
+    assert offload.Decision.OFFLOAD in tight_plan.decisions
+    assert eng.stats.offloaded_bytes > 0
+    pressure.free_bytes = PLENTY
+    got += train(model, eng, steps=2, first_step=4)
+    assert set(eng.plan.decisions) == {offload.Decision.KEEP}, "room again: keep everything"
+    assert eng.stats.offloaded_bytes == 0
+    assert_same_history(got, reference, "auto budget with regions")
+    eng.close()
+
+
+# ------------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_reading_counts_the_allocators_unused_blocks():
+    from offload._budget import device_free_bytes
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    block = torch.empty(64 * MB, dtype=torch.uint8, device=device)
+    del block  # back to the caching allocator, not to the driver
+    free_driver, _ = torch.cuda.mem_get_info(device)
+    cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    assert cached_unused >= 64 * MB
+    assert device_free_bytes(device) >= free_driver + 64 * MB - MB  # the driver's figure may move a little
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("reserve_mb, moves", [(0, False), (10**9, True)])
+def test_cuda_real_machine_each_way(reserve_mb, moves):
+    model = chain().cuda()
+    x = x_input().cuda()
+
+    def step(eng=None):
+        model.zero_grad(set_to_none=True)
+        with eng if eng is not None else torch.enable_grad():
+            loss = model(x).square().sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = step()
+    eng = offload.engine("auto", reserve_mb=reserve_mb)
+    assert_same(step(eng), want)
+    stats = eng.stats
+    assert stats.saved_bytes > 0
+    assert stats.offloaded_bytes == (stats.saved_bytes if moves else 0)
+    eng.close()

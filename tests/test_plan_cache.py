@@ -1,0 +1,263 @@
+"""``plan_cache=PATH``: final region plans survive a restart; a bad file is never trusted.
+
+Oracle for the restart: two real processes run the same job (``plan_cache_worker.py``); the
+second does no profiling and follows the first one's plan exactly, and both train bitwise like
+the model without the engine. The bad-file cases run in this process on the MiniGPT of
+``test_regions`` (same oracle there: ``assert_same_history``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import offload
+from offload._plan_cache import FORMAT, VERSION, rank_path
+from test_regions import MACHINE, assert_same_history, make_model, train
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("plan_cache_worker.py")
+BUDGET_MB = 0.3
+"""Below the blocks' saved bytes, so the plan moves something."""
+PROFILE_STEPS = 2
+"""policy "offload" profiles two "measure" steps per input signature (``_regions.PROFILE_STEPS``)."""
+
+
+def run_worker(plan_cache: Path, spill_dir: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), str(plan_cache), str(spill_dir)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_restarted_process_runs_its_first_step_under_the_saved_plan(tmp_path, spill_dir):
+    path = tmp_path / "cache" / "plans.json"
+    first = run_worker(path, spill_dir)
+    assert path.exists(), "a missing file (and its directory) is created"
+    assert first["stages"][:3] == ["measure", "recompute", "offload"] and first["profiling"][0]
+    assert first["losses"] == first["reference"]
+    second = run_worker(path, spill_dir)
+    assert second["stages"] == [None] * len(second["stages"]), "no profiling step after the restart"
+    assert second["profiling"] == [False] * len(second["profiling"]), "eng.profiling False from the first step"
+    assert second["plan"] == first["plan"], "the saved plan, exactly"
+    assert any(r["decision"] != "keep" for r in second["plan"]["regions"]), "the budget is below what the blocks save"
+    assert second["losses"] == second["reference"] == first["reference"]
+    entries = json.loads(path.read_text())["entries"]
+    assert len(entries) == 1, "the second run found its entry and wrote none beside it"
+
+
+# ------------------------------------------------------------------------------- in one process
+
+
+def engine(model, path, budget_mb=BUDGET_MB, spill_dir=None):
+    return offload.engine(
+        budget_mb, regions=model.blocks, model=model, machine=MACHINE, policy="offload", plan_cache=path,
+        spill_dir=spill_dir,
+    )
+
+
+def warnings_from(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "offload._plan_cache" and r.levelno >= logging.WARNING]
+
+
+def profile_and_save(path: Path, spill_dir, budget_mb=BUDGET_MB) -> offload.Plan:
+    model = make_model()
+    eng = engine(model, path, budget_mb, spill_dir)
+    train(model, eng, steps=PROFILE_STEPS + 1)
+    assert not eng.profiling
+    plan = eng.plan
+    eng.close()
+    return plan
+
+
+def assert_profiles_and_rewrites(path: Path, spill_dir, reference, caplog, why: str) -> None:
+    """An engine over ``path`` warns once (``why`` in the message), profiles as if there were no
+    file, trains exactly like the model without it, and leaves a good file for the next run."""
+    model = make_model()
+    eng = engine(model, path, spill_dir=spill_dir)
+    history = train(model, eng, steps=PROFILE_STEPS + 1)
+    assert list(eng.recent_stages) == ["measure"] * PROFILE_STEPS + [None], "the file was not trusted"
+    assert_same_history(history, reference, why)
+    warnings = warnings_from(caplog)
+    assert len(warnings) == 1 and why in warnings[0] and str(path) in warnings[0], warnings
+    eng.close()
+    caplog.clear()
+    model = make_model()
+    eng = engine(model, path, spill_dir=spill_dir)
+    train(model, eng, steps=1)
+    assert list(eng.recent_stages) == [None], "rewritten after profiling: the next run trusts it"
+    assert warnings_from(caplog) == []
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train(make_model(), steps=PROFILE_STEPS + 1)
+
+
+def test_same_process_restart_follows_the_saved_plan(tmp_path, spill_dir, reference, caplog):
+    path = tmp_path / "plans.json"
+    saved = profile_and_save(path, spill_dir)
+    model = make_model()
+    eng = engine(model, path, spill_dir=spill_dir)
+    history = train(model, eng, steps=PROFILE_STEPS + 1)
+    assert list(eng.recent_stages) == [None] * (PROFILE_STEPS + 1)
+    assert eng.plan == saved
+    assert offload.Decision.OFFLOAD in saved.decisions and eng.stats.offloaded_bytes > 0
+    assert_same_history(history, reference, "under the saved plan")
+    assert warnings_from(caplog) == []
+    eng.close()
+
+
+def test_a_corrupt_file_is_ignored_with_one_warning(tmp_path, spill_dir, reference, caplog):
+    path = tmp_path / "plans.json"
+    path.write_bytes(b"\x00\xffnot json at all")
+    assert_profiles_and_rewrites(path, spill_dir, reference, caplog, "corrupt")
+
+
+def test_a_truncated_file_is_ignored_with_one_warning(tmp_path, spill_dir, reference, caplog):
+    path = tmp_path / "plans.json"
+    profile_and_save(path, spill_dir)
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    assert_profiles_and_rewrites(path, spill_dir, reference, caplog, "corrupt or truncated")
+
+
+@pytest.mark.parametrize(
+    "foreign", [{"hello": "world"}, [1, 2, 3], {"format": FORMAT, "version": VERSION + 1, "entries": {}}],
+    ids=["other-json", "a-list", "other-version"],
+)
+def test_a_foreign_file_is_ignored_with_one_warning(foreign, tmp_path, spill_dir, reference, caplog):
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(foreign))
+    why = "layout version" if isinstance(foreign, dict) and foreign.get("format") == FORMAT else "not an offload plan cache"
+    assert_profiles_and_rewrites(path, spill_dir, reference, caplog, why)
+
+
+def test_a_file_for_another_budget_is_ignored_with_one_warning(tmp_path, spill_dir, reference, caplog):
+    path = tmp_path / "plans.json"
+    profile_and_save(path, spill_dir, budget_mb=BUDGET_MB * 2)
+    assert_profiles_and_rewrites(path, spill_dir, reference, caplog, "differ in: budget")
+    assert len(json.loads(path.read_text())["entries"]) == 2, "the other budget's entry is kept beside"
+
+
+def test_a_file_for_another_model_is_ignored_with_one_warning(tmp_path, spill_dir, reference, caplog):
+    path = tmp_path / "plans.json"
+    saved = profile_and_save(path, spill_dir)
+    data = json.loads(path.read_text())
+    (entry,) = data["entries"].values()
+    entry["key"]["regions"] = "0" * 64  # as if the blocks had other shapes
+    data["entries"] = {"0" * 64: entry}
+    path.write_text(json.dumps(data))
+    assert_profiles_and_rewrites(path, spill_dir, reference, caplog, "differ in: regions")
+    assert saved.decisions  # the profiled plan was a real one
+
+
+@pytest.mark.parametrize("tamper", ["decision", "regions", "digest", "link_scale"])
+def test_an_entry_that_does_not_hold_up_is_ignored_with_one_warning(tamper, tmp_path, spill_dir, reference, caplog):
+    path = tmp_path / "plans.json"
+    profile_and_save(path, spill_dir)
+    data = json.loads(path.read_text())
+    (digest, entry) = next(iter(data["entries"].items()))
+    if tamper == "decision":
+        entry["plan"]["regions"][0]["decision"] = "sideways"
+    elif tamper == "regions":
+        entry["plan"]["regions"] = entry["plan"]["regions"][:-1]
+    elif tamper == "digest":
+        entry["key"]["budget"] = 1  # the key no longer hashes to the digest it is filed under
+    else:
+        entry["link_scale"] = -1.0
+    path.write_text(json.dumps(data))
+    if tamper == "digest":  # filed under this run's digest but keyed otherwise: the key itself is checked
+        assert digest in data["entries"]
+    assert_profiles_and_rewrites(path, spill_dir, reference, caplog, "unusable")
+
+
+def test_a_missing_file_is_created_without_a_warning(tmp_path, spill_dir, caplog):
+    path = tmp_path / "new" / "dir" / "plans.json"
+    profile_and_save(path, spill_dir)
+    assert json.loads(path.read_text())["format"] == FORMAT
+    assert warnings_from(caplog) == []
+    assert [p.name for p in path.parent.iterdir()] == ["plans.json"], "no temporary file left"
+
+
+def test_an_unwritable_path_warns_and_training_goes_on(tmp_path, spill_dir, reference, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    path = blocker / "plans.json"  # its parent is a file: nothing can be created there
+    model = make_model()
+    eng = engine(model, path, spill_dir=spill_dir)
+    assert_same_history(train(model, eng, steps=PROFILE_STEPS + 1), reference, "unwritable plan cache")
+    assert any("could not write the plan cache" in w for w in warnings_from(caplog))
+    eng.close()
+
+
+def test_bad_plan_cache_arguments(tmp_path):
+    model = make_model()
+    with pytest.raises(TypeError, match="plan_cache"):
+        engine(model, 42)
+    with pytest.raises(ValueError, match="is a directory"):
+        engine(model, tmp_path)
+    with pytest.raises(ValueError, match="needs regions="):
+        offload.engine(1, plan_cache=tmp_path / "plans.json")
+
+
+def test_each_rank_keeps_its_own_file():
+    path = Path("/cache/plans.json")
+    assert rank_path(path, {}) == path
+    assert rank_path(path, {"WORLD_SIZE": "1", "RANK": "0"}) == path
+    assert rank_path(path, {"WORLD_SIZE": "4", "RANK": "3"}) == Path("/cache/plans.rank3.json")
+    assert rank_path(path, {"WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == Path("/cache/plans.rank1.json")
+
+
+def test_one_warning_per_engine_however_many_inputs_miss(tmp_path, spill_dir, caplog):
+    """Two input shapes alternate while the file is still corrupt: one warning, not one per shape."""
+    path = tmp_path / "plans.json"
+    path.write_text("{")
+    model, want = make_model(), make_model()
+    eng = engine(model, path, spill_dir=spill_dir)
+    for step, seq in enumerate([64, 32, 64, 32]):
+        got = train(model, eng, steps=1, seq=seq, first_step=step)
+        assert_same_history(got, train(want, steps=1, seq=seq, first_step=step), f"step {step}")
+    assert len(warnings_from(caplog)) == 1, warnings_from(caplog)
+    eng.close()
+
+
+def test_a_saved_plan_under_budget_auto_is_followed_then_replanned_without_profiling(tmp_path, spill_dir, reference):
+    """budget "auto": the restarted engine follows the saved plan while free memory reads the
+    same, and re-plans from the saved profiles (still no profiling step) once it falls."""
+    from offload._budget import FreeMemory
+
+    path = tmp_path / "plans.json"
+    free = {"bytes": 1 << 40}
+
+    def auto_engine(model):
+        return offload.engine(
+            "auto", reserve_mb=1, memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0), regions=model.blocks,
+            model=model, machine=MACHINE, policy="offload", plan_cache=path, spill_dir=spill_dir,
+        )
+
+    model = make_model()
+    eng = auto_engine(model)
+    train(model, eng, steps=PROFILE_STEPS + 1)
+    saved = eng.plan
+    eng.close()
+    model = make_model()
+    eng = auto_engine(model)
+    history = train(model, eng, steps=1)
+    assert list(eng.recent_stages) == [None] and eng.plan == saved
+    free["bytes"] = 0
+    history += train(model, eng, steps=PROFILE_STEPS, first_step=1)
+    assert list(eng.recent_stages) == [None] * (PROFILE_STEPS + 1), "re-planned from the saved profiles"
+    assert eng.plan != saved and offload.Decision.OFFLOAD in eng.plan.decisions
+    assert_same_history(history, reference, "a saved plan under budget auto")
+    eng.close()
