@@ -136,9 +136,9 @@ class _Frame:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_placeholder, self._unpack_placeholder):
                 with self._forward_mode():
                     out = self.fn(*self.args, **self.kwargs)
-            self._forward_done()
-            kept = {_storage_id(a) for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)}
-            kept |= self._kept_storages()
+            inputs = {_storage_id(a) for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)}
+            self._forward_done(inputs)
+            kept = inputs | self._kept_storages()
             self.dropped_bytes = sum(n for key, n in self.dropped_storages.items() if key not in kept)
         finally:
             self.forward_values = None
@@ -156,7 +156,7 @@ class _Frame:
     def _rerun_mode(self):
         return contextlib.nullcontext()
 
-    def _forward_done(self) -> None:
+    def _forward_done(self, input_storages: set) -> None:
         pass
 
     def _kept_storages(self) -> set:

@@ -41,16 +41,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from typing import Any, Callable, Optional
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._errors import OffloadError, inplace_error
-from ._recompute import _Frame, _storage_id
+from ._recompute import _droppable, _Frame, _StopRecompute, _storage_id, _synchronize
 
-__all__ = ["EXPENSIVE_OPS", "SelectiveRun", "is_compiled", "is_expensive", "selective_checkpoint"]
+__all__ = [
+    "EXPENSIVE_OPS", "MIN_SELECTIVE_MS", "SelectiveProfile", "SelectiveRun", "is_compiled", "is_expensive", "profiled_checkpoint",
+    "selective_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +86,11 @@ to thousands of FLOPs per output byte. Every other op is cheap (a few FLOPs per 
 activations, norms, softmax, dropout, layout copies, reductions) and is re-run in backward."""
 
 
+MIN_SELECTIVE_MS = 1e-3
+"""Least selective re-run time a profile reports, ms: the re-run less its expensive ops can come
+out at or below 0 in timing noise, and 0 means "not measured" to the planner."""
+
+
 def is_expensive(func) -> bool:
     """Whether ``func`` (an aten OpOverload) is in ``EXPENSIVE_OPS``."""
     return getattr(func, "overloadpacket", None) in EXPENSIVE_OPS
@@ -103,51 +113,63 @@ def _meta(value) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in leaves if isinstance(t, torch.Tensor))
 
 
-def _written_tensors(func, args: tuple, kwargs: dict) -> list:
-    """The tensor arguments ``func``'s schema says it writes (in-place and out= ops)."""
-    written = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        leaves, _ = tree_flatten(value)
-        written.extend(t for t in leaves if isinstance(t, torch.Tensor))
-    return written
-
-
 @dataclasses.dataclass(kw_only=True)
 class _Stashed:
-    """One expensive op's call in the forward: what it was, and its outputs packed by the outer hooks."""
+    """One expensive op's call in the forward: what it was, and its outputs (``_Held`` while the
+    forward runs, ``_Packed`` once it returned)."""
 
     op: str
     inputs: tuple
     """(shape, dtype) of its tensor arguments."""
     outputs: Any
-    """Its output structure, each tensor replaced by ``(packed, version to check or None)``."""
+    """Its output structure with each tensor replaced."""
 
 
-class _StashMode(TorchDispatchMode):
-    """The forward's mode: runs every op; stashes expensive outputs; notes writes into the stash."""
+class _Held:
+    """An expensive op's output tensor while the region's forward runs, and its version then."""
 
-    def __init__(self, frame: "_SelectiveFrame") -> None:
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t, t._version
+
+
+def _is_held(value) -> bool:
+    return isinstance(value, _Held)
+
+
+class _Mode(TorchDispatchMode):
+    """Our dispatch modes' base. torch (2.9+) wraps a mode's ``__torch_dispatch__`` to keep Dynamo
+    out of it unless the class says not to, and the wrapper imports Dynamo on first use: 2.8 s
+    measured here, landing inside a profiled region's forward. Nothing here is compiled, so opt out."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class _StashMode(_Mode):
+    """The forward's mode: runs every op; notes each expensive call and holds its outputs."""
+
+    def __init__(self, frame: _SelectiveFrame) -> None:
         super().__init__()
         self.frame = frame
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        frame = self.frame
-        if frame.stash_storages and frame.splittable:
-            for t in _written_tensors(func, args, kwargs):
-                if _storage_id(t) in frame.stash_storages:
-                    frame.splittable = False
-                    frame.why_not = f"{func} wrote in place into the output of an expensive op"
         out = func(*args, **kwargs)
-        if is_expensive(func) and frame.splittable:
-            frame.stash(func, args, kwargs, out)
+        if is_expensive(func):
+            self.frame.stashed.append(
+                _Stashed(op=str(func), inputs=_meta((args, kwargs)), outputs=_map_tensors(_Held, out))
+            )
         return out
 
 
-class _ReplayMode(TorchDispatchMode):
+def _map_tensors(fn: Callable, value):
+    return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+class _ReplayMode(_Mode):
     """The re-run's mode: cheap ops run; the k-th expensive op returns the k-th stashed outputs."""
 
     def __init__(self, name: str, stashed: list, unpack: Callable) -> None:
@@ -178,9 +200,9 @@ class _Packed:
     """One stashed output tensor: what the outer hooks packed, the version to check (where no outer
     hooks check it), and its storage's id and size (for the byte counts)."""
 
-    __slots__ = ("packed", "version", "storage", "nbytes")
+    __slots__ = ("nbytes", "packed", "storage", "version")
 
-    def __init__(self, t: torch.Tensor, packed, version: Optional[int]) -> None:
+    def __init__(self, t: torch.Tensor, packed, version: int | None) -> None:
         self.packed, self.version = packed, version
         self.storage, self.nbytes = _storage_id(t), t.untyped_storage().nbytes()
 
@@ -189,13 +211,25 @@ def _is_packed(value) -> bool:
     return isinstance(value, _Packed)
 
 
+# Note: [stash packed when the forward returns]
+#     Inside ``__torch_dispatch__`` the autograd and ADInplaceOrView keys are already behind us:
+#     ``t.detach()`` there makes an alias on a NEW version counter, so neither our check nor the
+#     store's version watch (Note: [version watch] in ``_entry``) would see a later in-place write.
+#     So the mode only holds each expensive output (the very tensor autograd hands on; the cycle it
+#     closes through the graph lives only while the forward runs, like the saved values of Note:
+#     [saved values live while the forward runs]) with its version. When the forward returns,
+#     outputs the re-run never reaches are dropped, one written in place since its op ran rules the
+#     split out (the replay would hand back the written value: the region is recomputed whole), and
+#     the rest are packed through the outer hooks, from autograd's side, with the version watch
+#     any saved tensor gets. The cost: the stash starts moving when the region's forward ends,
+#     not as each output is made.
 class _SelectiveFrame(_Frame):
     """One call of a selective region: a recompute frame whose re-run replays the expensive ops."""
 
     def __init__(self, fn: Callable, name: str, args: tuple, kwargs: dict, on_recompute=None) -> None:
         super().__init__(fn, name, args, kwargs, on_recompute)
         self.stashed: list[_Stashed] = []
-        self.stash_storages: dict[int, int] = {}  # storage id -> nbytes, while the forward runs
+        self.stash_storages: dict[int, int] = {}  # storage id -> nbytes of the stash, once forward returned
         self.stash_bytes = 0
         """Bytes of distinct storages stashed through the outer hooks (set when forward returns)."""
         self.needed = 0  # expensive calls before the region's last save: all a re-run reaches
@@ -210,37 +244,35 @@ class _SelectiveFrame(_Frame):
             return super()._rerun_mode()
         return _ReplayMode(self.name, self.stashed, self._unpack_stashed)
 
-    def stash(self, func, args: tuple, kwargs: dict, out) -> None:
-        def pack(value):
-            if not isinstance(value, torch.Tensor):
-                return value
-            self.stash_storages[_storage_id(value)] = value.untyped_storage().nbytes()
-            return _Packed(value, *self._pack_input(value))
-
-        self.stashed.append(_Stashed(op=str(func), inputs=_meta((args, kwargs)), outputs=tree_map(pack, out)))
-
     def _pack_placeholder(self, t: torch.Tensor):
         self.needed = len(self.stashed)
         return super()._pack_placeholder(t)
 
     def _kept_storages(self) -> set:
-        return set(self.stash_storages) if self.splittable else set()
+        return set(self.stash_storages)
 
-    def _forward_done(self) -> None:
-        # The re-run stops at the region's last save: stashed calls after it are never replayed.
-        if not self.splittable:
-            log.debug("offload: region %r recomputed whole: %s", self.name, self.why_not)
-            self.stashed = []
-        del self.stashed[self.needed :]
+    def _forward_done(self, input_storages: set) -> None:
+        """See Note: [stash packed when the forward returns]."""
+        del self.stashed[self.needed :]  # the re-run stops at the region's last save
+        for index, entry in enumerate(self.stashed):
+            written = [h for h in _leaves(entry.outputs, _is_held) if h.tensor._version != h.version]
+            if written:
+                self.splittable = False
+                self.why_not = f"an op wrote in place into the output of expensive op {index} ({entry.op})"
+                log.debug("offload: region %r recomputed whole: %s", self.name, self.why_not)
+                self.stashed = []
+                return
+        for entry in self.stashed:
+            entry.outputs = tree_map(lambda h: self._stash_one(h.tensor) if _is_held(h) else h, entry.outputs,
+                                     is_leaf=_is_held)
         self.stash_storages = {leaf.storage: leaf.nbytes for leaf in self._stashed_leaves()}
         self.stash_bytes = sum(self.stash_storages.values())
 
+    def _stash_one(self, t: torch.Tensor) -> _Packed:
+        return _Packed(t, *self._pack_input(t))
+
     def _stashed_leaves(self) -> list:
-        leaves = []
-        for entry in self.stashed:
-            flat, _ = tree_flatten(entry.outputs, is_leaf=_is_packed)
-            leaves.extend(leaf for leaf in flat if _is_packed(leaf))
-        return leaves
+        return [leaf for entry in self.stashed for leaf in _leaves(entry.outputs, _is_packed)]
 
     def _unpack_stashed(self, leaf, index: int):
         if not isinstance(leaf, _Packed):
@@ -255,37 +287,172 @@ class _SelectiveFrame(_Frame):
         return self._unpack_input(leaf.packed).detach()
 
 
+def _leaves(value, is_leaf: Callable) -> list:
+    flat, _ = tree_flatten(value, is_leaf=is_leaf)
+    return [leaf for leaf in flat if is_leaf(leaf)]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SelectiveRun:
     """What one call of a recomputed region dropped and stashed (the regions' counters and profiles)."""
 
     dropped_bytes: int
     """Bytes of saved tensors dropped in forward, to be regenerated in backward."""
+    cheap_bytes: int
+    """Of those, what a selective run drops (equal to ``dropped_bytes`` for one that ran selectively;
+    for a profiled whole recompute, what selective would have dropped)."""
     stash_bytes: int
     """Bytes of expensive outputs handed to the outer hooks (0 for whole-region recompute)."""
     stashed_tensors: int
     """Tensors among them."""
     selective: bool
     """False where the region had to be recomputed whole (see the module docstring)."""
+    why_not: str = ""
+    """Why it was recomputed whole, where it ran selectively at first."""
 
 
 def selective_checkpoint(
     fn: Callable, args: tuple, kwargs: dict, name: str, *, selective: bool = True,
-    on_recompute: Optional[Callable[[float], None]] = None,
+    on_recompute: Callable[[float], None] | None = None,
 ) -> tuple[Any, SelectiveRun]:
     """Run ``fn(*args, **kwargs)`` as a recomputed region: selectively (expensive outputs stashed
     through the outer hooks, cheap ops re-run) or, with ``selective=False``, whole. Returns its
     output and what it dropped. ``on_recompute`` gets each re-run's wall time in ms (profiling)."""
     if not torch.is_grad_enabled():
-        return fn(*args, **kwargs), SelectiveRun(dropped_bytes=0, stash_bytes=0, stashed_tensors=0, selective=False)
+        return fn(*args, **kwargs), _NOTHING
     frame_type = _SelectiveFrame if selective else _Frame
     frame = frame_type(fn, name, args, kwargs, on_recompute)
     out = frame.run()
     if isinstance(frame, _SelectiveFrame):
         run = SelectiveRun(
-            dropped_bytes=frame.dropped_bytes, stash_bytes=frame.stash_bytes,
-            stashed_tensors=len(frame._stashed_leaves()), selective=frame.splittable,
+            dropped_bytes=frame.dropped_bytes, cheap_bytes=frame.dropped_bytes, stash_bytes=frame.stash_bytes,
+            stashed_tensors=len(frame._stashed_leaves()), selective=frame.splittable, why_not=frame.why_not,
         )
     else:
-        run = SelectiveRun(dropped_bytes=frame.dropped_bytes, stash_bytes=0, stashed_tensors=0, selective=False)
+        run = SelectiveRun(
+            dropped_bytes=frame.dropped_bytes, cheap_bytes=frame.dropped_bytes, stash_bytes=0, stashed_tensors=0,
+            selective=False,
+        )
     return out, run
+
+
+_NOTHING = SelectiveRun(dropped_bytes=0, cheap_bytes=0, stash_bytes=0, stashed_tensors=0, selective=False)
+"""What a region run without grad drops: nothing."""
+
+
+class _ProfileMode(_Mode):
+    """A profiling re-run's mode: runs every op; times the expensive ones (synchronizing CUDA) and
+    holds their outputs in order (the re-run's own, dropped with it)."""
+
+    def __init__(self, cuda_devices: list) -> None:
+        super().__init__()
+        self.cuda_devices = cuda_devices
+        self.expensive_ms = 0.0
+        self.calls: list[list[_Held]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not is_expensive(func):
+            return func(*args, **kwargs)
+        _synchronize(self.cuda_devices)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        _synchronize(self.cuda_devices)
+        self.expensive_ms += (time.perf_counter() - start) * 1e3
+        leaves, _ = tree_flatten(out)
+        self.calls.append([_Held(t) for t in leaves if isinstance(t, torch.Tensor)])
+        return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SelectiveProfile:
+    """What running a region selectively would cost, measured by re-running it once more."""
+
+    selective_ms: float
+    """The re-run's wall time less its expensive ops' time, ms (at least ``MIN_SELECTIVE_MS``)."""
+    cheap_bytes: int
+    """Bytes of saves a selective run would drop (not inputs, parameters or expensive outputs)."""
+    expensive_bytes: int
+    """Bytes of expensive outputs it would stash (those the re-run reaches before its last save)."""
+    expensive_tensors: int
+    why_not: str
+    """Why the region cannot be split ("" where it can)."""
+    rerun_ms: float
+    """Wall time of the measuring re-run itself, ms: the profiling step's backward includes it."""
+
+
+class _ProfiledFrame(_Frame):
+    """A whole-region recompute (its re-run timed as usual) that, on its first recompute, re-runs
+    the region once more under ``_ProfileMode`` to measure what a selective run would cost."""
+
+    def __init__(self, fn, name, args, kwargs, on_recompute, on_selective) -> None:
+        super().__init__(fn, name, args, kwargs, on_recompute)
+        self.on_selective = on_selective
+
+    def _recompute(self) -> None:
+        super()._recompute()
+        if self.on_selective is not None:
+            on_selective, self.on_selective = self.on_selective, None
+            on_selective(self._profile_selective())
+
+    def _profile_selective(self) -> SelectiveProfile:
+        total = len(self.meta)
+        saved: dict[int, int] = {}  # droppable saves: storage id -> nbytes
+        captured: list = []
+        reached = [0]  # expensive calls made before the latest save
+        mode = _ProfileMode(self.rng.cuda_devices)
+
+        def capture(t: torch.Tensor) -> int:
+            captured.append(t.detach())
+            reached[0] = len(mode.calls)
+            if _droppable(t):
+                saved[_storage_id(t)] = t.untyped_storage().nbytes()
+            if len(captured) == total:
+                raise _StopRecompute
+            return len(captured) - 1
+
+        def unpack_captured(index: int) -> torch.Tensor:
+            return captured[index]
+
+        args, kwargs = self._rebuild_args()
+        inputs = {_storage_id(a) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
+        _synchronize(self.rng.cuda_devices)
+        start = time.perf_counter()
+        with self.rng.restored(), self.autocast.restored(), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured), mode:
+                try:
+                    self.fn(*args, **kwargs)
+                except _StopRecompute:
+                    pass
+        _synchronize(self.rng.cuda_devices)
+        total_ms = (time.perf_counter() - start) * 1e3
+        captured.clear()
+        calls = mode.calls[: reached[0]]
+        held = [h for call in calls for h in call]
+        stash = {_storage_id(h.tensor): h.tensor.untyped_storage().nbytes() for h in held}
+        written = next((i for i, call in enumerate(calls) if any(h.tensor._version != h.version for h in call)), None)
+        return SelectiveProfile(
+            selective_ms=max(MIN_SELECTIVE_MS, total_ms - mode.expensive_ms),
+            cheap_bytes=sum(n for key, n in saved.items() if key not in inputs and key not in stash),
+            expensive_bytes=sum(stash.values()), expensive_tensors=len(held),
+            why_not="" if written is None else f"an op wrote in place into the output of expensive op {written}",
+            rerun_ms=total_ms,
+        )
+
+
+def profiled_checkpoint(
+    fn: Callable, args: tuple, kwargs: dict, name: str, *, split: bool,
+    on_recompute: Callable[[float], None], on_selective: Callable[[SelectiveProfile], None],
+) -> tuple[Any, SelectiveRun]:
+    """A whole-region recompute of ``fn`` (the "recompute" profiling step) reporting each re-run's
+    wall time in ms (``on_recompute``); with ``split``, its first recompute also measures what a
+    selective run would cost (one more re-run, reported to ``on_selective``). ``split=False`` (a
+    compiled region): a plain whole recompute, never under a dispatch mode."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs), _NOTHING
+    frame = _ProfiledFrame(fn, name, args, kwargs, on_recompute, on_selective if split else None)
+    out = frame.run()
+    return out, SelectiveRun(
+        dropped_bytes=frame.dropped_bytes, cheap_bytes=frame.dropped_bytes, stash_bytes=0, stashed_tensors=0,
+        selective=False,
+    )

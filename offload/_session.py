@@ -111,8 +111,9 @@ class Session:
         """(bytes, tensors) saved through the engine so far: regions measure themselves by the difference."""
         return self.counters.saved_bytes, self.counters.saved_tensors
 
-    def count_recompute(self) -> None:
+    def count_recompute(self, dropped_bytes: int = 0) -> None:
         self.counters.recomputed_regions += 1
+        self.counters.recomputed_bytes += dropped_bytes
 
     def machine(self) -> MachineProfile:
         """The machine's transfer costs, for planning (the engine measures them on first use)."""

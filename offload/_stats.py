@@ -65,6 +65,9 @@ class Stats:
     """CUDA: time the host-to-device stream spent copying (CUDA events); 0 elsewhere."""
     recomputed_regions: int = 0
     """Region forwards run as recompute (inputs kept, the rest re-run in backward)."""
+    recomputed_bytes: int = 0
+    """Bytes of saved tensors dropped in forward and regenerated in backward instead of kept or moved
+    (distinct storages, not the regions' inputs or parameters; a selective region's stash is saved, not counted here)."""
 
     def to_dict(self) -> dict:
         """The fields as a plain dict, for CSV or JSON writers."""
