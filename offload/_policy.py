@@ -176,6 +176,8 @@ class AutoPolicy(Policy):
     4. Safety net: if the best fixed policy (none, offload, recompute, selective) still ranks better,
        search again from it. So "auto" never predicts a slower step than a fixed policy that
        fits, and fits whenever one of them does.
+       Where selective runs were measured, search once more from every measured region
+       SELECTIVE_OFFLOAD (SELECTIVE without a link) and keep the better result.
     5. Nothing fits: search again from all-OFFLOAD and all-RECOMPUTE and return the least peak
        found (a local search: the least peak it finds, not a proven minimum).
 
@@ -215,6 +217,12 @@ class AutoPolicy(Policy):
         best_fixed = min(fixed, key=search.rank)
         if search.rank(best_fixed) < search.rank(best):
             best = search.improve(best_fixed, actions, self.max_search_moves)
+        if Decision.SELECTIVE in actions:
+            # The greedy path takes regions off one at a time and rarely reaches "every stash moved":
+            # from a plan of offloads and recomputes, one region alone gains nothing by switching.
+            most = Decision.SELECTIVE_OFFLOAD if Decision.SELECTIVE_OFFLOAD in actions else Decision.SELECTIVE
+            start = tuple(most if search.allowed(i, most) else Decision.RECOMPUTE for i in range(n))
+            best = min(best, search.improve(start, actions, self.max_search_moves), key=search.rank)
         if not search.fits(best):
             for action in actions:
                 start = tuple(action if search.allowed(i, action) else Decision.RECOMPUTE for i in range(n))
