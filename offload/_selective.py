@@ -43,7 +43,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -123,6 +123,38 @@ class _Stashed:
     """(shape, dtype) of its tensor arguments."""
     outputs: Any
     """Its output structure with each tensor replaced."""
+    rng_after: Optional[tuple] = None
+    """(CPU state, [(CUDA device, state)]) right after it ran, where it draws random numbers: see
+    Note: [expensive ops that draw random numbers]."""
+
+
+# Note: [expensive ops that draw random numbers]
+#     A fused attention kernel with dropout (``dropout_p`` > 0: flash / efficient attention on
+#     CUDA) advances the generator by what its masks took. A replay does not run it, so without
+#     help every draw after it in the re-run (the next dropout) would see an earlier generator
+#     position than the forward did, and its mask would differ. The kernel's own backward is not
+#     the problem: it reads the seed and offset it returned, which are stashed with its outputs.
+#     So the forward records the generator states right after such an op, and the replay sets
+#     them after handing back its outputs. Ops without a ``dropout_p`` argument draw nothing.
+def _rng_after(func, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """The generator states to restore after replaying ``func``, or None if it draws nothing."""
+    names = [arg.name for arg in func._schema.arguments]
+    if "dropout_p" not in names:
+        return None
+    i = names.index("dropout_p")
+    dropout_p = args[i] if i < len(args) else kwargs.get("dropout_p", 0.0)
+    if not dropout_p:
+        return None
+    leaves, _ = tree_flatten((args, kwargs))
+    cuda = sorted({t.device.index for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda]
+
+
+def _set_rng(states: tuple) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    for device, state in cuda:
+        torch.cuda.set_rng_state(state, device)
 
 
 class _Held:
@@ -160,7 +192,10 @@ class _StashMode(_Mode):
         out = func(*args, **kwargs)
         if is_expensive(func):
             self.frame.stashed.append(
-                _Stashed(op=str(func), inputs=_meta((args, kwargs)), outputs=_map_tensors(_Held, out))
+                _Stashed(
+                    op=str(func), inputs=_meta((args, kwargs)), outputs=_map_tensors(_Held, out),
+                    rng_after=_rng_after(func, args, kwargs),
+                )
             )
         return out
 
@@ -193,7 +228,10 @@ class _ReplayMode(_Mode):
                 f"the same shapes when re-run (no data-dependent branches on mutable state); exclude it from "
                 f"regions=, fix the branch, or use policy='recompute'"
             )
-        return tree_map(lambda leaf: self.unpack(leaf, index), want.outputs, is_leaf=_is_packed)
+        out = tree_map(lambda leaf: self.unpack(leaf, index), want.outputs, is_leaf=_is_packed)
+        if want.rng_after is not None:  # See Note: [expensive ops that draw random numbers]
+            _set_rng(want.rng_after)
+        return out
 
 
 class _Packed:

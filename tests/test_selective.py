@@ -8,6 +8,7 @@ backward of the model without the engine; whole-region recompute adds one forwar
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -417,4 +418,78 @@ def test_auto_uses_selective_where_it_is_cheapest(spill_dir):
     profiles = eng.profiled_steps[-1].regions
     assert all(p.selective_ms > 0 and p.cheap_bytes > 0 and p.expensive_bytes > 0 for p in profiles), profiles
     assert offload.Decision.OFFLOAD not in eng.plan.decisions
+    eng.close()
+
+
+@torch.library.custom_op("offload_test::noisy_matmul", mutates_args=())
+def noisy_matmul(x: torch.Tensor, w: torch.Tensor, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x @ w)`` with a dropout mask drawn inside the kernel: a stand-in for CUDA's fused
+    attention with dropout (which this CPU build cannot run)."""
+    mask = (torch.rand(x.shape[0], w.shape[1]) >= dropout_p).to(x.dtype) / (1 - dropout_p)
+    return (x @ w) * mask, mask
+
+
+@noisy_matmul.register_fake
+def _(x, w, dropout_p):
+    return x.new_empty(x.shape[0], w.shape[1]), x.new_empty(x.shape[0], w.shape[1])
+
+
+def _noisy_setup(ctx, inputs, output):
+    x, w, _ = inputs
+    ctx.save_for_backward(x, w, output[1])
+
+
+def _noisy_backward(ctx, grad, grad_mask):
+    x, w, mask = ctx.saved_tensors
+    g = grad * mask
+    return g @ w.t(), x.t() @ g, None
+
+
+noisy_matmul.register_autograd(_noisy_backward, setup_context=_noisy_setup)
+
+
+def test_an_expensive_op_that_draws_random_numbers_leaves_later_draws_alike(monkeypatch):
+    """The replay skips the op, so it must put the generator where the op left it in forward:
+    otherwise the dropout after it draws another mask. See Note: [expensive ops that draw random numbers]."""
+    from offload import _selective
+
+    monkeypatch.setattr(_selective, "EXPENSIVE_OPS", EXPENSIVE_OPS | {torch.ops.offload_test.noisy_matmul})
+    torch.manual_seed(0)
+    lin = nn.Linear(WIDTH, WIDTH)
+
+    def fn(module, x):
+        y, _ = noisy_matmul(x, module.weight, 0.5)
+        return F.dropout(y.tanh(), 0.5)
+
+    x = torch.randn(ROWS, WIDTH)
+    got = step(fn, lin, x, selective=True)
+    assert got[4].selective and got[4].stashed_tensors == 2
+    assert_step_same(got, step(fn, lin, x), "an expensive op with dropout")
+
+
+def test_minigpt_step_under_the_selective_plan_reruns_no_expensive_flops(spill_dir):
+    """Once the selective plan is in force, a whole MiniGPT step's backward counts the FLOPs of
+    the model's without the engine: nothing a block re-runs is a matmul or attention."""
+    model = gpt()
+    reference = copy.deepcopy(model)
+    eng = selective_engine(model, None, spill_dir)
+    for _ in range(2):  # "measure", "recompute": the profiling steps
+        run_step(model, tokens, eng, input_grad=False)
+
+    def backward_flops(m, engine):
+        torch.manual_seed(1)
+        idx = tokens()
+        with engine if engine is not None else contextlib.nullcontext():
+            loss = m(idx)
+        with FlopCounterMode(display=False) as flops:
+            loss.backward()
+        return flops.get_total_flops()
+
+    with FlopCounterMode(display=False) as forward:
+        reference(tokens())
+    reference.zero_grad(set_to_none=True)
+    plain, selective = backward_flops(reference, None), backward_flops(model, eng)
+    assert list(eng.recent_stages)[-1] is None and set(eng.plan.decisions) == {offload.Decision.SELECTIVE}
+    assert (selective - plain) < FLOP_BOUND * forward.get_total_flops(), (selective, plain, forward.get_total_flops())
+    print(f"MiniGPT backward FLOPs: selective {selective}, no engine {plain}, one forward {forward.get_total_flops()}")
     eng.close()
