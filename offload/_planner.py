@@ -85,8 +85,20 @@ from typing import Any
 from ._cost import MB, MachineProfile, RegionProfile
 
 __all__ = [
-    "Decision", "Footprint", "MOVES_BYTES", "Plan", "RegionPlan", "SELECTIVE_DECISIONS", "footprint", "build_plan", "calibrate_link", "check_inputs", "link_usable", "region_transfer_ms",
-    "scale_link", "simulate",
+    "MOVES_BYTES",
+    "SELECTIVE_DECISIONS",
+    "Decision",
+    "Footprint",
+    "Plan",
+    "RegionPlan",
+    "build_plan",
+    "calibrate_link",
+    "check_inputs",
+    "footprint",
+    "link_usable",
+    "region_transfer_ms",
+    "scale_link",
+    "simulate",
 ]
 
 logger = logging.getLogger(__name__)

@@ -458,7 +458,7 @@ class _Measurement:
         s = self.selective
         if s is None or s.why_not:
             return {}
-        return dict(
-            selective_ms=s.selective_ms, cheap_bytes=s.cheap_bytes, expensive_bytes=s.expensive_bytes,
-            expensive_tensors=s.expensive_tensors,
-        )
+        return {
+            "selective_ms": s.selective_ms, "cheap_bytes": s.cheap_bytes, "expensive_bytes": s.expensive_bytes,
+            "expensive_tensors": s.expensive_tensors,
+        }

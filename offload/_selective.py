@@ -8,9 +8,10 @@ dropout mask or a layout copy costs a handful. Roughly half of what a block save
 cheap kind (see DESIGN.md, measured by producing op). So a selective region:
 
     forward:  runs under ``_StashMode``; each EXPENSIVE op (table below) runs and its outputs are
-              packed through the OUTER saved-tensor hooks (the engine's store: hot, offloaded or
-              spilled by the budget, like any saved tensor); every save the region's own autograd
-              makes becomes a placeholder, as in whole-region recompute
+              held; when the forward returns they are packed through the OUTER saved-tensor hooks
+              (the engine's store: hot, offloaded or spilled by the budget, like any saved tensor;
+              see Note: [stash packed when the forward returns]); every save the region's own
+              autograd makes becomes a placeholder, as in whole-region recompute
     backward: the first unpack re-runs the forward under ``_ReplayMode``: the k-th expensive op
               is not run, it returns the k-th stashed output (same op, same input shapes and
               dtypes, or ``OffloadError`` naming the region); cheap ops run, with the RNG and
@@ -27,8 +28,9 @@ outer hooks, so the engine's budget governs it.
 
 Where a region cannot be split the frame falls back to whole-region recompute (same results,
 one forward of FLOPs), never to wrong gradients:
-- an op in the forward writes in place into a stashed output or a view of it (``relu_`` after a
-  matmul): the replay would hand back the written value, so the stash is dropped;
+- an op in the forward writes in place into an expensive output or a view of it (``add_`` after
+  a matmul): the replay would hand back the written value, so the stash is dropped (a write
+  after the forward raises PyTorch's in-place error in backward instead, like any saved tensor);
 - a compiled module (``torch.compile``): one autograd Function whose kernels a dispatch mode
   does not see, and that runs eagerly under one; ``Regions`` never runs it selectively.
 A custom ``autograd.Function`` is fine: its forward's aten ops reach the mode in both runs, and
@@ -43,7 +45,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -123,7 +125,7 @@ class _Stashed:
     """(shape, dtype) of its tensor arguments."""
     outputs: Any
     """Its output structure with each tensor replaced."""
-    rng_after: Optional[tuple] = None
+    rng_after: tuple | None = None
     """(CPU state, [(CUDA device, state)]) right after it ran, where it draws random numbers: see
     Note: [expensive ops that draw random numbers]."""
 
@@ -136,7 +138,7 @@ class _Stashed:
 #     the problem: it reads the seed and offset it returned, which are stashed with its outputs.
 #     So the forward records the generator states right after such an op, and the replay sets
 #     them after handing back its outputs. Ops without a ``dropout_p`` argument draw nothing.
-def _rng_after(func, args: tuple, kwargs: dict) -> Optional[tuple]:
+def _rng_after(func, args: tuple, kwargs: dict) -> tuple | None:
     """The generator states to restore after replaying ``func``, or None if it draws nothing."""
     names = [arg.name for arg in func._schema.arguments]
     if "dropout_p" not in names:
@@ -456,12 +458,12 @@ class _ProfiledFrame(_Frame):
         inputs = {_storage_id(a) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
         _synchronize(self.rng.cuda_devices)
         start = time.perf_counter()
-        with self.rng.restored(), self.autocast.restored(), torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured), mode:
-                try:
-                    self.fn(*args, **kwargs)
-                except _StopRecompute:
-                    pass
+        hooks = torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured)
+        with self.rng.restored(), self.autocast.restored(), torch.enable_grad(), hooks, mode:
+            try:
+                self.fn(*args, **kwargs)
+            except _StopRecompute:
+                pass
         _synchronize(self.rng.cuda_devices)
         total_ms = (time.perf_counter() - start) * 1e3
         captured.clear()

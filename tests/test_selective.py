@@ -14,15 +14,15 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from links import link_named
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+from zoo import GPTLoss, assert_same, run_step, wait_clean
 
 import offload
-from links import link_named
 from offload._selective import EXPENSIVE_OPS, is_compiled, selective_checkpoint
 from offload.models import GPTConfig, MiniGPT
 from offload.models.gpt import Block
-from zoo import GPTLoss, assert_same, run_step, wait_clean
 
 SEED = 3
 WIDTH, ROWS = 32, 8
@@ -391,7 +391,7 @@ def test_compiled_blocks_are_recomputed_whole_with_a_note(spill_dir):
     assert all(is_compiled(b) for b in model.blocks) and not any(is_compiled(b) for b in base.blocks)
     eng = offload.engine(None, policy="selective", regions=model.blocks, model=model, min_offload_bytes=0,
                          spill_dir=spill_dir)
-    make = lambda: torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(5))  # noqa: E731
+    make = lambda: torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(5))
     for i in range(3):
         assert_same(run_step(reference, make), run_step(model, make, eng), f"compiled step {i}")
     assert set(eng.plan.decisions) == {offload.Decision.RECOMPUTE}, str(eng.plan)
@@ -491,5 +491,4 @@ def test_minigpt_step_under_the_selective_plan_reruns_no_expensive_flops(spill_d
     plain, selective = backward_flops(reference, None), backward_flops(model, eng)
     assert list(eng.recent_stages)[-1] is None and set(eng.plan.decisions) == {offload.Decision.SELECTIVE}
     assert (selective - plain) < FLOP_BOUND * forward.get_total_flops(), (selective, plain, forward.get_total_flops())
-    print(f"MiniGPT backward FLOPs: selective {selective}, no engine {plain}, one forward {forward.get_total_flops()}")
     eng.close()
