@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 from links import link_named
 from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 from torch.utils.flop_counter import FlopCounterMode
 from zoo import GPTLoss, assert_same, run_step, wait_clean
 
@@ -492,3 +498,31 @@ def test_minigpt_step_under_the_selective_plan_reruns_no_expensive_flops(spill_d
     assert list(eng.recent_stages)[-1] is None and set(eng.plan.decisions) == {offload.Decision.SELECTIVE}
     assert (selective - plain) < FLOP_BOUND * forward.get_total_flops(), (selective, plain, forward.get_total_flops())
     eng.close()
+
+
+def test_our_stash_reaches_outer_hooks_where_torch_sac_cache_does_not():
+    """Why ``_selective`` exists (its module docstring): torch's selective checkpoint keeps the
+    outputs its policy saves in its own cache, out of reach of outer saved-tensor hooks (checked on
+    this torch), while ours packs them through those hooks. x (8, 32) @ w (32, 64): the matmul
+    output is the one (8, 64) tensor."""
+    w = torch.randn(32, 64, requires_grad=True)
+    x = torch.randn(8, 32, requires_grad=True)
+
+    def fn(t):
+        return torch.tanh(t @ w).sum()
+
+    def must_save_mm(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def seen_by_outer_hooks(run) -> list:
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            out = run()
+        out.backward()
+        return shapes
+
+    sac = functools.partial(create_selective_checkpoint_contexts, must_save_mm)
+    torch_seen = seen_by_outer_hooks(lambda: checkpoint(fn, x, use_reentrant=False, context_fn=sac))
+    ours_seen = seen_by_outer_hooks(lambda: selective_checkpoint(fn, (x,), {}, "r")[0])
+    assert (8, 64) not in torch_seen and (8, 32) in torch_seen, torch_seen
+    assert (8, 64) in ours_seen and (8, 32) in ours_seen, ours_seen
