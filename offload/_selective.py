@@ -433,7 +433,18 @@ class _ProfiledFrame(_Frame):
         super()._recompute()
         if self.on_selective is not None:
             on_selective, self.on_selective = self.on_selective, None
-            on_selective(self._profile_selective())
+            try:
+                profile = self._profile_selective()
+            except Exception as e:  # noqa: BLE001 - see below
+                # The whole re-run just ran fine, so what failed is running the region under a
+                # dispatch mode (a higher-order op, a kernel that refuses Python modes): the region
+                # is not split, which explain() says; the step itself goes on unharmed.
+                log.info("offload: region %r cannot run under a dispatch mode, so not selectively: %r", self.name, e)
+                profile = SelectiveProfile(
+                    selective_ms=0.0, cheap_bytes=0, expensive_bytes=0, expensive_tensors=0, rerun_ms=0.0,
+                    why_not=f"re-running it under a dispatch mode raised {type(e).__name__}: {e}",
+                )
+            on_selective(profile)
 
     def _profile_selective(self) -> SelectiveProfile:
         total = len(self.meta)

@@ -526,3 +526,23 @@ def test_our_stash_reaches_outer_hooks_where_torch_sac_cache_does_not():
     ours_seen = seen_by_outer_hooks(lambda: selective_checkpoint(fn, (x,), {}, "r")[0])
     assert (8, 64) not in torch_seen and (8, 32) in torch_seen, torch_seen
     assert (8, 64) in ours_seen and (8, 32) in ours_seen, ours_seen
+
+
+def test_a_region_that_fails_under_a_dispatch_mode_is_profiled_as_not_splittable(monkeypatch, spill_dir):
+    """The "recompute" step's measuring re-run raising (here: forced) leaves that step's
+    gradients exact and the region out of the selective choices, with the reason in explain()."""
+    from offload import _selective
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("no Python modes here")
+
+    monkeypatch.setattr(_selective._ProfileMode, "__torch_dispatch__", refuse)
+    model = gpt()
+    reference = copy.deepcopy(model)
+    eng = selective_engine(model, None, spill_dir)
+    for i in range(3):
+        assert_same(run_step(reference, tokens, input_grad=False), run_step(model, tokens, eng, input_grad=False),
+                    f"step {i}")
+    assert set(eng.plan.decisions) == {offload.Decision.RECOMPUTE}, str(eng.plan)
+    assert "no Python modes here" in offload.explain(eng)
+    eng.close()
