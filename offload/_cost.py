@@ -73,6 +73,24 @@ class RegionProfile:
     tensor, and runs with the RNG and autocast states restored). 0: not measured; the planner
     then charges ``forward_ms``."""
 
+    cheap_bytes: int = 0
+    """Bytes a selective recompute drops in forward and regenerates in backward (the saves of its
+    cheap ops' outputs), measured on a step that ran the region selectively."""
+    expensive_bytes: int = 0
+    """Bytes a selective recompute stashes instead (outputs of its matmuls, attention and
+    convolutions that the re-run replays): kept hot or moved like any saved tensor."""
+    expensive_tensors: int = 0
+    """Tensors among ``expensive_bytes`` (for per-tensor overheads when the stash moves)."""
+    selective_ms: float = 0.0
+    """Wall time of the region's selective re-run in backward (its cheap ops), ms. 0: not measured,
+    or the region cannot be split (``note`` says why): the planner then never runs it selectively."""
+    note: str = ""
+    """Why the region cannot run selectively ("" where it can or nobody tried), for ``explain()``."""
+
+    def selective_measured(self) -> bool:
+        """Whether a selective run of this region was measured (only then may a plan choose one)."""
+        return self.selective_ms > 0
+
     def backward_or_estimate_ms(self, backward_to_forward: float) -> float:
         """The measured backward time, or ``backward_to_forward`` x the forward where none was measured."""
         return self.backward_ms if self.backward_ms > 0 else backward_to_forward * self.forward_ms

@@ -21,6 +21,7 @@ Metrics, with the default ``prefix="offload"``:
     offload_saved_bytes_total                                           counter
     offload_prefetch_total{result="hit|miss"}                           counter
     offload_recomputed_regions_total                                    counter
+    offload_recomputed_bytes_total                                      counter
     offload_updates_total                                               counter (steps exported)
     offload_resident_bytes, offload_peak_resident_bytes (in the window) gauges
     offload_host_bytes, offload_spill_files                             gauges
@@ -127,6 +128,7 @@ class PrometheusExporter:
         self.recomputed_regions = prom.Counter(
             f"{prefix}_recomputed_regions", "Region forwards run as recompute", **kw
         )
+        self.recomputed_bytes = prom.Counter(f"{prefix}_recomputed_bytes", "Saved bytes dropped and regenerated in backward", **kw)
         self.updates = prom.Counter(f"{prefix}_updates", "Calls of update() (steps exported)", **kw)
         self.resident_bytes = prom.Gauge(
             f"{prefix}_resident_bytes", "Engine-managed activation bytes on the compute device now", **kw
@@ -175,6 +177,7 @@ class PrometheusExporter:
         self.prefetch.labels(result="hit").inc(stats.prefetch_hits)
         self.prefetch.labels(result="miss").inc(stats.prefetch_misses)
         self.recomputed_regions.inc(stats.recomputed_regions)
+        self.recomputed_bytes.inc(stats.recomputed_bytes)
         self.updates.inc()
         self.resident_bytes.set(stats.resident_bytes)
         self.peak_resident_bytes.set(stats.peak_resident_bytes)

@@ -11,6 +11,10 @@ Each region (e.g. one transformer block) is, for one training step:
     OFFLOAD    they are copied out after its forward and back before its backward: costs link
                time, which is free when it hides behind compute
     RECOMPUTE  only its inputs stay; backward re-runs its forward first: costs one forward
+    SELECTIVE  its inputs and the outputs of its expensive ops (matmul, attention, convolution:
+               the "stash") stay; backward re-runs only its cheap ops first: costs their time
+    SELECTIVE_OFFLOAD  the same, with the stash copied out and back like an OFFLOAD region's
+               saves: costs the cheap ops' time plus the stash's exposed transfer
 
 The timeline (regions r0..r3; r0, r1 OFFLOAD, r2, r3 KEEP; the link slower than compute):
 
@@ -24,7 +28,8 @@ Assumptions, all of them:
 - One compute stream. Forward runs regions in order; backward in reverse, each region taking its
   measured ``backward_ms`` (or ``BACKWARD_TO_FORWARD`` times its forward where none was measured),
   plus, if it is recomputed, its measured ``recompute_ms`` first (one more forward where none
-  was measured). Without an engine a step is the forward and
+  was measured), or if it is selective, its measured ``selective_ms`` (a plan chooses SELECTIVE
+  only for regions where that was measured). Without an engine a step is the forward and
   backward sums plus ``other_ms``, the measured rest of the step (the baseline).
 - Copies out start when a region's forward ends and queue in order on one out-link; the
   forward of later regions runs concurrently. The link does *not* have to drain before
@@ -38,7 +43,9 @@ Assumptions, all of them:
   and otherwise as late as still lands it on time (an ideal prefetcher). A region's backward
   cannot start before its reload lands; that wait is its exposed transfer time.
 - The per-tensor engine cost (``machine.per_tensor_overhead_us * num_tensors``) is paid on the
-  compute stream, during the forward of each OFFLOAD region.
+  compute stream, during the forward of each OFFLOAD region. A SELECTIVE_OFFLOAD region is an
+  OFFLOAD region of its stash (``expensive_bytes``, ``expensive_tensors``) in every rule here, with
+  its inputs resident like a RECOMPUTE region's.
 - On the CPU (``machine.device_type == "cpu"``) there is no copy engine: the "link" is the spill
   threads copying bytes into and out of the page cache, on the same cores the compute uses (torch
   runs as many threads as there are cores). Nothing hides there: each OFFLOAD region's write is
@@ -48,8 +55,8 @@ Assumptions, all of them:
 - A link with 0 GB/s either way is unusable: an OFFLOAD over it would never come back, so
   ``simulate`` refuses it (``ValueError``); policies choose RECOMPUTE there instead.
 - Memory counts what the engine holds *for later*, which is what the budget bounds: KEEP
-  regions' saved bytes and RECOMPUTE regions' inputs, from the end of the region's forward to the
-  end of its backward. OFFLOAD regions add nothing: the engine streams them tensor by tensor,
+  regions' saved bytes, RECOMPUTE and SELECTIVE_OFFLOAD regions' inputs and SELECTIVE regions'
+  inputs plus stash, from the end of the region's forward to the end of its backward. OFFLOAD regions add nothing: the engine streams them tensor by tensor,
   evicting at save time with copies in flight bounded inside the budget, and prefetches them
   back only into room left under the budget, handing each to autograd as it is unpacked. Working
   memory of the region being run (its forward's temporaries, a recomputed or reloaded region's
@@ -78,8 +85,20 @@ from typing import Any
 from ._cost import MB, MachineProfile, RegionProfile
 
 __all__ = [
-    "Decision", "Plan", "RegionPlan", "build_plan", "calibrate_link", "check_inputs", "link_usable", "region_transfer_ms",
-    "scale_link", "simulate",
+    "MOVES_BYTES",
+    "SELECTIVE_DECISIONS",
+    "Decision",
+    "Footprint",
+    "Plan",
+    "RegionPlan",
+    "build_plan",
+    "calibrate_link",
+    "check_inputs",
+    "footprint",
+    "link_usable",
+    "region_transfer_ms",
+    "scale_link",
+    "simulate",
 ]
 
 logger = logging.getLogger(__name__)
@@ -100,6 +119,42 @@ class Decision(enum.Enum):
     KEEP = "keep"
     OFFLOAD = "offload"
     RECOMPUTE = "recompute"
+    SELECTIVE = "selective"
+    SELECTIVE_OFFLOAD = "selective+offload"
+
+
+MOVES_BYTES = (Decision.OFFLOAD, Decision.SELECTIVE_OFFLOAD)
+"""Decisions that copy bytes out over the link (and so need a usable one)."""
+SELECTIVE_DECISIONS = (Decision.SELECTIVE, Decision.SELECTIVE_OFFLOAD)
+"""Decisions that run a region selectively (only for regions whose selective run was measured)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """What one decision makes of one region: bytes (and tensors) it moves over the link, bytes it
+    keeps on the device between forward and backward, bytes it drops to regenerate in backward,
+    and the re-run backward pays for first, ms."""
+
+    moved_bytes: int
+    moved_tensors: int
+    resident_bytes: int
+    dropped_bytes: int
+    rerun_ms: float
+
+
+def footprint(region: RegionProfile, decision: Decision) -> Footprint:
+    """The ``Footprint`` of ``decision`` for ``region`` (see the module docstring)."""
+    if decision is Decision.KEEP:
+        return Footprint(0, 0, region.saved_bytes, 0, 0.0)
+    if decision is Decision.OFFLOAD:
+        return Footprint(region.saved_bytes, region.num_tensors, 0, 0, 0.0)
+    if decision is Decision.RECOMPUTE:
+        return Footprint(0, 0, region.input_bytes, region.saved_bytes, region.recompute_or_forward_ms())
+    if decision is Decision.SELECTIVE:
+        return Footprint(0, 0, region.expensive_bytes + region.input_bytes, region.cheap_bytes, region.selective_ms)
+    return Footprint(
+        region.expensive_bytes, region.expensive_tensors, region.input_bytes, region.cheap_bytes, region.selective_ms
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,11 +171,18 @@ class RegionPlan:
     transfer_ms: float
     """Link time to move its saved bytes out and back, ms, whatever the decision (inf: no link)."""
     exposed_ms: float
-    """Step time this region adds, ms: 0 for KEEP, one forward for RECOMPUTE, per-tensor cost
-    plus the wait for its reload for OFFLOAD (0 when the transfer hides)."""
+    """Step time this region adds, ms: 0 for KEEP, one forward for RECOMPUTE, its cheap ops for
+    SELECTIVE, per-tensor cost plus the wait for its reload for OFFLOAD (0 when the transfer
+    hides), both of the last for SELECTIVE_OFFLOAD."""
     resident_bytes: int
     """Bytes it keeps on the device between its forward and backward: all for KEEP, its inputs
-    for RECOMPUTE, 0 for OFFLOAD (once its copy has landed)."""
+    for RECOMPUTE and SELECTIVE_OFFLOAD, inputs and stash for SELECTIVE, 0 for OFFLOAD (once its
+    copy has landed)."""
+    dropped_bytes: int = 0
+    """Saved bytes it drops in forward and regenerates in backward: all for RECOMPUTE, the cheap
+    ops' for the selective decisions, none otherwise."""
+    note: str = ""
+    """Why the region was not offered the selective decisions, where it was not (from its profile)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,6 +231,8 @@ class Plan:
                     "transfer_ms": finite(r.transfer_ms),
                     "exposed_ms": finite(r.exposed_ms),
                     "resident_bytes": r.resident_bytes,
+                    "dropped_bytes": r.dropped_bytes,
+                    "note": r.note,
                 }
                 for r in self.regions
             ],
@@ -178,16 +242,17 @@ class Plan:
         name_width = max([len("region")] + [len(r.name) for r in self.regions])
         header = (
             f"{'region':<{name_width}}  {'MB':>10}  {'fwd ms':>9}  {'transfer ms':>11}"
-            f"  {'decision':<9}  {'exposed ms':>10}"
+            f"  {'decision':<17}  {'exposed ms':>10}  {'drops MB':>10}"
         )
         budget = "none" if self.budget_bytes is None else f"{_mb(self.budget_bytes)} MB"
         lines = [f"offload plan: policy {self.policy}, budget {budget}", header, "-" * len(header)]
         for r in self.regions:
             lines.append(
                 f"{r.name:<{name_width}}  {_mb(r.saved_bytes):>10}  {r.forward_ms:>9.3f}"
-                f"  {r.transfer_ms:>11.3f}  {r.decision.value:<9}  {r.exposed_ms:>10.3f}"
+                f"  {r.transfer_ms:>11.3f}  {r.decision.value:<17}  {r.exposed_ms:>10.3f}  {_mb(r.dropped_bytes):>10}"
             )
         lines.append("-" * len(header))
+        lines.extend(f"note: {r.name}: {r.note}" for r in self.regions if r.note)
         percent = 100.0 * self.predicted_overhead_ms / self.baseline_step_ms if self.baseline_step_ms > 0 else 0.0
         lines.append(
             f"predicted overhead: {self.predicted_overhead_ms:.3f} ms "
@@ -242,11 +307,17 @@ def _run_timeline(
     if len(decisions) != len(regions):
         raise ValueError(f"got {len(decisions)} decisions for {len(regions)} regions; pass one per region")
     out_gb_per_s, back_gb_per_s = machine.offload_gb_per_s()
-    if Decision.OFFLOAD in decisions and not link_usable(machine):
+    if any(d in MOVES_BYTES for d in decisions) and not link_usable(machine):
         raise ValueError(
             f"cannot OFFLOAD over a link of {out_gb_per_s} GB/s out, {back_gb_per_s} GB/s back "
-            f"(device {machine.device_type!r}): bytes would never come back; use RECOMPUTE or KEEP"
+            f"(device {machine.device_type!r}): bytes would never come back; use RECOMPUTE, SELECTIVE or KEEP"
         )
+    for region, decision in zip(regions, decisions, strict=True):
+        if decision in SELECTIVE_DECISIONS and not region.selective_measured():
+            raise ValueError(
+                f"region {region.name!r} cannot be {decision.value}: no selective run of it was measured "
+                f"(selective_ms is 0{'; ' + region.note if region.note else ''}); use RECOMPUTE"
+            )
     overhead_ms_per_tensor = machine.per_tensor_overhead_us * _MS_PER_US
     serial = copies_share_compute(machine)
     events: list[tuple[float, bool, int]] = []  # (time_ms, is_allocation, +/- bytes): frees sort first
@@ -256,13 +327,15 @@ def _run_timeline(
     # Forward: compute runs region after region; copies out queue on the out-link.
     now_ms = 0.0
     out_link_free_ms = 0.0
+    footprints = [footprint(region, decision) for region, decision in zip(regions, decisions, strict=True)]
     for i, (region, decision) in enumerate(zip(regions, decisions, strict=True)):
         now_ms += region.forward_ms
-        if decision is Decision.OFFLOAD:
-            overhead_ms = overhead_ms_per_tensor * region.num_tensors
+        fp = footprints[i]
+        if decision in MOVES_BYTES:
+            overhead_ms = overhead_ms_per_tensor * fp.moved_tensors
             now_ms += overhead_ms
             exposed_ms[i] += overhead_ms
-            out_ms = _link_ms(region.saved_bytes, out_gb_per_s)
+            out_ms = _link_ms(fp.moved_bytes, out_gb_per_s)
             if serial:
                 now_ms += out_ms
                 exposed_ms[i] += out_ms
@@ -270,10 +343,8 @@ def _run_timeline(
             else:
                 copy_start_ms = max(now_ms, out_link_free_ms)
                 out_link_free_ms = copy_landed_ms[i] = copy_start_ms + out_ms
-        elif decision is Decision.RECOMPUTE:
-            events.append((now_ms, True, region.input_bytes))
-        else:
-            events.append((now_ms, True, region.saved_bytes))
+        if decision is not Decision.OFFLOAD:
+            events.append((now_ms, True, fp.resident_bytes))
 
     # Backward: reverse order; an offloaded region waits for its reload (see the docstring).
     prefetch_floor_ms = now_ms
@@ -281,19 +352,17 @@ def _run_timeline(
         region, decision = regions[i], decisions[i]
         needed_ms = now_ms
         start_ms = needed_ms
-        if decision is Decision.OFFLOAD:
-            back_ms = _link_ms(region.saved_bytes, back_gb_per_s)
+        fp = footprints[i]
+        if decision in MOVES_BYTES:
+            back_ms = _link_ms(fp.moved_bytes, back_gb_per_s)
             issue_ms = needed_ms if serial else max(copy_landed_ms[i], prefetch_floor_ms, needed_ms - back_ms)
             start_ms = max(needed_ms, issue_ms + back_ms)
             exposed_ms[i] += start_ms - needed_ms
             prefetch_floor_ms = start_ms
-        recompute_ms = region.recompute_or_forward_ms() if decision is Decision.RECOMPUTE else 0.0
-        exposed_ms[i] += recompute_ms
-        now_ms = start_ms + recompute_ms + region.backward_or_estimate_ms(BACKWARD_TO_FORWARD)
-        if decision is Decision.RECOMPUTE:
-            events.append((now_ms, False, -region.input_bytes))
-        elif decision is Decision.KEEP:
-            events.append((now_ms, False, -region.saved_bytes))
+        exposed_ms[i] += fp.rerun_ms
+        now_ms = start_ms + fp.rerun_ms + region.backward_or_estimate_ms(BACKWARD_TO_FORWARD)
+        if decision is not Decision.OFFLOAD:
+            events.append((now_ms, False, -fp.resident_bytes))
 
     resident_bytes = peak_bytes = 0
     for _, _, delta_bytes in sorted(events):
@@ -387,7 +456,10 @@ def check_inputs(regions: Sequence[RegionProfile], machine: MachineProfile, budg
         for field in ("saved_bytes", "input_bytes", "num_tensors"):
             if getattr(region, field) < 0:
                 raise ValueError(f"region {region.name!r}: {field} must be >= 0, got {getattr(region, field)!r}")
-        for field in ("forward_ms", "backward_ms", "recompute_ms"):
+        for field in ("cheap_bytes", "expensive_bytes", "expensive_tensors"):
+            if getattr(region, field) < 0:
+                raise ValueError(f"region {region.name!r}: {field} must be >= 0, got {getattr(region, field)!r}")
+        for field in ("forward_ms", "backward_ms", "recompute_ms", "selective_ms"):
             value = getattr(region, field)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"region {region.name!r}: {field} must be finite and >= 0, got {value!r}")
@@ -409,11 +481,7 @@ def build_plan(
     timeline = _run_timeline(regions, decisions, machine)
     region_plans = []
     for region, decision, exposed_ms in zip(regions, decisions, timeline.exposed_ms, strict=True):
-        resident_bytes = {
-            Decision.KEEP: region.saved_bytes,
-            Decision.RECOMPUTE: region.input_bytes,
-            Decision.OFFLOAD: 0,
-        }[decision]
+        fp = footprint(region, decision)
         region_plans.append(
             RegionPlan(
                 name=region.name,
@@ -422,7 +490,9 @@ def build_plan(
                 forward_ms=region.forward_ms,
                 transfer_ms=sum(region_transfer_ms(region, machine)),
                 exposed_ms=exposed_ms,
-                resident_bytes=resident_bytes,
+                resident_bytes=fp.resident_bytes,
+                dropped_bytes=fp.dropped_bytes,
+                note=region.note,
             )
         )
     baseline_step_ms = other_ms + sum(r.forward_ms + r.backward_or_estimate_ms(BACKWARD_TO_FORWARD) for r in regions)

@@ -7,7 +7,10 @@ references every benchmark compares against; "auto" is the planner proper.
     "none"       keep everything (no engine; no budget allowed)
     "offload"    keep the newest regions hot while they fit, offload the rest
     "recompute"  recompute every region (classic full activation checkpointing)
-    "auto"       mix all three by measured cost, within the budget
+    "selective"  recompute every region's cheap ops, keep (or let the budget move) its expensive
+                 outputs; whole-region recompute where a region cannot be split
+    "auto"       mix all of them by measured cost, within the budget; within selective, the stash
+                 stays hot (SELECTIVE) or is copied out (SELECTIVE_OFFLOAD)
 
 Register your own with ``@register_policy`` on a class with a ``name`` and a
 ``plan(regions, machine, budget_bytes)`` method; it must be constructible without arguments.
@@ -23,9 +26,9 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from ._cost import MachineProfile, RegionProfile
-from ._planner import Decision, Plan, build_plan, check_inputs, link_usable, simulate
+from ._planner import SELECTIVE_DECISIONS, Decision, Plan, build_plan, check_inputs, link_usable, simulate
 
-__all__ = ["AutoPolicy", "Policy", "get_policy", "make_plan", "policy_names", "register_policy"]
+__all__ = ["AutoPolicy", "Policy", "SelectivePolicy", "get_policy", "make_plan", "policy_names", "register_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +135,23 @@ class RecomputePolicy(Policy):
 
 
 @register_policy
+class SelectivePolicy(Policy):
+    """Run every region selectively (its cheap ops re-run in backward, its matmul, attention and
+    convolution outputs stashed through the engine, which keeps or moves them by the budget);
+    regions whose selective run was not measured, or that cannot be split (compiled), are
+    recomputed whole. Whatever the budget, like "recompute"."""
+
+    name = "selective"
+
+    def plan(self, regions, machine, budget_bytes):
+        return _selective_or_recompute(regions)
+
+
+def _selective_or_recompute(regions: Sequence[RegionProfile]) -> tuple[Decision, ...]:
+    return tuple(Decision.SELECTIVE if r.selective_measured() else Decision.RECOMPUTE for r in regions)
+
+
+@register_policy
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AutoPolicy(Policy):
     """The planner: the fastest predicted step whose peak fits the budget.
@@ -141,7 +161,8 @@ class AutoPolicy(Policy):
     1. No budget: keep everything. Everything fits: keep everything.
     2. Greedy. Start from all KEEP; while the predicted peak exceeds the budget, take one more
        KEEP region off the device, choosing the region and action (OFFLOAD, or RECOMPUTE) that
-       adds the least step time per byte it takes off the predicted peak. An offload whose copy hides behind the
+       adds the least step time per byte it takes off the predicted peak (SELECTIVE and
+       SELECTIVE_OFFLOAD too, for regions whose selective run was measured). An offload whose copy hides behind the
        forward that follows it and whose reload hides behind backward adds nothing, so those go
        first, earliest region first; the newest regions, with no compute left to hide behind,
        stay hot. Beyond that the cheaper of exposed transfer and recompute wins, and among
@@ -152,9 +173,11 @@ class AutoPolicy(Policy):
        in order: fewer bytes over budget, a shorter step, then fewer regions moved when within
        the budget (touch no more than needed) or more when over it (move whatever is free),
        then a lower peak.
-    4. Safety net: if the best fixed policy (none, offload, recompute) still ranks better,
+    4. Safety net: if the best fixed policy (none, offload, recompute, selective) still ranks better,
        search again from it. So "auto" never predicts a slower step than a fixed policy that
        fits, and fits whenever one of them does.
+       Where selective runs were measured, search once more from every measured region
+       SELECTIVE_OFFLOAD (SELECTIVE without a link) and keep the better result.
     5. Nothing fits: search again from all-OFFLOAD and all-RECOMPUTE and return the least peak
        found (a local search: the least peak it finds, not a proven minimum).
 
@@ -182,17 +205,28 @@ class AutoPolicy(Policy):
         if search.fits(keep_all):
             return keep_all
         can_offload = link_usable(machine)
-        actions = (Decision.OFFLOAD, Decision.RECOMPUTE) if can_offload else (Decision.RECOMPUTE,)
+        actions: tuple[Decision, ...] = (Decision.OFFLOAD, Decision.RECOMPUTE) if can_offload else (Decision.RECOMPUTE,)
+        if any(r.selective_measured() for r in regions):
+            actions += (Decision.SELECTIVE, Decision.SELECTIVE_OFFLOAD) if can_offload else (Decision.SELECTIVE,)
         fixed = [keep_all, (Decision.RECOMPUTE,) * n]
+        if Decision.SELECTIVE in actions:
+            fixed.append(_selective_or_recompute(regions))
         if can_offload:
             fixed.append(OffloadPolicy().plan(regions, machine, budget_bytes))
         best = search.improve(search.greedy(actions), actions, self.max_search_moves)
         best_fixed = min(fixed, key=search.rank)
         if search.rank(best_fixed) < search.rank(best):
             best = search.improve(best_fixed, actions, self.max_search_moves)
+        if Decision.SELECTIVE in actions:
+            # The greedy path takes regions off one at a time and rarely reaches "every stash moved":
+            # from a plan of offloads and recomputes, one region alone gains nothing by switching.
+            most = Decision.SELECTIVE_OFFLOAD if Decision.SELECTIVE_OFFLOAD in actions else Decision.SELECTIVE
+            start = tuple(most if search.allowed(i, most) else Decision.RECOMPUTE for i in range(n))
+            best = min(best, search.improve(start, actions, self.max_search_moves), key=search.rank)
         if not search.fits(best):
             for action in actions:
-                other = search.improve((action,) * n, actions, self.max_search_moves)
+                start = tuple(action if search.allowed(i, action) else Decision.RECOMPUTE for i in range(n))
+                other = search.improve(start, actions, self.max_search_moves)
                 best = min(best, other, key=search.rank)
         return best
 
@@ -205,6 +239,10 @@ class _Search:
         self._machine = machine
         self._budget_bytes = budget_bytes
         self._costs: dict[tuple[Decision, ...], tuple[float, int]] = {}
+
+    def allowed(self, i: int, decision: Decision) -> bool:
+        """Region i may take ``decision``: the selective ones only where a selective run was measured."""
+        return decision not in SELECTIVE_DECISIONS or self._regions[i].selective_measured()
 
     def cost(self, decisions: tuple[Decision, ...]) -> tuple[float, int]:
         """(step_ms, peak_bytes), simulated once per distinct assignment."""
@@ -233,6 +271,8 @@ class _Search:
                 if decisions[i] is not Decision.KEEP:
                     continue
                 for action in actions:
+                    if not self.allowed(i, action):
+                        continue
                     trial = decisions[:i] + (action,) + decisions[i + 1 :]
                     trial_step_ms, trial_peak_bytes = self.cost(trial)
                     if trial_peak_bytes >= peak_bytes:
@@ -263,11 +303,13 @@ class _Search:
             position = (position + 1) % len(moves)
             tried_since_move += 1
             if isinstance(other, Decision):
-                if current[i] is other:
+                if current[i] is other or not self.allowed(i, other):
                     continue
                 neighbour = current[:i] + (other,) + current[i + 1 :]
             else:
                 if current[i] is current[other]:
+                    continue
+                if not (self.allowed(i, current[other]) and self.allowed(other, current[i])):
                     continue
                 swapped = list(current)
                 swapped[i], swapped[other] = current[other], current[i]

@@ -101,6 +101,10 @@ class _Frame:
         self.meta: list = []            # per saved tensor: (shape, dtype), from the original forward
         self.values: Optional[list] = None
         self.forward_values: Optional[list] = None  # per save: (tensor, version), only while fn runs
+        self.dropped_storages: dict = {}  # storage id -> nbytes of the saves this frame drops, while fn runs
+        self.dropped_bytes = 0
+        """Bytes of distinct storages the region saved and this frame dropped (set when forward returns):
+        not its inputs, not parameters or leaves that require grad (or their views), nothing kept otherwise."""
         self.gen = 0
         self.live = 0                   # slots autograd still holds
         self.pending = 0                # live slots not yet unpacked in this pass
@@ -130,13 +134,33 @@ class _Frame:
         self.forward_values = []  # See Note: [saved values live while the forward runs]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_placeholder, self._unpack_placeholder):
-                out = self.fn(*self.args, **self.kwargs)
+                with self._forward_mode():
+                    out = self.fn(*self.args, **self.kwargs)
+            inputs = {_storage_id(a) for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)}
+            self._forward_done(inputs)
+            kept = inputs | self._kept_storages()
+            self.dropped_bytes = sum(n for key, n in self.dropped_storages.items() if key not in kept)
         finally:
             self.forward_values = None
+            self.dropped_storages = {}
             for guard in guards:
                 guard.remove()
         self.args, self.kwargs = arg_template, kw_template  # drop references to the real inputs
         return out
+
+    # What a subclass (``_selective``) changes: the dispatch mode the forward and the re-run run
+    # under, what happens once the forward returned, and which saved storages it keeps itself.
+    def _forward_mode(self):
+        return contextlib.nullcontext()
+
+    def _rerun_mode(self):
+        return contextlib.nullcontext()
+
+    def _forward_done(self, input_storages: set) -> None:
+        pass
+
+    def _kept_storages(self) -> set:
+        return set()
 
     # Note: [no backward past a region's inputs]
     #     A backward run inside the region's forward (torch.autograd.grad or .backward()) may go
@@ -184,6 +208,8 @@ class _Frame:
         self.meta.append((t.shape, t.dtype))
         if self.forward_values is not None:
             self.forward_values.append((t, t._version))
+            if _droppable(t):
+                self.dropped_storages[_storage_id(t)] = t.untyped_storage().nbytes()
         self.live += 1
         return _Slot(self, len(self.meta) - 1)
 
@@ -276,7 +302,7 @@ class _Frame:
         with record("offload::recompute"):
             args, kwargs = self._rebuild_args()
             with self.rng.restored(), self.autocast.restored(), torch.enable_grad():
-                with torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured):
+                with torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured), self._rerun_mode():
                     try:
                         self.fn(*args, **kwargs)
                     except _StopRecompute:
@@ -307,6 +333,19 @@ class _StopRecompute(Exception):
 
 _ARG = object()
 """Placeholder for a tensor argument in a frame's stored argument template."""
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _droppable(t: torch.Tensor) -> bool:
+    """Whether dropping a save of ``t`` frees memory: not a parameter, a leaf that requires grad,
+    a view of one, or a tensor subclass (what the engine's hooks pass through for the same reason)."""
+    base = t if t._base is None else t._base
+    if type(t) is not torch.Tensor or type(base) is not torch.Tensor:
+        return False
+    return not (base.requires_grad and base.is_leaf) and t.layout is torch.strided and t.device.type != "meta"
 
 
 def _synchronize(cuda_devices: list) -> None:

@@ -1,4 +1,4 @@
-"""Regions: measure each one, plan, then keep, offload or recompute it.
+"""Regions: measure each one, plan, then keep, offload, recompute or selectively recompute it.
 
 Owns the per-region side of the engine: wrapping the region modules' ``forward``, profiling
 steps (saved bytes, forward, backward and recompute time per region), asking the planner for a
@@ -14,15 +14,22 @@ Profiling, per new input signature (each stage is one training step, and plans a
         policy "auto" and something has to move:
     "recompute"  every region recomputed: forward, backward and recompute times free of any
                  transfer (on a CPU the spill threads share the cores, and slowed the forward of
-                 a "measure" step 1.5-4x), at the least memory any plan can use
+                 a "measure" step 1.5-4x), at the least memory any plan can use. The same step
+                 measures what running it selectively would cost (``_selective.profiled_checkpoint``):
+                 the bytes its cheap and its expensive ops save, and the re-run's time less its
+                 expensive ops' time; a compiled region (one autograd Function) is not split, and noted
     "offload"    every region offloaded (when there is a link): the step time this costs over
                  the "recompute" step calibrates the probe's transfer costs (``calibrate_link``);
                  once per engine: later input signatures reuse the calibration
         ─▶ final plan from those numbers
+        policy "selective": "measure", then "recompute" ─▶ final plan (every region SELECTIVE,
+        or RECOMPUTE where it cannot be split)
 
     later steps:  region i ─▶ KEEP: run as is
                             ─▶ OFFLOAD: run; each save starts its copy out at once
                             ─▶ RECOMPUTE: offload.checkpoint(region): only inputs saved
+                            ─▶ SELECTIVE: inputs and expensive outputs saved, cheap ops re-run
+                            ─▶ SELECTIVE_OFFLOAD: the same, each of those saves starting its copy out at once
 
 Every profiling stage stays within the budget: "measure" holds it per tensor, "recompute"
 keeps only the regions' inputs (themselves under the budget) and "offload" moves everything.
@@ -43,14 +50,14 @@ from ._budget import replan_needed
 from ._cost import MachineProfile, RegionProfile
 from ._planner import Decision, Plan, calibrate_link, link_usable, scale_link
 from ._policy import make_plan
-from ._recompute import checkpoint, timed_checkpoint
+from ._selective import SelectiveProfile, is_compiled, profiled_checkpoint, selective_checkpoint
 from ._session import Session
 
 __all__ = ["ProfiledStep", "Regions", "resolve_regions"]
 
 log = logging.getLogger(__name__)
 
-_PROFILED_POLICIES = ("auto", "offload")
+_PROFILED_POLICIES = ("auto", "offload", "selective")
 """Policies whose decisions depend on measured sizes and times; "recompute" and "none" do not."""
 
 PROFILE_STEPS = 2
@@ -60,6 +67,9 @@ first block was seen on the CPU), so its plan is provisional and the second step
 
 MEASURE, RECOMPUTE_TRIAL, OFFLOAD_TRIAL = "measure", "recompute", "offload"
 """Profiling stages (see the module docstring)."""
+
+COMPILED_NOTE = "compiled (torch.compile): one autograd Function that cannot be split; recomputed whole instead"
+"""The note ``explain()`` shows for a compiled region a selective plan recomputes whole."""
 
 _RECENT_STEPS = 64
 """Steps whose stage ``Regions.recent_stages`` remembers (for tests and debugging)."""
@@ -137,7 +147,7 @@ class Regions:
         """Wrap the region's call (See Note: [a block compiled in place])."""
         attr = _COMPILED_CALL if getattr(module, _COMPILED_CALL, None) is not None else "forward"
         self._wrapped.append(_Wrapped(module, index, name, attr, module.__dict__.get(attr)))
-        setattr(module, attr, self._wrap(index, name, getattr(module, attr)))
+        setattr(module, attr, self._wrap(index, name, module, getattr(module, attr)))
 
     def rewrap_compiled(self) -> None:
         """Re-wrap the regions compiled in place since the engine wrapped them (at ``with eng:``)."""
@@ -153,27 +163,39 @@ class Regions:
             w.put_back()
         self._wrapped = []
 
-    def _wrap(self, index: int, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(
+        self, index: int, name: str, module: torch.nn.Module, forward: Callable[..., Any]
+    ) -> Callable[..., Any]:
         def region_forward(*args: Any, **kwargs: Any) -> Any:
             if not (self._session.active() and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
             if index == 0:
                 self._begin_step(args, kwargs)
             if self._profiles is not None:
-                return self._measure(index, name, forward, args, kwargs)
+                return self._measure(index, name, module, forward, args, kwargs)
             decision = self._decision(index)
             if decision is Decision.RECOMPUTE:
-                self._session.count_recompute()
-                on_recompute = self._session.observers.recompute_timer(name)  # a traced step times it
-                if on_recompute is not None:
-                    return timed_checkpoint(forward, args, kwargs, name, on_recompute)
-                return checkpoint(forward, *args, name=name, **kwargs)
+                return self._recompute(forward, args, kwargs, name, selective=False)
+            if decision is Decision.SELECTIVE:
+                return self._recompute(forward, args, kwargs, name, selective=not is_compiled(module))
+            if decision is Decision.SELECTIVE_OFFLOAD:
+                with self._session.eagerly():
+                    return self._recompute(forward, args, kwargs, name, selective=not is_compiled(module))
             if decision is Decision.OFFLOAD:
                 return self._eagerly(forward, args, kwargs)
             return forward(*args, **kwargs)
 
         region_forward.__wrapped__ = forward  # type: ignore[attr-defined]  # functions take attributes; Callable does not say so
         return region_forward
+
+    def _recompute(
+        self, forward: Callable[..., Any], args: tuple, kwargs: dict, name: str, *, selective: bool
+    ) -> Any:
+        """Run a region as a (selective) recompute and count what it dropped."""
+        on_recompute = self._session.observers.recompute_timer(name)  # a traced step times it
+        out, run = selective_checkpoint(forward, args, kwargs, name, selective=selective, on_recompute=on_recompute)
+        self._session.count_recompute(run.dropped_bytes)
+        return out
 
     def _eagerly(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         with self._session.eagerly():
@@ -248,15 +270,21 @@ class Regions:
                     # measured once, it serves every later input signature.
                     calibrate = link_usable(machine) and self._link_scale is None
                     self._stages[key] = [RECOMPUTE_TRIAL] + ([OFFLOAD_TRIAL] if calibrate else [])
+                elif self.policy == "selective":
+                    self._stages[key] = [RECOMPUTE_TRIAL]
                 else:
                     self._stages[key] = [MEASURE] * (PROFILE_STEPS - 1)
         elif stage == RECOMPUTE_TRIAL:
             timed = [
                 dataclasses.replace(
-                    size, forward_ms=p.forward_ms, backward_ms=p.backward_ms, recompute_ms=p.recompute_ms
+                    size, forward_ms=p.forward_ms, backward_ms=p.backward_ms, recompute_ms=p.recompute_ms,
+                    selective_ms=p.selective_ms, cheap_bytes=p.cheap_bytes, expensive_bytes=p.expensive_bytes,
+                    expensive_tensors=p.expensive_tensors, note=p.note,
                 )
                 for size, p in zip(self._sizes[key], profiles, strict=True)
             ]
+            if span_ms is not None:  # less the re-runs that only measured selective costs
+                span_ms -= sum(m.profiling_ms() for m in measurements)
             self._timed[key] = (timed, span_ms)
             used = timed
             plan = self._make_plan(timed, machine)
@@ -317,9 +345,11 @@ class Regions:
     def _decision(self, index: int) -> Decision:
         if self.plan is not None:
             return self.plan.regions[index].decision
-        return Decision.RECOMPUTE if self.policy == "recompute" else Decision.KEEP
+        return {"recompute": Decision.RECOMPUTE, "selective": Decision.SELECTIVE}.get(self.policy, Decision.KEEP)
 
-    def _measure(self, index: int, name: str, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _measure(
+        self, index: int, name: str, module: torch.nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
         cuda = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.is_cuda), None)
         m = _Measurement(name=name, input_bytes=_input_bytes(args, kwargs))
         if cuda is not None:
@@ -327,10 +357,16 @@ class Regions:
         bytes_before, tensors_before = self._session.saved()
         start = time.perf_counter()
         if self._stage == RECOMPUTE_TRIAL:
-            self._session.count_recompute()
+            compiled = is_compiled(module)
             on_recompute = self._session.observers.recompute_timer(name, m.add_recompute)
             assert on_recompute is not None  # never None when given a callback of its own
-            out = timed_checkpoint(forward, args, kwargs, name, on_recompute)
+            out, run = profiled_checkpoint(
+                forward, args, kwargs, name, split=not compiled, on_recompute=on_recompute,
+                on_selective=m.add_selective,
+            )
+            self._session.count_recompute(run.dropped_bytes)
+            if compiled:
+                m.note = COMPILED_NOTE
         elif self._stage == OFFLOAD_TRIAL:
             out = self._eagerly(forward, args, kwargs)
         else:
@@ -453,9 +489,15 @@ class _Measurement:
         self.recompute_ms = 0.0
         self.start = self.end = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.selective: Optional[SelectiveProfile] = None  # a "recompute" step: what selective would cost
+        self.note = ""
 
     def add_recompute(self, ms: float) -> None:
         self.recompute_ms += ms
+
+    def add_selective(self, selective: SelectiveProfile) -> None:
+        self.selective = selective
+        self.note = selective.why_not and f"recomputed whole: {selective.why_not}"
 
     def time_backward(self, args: tuple, kwargs: dict, out: Any, cuda: Optional[torch.device]) -> None:
         outputs = [t for t in _tensors(out) if t.requires_grad]
@@ -495,6 +537,19 @@ class _Measurement:
         return RegionProfile(
             name=self.name, saved_bytes=self.saved_bytes, input_bytes=self.input_bytes,
             forward_ms=self.forward_ms, num_tensors=self.num_tensors,
-            backward_ms=max(0.0, raw_ms - self.recompute_ms) if raw_ms > 0 else 0.0,
-            recompute_ms=self.recompute_ms,
+            backward_ms=max(0.0, raw_ms - self.recompute_ms - self.profiling_ms()) if raw_ms > 0 else 0.0,
+            recompute_ms=self.recompute_ms, note=self.note, **self._selective_fields(),
         )
+
+    def profiling_ms(self) -> float:
+        """Wall time of the extra re-run that measured selective costs (none: 0), ms."""
+        return 0.0 if self.selective is None else self.selective.rerun_ms
+
+    def _selective_fields(self) -> dict:
+        s = self.selective
+        if s is None or s.why_not:
+            return {}
+        return {
+            "selective_ms": s.selective_ms, "cheap_bytes": s.cheap_bytes, "expensive_bytes": s.expensive_bytes,
+            "expensive_tensors": s.expensive_tensors,
+        }

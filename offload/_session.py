@@ -143,8 +143,9 @@ class Session:
             return self._store.budget
         return self.config.budget_bytes
 
-    def count_recompute(self) -> None:
+    def count_recompute(self, dropped_bytes: int = 0) -> None:
         self.counters.recomputed_regions += 1
+        self.counters.recomputed_bytes += dropped_bytes
 
     def machine(self) -> MachineProfile:
         """The machine's transfer costs, for planning (the engine measures them on first use)."""

@@ -70,6 +70,9 @@ class Stats:
     """The byte budget in force now (a gauge): ``budget_mb`` in bytes, or with ``budget_mb="auto"``
     resident + free - reserve at the latest reading of free memory; None: no limit (or "auto"
     before the first eligible tensor was saved: nothing has been read yet)."""
+    recomputed_bytes: int = 0
+    """Bytes of saved tensors dropped in forward and regenerated in backward instead of kept or moved
+    (distinct storages, not the regions' inputs or parameters; a selective region's stash is saved, not counted here)."""
 
     def to_dict(self) -> dict:
         """The fields as a plain dict, for CSV or JSON writers."""
@@ -102,6 +105,7 @@ class Counters:
     reload_wait_ms: float
     evict_wait_ms: float
     recomputed_regions: int
+    recomputed_bytes: int
 
     def __init__(self) -> None:
         self.reset()
