@@ -36,7 +36,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     device = layers.parse_device(None)
     rows = [layers.layer_row(case, device, r, r.get("transfer_ms"), r.get("facts", {})) for case, r in results.items()]
     complete = set(layers.cases(device)) <= set(results) and all(
-        not math.isnan(r.get(kind, math.nan)) for r in results.values() for kind in layers.KINDS)
+        not math.isnan(r.get(kind, math.nan)) for r in results.values() for kind in layers.KINDS
+    )
     terminalreporter.write_line("")
     write = complete or bool(os.environ.get(layers.OUT_ENV))
     layers.report(rows, device, "pytest bench (pytest-benchmark)", write=write, say=terminalreporter.write_line)

@@ -75,8 +75,9 @@ LAYERS: dict[str, Callable[[Size], nn.Module]] = {
     "rmsnorm": lambda s: nn.RMSNorm(s.dim),
     "layernorm": lambda s: nn.LayerNorm(s.dim),
     "gpt_block": lambda s: Block(s.gpt()),
-    "conv_bn_relu": lambda s: nn.Sequential(nn.Conv2d(s.channels, s.channels, 3, padding=1, bias=False),
-                                            nn.BatchNorm2d(s.channels), nn.ReLU()),
+    "conv_bn_relu": lambda s: nn.Sequential(
+        nn.Conv2d(s.channels, s.channels, 3, padding=1, bias=False), nn.BatchNorm2d(s.channels), nn.ReLU()
+    ),
 }
 """name -> builder; a layer is fed a (batch, seq, dim) activation, or an image one if in IMAGE_LAYERS."""
 IMAGE_LAYERS = {"conv_bn_relu"}
@@ -194,10 +195,14 @@ class LayerBench:
         sync(self.device)
         moved = self.engine.stats
         return {
-            "saved_bytes": saved.saved_bytes, "saved_tensors": saved.saved_tensors,
-            "passthrough_tensors": saved.passthrough_tensors, "fwd_flops": flops.get_total_flops(),
-            "offloaded_bytes": moved.offloaded_bytes, "reloaded_bytes": moved.reloaded_bytes,
-            "evict_wait_ms": round(moved.evict_wait_ms, 3), "reload_wait_ms": round(moved.reload_wait_ms, 3),
+            "saved_bytes": saved.saved_bytes,
+            "saved_tensors": saved.saved_tensors,
+            "passthrough_tensors": saved.passthrough_tensors,
+            "fwd_flops": flops.get_total_flops(),
+            "offloaded_bytes": moved.offloaded_bytes,
+            "reloaded_bytes": moved.reloaded_bytes,
+            "evict_wait_ms": round(moved.evict_wait_ms, 3),
+            "reload_wait_ms": round(moved.reload_wait_ms, 3),
         }
 
     def close(self) -> None:
@@ -209,22 +214,32 @@ def paired_difference_ms(after_ms: list[float], before_ms: list[float]) -> float
     return median([a - b for a, b in zip(after_ms, before_ms, strict=True)])
 
 
-def layer_row(case: Case, device: torch.device, medians_ms: dict[str, float], transfer_ms: Optional[float],
-              facts: dict) -> dict:
+def layer_row(
+    case: Case, device: torch.device, medians_ms: dict[str, float], transfer_ms: Optional[float], facts: dict
+) -> dict:
     """One result row: the measured medians, the derived costs and the winner. ``transfer_ms`` is
     the paired estimate; when None, the difference of the keep and offload medians stands in."""
     keep, offloaded, recompute = (medians_ms.get(k, float("nan")) for k in KINDS)
     transfer = offloaded - keep if transfer_ms is None else transfer_ms
     saved = facts.get("saved_bytes", 0)
-    winner = "" if math.isnan(transfer) or math.isnan(recompute) else (
-        "offload" if max(transfer, 0.0) < recompute else "recompute")
+    winner = (
+        ""
+        if math.isnan(transfer) or math.isnan(recompute)
+        else ("offload" if max(transfer, 0.0) < recompute else "recompute")
+    )
     return {
-        "layer": case.layer, "size": case.size.name, "shape": list(case.shape),
+        "layer": case.layer,
+        "size": case.size.name,
+        "shape": list(case.shape),
         "dtype": str(LAYER_DTYPES.get(device.type, torch.float32)).replace("torch.", ""),
-        "keep_ms": round(keep, 3), "offload_ms": round(offloaded, 3), "transfer_ms": round(transfer, 3),
+        "keep_ms": round(keep, 3),
+        "offload_ms": round(offloaded, 3),
+        "transfer_ms": round(transfer, 3),
         "recompute_ms": round(recompute, 3),
         "round_trip_gb_per_s": round(2 * saved / (transfer * 1e-3) / 1e9, 3) if transfer > 0 else None,
-        "winner": winner, "moved_all": facts.get("offloaded_bytes") == saved, **facts,
+        "winner": winner,
+        "moved_all": facts.get("offloaded_bytes") == saved,
+        **facts,
     }
 
 
@@ -239,7 +254,8 @@ def transfer_fit(rows: list[dict]) -> Optional[dict]:
     coefficients = torch.linalg.lstsq(a, y).solution
     ms_per_mb, ms_per_tensor = coefficients.flatten().tolist()
     return {
-        "ms_per_mb": round(ms_per_mb, 4), "ms_per_tensor": round(ms_per_tensor, 4),
+        "ms_per_mb": round(ms_per_mb, 4),
+        "ms_per_tensor": round(ms_per_tensor, 4),
         "round_trip_gb_per_s": round(2 * MB / 1e9 / (ms_per_mb * 1e-3), 3) if ms_per_mb > 0 else None,
         "median_abs_error_ms": round(float((a @ coefficients - y).abs().median()), 3),
     }
@@ -261,22 +277,54 @@ def report(rows: list[dict], device: torch.device, runner: str, write: bool, say
     """Print the table and the fit through ``say``; write the JSON when ``write``. Both runners end here."""
     warmup, rounds = layer_rounds(device)
     fit = transfer_fit(rows)
-    payload = {"benchmark": "layers", "runner": runner, "size_preset": size_preset(device), "warmup_rounds": warmup,
-               "rounds": rounds, "definitions": DEFINITIONS, "env": environment(device), "transfer_fit": fit,
-               "rows": rows}
+    payload = {
+        "benchmark": "layers",
+        "runner": runner,
+        "size_preset": size_preset(device),
+        "warmup_rounds": warmup,
+        "rounds": rounds,
+        "definitions": DEFINITIONS,
+        "env": environment(device),
+        "transfer_fit": fit,
+        "rows": rows,
+    }
     header = ("layer", "size", "shape", "saved MB", "keep ms", "transfer ms", "recompute ms", "GB/s", "winner")
     say(f"layers on {describe_machine(payload['env'])}")
-    say(table(header, [(r["layer"], r["size"], "x".join(map(str, r["shape"])), f"{r.get('saved_bytes', 0) / MB:.2f}",
-                        f"{r['keep_ms']:.2f}", f"{r['transfer_ms']:.2f}", f"{r['recompute_ms']:.2f}",
-                        r.get("round_trip_gb_per_s"), r["winner"]) for r in rows], left=3))
+    say(
+        table(
+            header,
+            [
+                (
+                    r["layer"],
+                    r["size"],
+                    "x".join(map(str, r["shape"])),
+                    f"{r.get('saved_bytes', 0) / MB:.2f}",
+                    f"{r['keep_ms']:.2f}",
+                    f"{r['transfer_ms']:.2f}",
+                    f"{r['recompute_ms']:.2f}",
+                    r.get("round_trip_gb_per_s"),
+                    r["winner"],
+                )
+                for r in rows
+            ],
+            left=3,
+        )
+    )
     for r in rows:
         if not r.get("moved_all", True):
-            say(f"WARNING {r['layer']} {r['size']}: the budget-0 engine moved {r.get('offloaded_bytes')} of "
-                f"{r.get('saved_bytes')} saved bytes; its transfer figure is not a full round trip")
-    say("" if not fit else (
-        f"fit: transfer ms = {fit['ms_per_mb']:.3f} x saved MB + {fit['ms_per_tensor']:.3f} x saved tensors "
-        f"(round trip {fit['round_trip_gb_per_s']} GB/s, {1e3 * fit['ms_per_tensor']:.0f} us per tensor; "
-        f"median error {fit['median_abs_error_ms']} ms)"))
+            say(
+                f"WARNING {r['layer']} {r['size']}: the budget-0 engine moved {r.get('offloaded_bytes')} of "
+                f"{r.get('saved_bytes')} saved bytes; its transfer figure is not a full round trip"
+            )
+    say(
+        ""
+        if not fit
+        else (
+            f"fit: transfer ms = {fit['ms_per_mb']:.3f} x saved MB + {fit['ms_per_tensor']:.3f} x saved tensors "
+            f"(round trip {fit['round_trip_gb_per_s']} GB/s, {1e3 * fit['ms_per_tensor']:.0f} us per tensor; "
+            f"median error {fit['median_abs_error_ms']} ms)"
+        )
+    )
     if write:
         say(f"wrote {write_json(os.environ.get(OUT_ENV) or RESULTS_DIR / f'layers-{device.type}.json', payload)}")
     else:
@@ -290,7 +338,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default=None, help=f"size preset: {', '.join(SIZE_PRESETS)}")
     parser.add_argument("--only", default=None, help="comma-separated layer names to run")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--json-out", default=None, help="where to write the JSON (default: results/layers-<device>.json)")
+    parser.add_argument(
+        "--json-out", default=None, help="where to write the JSON (default: results/layers-<device>.json)"
+    )
     args = parser.parse_args(argv)
     if args.sizes:
         os.environ[SIZES_ENV] = args.sizes

@@ -102,13 +102,21 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
         raise RuntimeError(f"expected the engine to take {length} saved tensors, it took {saved}")
     base, base_cpu = times.pop("no hooks"), cpu["no hooks"]
     variants = {  # median of paired differences; min - min (noise only ever adds time); process CPU time
-        name: {"median_us": round(median([(v - b) * 1e3 / saved for v, b in zip(ms, base, strict=True)]), 3),
-               "min_us": round((min(ms) - min(base)) * 1e3 / saved, 3),
-               "cpu_us": round(median([(v - b) * 1e3 / saved for v, b in zip(cpu[name], base_cpu, strict=True)]), 3)}
+        name: {
+            "median_us": round(median([(v - b) * 1e3 / saved for v, b in zip(ms, base, strict=True)]), 3),
+            "min_us": round((min(ms) - min(base)) * 1e3 / saved, 3),
+            "cpu_us": round(median([(v - b) * 1e3 / saved for v, b in zip(cpu[name], base_cpu, strict=True)]), 3),
+        }
         for name, ms in times.items()
     }
-    return {"chain_length": length, "numel": CHAIN_NUMEL, "repeats": repeats, "no_hooks_ms": round(median(base), 3),
-            "engine_budget_none_us": variants["engine budget None"]["median_us"], "variants": variants}
+    return {
+        "chain_length": length,
+        "numel": CHAIN_NUMEL,
+        "repeats": repeats,
+        "no_hooks_ms": round(median(base), 3),
+        "engine_budget_none_us": variants["engine budget None"]["median_us"],
+        "variants": variants,
+    }
 
 
 def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
@@ -116,15 +124,27 @@ def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
     x = torch.ones(numel, requires_grad=True)
     counting = offload.engine(budget_mb=None, min_offload_bytes=0)
     moving = offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=spill_dir)
-    times, _ = _timed_chains(x, length, {"base": lambda: counting, "moved": lambda: moving},
-                             rounds=repeats, warmup=DISK_WARMUP, device=torch.device("cpu"))
+    times, _ = _timed_chains(
+        x,
+        length,
+        {"base": lambda: counting, "moved": lambda: moving},
+        rounds=repeats,
+        warmup=DISK_WARMUP,
+        device=torch.device("cpu"),
+    )
     moved_mb = _one_chain_stats(x, length, moving).offloaded_bytes / MB
     counting.close()
     moving.close()
     diff_ms = median([m - b for m, b in zip(times["moved"], times["base"], strict=True)])
-    return {"tensors": length, "tensor_bytes": numel * 4, "base_ms": round(median(times["base"]), 3),
-            "moved_ms": round(median(times["moved"]), 3), "per_tensor_us": round(diff_ms * 1e3 / length, 1),
-            "per_mb_ms": round(diff_ms / moved_mb, 3) if moved_mb else None, "offloaded_mb": round(moved_mb, 2)}
+    return {
+        "tensors": length,
+        "tensor_bytes": numel * 4,
+        "base_ms": round(median(times["base"]), 3),
+        "moved_ms": round(median(times["moved"]), 3),
+        "per_tensor_us": round(diff_ms * 1e3 / length, 1),
+        "per_mb_ms": round(diff_ms / moved_mb, 3) if moved_mb else None,
+        "offloaded_mb": round(moved_mb, 2),
+    }
 
 
 def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> dict:
@@ -152,7 +172,8 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
     variants = {}
     for name, ms in times.items():
         variants[name] = {
-            "median_ms": round(median(ms), 3), "min_ms": round(min(ms), 3),
+            "median_ms": round(median(ms), 3),
+            "min_ms": round(min(ms), 3),
             "cpu_median_ms": round(median(cpu[name]), 3),
             "overhead": round(median(ms) / median(base) - 1, 4),
             "paired_overhead": round(median([v / b - 1 for v, b in zip(ms, base, strict=True)]), 4),
@@ -170,14 +191,28 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
             engines[name].close()
     none_row = variants["budget None"]
     return {
-        "model": dict(n_layer=settings.layers, n_embd=settings.hidden, n_head=settings.heads, seq_len=settings.seq,
-                      batch=settings.batch, dtype=settings.dtype, params=step.model.num_params()),
-        "steps": steps, "warmup": warmup, "saved_bytes_per_step": saved.saved_bytes,
-        "saved_tensors_per_step": saved.saved_tensors, "passthrough_tensors_per_step": saved.passthrough_tensors,
-        "no_engine_ms": round(median(base), 3), "no_engine_cpu_ms": round(base_cpu_ms, 3),
-        "engine_none_ms": none_row["median_ms"], "overhead_budget_none": none_row["overhead"],
-        "cpu_overhead_budget_none": none_row["cpu_overhead"], "target_overhead": STEP_TARGET_OVERHEAD,
-        "within_target": none_row["overhead"] <= STEP_TARGET_OVERHEAD, "variants": variants,
+        "model": dict(
+            n_layer=settings.layers,
+            n_embd=settings.hidden,
+            n_head=settings.heads,
+            seq_len=settings.seq,
+            batch=settings.batch,
+            dtype=settings.dtype,
+            params=step.model.num_params(),
+        ),
+        "steps": steps,
+        "warmup": warmup,
+        "saved_bytes_per_step": saved.saved_bytes,
+        "saved_tensors_per_step": saved.saved_tensors,
+        "passthrough_tensors_per_step": saved.passthrough_tensors,
+        "no_engine_ms": round(median(base), 3),
+        "no_engine_cpu_ms": round(base_cpu_ms, 3),
+        "engine_none_ms": none_row["median_ms"],
+        "overhead_budget_none": none_row["overhead"],
+        "cpu_overhead_budget_none": none_row["cpu_overhead"],
+        "target_overhead": STEP_TARGET_OVERHEAD,
+        "within_target": none_row["overhead"] <= STEP_TARGET_OVERHEAD,
+        "variants": variants,
     }
 
 
@@ -199,46 +234,88 @@ def disk_gpt_step(budget_mb: float, spill_dir: str) -> dict:
     loss.backward()
     stats = eng.stats
     eng.close()
-    return {"budget_mb": budget_mb, "offloaded_mb": round(stats.offloaded_bytes / MB, 2),
-            "reloaded_mb": round(stats.reloaded_bytes / MB, 2),
-            "reload_ratio": round(stats.reloaded_bytes / stats.offloaded_bytes, 3) if stats.offloaded_bytes else None,
-            "spilled_at_forward_end_mb": round(spilled / MB, 2),
-            "page_cache_at_forward_end_mb": None if cached is None else round(cached / MB, 2),
-            "page_cache_share": None if not (cached is not None and spilled) else round(cached / spilled, 3)}
+    return {
+        "budget_mb": budget_mb,
+        "offloaded_mb": round(stats.offloaded_bytes / MB, 2),
+        "reloaded_mb": round(stats.reloaded_bytes / MB, 2),
+        "reload_ratio": round(stats.reloaded_bytes / stats.offloaded_bytes, 3) if stats.offloaded_bytes else None,
+        "spilled_at_forward_end_mb": round(spilled / MB, 2),
+        "page_cache_at_forward_end_mb": None if cached is None else round(cached / MB, 2),
+        "page_cache_share": None if not (cached is not None and spilled) else round(cached / spilled, 3),
+    }
 
 
 def print_overhead(tensor: dict, step: dict, env: dict) -> None:
     print(f"offload overhead on {describe_machine(env)}\n")
-    print(f"per saved tensor: chain of {tensor['chain_length']} sin ops on {CHAIN_NUMEL} floats, "
-          f"no hooks {tensor['no_hooks_ms']:.2f} ms, median of {tensor['repeats']} paired repeats")
-    rows = [(name, f"{v['median_us']:.2f}", f"{v['min_us']:.2f}", f"{v['cpu_us']:.2f}")
-            for name, v in tensor["variants"].items()]
+    print(
+        f"per saved tensor: chain of {tensor['chain_length']} sin ops on {CHAIN_NUMEL} floats, "
+        f"no hooks {tensor['no_hooks_ms']:.2f} ms, median of {tensor['repeats']} paired repeats"
+    )
+    rows = [
+        (name, f"{v['median_us']:.2f}", f"{v['min_us']:.2f}", f"{v['cpu_us']:.2f}")
+        for name, v in tensor["variants"].items()
+    ]
     print(table(("hooks", "pack+unpack us (median)", "(min)", "(cpu time)"), rows))
     m = step["model"]
-    print(f"\nper step: MiniGPT n_layer={m['n_layer']} n_embd={m['n_embd']} seq_len={m['seq_len']} batch={m['batch']} "
-          f"({m['params'] / 1e6:.1f}M params), {step['saved_tensors_per_step']} saved tensors "
-          f"({step['saved_bytes_per_step'] / MB:.1f} MB) per step, median of {step['steps']} interleaved steps")
-    rows = [(name, f"{v['median_ms']:.2f}", f"{100 * v['overhead']:+.2f}%", f"{100 * v['paired_overhead']:+.2f}%",
-             f"{v['min_ms']:.2f}", f"{100 * v['min_overhead']:+.2f}%", f"{v['cpu_median_ms']:.2f}",
-             f"{100 * v['cpu_overhead']:+.2f}%", v.get("offloaded_mb_per_step", "-"), v.get("peak_resident_mb", "-"))
-            for name, v in step["variants"].items()]
-    print(table(("variant", "median ms", "overhead", "paired", "min ms", "min ovh", "cpu ms", "cpu ovh",
-                 "moved MB/step", "peak resident MB"), rows))
+    print(
+        f"\nper step: MiniGPT n_layer={m['n_layer']} n_embd={m['n_embd']} seq_len={m['seq_len']} batch={m['batch']} "
+        f"({m['params'] / 1e6:.1f}M params), {step['saved_tensors_per_step']} saved tensors "
+        f"({step['saved_bytes_per_step'] / MB:.1f} MB) per step, median of {step['steps']} interleaved steps"
+    )
+    rows = [
+        (
+            name,
+            f"{v['median_ms']:.2f}",
+            f"{100 * v['overhead']:+.2f}%",
+            f"{100 * v['paired_overhead']:+.2f}%",
+            f"{v['min_ms']:.2f}",
+            f"{100 * v['min_overhead']:+.2f}%",
+            f"{v['cpu_median_ms']:.2f}",
+            f"{100 * v['cpu_overhead']:+.2f}%",
+            v.get("offloaded_mb_per_step", "-"),
+            v.get("peak_resident_mb", "-"),
+        )
+        for name, v in step["variants"].items()
+    ]
+    print(
+        table(
+            (
+                "variant",
+                "median ms",
+                "overhead",
+                "paired",
+                "min ms",
+                "min ovh",
+                "cpu ms",
+                "cpu ovh",
+                "moved MB/step",
+                "peak resident MB",
+            ),
+            rows,
+        )
+    )
     verdict = "within" if step["within_target"] else "OVER"
-    print(f"\nbudget None overhead {100 * step['overhead_budget_none']:+.2f}% "
-          f"({verdict} the {100 * STEP_TARGET_OVERHEAD:.0f}% target); by CPU time "
-          f"{100 * step['cpu_overhead_budget_none']:+.2f}%; load average {env['load_avg_1m']} on {env['cpu_cores_logical']} cores")
+    print(
+        f"\nbudget None overhead {100 * step['overhead_budget_none']:+.2f}% "
+        f"({verdict} the {100 * STEP_TARGET_OVERHEAD:.0f}% target); by CPU time "
+        f"{100 * step['cpu_overhead_budget_none']:+.2f}%; load average {env['load_avg_1m']} on "
+        f"{env['cpu_cores_logical']} cores"
+    )
 
 
 def disk_tier(repeats: int, spill_parent) -> dict:
     with tempfile.TemporaryDirectory(dir=spill_parent) as spill_dir:
         chains = {name: disk_chain(numel, length, repeats, spill_dir) for name, (numel, length) in DISK_CHAINS.items()}
         steps = [disk_gpt_step(budget_mb, spill_dir) for budget_mb in DISK_GPT_BUDGETS_MB]
-    print(f"per tensor (64 KiB): {chains['per_tensor']['per_tensor_us']} us   "
-          f"per MB (8 MiB tensors): {chains['per_mb']['per_mb_ms']} ms")
+    print(
+        f"per tensor (64 KiB): {chains['per_tensor']['per_tensor_us']} us   "
+        f"per MB (8 MiB tensors): {chains['per_mb']['per_mb_ms']} ms"
+    )
     for s in steps:
-        print(f"MiniGPT budget {s['budget_mb']} MB: reloaded/offloaded {s['reload_ratio']}, "
-              f"page cache {s['page_cache_at_forward_end_mb']} of {s['spilled_at_forward_end_mb']} MB spilled")
+        print(
+            f"MiniGPT budget {s['budget_mb']} MB: reloaded/offloaded {s['reload_ratio']}, "
+            f"page cache {s['page_cache_at_forward_end_mb']} of {s['spilled_at_forward_end_mb']} MB spilled"
+        )
     return {"benchmark": "disk_tier", "offload_file": offload.__file__, **chains, "gpt_steps": steps}
 
 
@@ -246,13 +323,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default: 30)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed chain runs per variant (default: 15; --disk 7)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed chain runs per variant (default: 15; --disk 7)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="warm-up runs per variant (default: 3)")
-    parser.add_argument("--chain", type=int, default=CHAIN_LENGTH, help=f"saved tensors per chain run (default: {CHAIN_LENGTH})")
+    parser.add_argument(
+        "--chain", type=int, default=CHAIN_LENGTH, help=f"saved tensors per chain run (default: {CHAIN_LENGTH})"
+    )
     parser.add_argument("--batch", type=int, default=None, help="the step's batch size (default: the device's preset)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice; --disk 1)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice; --disk 1)"
+    )
     parser.add_argument("--disk", action="store_true", help="the disk tier's figures instead (CPU)")
-    parser.add_argument("--spill-dir", default=None, help="--disk: parent of the spill directory (default: the temp dir)")
+    parser.add_argument(
+        "--spill-dir", default=None, help="--disk: parent of the spill directory (default: the temp dir)"
+    )
     parser.add_argument("--json-out", default=None, help="also write the JSON object to this file")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (7 if args.disk else 15)

@@ -20,7 +20,9 @@ import layers  # noqa: E402
 
 layers.set_threads(None)  # $OFFLOAD_BENCH_THREADS, if set
 if os.environ.get(layers.DEVICE_ENV, "").startswith("cuda") and not torch.cuda.is_available():
-    pytest.skip(f"{layers.DEVICE_ENV}={os.environ[layers.DEVICE_ENV]} but CUDA is not available", allow_module_level=True)
+    pytest.skip(
+        f"{layers.DEVICE_ENV}={os.environ[layers.DEVICE_ENV]} but CUDA is not available", allow_module_level=True
+    )
 DEVICE = layers.parse_device(None)
 
 PARAMS = [pytest.param(case, kind, id=f"{case.id}-{kind}") for case in layers.cases(DEVICE) for kind in layers.KINDS]

@@ -33,8 +33,14 @@ SEED = 1234
 MB = 1 << 20
 LEARNING_RATE = 3e-3
 CONFIG = dict(
-    hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    vocab_size=512, max_position_embeddings=256, use_cache=False,
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=256,
+    use_cache=False,
 )
 
 
@@ -58,8 +64,13 @@ def train(*, steps: int, batch: int, seq: int, engine=None) -> list[dict]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        rows.append({"ms": (time.perf_counter() - start) * 1e3, "loss": loss.item(),
-                     "stats": engine.stats if engine is not None else None})
+        rows.append(
+            {
+                "ms": (time.perf_counter() - start) * 1e3,
+                "loss": loss.item(),
+                "stats": engine.stats if engine is not None else None,
+            }
+        )
     if engine is not None:
         if engine.plan is not None:
             print(engine.plan)
@@ -81,21 +92,27 @@ def main() -> None:
             return offload.engine(args.budget_mb, model=model)
         return offload.engine(args.budget_mb, model=model, regions=model.model.layers, policy=args.policy)
 
-    print(f"LlamaForCausalLM {CONFIG['num_hidden_layers']}x{CONFIG['hidden_size']}, batch "
-          f"{args.batch_size}x{args.seq_len}, on cpu; engine budget {args.budget_mb:g} MB, policy {args.policy}")
+    print(
+        f"LlamaForCausalLM {CONFIG['num_hidden_layers']}x{CONFIG['hidden_size']}, batch "
+        f"{args.batch_size}x{args.seq_len}, on cpu; engine budget {args.budget_mb:g} MB, policy {args.policy}"
+    )
     run = dict(steps=args.steps, batch=args.batch_size, seq=args.seq_len)
     baseline = train(**run)
     managed = train(**run, engine=make_engine)
 
-    header = (f"{'step':>4} | {'ms plain':>9} {'ms engine':>9} | {'loss plain':>10} {'loss engine':>11} | "
-              f"{'saved MB':>8} {'moved MB':>8} {'peak MB':>7} {'recomp':>6}")
+    header = (
+        f"{'step':>4} | {'ms plain':>9} {'ms engine':>9} | {'loss plain':>10} {'loss engine':>11} | "
+        f"{'saved MB':>8} {'moved MB':>8} {'peak MB':>7} {'recomp':>6}"
+    )
     print(header)
     print("-" * len(header))
     for step, (plain, ours) in enumerate(zip(baseline, managed, strict=True)):
         s = ours["stats"]
-        print(f"{step:>4} | {plain['ms']:>9.1f} {ours['ms']:>9.1f} | {plain['loss']:>10.6f} {ours['loss']:>11.6f} | "
-              f"{s.saved_bytes / MB:>8.2f} {s.offloaded_bytes / MB:>8.2f} {s.peak_resident_bytes / MB:>7.2f} "
-              f"{s.recomputed_regions:>6}")
+        print(
+            f"{step:>4} | {plain['ms']:>9.1f} {ours['ms']:>9.1f} | {plain['loss']:>10.6f} {ours['loss']:>11.6f} | "
+            f"{s.saved_bytes / MB:>8.2f} {s.offloaded_bytes / MB:>8.2f} {s.peak_resident_bytes / MB:>7.2f} "
+            f"{s.recomputed_regions:>6}"
+        )
     match = all(plain["loss"] == ours["loss"] for plain, ours in zip(baseline, managed, strict=True))
     print(f"losses match exactly: {'yes' if match else 'NO'}")
 

@@ -52,11 +52,13 @@ def train(data: torch.Tensor, *, steps: int, batch_size: int, device: torch.devi
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
-        rows.append({
-            "ms": (time.perf_counter() - start) * 1e3,
-            "loss": loss.item(),
-            "stats": engine.stats if engine is not None else None,
-        })
+        rows.append(
+            {
+                "ms": (time.perf_counter() - start) * 1e3,
+                "loss": loss.item(),
+                "stats": engine.stats if engine is not None else None,
+            }
+        )
     return rows
 
 
@@ -69,8 +71,10 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = load_corpus()
-    print(f"MiniGPT {CONFIG.n_layer}x{CONFIG.n_embd}, batch {args.batch_size}x{CONFIG.seq_len}, "
-          f"on {device}; engine budget {args.budget_mb:g} MB")
+    print(
+        f"MiniGPT {CONFIG.n_layer}x{CONFIG.n_embd}, batch {args.batch_size}x{CONFIG.seq_len}, "
+        f"on {device}; engine budget {args.budget_mb:g} MB"
+    )
 
     run = dict(steps=args.steps, batch_size=args.batch_size, device=device)
     train(data, **run | {"steps": 1})  # warm-up: first-call costs (allocator, kernels) land in neither column
@@ -81,15 +85,19 @@ def main() -> None:
     finally:
         engine.close()
 
-    header = (f"{'step':>4} | {'ms plain':>9} {'ms engine':>9} | {'loss plain':>10} {'loss engine':>11} | "
-              f"{'saved MB':>8} {'moved MB':>8} {'peak MB':>7}")
+    header = (
+        f"{'step':>4} | {'ms plain':>9} {'ms engine':>9} | {'loss plain':>10} {'loss engine':>11} | "
+        f"{'saved MB':>8} {'moved MB':>8} {'peak MB':>7}"
+    )
     print(header)
     print("-" * len(header))
     for step, (plain, ours) in enumerate(zip(baseline, managed, strict=True)):
         stats = ours["stats"]
-        print(f"{step:>4} | {plain['ms']:>9.1f} {ours['ms']:>9.1f} | {plain['loss']:>10.6f} {ours['loss']:>11.6f} | "
-              f"{stats.saved_bytes / MB:>8.2f} {stats.offloaded_bytes / MB:>8.2f} "
-              f"{stats.peak_resident_bytes / MB:>7.2f}")
+        print(
+            f"{step:>4} | {plain['ms']:>9.1f} {ours['ms']:>9.1f} | {plain['loss']:>10.6f} {ours['loss']:>11.6f} | "
+            f"{stats.saved_bytes / MB:>8.2f} {stats.offloaded_bytes / MB:>8.2f} "
+            f"{stats.peak_resident_bytes / MB:>7.2f}"
+        )
 
     match = all(plain["loss"] == ours["loss"] for plain, ours in zip(baseline, managed, strict=True))
     print(f"losses match exactly: {'yes' if match else 'NO'}")

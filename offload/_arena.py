@@ -170,7 +170,9 @@ class HostArena:
             # traceback, whose frames (pack, the module forwards) hold this step's graph.
             log.warning(
                 "offload: pinning %d bytes of host memory failed (%s); no more host memory is taken, so "
-                "further tensors go to disk through what is held, or stay on the device", nbytes, str(e),
+                "further tensors go to disk through what is held, or stay on the device",
+                nbytes,
+                str(e),
             )
             self.failed = True
             return None

@@ -131,7 +131,9 @@ def _check_plan_cache(plan_cache: object) -> Optional[Path]:
         raise TypeError(f"plan_cache must be a file path (str or os.PathLike) or None, got {plan_cache!r}")
     path = Path(plan_cache).expanduser()
     if path.is_dir():
-        raise ValueError(f"plan_cache={str(path)!r} is a directory; pass a file path, e.g. {str(path / 'plans.json')!r}")
+        raise ValueError(
+            f"plan_cache={str(path)!r} is a directory; pass a file path, e.g. {str(path / 'plans.json')!r}"
+        )
     return path
 
 

@@ -62,9 +62,7 @@ class Engine:
         if config.plan_cache is not None:
             budget = f"auto reserve {config.reserve_bytes}" if config.follows_free_memory else config.budget_bytes
             plan_cache = PlanCache(config.plan_cache, budget=budget, policy=config.policy, machine_key=machine_key)
-        self._session = Session(
-            config, link=link, machine=self._machine_profile, memory=memory, plan_cache=plan_cache
-        )
+        self._session = Session(config, link=link, machine=self._machine_profile, memory=memory, plan_cache=plan_cache)
         self._models: list[torch.nn.Module] = []
         if model is not None:
             self.watch(model)

@@ -112,8 +112,20 @@ class Entry:
     """One distinct saved storage and every copy of it the engine holds."""
 
     __slots__ = (
-        "seq", "nbytes", "key", "version", "owner", "shape", "dtype", "device",
-        "residence", "copies", "refs", "users_left", "load_gen", "handles",
+        "seq",
+        "nbytes",
+        "key",
+        "version",
+        "owner",
+        "shape",
+        "dtype",
+        "device",
+        "residence",
+        "copies",
+        "refs",
+        "users_left",
+        "load_gen",
+        "handles",
     )
 
     def __init__(self, seq: int, key: int, storage: torch.UntypedStorage, t: torch.Tensor) -> None:
@@ -127,9 +139,7 @@ class Entry:
         self.owner = weakref.ref(t if t._base is None else t._base)  # whose version counter t uses
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
         self.residence = Residence.HOT
-        self.copies: dict[Tier, Copy] = {
-            Tier.DEVICE: Copy(Tier.DEVICE, storage, CopyState.READY, original=True)
-        }
+        self.copies: dict[Tier, Copy] = {Tier.DEVICE: Copy(Tier.DEVICE, storage, CopyState.READY, original=True)}
         self.refs = 0
         """Live handles (saved tensors autograd still holds)."""
         self.users_left = 0

@@ -26,7 +26,6 @@ class OffloadError(RuntimeError):
     """
 
 
-
 def inplace_error(type_name: str, shape: tuple[int, ...], now: int, expected: int, where: str = "") -> RuntimeError:
     """The error PyTorch raises for a saved tensor modified in place, for checks the engine does itself.
 

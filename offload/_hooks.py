@@ -44,9 +44,7 @@ class Eligibility:
         ``load_state_dict``) leaves an address the allocator may hand to an activation, which a
         stale entry would then wrongly pass through.
         """
-        self.skip_storages = {
-            t.untyped_storage()._cdata for m in modules for t in (*m.parameters(), *m.buffers())
-        }
+        self.skip_storages = {t.untyped_storage()._cdata for m in modules for t in (*m.parameters(), *m.buffers())}
 
     def __call__(self, t: torch.Tensor) -> bool:
         if type(t) is not torch.Tensor:  # Parameters and subclasses (fake, functional, DTensor)
@@ -82,7 +80,11 @@ class Eligibility:
         if storage.nbytes() < self.min_bytes or storage._cdata in self.skip_storages:
             return False
         if self.device is None and device.type in ("cpu", "cuda"):
-            self.device = device if device.type == "cpu" or device.index is not None else torch.device("cuda", torch.cuda.current_device())
+            self.device = (
+                device
+                if device.type == "cpu" or device.index is not None
+                else torch.device("cuda", torch.cuda.current_device())
+            )
         return device == self.device
 
 

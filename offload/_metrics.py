@@ -102,7 +102,9 @@ class PrometheusExporter:
             exporter.update()
     """
 
-    def __init__(self, engine: Engine, registry: Any = None, prefix: str = "offload", recompute_latency: bool = True) -> None:
+    def __init__(
+        self, engine: Engine, registry: Any = None, prefix: str = "offload", recompute_latency: bool = True
+    ) -> None:
         prom = _prometheus()
         from ._engine import Engine
 
@@ -125,10 +127,10 @@ class PrometheusExporter:
         self.prefetch = prom.Counter(
             f"{prefix}_prefetch", "Unpacks of moved tensors, by whether prefetch had started them", ["result"], **kw
         )
-        self.recomputed_regions = prom.Counter(
-            f"{prefix}_recomputed_regions", "Region forwards run as recompute", **kw
+        self.recomputed_regions = prom.Counter(f"{prefix}_recomputed_regions", "Region forwards run as recompute", **kw)
+        self.recomputed_bytes = prom.Counter(
+            f"{prefix}_recomputed_bytes", "Saved bytes dropped and regenerated in backward", **kw
         )
-        self.recomputed_bytes = prom.Counter(f"{prefix}_recomputed_bytes", "Saved bytes dropped and regenerated in backward", **kw)
         self.updates = prom.Counter(f"{prefix}_updates", "Calls of update() (steps exported)", **kw)
         self.resident_bytes = prom.Gauge(
             f"{prefix}_resident_bytes", "Engine-managed activation bytes on the compute device now", **kw
@@ -136,22 +138,29 @@ class PrometheusExporter:
         self.peak_resident_bytes = prom.Gauge(
             f"{prefix}_peak_resident_bytes", "Most resident bytes since the previous update()", **kw
         )
-        self.host_bytes = prom.Gauge(f"{prefix}_host_bytes", "Host bytes the engine's host tier holds (pinned slabs)", **kw)
+        self.host_bytes = prom.Gauge(
+            f"{prefix}_host_bytes", "Host bytes the engine's host tier holds (pinned slabs)", **kw
+        )
         self.spill_files = prom.Gauge(f"{prefix}_spill_files", "Spill files on disk now", **kw)
         self.spill_bytes = prom.Gauge(f"{prefix}_spill_bytes", "Bytes of the spill file holding copies now", **kw)
         self.budget_bytes = prom.Gauge(f"{prefix}_budget_bytes", "Byte budget in force (NaN: no limit)", **kw)
         self.reload_wait_seconds = prom.Histogram(
-            f"{prefix}_reload_wait_seconds", "Time backward stalled for reloads (host waits; CUDA: compute-stream waits), per update()",
-            buckets=WAIT_BUCKETS_S, **kw,
+            f"{prefix}_reload_wait_seconds",
+            "Time backward stalled for reloads (host waits; CUDA: compute-stream waits), per update()",
+            buckets=WAIT_BUCKETS_S,
+            **kw,
         )
         self.evict_wait_seconds = prom.Histogram(
-            f"{prefix}_evict_wait_seconds", "Host time forward waited for evictions to drain, per update()",
-            buckets=WAIT_BUCKETS_S, **kw,
+            f"{prefix}_evict_wait_seconds",
+            "Host time forward waited for evictions to drain, per update()",
+            buckets=WAIT_BUCKETS_S,
+            **kw,
         )
         self.recompute_seconds = prom.Histogram(
             f"{prefix}_recompute_seconds",
             "Wall time of each region's recompute in backward (one observation per recompute)",
-            buckets=WAIT_BUCKETS_S, **kw,
+            buckets=WAIT_BUCKETS_S,
+            **kw,
         )
         self._recompute_observer: Observer | None = None
         if recompute_latency:
@@ -218,4 +227,3 @@ def export_prometheus(
 ) -> PrometheusExporter:
     """Shorthand for ``PrometheusExporter(engine, registry, prefix, recompute_latency)``."""
     return PrometheusExporter(engine, registry=registry, prefix=prefix, recompute_latency=recompute_latency)
-

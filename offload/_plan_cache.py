@@ -117,7 +117,9 @@ class PlanCache:
         machine_key: the probe's key of this machine for a device (called once per signature).
     """
 
-    def __init__(self, path: Path, *, budget: Union[float, str, None], policy: str, machine_key: Callable[[torch.device], str]) -> None:
+    def __init__(
+        self, path: Path, *, budget: Union[float, str, None], policy: str, machine_key: Callable[[torch.device], str]
+    ) -> None:
         self.path = rank_path(Path(path))
         self._budget = budget
         self._policy = policy
@@ -221,7 +223,9 @@ class PlanCache:
             os.replace(tmp_path, self.path)
             tmp_path = None
         except OSError as error:
-            log.warning("offload: could not write the plan cache %s (%s); the next run profiles again", self.path, error)
+            log.warning(
+                "offload: could not write the plan cache %s (%s); the next run profiles again", self.path, error
+            )
         finally:
             if tmp_path is not None:
                 try:

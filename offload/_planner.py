@@ -56,9 +56,10 @@ Assumptions, all of them:
   ``simulate`` refuses it (``ValueError``); policies choose RECOMPUTE there instead.
 - Memory counts what the engine holds *for later*, which is what the budget bounds: KEEP
   regions' saved bytes, RECOMPUTE and SELECTIVE_OFFLOAD regions' inputs and SELECTIVE regions'
-  inputs plus stash, from the end of the region's forward to the end of its backward. OFFLOAD regions add nothing: the engine streams them tensor by tensor,
-  evicting at save time with copies in flight bounded inside the budget, and prefetches them
-  back only into room left under the budget, handing each to autograd as it is unpacked. Working
+  inputs plus stash, from the end of the region's forward to the end of its backward. OFFLOAD
+  regions add nothing: the engine streams them tensor by tensor, evicting at save time with
+  copies in flight bounded inside the budget, and prefetches them back only into room left under
+  the budget, handing each to autograd as it is unpacked. Working
   memory of the region being run (its forward's temporaries, a recomputed or reloaded region's
   tensors during its own backward) is not counted: it exists with or without the engine. The
   time model above ignores the stalls a tiny budget forces on streamed copies.

@@ -125,7 +125,9 @@ def probe(
         measured["disk", disk_key] = disk
     if link is None:
         d2h, h2d = _measure_link(device, nbytes, repeats) if device.type == "cuda" else (0.0, 0.0)
-        out_gbps, back_gbps = (d2h, h2d) if device.type == "cuda" else (disk["disk_write_gb_per_s"], disk["disk_read_gb_per_s"])
+        out_gbps, back_gbps = (
+            (d2h, h2d) if device.type == "cuda" else (disk["disk_write_gb_per_s"], disk["disk_read_gb_per_s"])
+        )
         link = {
             "d2h_gb_per_s": d2h,
             "h2d_gb_per_s": h2d,
@@ -151,7 +153,8 @@ def _link_key(device: torch.device, spill_dir: str) -> str:
     # the spill directory: the link key names it too, and the intra-op thread count, since torch's
     # spinning pool competes with the spill threads for the same cores.
     host = platform.node()
-    return f"{host}|{device.type}:{_device_name(device)}|torch {torch.__version__}|{spill_dir}|threads {torch.get_num_threads()}"
+    threads = torch.get_num_threads()
+    return f"{host}|{device.type}:{_device_name(device)}|torch {torch.__version__}|{spill_dir}|threads {threads}"
 
 
 def default_cache_path() -> Path:
@@ -271,7 +274,13 @@ def _measure_disk(spill_dir: str, nbytes: int, repeats: int) -> tuple[float, flo
     if not torch.equal(data, back):
         raise OSError(f"probe: the bytes read back from {spill_dir!r} differ from what was written")
     write, read = (_gb_per_s(nbytes, statistics.median(s)) for s in (write_s, read_s))
-    log.info("probe %s: write %.2f GB/s, read %.2f GB/s (%s)", spill_dir, write, read, "direct I/O" if direct else "buffered, pages dropped")
+    log.info(
+        "probe %s: write %.2f GB/s, read %.2f GB/s (%s)",
+        spill_dir,
+        write,
+        read,
+        "direct I/O" if direct else "buffered, pages dropped",
+    )
     return write, read
 
 

@@ -59,9 +59,7 @@ class _AutocastState:
     """Autocast on/off and dtype for CPU and CUDA at the region's forward."""
 
     def __init__(self) -> None:
-        self.states = [
-            (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
-        ]
+        self.states = [(dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")]
 
     @contextlib.contextmanager
     def restored(self):
@@ -97,8 +95,8 @@ class _Frame:
         self.rng = _RNGState(flat)
         self.autocast = _AutocastState()
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        self.inputs: list = []          # per tensor argument: (packed, version to check or None, requires_grad)
-        self.meta: list = []            # per saved tensor: (shape, dtype), from the original forward
+        self.inputs: list = []  # per tensor argument: (packed, version to check or None, requires_grad)
+        self.meta: list = []  # per saved tensor: (shape, dtype), from the original forward
         self.values: Optional[list] = None
         self.forward_values: Optional[list] = None  # per save: (tensor, version), only while fn runs
         self.dropped_storages: dict = {}  # storage id -> nbytes of the saves this frame drops, while fn runs
@@ -106,8 +104,8 @@ class _Frame:
         """Bytes of distinct storages the region saved and this frame dropped (set when forward returns):
         not its inputs, not parameters or leaves that require grad (or their views), nothing kept otherwise."""
         self.gen = 0
-        self.live = 0                   # slots autograd still holds
-        self.pending = 0                # live slots not yet unpacked in this pass
+        self.live = 0  # slots autograd still holds
+        self.pending = 0  # live slots not yet unpacked in this pass
 
     def _pack_input(self, t: torch.Tensor) -> tuple:
         """(packed, version to check at unpack or None). The outer hooks get the input itself, not
@@ -136,7 +134,9 @@ class _Frame:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_placeholder, self._unpack_placeholder):
                 with self._forward_mode():
                     out = self.fn(*self.args, **self.kwargs)
-            inputs = {_storage_id(a) for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)}
+            inputs = {
+                _storage_id(a) for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)
+            }
             self._forward_done(inputs)
             kept = inputs | self._kept_storages()
             self.dropped_bytes = sum(n for key, n in self.dropped_storages.items() if key not in kept)
@@ -218,7 +218,11 @@ class _Frame:
             value, version = self.forward_values[slot.index]
             if value._version != version:
                 raise inplace_error(
-                    value.type(), value.shape, value._version, version, f"saved tensor {slot.index} of region {self.name!r}"
+                    value.type(),
+                    value.shape,
+                    value._version,
+                    version,
+                    f"saved tensor {slot.index} of region {self.name!r}",
                 )
             return value
         if self.values is None:
@@ -247,7 +251,11 @@ class _Frame:
                 i, (packed, version, requires_grad) = next(tensors)
                 if version is not None and packed._version != version:
                     raise inplace_error(
-                        packed.type(), packed.shape, packed._version, version, f"tensor input {i} of region {self.name!r}"
+                        packed.type(),
+                        packed.shape,
+                        packed._version,
+                        version,
+                        f"tensor input {i} of region {self.name!r}",
                     )
                 return self._unpack_input(packed).detach().requires_grad_(requires_grad)
             return a
@@ -354,9 +362,7 @@ def _synchronize(cuda_devices: list) -> None:
         torch.cuda.synchronize(index)
 
 
-def timed_checkpoint(
-    fn: Callable, args: tuple, kwargs: dict, name: str, on_recompute: Callable[[float], None]
-) -> Any:
+def timed_checkpoint(fn: Callable, args: tuple, kwargs: dict, name: str, on_recompute: Callable[[float], None]) -> Any:
     """``checkpoint`` that reports each recompute's wall time in ms to ``on_recompute`` (the
     regions' profiling step; on CUDA it synchronizes, so it is for measured steps only)."""
     if not torch.is_grad_enabled():

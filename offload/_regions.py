@@ -131,13 +131,15 @@ class Regions:
         self._key: Optional[tuple] = None
         self._stage: Optional[str] = None
         self._profiles: Optional[list[_Measurement]] = None
-        self._stages: dict[tuple, list[str]] = {}      # signature -> profiling stages still to run
-        self._sizes: dict[tuple, list[RegionProfile]] = {}   # from its latest "measure" step
+        self._stages: dict[tuple, list[str]] = {}  # signature -> profiling stages still to run
+        self._sizes: dict[tuple, list[RegionProfile]] = {}  # from its latest "measure" step
         self._timed: dict[tuple, tuple[list[RegionProfile], Optional[float]]] = {}  # "recompute" step
         self._link_scale: Optional[float] = None  # from the first "offload" trial, reused for new shapes
         self._pending: Optional[_Pending] = None  # measured, backward still to run
         self._step_start: Optional[float] = None
-        self._last_step: Optional[tuple[float, float, str]] = None  # (start, regions' ms, stage) of the last measured step
+        self._last_step: Optional[tuple[float, float, str]] = (
+            None  # (start, regions' ms, stage) of the last measured step
+        )
         self._other_ms = 0.0
         self._wrapped: list[_Wrapped] = []
         for index, (name, module) in enumerate(regions):
@@ -163,9 +165,7 @@ class Regions:
             w.put_back()
         self._wrapped = []
 
-    def _wrap(
-        self, index: int, name: str, module: torch.nn.Module, forward: Callable[..., Any]
-    ) -> Callable[..., Any]:
+    def _wrap(self, index: int, name: str, module: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         def region_forward(*args: Any, **kwargs: Any) -> Any:
             if not (self._session.active() and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
@@ -188,9 +188,7 @@ class Regions:
         region_forward.__wrapped__ = forward  # type: ignore[attr-defined]  # functions take attributes; Callable does not say so
         return region_forward
 
-    def _recompute(
-        self, forward: Callable[..., Any], args: tuple, kwargs: dict, name: str, *, selective: bool
-    ) -> Any:
+    def _recompute(self, forward: Callable[..., Any], args: tuple, kwargs: dict, name: str, *, selective: bool) -> Any:
         """Run a region as a (selective) recompute and count what it dropped."""
         on_recompute = self._session.observers.recompute_timer(name)  # a traced step times it
         out, run = selective_checkpoint(forward, args, kwargs, name, selective=selective, on_recompute=on_recompute)
@@ -227,7 +225,11 @@ class Regions:
             stages = self._stages.setdefault(key, [MEASURE])
             if stages:
                 stage = stages.pop(0)
-        if stage is None and self.plan is not None and replan_needed(self.plan.budget_bytes, self._session.budget_in_force()):
+        if (
+            stage is None
+            and self.plan is not None
+            and replan_needed(self.plan.budget_bytes, self._session.budget_in_force())
+        ):
             self.plan = self._replan(key)  # budget_mb="auto": free memory moved well away from the plan's budget
         self._stage = stage
         self._profiles = [] if stage is not None else None
@@ -277,9 +279,15 @@ class Regions:
         elif stage == RECOMPUTE_TRIAL:
             timed = [
                 dataclasses.replace(
-                    size, forward_ms=p.forward_ms, backward_ms=p.backward_ms, recompute_ms=p.recompute_ms,
-                    selective_ms=p.selective_ms, cheap_bytes=p.cheap_bytes, expensive_bytes=p.expensive_bytes,
-                    expensive_tensors=p.expensive_tensors, note=p.note,
+                    size,
+                    forward_ms=p.forward_ms,
+                    backward_ms=p.backward_ms,
+                    recompute_ms=p.recompute_ms,
+                    selective_ms=p.selective_ms,
+                    cheap_bytes=p.cheap_bytes,
+                    expensive_bytes=p.expensive_bytes,
+                    expensive_tensors=p.expensive_tensors,
+                    note=p.note,
                 )
                 for size, p in zip(self._sizes[key], profiles, strict=True)
             ]
@@ -350,7 +358,9 @@ class Regions:
     def _measure(
         self, index: int, name: str, module: torch.nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict
     ) -> Any:
-        cuda = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.is_cuda), None)
+        cuda = next(
+            (a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.is_cuda), None
+        )
         m = _Measurement(name=name, input_bytes=_input_bytes(args, kwargs))
         if cuda is not None:
             torch.cuda.synchronize(cuda)
@@ -361,7 +371,12 @@ class Regions:
             on_recompute = self._session.observers.recompute_timer(name, m.add_recompute)
             assert on_recompute is not None  # never None when given a callback of its own
             out, run = profiled_checkpoint(
-                forward, args, kwargs, name, split=not compiled, on_recompute=on_recompute,
+                forward,
+                args,
+                kwargs,
+                name,
+                split=not compiled,
+                on_recompute=on_recompute,
                 on_selective=m.add_selective,
             )
             self._session.count_recompute(run.dropped_bytes)
@@ -535,10 +550,15 @@ class _Measurement:
     def profile(self) -> RegionProfile:
         raw_ms = self.raw_backward_ms()
         return RegionProfile(
-            name=self.name, saved_bytes=self.saved_bytes, input_bytes=self.input_bytes,
-            forward_ms=self.forward_ms, num_tensors=self.num_tensors,
+            name=self.name,
+            saved_bytes=self.saved_bytes,
+            input_bytes=self.input_bytes,
+            forward_ms=self.forward_ms,
+            num_tensors=self.num_tensors,
             backward_ms=max(0.0, raw_ms - self.recompute_ms - self.profiling_ms()) if raw_ms > 0 else 0.0,
-            recompute_ms=self.recompute_ms, note=self.note, **self._selective_fields(),
+            recompute_ms=self.recompute_ms,
+            note=self.note,
+            **self._selective_fields(),
         )
 
     def profiling_ms(self) -> float:
@@ -550,6 +570,8 @@ class _Measurement:
         if s is None or s.why_not:
             return {}
         return {
-            "selective_ms": s.selective_ms, "cheap_bytes": s.cheap_bytes, "expensive_bytes": s.expensive_bytes,
+            "selective_ms": s.selective_ms,
+            "cheap_bytes": s.cheap_bytes,
+            "expensive_bytes": s.expensive_bytes,
             "expensive_tensors": s.expensive_tensors,
         }

@@ -55,7 +55,13 @@ from ._errors import OffloadError, inplace_error
 from ._recompute import _droppable, _Frame, _StopRecompute, _storage_id, _synchronize
 
 __all__ = [
-    "EXPENSIVE_OPS", "MIN_SELECTIVE_MS", "SelectiveProfile", "SelectiveRun", "is_compiled", "is_expensive", "profiled_checkpoint",
+    "EXPENSIVE_OPS",
+    "MIN_SELECTIVE_MS",
+    "SelectiveProfile",
+    "SelectiveRun",
+    "is_compiled",
+    "is_expensive",
+    "profiled_checkpoint",
     "selective_checkpoint",
 ]
 
@@ -71,17 +77,42 @@ EXPENSIVE_OPS: frozenset = _ops(
     # matmul family: ~2k FLOPs per output element (k the inner size). ``matmul`` and ``linear``
     # decompose into these before a dispatch mode sees them on most backends; listed for those
     # where they do not.
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "matmul", "linear", "_addmm_activation",
-    "_int_mm", "_scaled_mm",
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "addbmm",
+    "mv",
+    "addmv",
+    "matmul",
+    "linear",
+    "_addmm_activation",
+    "_int_mm",
+    "_scaled_mm",
     # attention: ~4·s·d FLOPs per output element, every fused variant and their tuple outputs
-    "scaled_dot_product_attention", "_scaled_dot_product_attention_math",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
     "_cudnn_attention_forward",
     # convolution: ~2·C_in·kernel_area FLOPs per output element
-    "convolution", "_convolution", "convolution_overrideable", "cudnn_convolution", "mkldnn_convolution",
-    "miopen_convolution", "conv2d", "conv1d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "convolution",
+    "_convolution",
+    "convolution_overrideable",
+    "cudnn_convolution",
+    "mkldnn_convolution",
+    "miopen_convolution",
+    "conv2d",
+    "conv1d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
 )
 """Ops whose outputs a selective region stashes instead of recomputing: those that cost hundreds
 to thousands of FLOPs per output byte. Every other op is cheap (a few FLOPs per byte: elementwise,
@@ -195,7 +226,9 @@ class _StashMode(_Mode):
         if is_expensive(func):
             self.frame.stashed.append(
                 _Stashed(
-                    op=str(func), inputs=_meta((args, kwargs)), outputs=_map_tensors(_Held, out),
+                    op=str(func),
+                    inputs=_meta((args, kwargs)),
+                    outputs=_map_tensors(_Held, out),
                     rng_after=_rng_after(func, args, kwargs),
                 )
             )
@@ -267,7 +300,11 @@ class _SelectiveFrame(_Frame):
     """One call of a selective region: a recompute frame whose re-run replays the expensive ops."""
 
     def __init__(
-        self, fn: Callable, name: str, args: tuple, kwargs: dict,
+        self,
+        fn: Callable,
+        name: str,
+        args: tuple,
+        kwargs: dict,
         on_recompute: Callable[[float], None] | None = None,
     ) -> None:
         super().__init__(fn, name, args, kwargs, on_recompute)
@@ -306,8 +343,9 @@ class _SelectiveFrame(_Frame):
                 self.stashed = []
                 return
         for entry in self.stashed:
-            entry.outputs = tree_map(lambda h: self._stash_one(h.tensor) if _is_held(h) else h, entry.outputs,
-                                     is_leaf=_is_held)
+            entry.outputs = tree_map(
+                lambda h: self._stash_one(h.tensor) if _is_held(h) else h, entry.outputs, is_leaf=_is_held
+            )
         self.stash_storages = {leaf.storage: leaf.nbytes for leaf in self._stashed_leaves()}
         self.stash_bytes = sum(self.stash_storages.values())
 
@@ -322,7 +360,10 @@ class _SelectiveFrame(_Frame):
             return leaf
         if leaf.version is not None and leaf.packed._version != leaf.version:
             raise inplace_error(
-                leaf.packed.type(), leaf.packed.shape, leaf.packed._version, leaf.version,
+                leaf.packed.type(),
+                leaf.packed.shape,
+                leaf.packed._version,
+                leaf.version,
                 f"the output of expensive op {index} of region {self.name!r}",
             )
         # A fresh alias: autograd gives the replayed op's output its own history, which must not
@@ -355,7 +396,12 @@ class SelectiveRun:
 
 
 def selective_checkpoint(
-    fn: Callable, args: tuple, kwargs: dict, name: str, *, selective: bool = True,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    name: str,
+    *,
+    selective: bool = True,
     on_recompute: Callable[[float], None] | None = None,
 ) -> tuple[Any, SelectiveRun]:
     """Run ``fn(*args, **kwargs)`` as a recomputed region: selectively (expensive outputs stashed
@@ -368,12 +414,19 @@ def selective_checkpoint(
     out = frame.run()
     if isinstance(frame, _SelectiveFrame):
         run = SelectiveRun(
-            dropped_bytes=frame.dropped_bytes, cheap_bytes=frame.dropped_bytes, stash_bytes=frame.stash_bytes,
-            stashed_tensors=len(frame._stashed_leaves()), selective=frame.splittable, why_not=frame.why_not,
+            dropped_bytes=frame.dropped_bytes,
+            cheap_bytes=frame.dropped_bytes,
+            stash_bytes=frame.stash_bytes,
+            stashed_tensors=len(frame._stashed_leaves()),
+            selective=frame.splittable,
+            why_not=frame.why_not,
         )
     else:
         run = SelectiveRun(
-            dropped_bytes=frame.dropped_bytes, cheap_bytes=frame.dropped_bytes, stash_bytes=0, stashed_tensors=0,
+            dropped_bytes=frame.dropped_bytes,
+            cheap_bytes=frame.dropped_bytes,
+            stash_bytes=0,
+            stashed_tensors=0,
             selective=False,
         )
     return out, run
@@ -429,8 +482,13 @@ class _ProfiledFrame(_Frame):
     the region once more under ``_ProfileMode`` to measure what a selective run would cost."""
 
     def __init__(
-        self, fn: Callable, name: str, args: tuple, kwargs: dict,
-        on_recompute: Callable[[float], None] | None, on_selective: Callable[[SelectiveProfile], None] | None,
+        self,
+        fn: Callable,
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        on_recompute: Callable[[float], None] | None,
+        on_selective: Callable[[SelectiveProfile], None] | None,
     ) -> None:
         super().__init__(fn, name, args, kwargs, on_recompute)
         self.on_selective = on_selective
@@ -447,7 +505,11 @@ class _ProfiledFrame(_Frame):
                 # is not split, which explain() says; the step itself goes on unharmed.
                 log.info("offload: region %r cannot run under a dispatch mode, so not selectively: %r", self.name, e)
                 profile = SelectiveProfile(
-                    selective_ms=0.0, cheap_bytes=0, expensive_bytes=0, expensive_tensors=0, rerun_ms=0.0,
+                    selective_ms=0.0,
+                    cheap_bytes=0,
+                    expensive_bytes=0,
+                    expensive_tensors=0,
+                    rerun_ms=0.0,
                     why_not=f"re-running it under a dispatch mode raised {type(e).__name__}: {e}",
                 )
             on_selective(profile)
@@ -491,15 +553,22 @@ class _ProfiledFrame(_Frame):
         return SelectiveProfile(
             selective_ms=max(MIN_SELECTIVE_MS, total_ms - mode.expensive_ms),
             cheap_bytes=sum(n for key, n in saved.items() if key not in inputs and key not in stash),
-            expensive_bytes=sum(stash.values()), expensive_tensors=len(held),
+            expensive_bytes=sum(stash.values()),
+            expensive_tensors=len(held),
             why_not="" if written is None else f"an op wrote in place into the output of expensive op {written}",
             rerun_ms=total_ms,
         )
 
 
 def profiled_checkpoint(
-    fn: Callable, args: tuple, kwargs: dict, name: str, *, split: bool,
-    on_recompute: Callable[[float], None], on_selective: Callable[[SelectiveProfile], None],
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    name: str,
+    *,
+    split: bool,
+    on_recompute: Callable[[float], None],
+    on_selective: Callable[[SelectiveProfile], None],
 ) -> tuple[Any, SelectiveRun]:
     """A whole-region recompute of ``fn`` (the "recompute" profiling step) reporting each re-run's
     wall time in ms (``on_recompute``); with ``split``, its first recompute also measures what a
@@ -510,6 +579,9 @@ def profiled_checkpoint(
     frame = _ProfiledFrame(fn, name, args, kwargs, on_recompute, on_selective if split else None)
     out = frame.run()
     return out, SelectiveRun(
-        dropped_bytes=frame.dropped_bytes, cheap_bytes=frame.dropped_bytes, stash_bytes=0, stashed_tensors=0,
+        dropped_bytes=frame.dropped_bytes,
+        cheap_bytes=frame.dropped_bytes,
+        stash_bytes=0,
+        stashed_tensors=0,
         selective=False,
     )

@@ -120,8 +120,7 @@ def _remove_tree(path: str) -> None:
         shutil.rmtree(path, onerror=note)
     if refused:
         log.warning(
-            "offload: could not remove the spill directory %s (%s); no tensor data is left in it, "
-            "remove it by hand",
+            "offload: could not remove the spill directory %s (%s); no tensor data is left in it, remove it by hand",
             path,
             refused[0],
         )

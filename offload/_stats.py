@@ -72,7 +72,8 @@ class Stats:
     before the first eligible tensor was saved: nothing has been read yet)."""
     recomputed_bytes: int = 0
     """Bytes of saved tensors dropped in forward and regenerated in backward instead of kept or moved
-    (distinct storages, not the regions' inputs or parameters; a selective region's stash is saved, not counted here)."""
+    (distinct storages, not the regions' inputs or parameters; a selective region's stash is saved,
+    not counted here)."""
 
     def to_dict(self) -> dict:
         """The fields as a plain dict, for CSV or JSON writers."""
@@ -80,7 +81,12 @@ class Stats:
 
 
 _GAUGES = (
-    "resident_bytes", "peak_resident_bytes", "host_bytes", "host_in_use_bytes", "spill_bytes", "spill_files",
+    "resident_bytes",
+    "peak_resident_bytes",
+    "host_bytes",
+    "host_in_use_bytes",
+    "spill_bytes",
+    "spill_files",
     "budget_bytes",  # the budget in force (budget_mb="auto" reads it from free memory)
 )
 """Fields read from the store when a snapshot is taken, never counted."""

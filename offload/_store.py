@@ -101,14 +101,14 @@ class Store:
         self._lock = threading.Lock()
         self._dead: collections.deque = collections.deque()  # (entry, unseen) released while locked
         self._by_key: dict[int, Entry] = {}
-        self._hot: dict[int, Entry] = {}      # seq -> HOT entries, save order (oldest first)
-        self._kept: dict[int, Entry] = {}     # seq -> KEPT entries
+        self._hot: dict[int, Entry] = {}  # seq -> HOT entries, save order (oldest first)
+        self._kept: dict[int, Entry] = {}  # seq -> KEPT entries
         self._leaving: collections.deque = collections.deque()  # LEAVING entries, eviction order
-        self._away: dict[int, Entry] = {}     # seq -> entries with a copy below, save order
+        self._away: dict[int, Entry] = {}  # seq -> entries with a copy below, save order
         self._host_lru: dict[int, Entry] = {}  # seq -> AWAY entries with an idle host copy (room to make)
         self._demoting: collections.deque = collections.deque()  # host copies being written to disk
-        self._climbing: list[Entry] = []      # loads still on an intermediate tier (disk -> host)
-        self._held: Optional[Entry] = None    # See Note: [held for the next user]
+        self._climbing: list[Entry] = []  # loads still on an intermediate tier (disk -> host)
+        self._held: Optional[Entry] = None  # See Note: [held for the next user]
         self._seq = 0
         self._hot_bytes = 0
         self._loaded_bytes = 0
@@ -428,7 +428,11 @@ class Store:
                 held = self._held
                 if held is not None and held is not e:
                     self._held = None
-                    if held.residence is Residence.LOADED and self.budget is not None and self._resident_bytes > self.budget:
+                    if (
+                        held.residence is Residence.LOADED
+                        and self.budget is not None
+                        and self._resident_bytes > self.budget
+                    ):
                         self._drop_device(held)  # its next user is not next: it reads it again
                 if e.residence is Residence.AWAY:
                     self.counters.prefetch_misses += 1
@@ -663,8 +667,17 @@ class Store:
                 _wait_quietly(e.nearest())
             self._climbing = []
             self._poll()
-            live = {id(e): e for group in (self._hot.values(), self._kept.values(), self._leaving, self._away.values(),
-                                            self._by_key.values()) for e in group}
+            live = {
+                id(e): e
+                for group in (
+                    self._hot.values(),
+                    self._kept.values(),
+                    self._leaving,
+                    self._away.values(),
+                    self._by_key.values(),
+                )
+                for e in group
+            }
             for e in live.values():
                 if e.residence is not Residence.RELEASED:
                     self._release(e)  # what a live handle still points at goes; its unpack raises

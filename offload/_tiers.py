@@ -195,9 +195,7 @@ class DiskTier(_Tier):
         copy.data = None
 
 
-def make_tiers(
-    device: torch.device, host_budget_bytes: Optional[int], spill: SpillFile, link: Optional[Link]
-) -> list:
+def make_tiers(device: torch.device, host_budget_bytes: Optional[int], spill: SpillFile, link: Optional[Link]) -> list:
     """The tiers for one engine, hottest first. A host tier sits between the device and the disk
     when there is a link: CUDA side streams on a CUDA device, or the link a test passes."""
     tiers: list = [DeviceTier(device)]

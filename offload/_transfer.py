@@ -253,4 +253,3 @@ class CudaLink:
         """(d2h busy, h2d busy, compute stall) in ms, over the copies and waits finished so far."""
         self._fold_stalls()
         return self._d2h.fold(), self._h2d.fold(), self._stall_ms
-

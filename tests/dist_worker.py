@@ -106,7 +106,9 @@ def dtensor_saves() -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     w = distribute_tensor(torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(0)), mesh, [Replicate()])
     w.requires_grad_(True)
-    x = distribute_tensor(torch.randn(BATCH_PER_RANK, WIDTH, generator=torch.Generator().manual_seed(1)), mesh, [Replicate()])
+    x = distribute_tensor(
+        torch.randn(BATCH_PER_RANK, WIDTH, generator=torch.Generator().manual_seed(1)), mesh, [Replicate()]
+    )
     x.requires_grad_(True)
     eng = offload.engine(budget_mb=0, min_offload_bytes=MIN_OFFLOAD_BYTES)
     with eng:

@@ -22,7 +22,10 @@ STEPS = 4
 BUDGET_MB = 0.3
 """Below what the blocks save: "auto" profiles three steps (measure, recompute, offload trial)."""
 MACHINE = offload.MachineProfile(
-    device_type="cpu", device_name="test machine", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0,
+    device_type="cpu",
+    device_name="test machine",
+    disk_write_gb_per_s=1.0,
+    disk_read_gb_per_s=2.0,
     per_tensor_overhead_us=2.0,
 )
 """Fixed figures: no probe runs, the plans do not depend on this machine's speed."""
@@ -62,10 +65,17 @@ def main(plan_cache: str, spill_dir: str) -> None:
         )
 
     losses, profiling, eng = train(make)
-    print(json.dumps({
-        "reference": reference, "losses": losses, "profiling": profiling,
-        "stages": list(eng.recent_stages), "plan": eng.plan.to_dict(),
-    }))
+    print(
+        json.dumps(
+            {
+                "reference": reference,
+                "losses": losses,
+                "profiling": profiling,
+                "stages": list(eng.recent_stages),
+                "plan": eng.plan.to_dict(),
+            }
+        )
+    )
     eng.close()
 
 

@@ -298,7 +298,9 @@ def test_engine_collected_removes_the_spill_dir(spill_dir):
 def _python(code: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter with this checkout importable."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_import_does_not_initialize_cuda():

@@ -34,7 +34,9 @@ PLENTY = 1 << 40
 
 def chain() -> torch.nn.Sequential:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()) for _ in range(LAYERS)])
+    return torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()) for _ in range(LAYERS)]
+    )
 
 
 def x_input() -> torch.Tensor:
@@ -165,11 +167,13 @@ def test_pressure_rising_and_falling_mid_step_moves_just_enough(spill_dir):
                 device.other_bytes = device.capacity_bytes - eng.stats.resident_bytes - free
             elif i == 8:
                 device.other_bytes = 0
+
         return hook
 
     def after(i):
         def hook(module, args, out):
             seen[i] = eng.stats
+
         return hook
 
     hooks = []
@@ -200,7 +204,9 @@ def test_free_memory_is_read_by_bytes_packed_not_per_tensor(spill_dir):
     ``reread_bytes`` of new saves; never per tensor (here the time rule is off)."""
     pressure = Pressure()
     eng = offload.engine(
-        "auto", reserve_mb=0, memory=FreeMemory(read=pressure, reread_bytes=4 * MB, reread_ms=math.inf),
+        "auto",
+        reserve_mb=0,
+        memory=FreeMemory(read=pressure, reread_bytes=4 * MB, reread_ms=math.inf),
         spill_dir=spill_dir,
     )
     model = chain()
@@ -217,7 +223,9 @@ def test_free_memory_is_read_by_bytes_packed_not_per_tensor(spill_dir):
 def test_free_memory_is_read_again_after_reread_ms(spill_dir):
     pressure = Pressure()
     eng = offload.engine(
-        "auto", reserve_mb=0, memory=FreeMemory(read=pressure, reread_bytes=1 << 60, reread_ms=0.0),
+        "auto",
+        reserve_mb=0,
+        memory=FreeMemory(read=pressure, reread_bytes=1 << 60, reread_ms=0.0),
         spill_dir=spill_dir,
     )
     grads(chain(), eng)
@@ -295,8 +303,14 @@ def test_regions_plan_at_the_budget_in_force_and_replan_when_it_drops(spill_dir)
     pressure = Pressure()
     model = make_model()
     eng = offload.engine(
-        "auto", reserve_mb=reserve_mb, memory=FreeMemory(read=pressure, reread_bytes=0), spill_dir=spill_dir,
-        regions=model.blocks, model=model, machine=MACHINE, policy="offload",
+        "auto",
+        reserve_mb=reserve_mb,
+        memory=FreeMemory(read=pressure, reread_bytes=0),
+        spill_dir=spill_dir,
+        regions=model.blocks,
+        model=model,
+        machine=MACHINE,
+        policy="offload",
     )
     reference = train(make_model(), steps=6)
     got = train(model, eng, steps=2)

@@ -23,8 +23,27 @@ from offload.bench import loop, measure, report, step
 from offload.bench.config import parse_variant
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "2",
-        "--warmup", "1", "--dtype", "fp32", "--min-offload-bytes", "0", "--no-progress"]
+TINY = [
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--seq",
+    "16",
+    "--batch",
+    "2",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--dtype",
+    "fp32",
+    "--min-offload-bytes",
+    "0",
+    "--no-progress",
+]
 """2 blocks of width 32: seconds per configuration. min_offload_bytes=0 so the engine moves the
 tiny tensors instead of passing them through, and the losses comparison means something."""
 
@@ -96,9 +115,23 @@ def test_each_configuration_in_its_own_process(tmp_path):
     """The real path (CPU): python -m offload.bench spawns one child per configuration and collects JSON lines."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "offload.bench", *TINY, "--device", "cpu", "--configs", "none,offload-50%",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "offload.bench",
+            *TINY,
+            "--device",
+            "cpu",
+            "--configs",
+            "none,offload-50%",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = _last_json(proc.stdout)
@@ -118,8 +151,9 @@ def test_a_failing_configuration_is_tabled_and_the_rest_run(tmp_path, capsys, mo
         return real_run_one(run, variant, *args, **kwargs)
 
     monkeypatch.setattr(loop, "run_one", run_one)
-    code = step.main(TINY + ["--device", "cpu", "--in-process", "--configs", "none,checkpoint,save_on_cpu",
-                             "--out", str(tmp_path)])
+    code = step.main(
+        TINY + ["--device", "cpu", "--in-process", "--configs", "none,checkpoint,save_on_cpu", "--out", str(tmp_path)]
+    )
     out = capsys.readouterr().out
     assert code == 1
     results = {r["config"]: r for r in _last_json(out)["results"]}
@@ -156,8 +190,19 @@ def test_import_leaves_matplotlib_alone():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tiny_run_losses_match(tmp_path, capsys):
     configs = ["none", "checkpoint", "save_on_cpu", "offload-25%", "recompute"]
-    code = step.main(TINY + ["--device", "cuda", "--deterministic", "--in-process", "--configs", ",".join(configs),
-                             "--out", str(tmp_path)])
+    code = step.main(
+        TINY
+        + [
+            "--device",
+            "cuda",
+            "--deterministic",
+            "--in-process",
+            "--configs",
+            ",".join(configs),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     payload = _last_json(capsys.readouterr().out)
     assert code == 0
     results = {r["config"]: r for r in payload["results"]}
@@ -176,7 +221,8 @@ def test_tiny_preset_runs_every_h200_configuration(tmp_path, capsys):
     assert code == 0
     results = {r["config"]: r for r in payload["results"]}
     expected = {"none", "checkpoint", "save_on_cpu", "torchtune"} | {
-        f"{p}-{b}%" for p in ("offload", "recompute", "auto") for b in (100, 50, 25, 10)}
+        f"{p}-{b}%" for p in ("offload", "recompute", "auto") for b in (100, 50, 25, 10)
+    }
     assert expected <= set(results)
     assert results["torchtune"]["skipped"] and results["torchtune"]["error"] is None  # not importable, or no CUDA
     for name, r in results.items():
@@ -195,13 +241,26 @@ def test_selective_joins_the_comparison_once_registered(monkeypatch):
     assert any(v.policy == "selective" for v in config.engine_variants())  # registered since issue #10
     monkeypatch.setattr(config.offload, "policies", lambda: ("auto", "none", "offload", "recompute", "selective"))
     assert {v.name for v in config.engine_variants() if v.policy == "selective"} == {
-        "selective-100%", "selective-50%", "selective-25%", "selective-10%"}
+        "selective-100%",
+        "selective-50%",
+        "selective-25%",
+        "selective-10%",
+    }
     assert config.parse_variant("selective-25%").policy == "selective"
 
 
 def test_variant_names_round_trip():
-    for name in ("none", "checkpoint", "save_on_cpu", "torchtune", "count", "recompute", "offload-25%",
-                 "auto-10%+compile", "none+compile"):
+    for name in (
+        "none",
+        "checkpoint",
+        "save_on_cpu",
+        "torchtune",
+        "count",
+        "recompute",
+        "offload-25%",
+        "auto-10%+compile",
+        "none+compile",
+    ):
         assert parse_variant(name).name == name
     with pytest.raises(ValueError, match="bogus.*valid"):
         parse_variant("bogus-25%")
@@ -216,7 +275,9 @@ def test_grad_checksums_see_one_ulp():
     assert changed["weight"] != reference["weight"] and changed["bias"] == reference["bias"] is None
     assert report._grads_verdict({"checksums": reference}, {"checksums": reference}) == "equal"
     assert report._grads_verdict({"checksums": changed}, {"checksums": reference}).startswith("differs 1/2")
-    assert report._grads_verdict({"error": "RuntimeError: x"}, {"checksums": reference}) == "check failed: RuntimeError: x"
+    assert (
+        report._grads_verdict({"error": "RuntimeError: x"}, {"checksums": reference}) == "check failed: RuntimeError: x"
+    )
 
 
 def test_memory_counts_the_spill_files_page_cache(tmp_path):
@@ -236,14 +297,28 @@ def test_memory_counts_the_spill_files_page_cache(tmp_path):
 
 
 def test_pareto_front():
-    points = [(10.0, 100.0, "none"), (20.0, 50.0, "a"), (15.0, 120.0, "worse"), (30.0, 50.0, "same-slower"),
-              (40.0, 10.0, "b")]
+    points = [
+        (10.0, 100.0, "none"),
+        (20.0, 50.0, "a"),
+        (15.0, 120.0, "worse"),
+        (30.0, 50.0, "same-slower"),
+        (40.0, 10.0, "b"),
+    ]
     assert [p[2] for p in report.pareto_front(points)] == ["none", "a", "b"]
 
 
 def _step(**fields) -> dict:
-    base = {"type": "step", "warmup": False, "loss": 1.0, "step_ms": 10.0, "cpu_ms": 10.0, "opt_ms": 1.0,
-            "peak_bytes": 100 * MB, "act_peak_bytes": 40 * MB, "opt_peak_bytes": 2 * MB}
+    base = {
+        "type": "step",
+        "warmup": False,
+        "loss": 1.0,
+        "step_ms": 10.0,
+        "cpu_ms": 10.0,
+        "opt_ms": 1.0,
+        "peak_bytes": 100 * MB,
+        "act_peak_bytes": 40 * MB,
+        "opt_peak_bytes": 2 * MB,
+    }
     return base | fields
 
 
@@ -261,10 +336,22 @@ def test_link_rates_and_the_bound_from_the_engine_stats():
     moved = dict(offloaded_bytes=2 * 10**9, reloaded_bytes=2 * 10**9, reload_wait_ms=3.0, evict_wait_ms=1.0)
     results = {
         "none": [{"steps": [ref], "summary": {"activation_bytes": 400 * MB}, "error": None, "skipped": None}],
-        "offload-25%": [{"steps": [_step(step_ms=350.0, recomputed_regions=0, d2h_busy_ms=250.0, h2d_busy_ms=100.0,
-                                         **moved)], "summary": {"budget_mb": 100.0}, "error": None, "skipped": None}],
-        "auto-25%": [{"steps": [_step(step_ms=150.0, recomputed_regions=2, offloaded_bytes=0, reloaded_bytes=0)],
-                      "summary": {"budget_mb": 100.0}, "error": None, "skipped": None}],
+        "offload-25%": [
+            {
+                "steps": [_step(step_ms=350.0, recomputed_regions=0, d2h_busy_ms=250.0, h2d_busy_ms=100.0, **moved)],
+                "summary": {"budget_mb": 100.0},
+                "error": None,
+                "skipped": None,
+            }
+        ],
+        "auto-25%": [
+            {
+                "steps": [_step(step_ms=150.0, recomputed_regions=2, offloaded_bytes=0, reloaded_bytes=0)],
+                "summary": {"budget_mb": 100.0},
+                "error": None,
+                "skipped": None,
+            }
+        ],
     }
     rows = {r["config"]: r for r in report.summarize(run, [parse_variant(n) for n in results], results, machine)}
     offloaded = rows["offload-25%"]
@@ -292,7 +379,10 @@ def test_the_gradient_check_sees_a_wrong_reload(tmp_path, capsys, monkeypatch):
         return (lambda: _both(context(), hooks)), engine
 
     monkeypatch.setattr(loop, "_make_context", corrupting)
-    assert step.main(TINY + ["--device", "cpu", "--in-process", "--configs", "none,offload-25%", "--out", str(tmp_path)]) == 0
+    assert (
+        step.main(TINY + ["--device", "cpu", "--in-process", "--configs", "none,offload-25%", "--out", str(tmp_path)])
+        == 0
+    )
     (offloaded,) = [r for r in _last_json(capsys.readouterr().out)["results"] if r["config"] == "offload-25%"]
     assert offloaded["grads"].startswith("differs") and offloaded["losses_match"] is False
 

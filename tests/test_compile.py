@@ -143,8 +143,14 @@ def test_compiled_blocks_as_recompute_regions(fresh_dynamo, spill_dir):
     torch.manual_seed(0)
     base = Net()
     model = compiled(base, "aot_eager")
-    eng = offload.engine(0, regions=model.blocks, policy="recompute", model=model,
-                         min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir)
+    eng = offload.engine(
+        0,
+        regions=model.blocks,
+        policy="recompute",
+        model=model,
+        min_offload_bytes=MIN_OFFLOAD_BYTES,
+        spill_dir=spill_dir,
+    )
     results = train(model, eng)
     stats = wait_clean(eng, spill_dir)
     eng.close()
@@ -172,8 +178,9 @@ def test_blocks_compiled_in_place_as_regions(policy, compile_after_engine, fresh
     torch.manual_seed(0)
     base = Net()
     model = copy.deepcopy(base) if compile_after_engine else compiled_in_place(base, "aot_eager")
-    eng = offload.engine(0, regions=model.blocks, policy=policy, model=model,
-                         min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir)
+    eng = offload.engine(
+        0, regions=model.blocks, policy=policy, model=model, min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir
+    )
     if compile_after_engine:
         for block in model.blocks:
             block.compile(backend="aot_eager")

@@ -207,8 +207,12 @@ def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 2) -> N
     model = delayed_chain(depth=6, width=1024)
     link = SlowLink(torch.device("cuda", torch.cuda.current_device())) if slow_link else None
     eng = offload.engine(
-        budget_mb_for(model, torch.randn(512, 1024, device="cuda"), budget), min_offload_bytes=0,
-        spill_dir=spill_dir, prefetch=prefetch, model=model, link=link,
+        budget_mb_for(model, torch.randn(512, 1024, device="cuda"), budget),
+        min_offload_bytes=0,
+        spill_dir=spill_dir,
+        prefetch=prefetch,
+        model=model,
+        link=link,
     )
     with _uninitialized_memory_is_nan():
         for i in range(steps):  # the second step reuses the pinned slabs; each step has a new input
@@ -225,8 +229,12 @@ def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 2) -> N
 @pytest.mark.parametrize(
     "budget, prefetch, slow_link",
     [(0, True, False), ("some", False, False), (0, False, True), ("some", True, True)],
-    ids=["budget=0-prefetch-compute-delayed", "budget=some-no-prefetch-compute-delayed",
-         "budget=0-no-prefetch-side-streams-delayed", "budget=some-prefetch-side-streams-delayed"],
+    ids=[
+        "budget=0-prefetch-compute-delayed",
+        "budget=some-no-prefetch-compute-delayed",
+        "budget=0-no-prefetch-side-streams-delayed",
+        "budget=some-prefetch-side-streams-delayed",
+    ],
 )
 def test_delayed_streams_and_reused_memory(budget, prefetch, slow_link, spill_dir):
     """No early free, no early use: with the compute stream or the side streams delayed, freed and

@@ -50,8 +50,16 @@ def launched(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("dist")
     modes = ["ddp"] + (["fsdp"] if _has_fsdp2() else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           str(WORKER), str(out_dir), *modes]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={WORLD}",
+        str(WORKER),
+        str(out_dir),
+        *modes,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     return out_dir, proc.returncode, (proc.stdout + proc.stderr)[-4000:]
 
@@ -73,7 +81,9 @@ def _check(results: list[dict]) -> None:
             for step, (want, got) in enumerate(zip(reference, run["grads"], strict=True)):
                 assert want.keys() == got.keys()
                 for name in want:
-                    assert torch.equal(want[name], got[name]), f"rank {rank} budget {budget} step {step}: {name} differs"
+                    assert torch.equal(want[name], got[name]), (
+                        f"rank {rank} budget {budget} step {step}: {name} differs"
+                    )
             stats = run["stats"]
             assert stats["saved_tensors"] > 0 and stats["passthrough_tensors"] > 0  # activations in, weights out
             if budget == 0:

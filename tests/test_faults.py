@@ -456,7 +456,9 @@ def test_read_error_raises_offload_error_and_releases_everything(faulty, spill_d
     model = TanhChain()
     loss = _forward(eng, model, spill_writes)
     faulty.read_error = errno.EIO
-    with pytest.raises(offload.OffloadError, match=rf"\({SIZE},\) torch.float32 on cpu.*spill file.*{os.strerror(errno.EIO)}"):
+    with pytest.raises(
+        offload.OffloadError, match=rf"\({SIZE},\) torch.float32 on cpu.*spill file.*{os.strerror(errno.EIO)}"
+    ):
         loss.backward()
     assert faulty.reads > 0
     del loss

@@ -46,8 +46,13 @@ SMALL_BUDGET_MB = 200 / 2**20
 HOST_CAP_MB = 2 * 64 / 1024
 """Two of the pinned pool's smallest buffers (64 KiB each): the host tier fills and spills to disk."""
 CONFIGS = (
-    (None, None), (0, None), (SMALL_BUDGET_MB, None),
-    (0, "deferred"), (SMALL_BUDGET_MB, "deferred"), (0, "threaded"), (SMALL_BUDGET_MB, "threaded"),
+    (None, None),
+    (0, None),
+    (SMALL_BUDGET_MB, None),
+    (0, "deferred"),
+    (SMALL_BUDGET_MB, "deferred"),
+    (0, "threaded"),
+    (SMALL_BUDGET_MB, "threaded"),
 )
 """(budget_mb, host tier link): None runs the CPU's disk tier."""
 """(budget_mb, through the emulated CUDA host tier)."""
@@ -56,12 +61,34 @@ EXAMPLES = int(os.environ.get("OFFLOAD_FUZZ_EXAMPLES", "60"))
 """Examples per run; set OFFLOAD_FUZZ_EXAMPLES higher to hunt (the suite stays fast at 60)."""
 
 OPS = (
-    "tanh", "sigmoid", "sin", "square", "mul", "add", "matmul",
-    "slice", "col_slice", "shifted_mul", "transpose", "expand", "as_strided", "bf16", "f64",
-    "gather", "embedding", "inplace_fresh", "inplace_fresh_tensor", "inplace_any",
+    "tanh",
+    "sigmoid",
+    "sin",
+    "square",
+    "mul",
+    "add",
+    "matmul",
+    "slice",
+    "col_slice",
+    "shifted_mul",
+    "transpose",
+    "expand",
+    "as_strided",
+    "bf16",
+    "f64",
+    "gather",
+    "embedding",
+    "inplace_fresh",
+    "inplace_fresh_tensor",
+    "inplace_any",
 )
 
-_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_BITS = {
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -204,7 +231,9 @@ def _run(program: Program, ctx=None) -> Outcome:
             for op in program.ops:
                 pool.append(_apply(op, pool, w, emb))
             # Weights that differ per element, so a swapped or shifted saved tensor shows.
-            loss = sum((t.double().flatten() * torch.linspace(-1, 1, t.numel(), dtype=torch.float64)).sum() for t in pool)
+            loss = sum(
+                (t.double().flatten() * torch.linspace(-1, 1, t.numel(), dtype=torch.float64)).sum() for t in pool
+            )
         finally:
             if ctx is not None:
                 ctx.__exit__(None, None, None)
@@ -228,7 +257,9 @@ def _assert_same(ref: Outcome, got: Outcome, where: str) -> None:
     for i, (r, g) in enumerate(zip(ref.tensors, got.tensors, strict=True)):
         assert (r is None) == (g is None), f"{where}: tensor {i} is None on one side"
         if r is not None:
-            assert r.dtype == g.dtype and r.shape == g.shape, f"{where}: tensor {i}: {r.dtype} {r.shape} vs {g.dtype} {g.shape}"
+            assert r.dtype == g.dtype and r.shape == g.shape, (
+                f"{where}: tensor {i}: {r.dtype} {r.shape} vs {g.dtype} {g.shape}"
+            )
             assert torch.equal(_bits(r), _bits(g)), f"{where}: tensor {i} differs"
 
 

@@ -21,13 +21,25 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "bench" / "gpu_check.sh"
 PARTS = ["env", "probe", "step", "tests", "overhead", "layers"]
-ABSENT_ON_THE_GPU_MACHINE = ("matplotlib", "hypothesis", "pytest_benchmark", "prometheus_client", "torchtune",
-                             "transformers")
+ABSENT_ON_THE_GPU_MACHINE = (
+    "matplotlib",
+    "hypothesis",
+    "pytest_benchmark",
+    "prometheus_client",
+    "torchtune",
+    "transformers",
+)
 
 
 def _run(out: Path, timeout: int, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=timeout,
-                          cwd=out.parent, env={**os.environ, "PYTHON": sys.executable, **env})
+    return subprocess.run(
+        ["bash", str(SCRIPT), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=out.parent,
+        env={**os.environ, "PYTHON": sys.executable, **env},
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour on a machine without CUDA")
@@ -66,8 +78,14 @@ sys.meta_path.insert(0, Block())
 import pytest
 sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests"]))
 """
-    proc = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", blocker],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "error" not in proc.stdout.lower().split("\n")[-2], proc.stdout[-2000:]
 

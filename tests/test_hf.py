@@ -39,7 +39,10 @@ RERUNS = (offload.Decision.RECOMPUTE, offload.Decision.SELECTIVE, offload.Decisi
 """Decisions whose regions re-run in backward, each counted in ``Stats.recomputed_regions``."""
 
 MACHINE = offload.MachineProfile(
-    device_type="cpu", device_name="test machine", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0,
+    device_type="cpu",
+    device_name="test machine",
+    disk_write_gb_per_s=1.0,
+    disk_read_gb_per_s=2.0,
     per_tensor_overhead_us=2.0,
 )
 """Fixed costs for policy "auto": no probe, the same plan on any machine."""
@@ -52,8 +55,13 @@ SLOW_DISK = offload.MachineProfile(
 def llama() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
     )
     return transformers.LlamaForCausalLM(config)
 
@@ -61,7 +69,13 @@ def llama() -> torch.nn.Module:
 def gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return transformers.GPT2LMHeadModel(config)
 
@@ -131,7 +145,8 @@ def test_hf_model_equal_no_engine(name, checkpointing, spill_dir):
 
 
 @pytest.mark.parametrize(
-    "policy, machine", [("recompute", None), ("auto", MACHINE), ("auto", SLOW_DISK)],
+    "policy, machine",
+    [("recompute", None), ("auto", MACHINE), ("auto", SLOW_DISK)],
     ids=["recompute", "auto", "auto-slow-disk"],
 )
 def test_llama_layers_as_regions(policy, machine, spill_dir):
@@ -146,10 +161,17 @@ def test_llama_layers_as_regions(policy, machine, spill_dir):
     eng.close()
 
     eng = offload.engine(
-        small_mb, regions=model.model.layers, model=model, policy=policy, machine=machine,
-        min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir,
+        small_mb,
+        regions=model.model.layers,
+        model=model,
+        policy=policy,
+        machine=machine,
+        min_offload_bytes=MIN_OFFLOAD_BYTES,
+        spill_dir=spill_dir,
     )
-    assert_same(reference, train(model, eng, steps=steps), f"llama regions policy {policy} on {machine and machine.device_name}")
+    assert_same(
+        reference, train(model, eng, steps=steps), f"llama regions policy {policy} on {machine and machine.device_name}"
+    )
     stats = wait_clean(eng, spill_dir)
     layers = len(model.model.layers)
     if policy == "recompute":

@@ -183,8 +183,15 @@ def test_region_input_modified_after_forward_raises(policy, budget, tmp_path):
     model = torch.nn.Sequential(_Block(), _Block(), _Block())
     if budget is None and policy == "auto":
         pytest.skip("auto without a budget keeps everything: no region is recomputed")
-    eng = offload.engine(budget, regions=list(model), model=model, policy=policy, spill_dir=tmp_path,
-                         machine=_MACHINE, min_offload_bytes=0)
+    eng = offload.engine(
+        budget,
+        regions=list(model),
+        model=model,
+        policy=policy,
+        spill_dir=tmp_path,
+        machine=_MACHINE,
+        min_offload_bytes=0,
+    )
     for _ in range(4):  # auto: measure, recompute trial, offload trial, then its plan
         x = torch.randn(16, N, requires_grad=True)
         with eng:
@@ -202,8 +209,13 @@ def test_region_input_modified_after_forward_raises(policy, budget, tmp_path):
 
 
 _MACHINE = offload.MachineProfile(
-    device_type="cpu", device_name="test", d2h_gb_per_s=0.0, h2d_gb_per_s=0.0,
-    disk_write_gb_per_s=1.0, disk_read_gb_per_s=1.0, per_tensor_overhead_us=50.0,
+    device_type="cpu",
+    device_name="test",
+    d2h_gb_per_s=0.0,
+    h2d_gb_per_s=0.0,
+    disk_write_gb_per_s=1.0,
+    disk_read_gb_per_s=1.0,
+    per_tensor_overhead_us=50.0,
 )
 
 

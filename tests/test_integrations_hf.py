@@ -31,7 +31,13 @@ SAMPLES = 8
 SEED = 1234
 MIN_OFFLOAD_BYTES = 1024
 """Below the default 64 KiB so this tiny model's activations (2 x 16 x 32 fp32 = 4 KiB) move."""
-FIGURES = ("offload_moved_mb", "offload_reloaded_mb", "offload_peak_resident_mb", "offload_reload_wait_ms", "offload_evict_wait_ms")
+FIGURES = (
+    "offload_moved_mb",
+    "offload_reloaded_mb",
+    "offload_peak_resident_mb",
+    "offload_reload_wait_ms",
+    "offload_evict_wait_ms",
+)
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -51,27 +57,52 @@ class Tokens(torch.utils.data.Dataset):
 def llama() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        use_cache=False,
     )
     return transformers.LlamaForCausalLM(config)
 
 
-def arguments(tmp_path, *, accumulation: int = 1, checkpointing: bool = False, **extra) -> "transformers.TrainingArguments":
+def arguments(
+    tmp_path, *, accumulation: int = 1, checkpointing: bool = False, **extra
+) -> "transformers.TrainingArguments":
     # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name warns)
     fields = transformers.TrainingArguments.__dataclass_fields__
-    checkpointing_field = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    checkpointing_field = (
+        "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    )
     return transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], dataloader_num_workers=0,
-        save_strategy="no", per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
-        gradient_accumulation_steps=accumulation, num_train_epochs=1, logging_steps=1,
-        learning_rate=1e-2, seed=SEED, disable_tqdm=True, **{checkpointing_field: checkpointing}, **extra,
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        dataloader_num_workers=0,
+        save_strategy="no",
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH,
+        gradient_accumulation_steps=accumulation,
+        num_train_epochs=1,
+        logging_steps=1,
+        learning_rate=1e-2,
+        seed=SEED,
+        disable_tqdm=True,
+        **{checkpointing_field: checkpointing},
+        **extra,
     )
 
 
 def train(model, args, callbacks=(), eval_dataset=None) -> "transformers.Trainer":
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=Tokens(SAMPLES), eval_dataset=eval_dataset, callbacks=list(callbacks),
+        model=model,
+        args=args,
+        train_dataset=Tokens(SAMPLES),
+        eval_dataset=eval_dataset,
+        callbacks=list(callbacks),
     )
     trainer.train()
     return trainer
@@ -88,7 +119,9 @@ def assert_same_weights(reference: torch.nn.Module, model: torch.nn.Module, what
 
 
 @pytest.mark.parametrize(
-    "accumulation, checkpointing", [(1, False), (2, False), (2, True)], ids=["plain", "accumulate2", "accumulate2-checkpointing"]
+    "accumulation, checkpointing",
+    [(1, False), (2, False), (2, True)],
+    ids=["plain", "accumulate2", "accumulate2-checkpointing"],
 )
 def test_trainer_equal_with_callback(accumulation, checkpointing, tmp_path, spill_dir):
     base = llama()
@@ -163,7 +196,11 @@ def test_regions_through_the_callback(tmp_path, spill_dir):
     model = copy.deepcopy(base)
     layers = model.model.layers
     callback = OffloadCallback(
-        budget_mb=0, regions=layers, policy="recompute", min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir,
+        budget_mb=0,
+        regions=layers,
+        policy="recompute",
+        min_offload_bytes=MIN_OFFLOAD_BYTES,
+        spill_dir=spill_dir,
     )
     assert all("forward" not in layer.__dict__ for layer in layers)  # the construction check left them alone
     trainer = train(model, arguments(tmp_path), [callback])

@@ -17,15 +17,18 @@ FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
 
 def run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
     )
 
 
 def test_package_imports_no_framework():
     result = run(
-        "import sys, offload, offload.integrations\n"
-        f"print(sorted(m for m in {FRAMEWORKS!r} if m in sys.modules))"
+        f"import sys, offload, offload.integrations\nprint(sorted(m for m in {FRAMEWORKS!r} if m in sys.modules))"
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -82,10 +82,18 @@ def data(rows: int = SAMPLES) -> torch.utils.data.DataLoader:
 
 def fit(module, callbacks=(), *, accumulation: int = 1, validate: bool = False) -> "lightning.Trainer":
     trainer = lightning.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=accumulation,
-        limit_val_batches=2 if validate else 0, val_check_interval=2 if validate else None,
-        num_sanity_val_steps=1 if validate else 0, callbacks=list(callbacks),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=accumulation,
+        limit_val_batches=2 if validate else 0,
+        val_check_interval=2 if validate else None,
+        num_sanity_val_steps=1 if validate else 0,
+        callbacks=list(callbacks),
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(num_workers|log_every_n_steps|val_dataloader|LeafSpec).*")

@@ -62,7 +62,10 @@ def test_accelerate_example():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     loader = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(4)]
     namespace = run(
-        trainers_block("Accelerator"), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        loader=loader, loss_fn=torch.nn.functional.mse_loss,
+        trainers_block("Accelerator"),
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loader=loader,
+        loss_fn=torch.nn.functional.mse_loss,
     )
     assert namespace["eng"].stats.passthrough_tensors > 0  # the forwards went through the engine's hooks

@@ -36,6 +36,7 @@ SEED = 4321
 
 ROWS, WIDTH = 16, 8
 
+
 def leaf(seed: int = 0, shape=(ROWS, WIDTH)) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g).requires_grad_()
@@ -377,7 +378,9 @@ def test_backward_past_the_region_inputs_raises_in_forward_naming_the_region():
 
     h = w * 3.0
     region(h).sum().backward()  # fine without a checkpoint
-    with pytest.raises(offload.OffloadError, match=r"region 'penalty'.*MulBackward0.*tensor input 0.*do not recompute this region"):
+    with pytest.raises(
+        offload.OffloadError, match=r"region 'penalty'.*MulBackward0.*tensor input 0.*do not recompute this region"
+    ):
         offload.checkpoint(region, w * 3.0, name="penalty")
     assert frames_alive() == 0
 
@@ -508,8 +511,11 @@ def test_flops_three_levels_at_most_one_extra_forward_each():
     with torch.no_grad():
         h1 = F.linear(x, weight).tanh() @ weight
         h2 = F.linear(h1, weight).tanh() @ weight
-        forwards = [count_flops(lambda: nest(no_ckpt)(x)), count_flops(lambda: level(innermost)(h1)),
-                    count_flops(lambda: innermost(h2))]
+        forwards = [
+            count_flops(lambda: nest(no_ckpt)(x)),
+            count_flops(lambda: level(innermost)(h1)),
+            count_flops(lambda: innermost(h2)),
+        ]
     plain = count_flops(lambda: nest(no_ckpt)(x).sum().backward())
     ours = count_flops(lambda: nest(offload_ckpt)(x).sum().backward())
     theirs = count_flops(lambda: nest(torch_ckpt)(x).sum().backward())
@@ -566,7 +572,6 @@ def test_region_with_an_inner_grad_is_recomputed_once_per_pass():
 
 
 # ------------------------------------------------------------------------ under the engine
-
 
 
 STEPS = 5
@@ -662,14 +667,21 @@ def test_engine_over_blocks_with_inner_grads_equals_no_engine(policy, budget, sa
     budget_mb = {"none": None, "small": saved_bytes * 0.1 / 2**20, "zero": 0}[budget]
     model = make_model()
     eng = offload.engine(
-        budget_mb, policy=policy, regions=model.blocks, model=model, machine=MACHINE, spill_dir=spill_dir,
+        budget_mb,
+        policy=policy,
+        regions=model.blocks,
+        model=model,
+        machine=MACHINE,
+        spill_dir=spill_dir,
         min_offload_bytes=0,
     )
     history = train(model, eng)
     for step, ((loss_g, grads_g, _stats), (loss_w, grads_w, _)) in enumerate(zip(history, reference, strict=True)):
         assert torch.equal(loss_g, loss_w), f"{policy} at budget {budget}: loss differs at step {step}"
         for i, (a, b) in enumerate(zip(grads_g, grads_w, strict=True)):
-            assert (a is None and b is None) or torch.equal(a, b), f"{policy} at budget {budget}: grad of parameter {i} differs at step {step}"
+            assert (a is None and b is None) or torch.equal(a, b), (
+                f"{policy} at budget {budget}: grad of parameter {i} differs at step {step}"
+            )
     if policy == "recompute":
         assert [s.recomputed_regions for _, _, s in history] == [N_BLOCKS] * STEPS
     else:

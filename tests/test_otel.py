@@ -266,7 +266,8 @@ def test_forward_without_backward_and_evaluation(spans, spill_dir):
     steps = _named(exporter, "offload.step")
     assert [s.attributes["offload.backward"] for s in steps] == [False, True, True]
     assert [sorted(e.name for e in s.events) for s in steps] == [
-        ["offload.forward_end"], *[["offload.backward_begin", "offload.forward_end"]] * 2
+        ["offload.forward_end"],
+        *[["offload.backward_begin", "offload.forward_end"]] * 2,
     ]
     assert steps[0].end_time == steps[0].events[0].timestamp  # ended where its forward did
 

@@ -33,7 +33,12 @@ def run_worker(plan_cache: Path, spill_dir: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, str(WORKER), str(plan_cache), str(spill_dir)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -60,7 +65,12 @@ def test_a_restarted_process_runs_its_first_step_under_the_saved_plan(tmp_path, 
 
 def engine(model, path, budget_mb=BUDGET_MB, spill_dir=None):
     return offload.engine(
-        budget_mb, regions=model.blocks, model=model, machine=MACHINE, policy="offload", plan_cache=path,
+        budget_mb,
+        regions=model.blocks,
+        model=model,
+        machine=MACHINE,
+        policy="offload",
+        plan_cache=path,
         spill_dir=spill_dir,
     )
 
@@ -133,13 +143,18 @@ def test_a_truncated_file_is_ignored_with_one_warning(tmp_path, spill_dir, refer
 
 
 @pytest.mark.parametrize(
-    "foreign", [{"hello": "world"}, [1, 2, 3], {"format": FORMAT, "version": VERSION + 1, "entries": {}}],
+    "foreign",
+    [{"hello": "world"}, [1, 2, 3], {"format": FORMAT, "version": VERSION + 1, "entries": {}}],
     ids=["other-json", "a-list", "other-version"],
 )
 def test_a_foreign_file_is_ignored_with_one_warning(foreign, tmp_path, spill_dir, reference, caplog):
     path = tmp_path / "plans.json"
     path.write_text(json.dumps(foreign))
-    why = "layout version" if isinstance(foreign, dict) and foreign.get("format") == FORMAT else "not an offload plan cache"
+    why = (
+        "layout version"
+        if isinstance(foreign, dict) and foreign.get("format") == FORMAT
+        else "not an offload plan cache"
+    )
     assert_profiles_and_rewrites(path, spill_dir, reference, caplog, why)
 
 
@@ -242,8 +257,15 @@ def test_a_saved_plan_under_budget_auto_is_followed_then_replanned_without_profi
 
     def auto_engine(model):
         return offload.engine(
-            "auto", reserve_mb=1, memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0), regions=model.blocks,
-            model=model, machine=MACHINE, policy="offload", plan_cache=path, spill_dir=spill_dir,
+            "auto",
+            reserve_mb=1,
+            memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0),
+            regions=model.blocks,
+            model=model,
+            machine=MACHINE,
+            policy="offload",
+            plan_cache=path,
+            spill_dir=spill_dir,
         )
 
     model = make_model()

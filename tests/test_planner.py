@@ -33,8 +33,13 @@ def cuda_machine(gb_per_s: float, back_gb_per_s: float | None = None, overhead_u
 
 def uniform_regions(n: int, saved_bytes: int = 100 * MB, forward_ms: float = 5.0) -> list[RegionProfile]:
     return [
-        RegionProfile(name=f"blocks.{i}", saved_bytes=saved_bytes, input_bytes=saved_bytes // 20,
-                      forward_ms=forward_ms, num_tensors=10)
+        RegionProfile(
+            name=f"blocks.{i}",
+            saved_bytes=saved_bytes,
+            input_bytes=saved_bytes // 20,
+            forward_ms=forward_ms,
+            num_tensors=10,
+        )
         for i in range(n)
     ]
 
@@ -42,16 +47,28 @@ def uniform_regions(n: int, saved_bytes: int = 100 * MB, forward_ms: float = 5.0
 def gpt_layer(name: str, *, h: int = 4096, s: int = 4096, b: int = 1, flop_per_s: float = 600e12) -> RegionProfile:
     """One transformer layer per DESIGN.md: ~34*s*b*h bytes saved in bf16, 24*b*s*h^2*(1 + s/6h) FLOPs."""
     forward_flops = 24 * b * s * h**2 * (1 + s / (6 * h))
-    return RegionProfile(name=name, saved_bytes=34 * s * b * h, input_bytes=2 * s * b * h,
-                         forward_ms=forward_flops / flop_per_s * 1e3, num_tensors=0)
+    return RegionProfile(
+        name=name,
+        saved_bytes=34 * s * b * h,
+        input_bytes=2 * s * b * h,
+        forward_ms=forward_flops / flop_per_s * 1e3,
+        num_tensors=0,
+    )
 
 
 def random_problem(rng: np.random.Generator, max_regions: int):
     regions = []
     for i in range(int(rng.integers(1, max_regions + 1))):
         saved = int(rng.integers(1 * MB, 1000 * MB))
-        regions.append(RegionProfile(name=f"r{i}", saved_bytes=saved, input_bytes=int(saved * rng.uniform(0, 0.3)),
-                                     forward_ms=float(rng.uniform(0.05, 10)), num_tensors=int(rng.integers(0, 40))))
+        regions.append(
+            RegionProfile(
+                name=f"r{i}",
+                saved_bytes=saved,
+                input_bytes=int(saved * rng.uniform(0, 0.3)),
+                forward_ms=float(rng.uniform(0.05, 10)),
+                num_tensors=int(rng.integers(0, 40)),
+            )
+        )
     out = float(rng.choice([0.0, 1.0, 10.0, 50.0, 340.0, math.inf]))
     machine = cuda_machine(out, out * rng.uniform(0.5, 1.2), overhead_us=float(rng.uniform(0, 20)))
     budget_bytes = int(sum(r.saved_bytes for r in regions) * rng.uniform(0, 1.1))
@@ -154,24 +171,30 @@ def test_timeline_by_hand_offload_then_keep():
     # 1e6 bytes over 1 GB/s is 1 ms each way. r0's copy runs 0.5 -> 1.5 while r1 computes; backward
     # of r1 runs 1.0 -> 2.0; r0's reload cannot start before its copy lands (1.5), lands at 2.5:
     # 0.5 ms exposed. Peak: only r1 is held for later; r0 streams out within the budget's window.
-    regions = [RegionProfile(name="r0", saved_bytes=10**6, forward_ms=0.5),
-               RegionProfile(name="r1", saved_bytes=10**6, forward_ms=0.5)]
+    regions = [
+        RegionProfile(name="r0", saved_bytes=10**6, forward_ms=0.5),
+        RegionProfile(name="r1", saved_bytes=10**6, forward_ms=0.5),
+    ]
     step_ms, peak_bytes = simulate(regions, (OFFLOAD, KEEP), cuda_machine(1.0))
     assert step_ms == pytest.approx(3.5)
     assert peak_bytes == 10**6
 
 
 def test_timeline_by_hand_recompute_holds_its_bytes_in_backward():
-    regions = [RegionProfile(name="r0", saved_bytes=10**6, input_bytes=10**5, forward_ms=0.5),
-               RegionProfile(name="r1", saved_bytes=10**6, forward_ms=0.5)]
+    regions = [
+        RegionProfile(name="r0", saved_bytes=10**6, input_bytes=10**5, forward_ms=0.5),
+        RegionProfile(name="r1", saved_bytes=10**6, forward_ms=0.5),
+    ]
     step_ms, peak_bytes = simulate(regions, (RECOMPUTE, KEEP), cuda_machine(1.0))
     assert step_ms == pytest.approx(3 * 1.0 + 0.5)
     assert peak_bytes == 10**6 + 10**5  # r1 kept + r0's inputs (r0's recomputed bytes are working memory)
 
 
 def test_per_tensor_overhead_is_paid_on_the_compute_stream():
-    regions = [RegionProfile(name="r0", saved_bytes=MB, forward_ms=1.0, num_tensors=50),
-               RegionProfile(name="r1", saved_bytes=MB, forward_ms=1.0, num_tensors=50)]
+    regions = [
+        RegionProfile(name="r0", saved_bytes=MB, forward_ms=1.0, num_tensors=50),
+        RegionProfile(name="r1", saved_bytes=MB, forward_ms=1.0, num_tensors=50),
+    ]
     plan = make_plan(regions, cuda_machine(math.inf, overhead_us=20.0), 0, policy="offload")
     assert plan.decisions == (OFFLOAD, OFFLOAD)
     assert plan.predicted_overhead_ms == pytest.approx(2 * 50 * 20.0 / 1000)
@@ -281,8 +304,10 @@ def test_auto_fits_whenever_any_assignment_fits():
     for _ in range(40):
         regions, machine, budget_bytes = random_problem(rng, max_regions=5)
         choices = (KEEP, RECOMPUTE) if machine.d2h_gb_per_s == 0 else (KEEP, OFFLOAD, RECOMPUTE)
-        any_fits = any(simulate(regions, decisions, machine)[1] <= budget_bytes
-                       for decisions in itertools.product(choices, repeat=len(regions)))
+        any_fits = any(
+            simulate(regions, decisions, machine)[1] <= budget_bytes
+            for decisions in itertools.product(choices, repeat=len(regions))
+        )
         assert make_plan(regions, machine, budget_bytes).fits_budget == any_fits
 
 

@@ -26,16 +26,25 @@ NO_LINK = MachineProfile(device_type="cpu", device_name="no disk")
 
 
 def cuda(gb_per_s: float, overhead_us: float = 0.0) -> MachineProfile:
-    return MachineProfile(device_type="cuda", d2h_gb_per_s=gb_per_s, h2d_gb_per_s=gb_per_s,
-                          per_tensor_overhead_us=overhead_us)
+    return MachineProfile(
+        device_type="cuda", d2h_gb_per_s=gb_per_s, h2d_gb_per_s=gb_per_s, per_tensor_overhead_us=overhead_us
+    )
 
 
 def region(i: int = 0, *, selective_ms: float = 1.0, **kw) -> RegionProfile:
     """A block: 100 MB saved, 5 MB input; 60 MB from cheap ops, 40 MB from expensive ones; forward
     5 ms, backward 10 ms, whole recompute 5 ms, selective re-run ``selective_ms``."""
     fields = dict(
-        name=f"blocks.{i}", saved_bytes=100 * MB, input_bytes=5 * MB, forward_ms=5.0, backward_ms=10.0,
-        recompute_ms=5.0, num_tensors=20, cheap_bytes=60 * MB, expensive_bytes=40 * MB, expensive_tensors=4,
+        name=f"blocks.{i}",
+        saved_bytes=100 * MB,
+        input_bytes=5 * MB,
+        forward_ms=5.0,
+        backward_ms=10.0,
+        recompute_ms=5.0,
+        num_tensors=20,
+        cheap_bytes=60 * MB,
+        expensive_bytes=40 * MB,
+        expensive_tensors=4,
         selective_ms=selective_ms,
     )
     fields.update(kw)
@@ -73,8 +82,9 @@ def test_selective_offload_on_a_copy_engine_hides_the_stash_behind_the_next_forw
 
 def test_selective_offload_on_the_cpu_pays_its_copies_and_per_tensor_costs():
     """No copy engine: the stash's write and read run on the compute timeline, plus 4 tensors x 10 us."""
-    machine = MachineProfile(device_type="cpu", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0,
-                             per_tensor_overhead_us=10.0)
+    machine = MachineProfile(
+        device_type="cpu", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0, per_tensor_overhead_us=10.0
+    )
     step_ms, peak = simulate([region()], (SELECTIVE_OFFLOAD,), machine)
     out_ms, back_ms, overhead_ms = 40.0, 20.0, 4 * 10e-3
     assert step_ms == pytest.approx(KEEP_STEP_MS + 1.0 + out_ms + back_ms + overhead_ms)
@@ -90,8 +100,16 @@ def test_selective_needs_a_measured_selective_run_and_offload_a_link():
         simulate([region()], (SELECTIVE_OFFLOAD,), NO_LINK)
 
 
-@pytest.mark.parametrize("field,value", [("cheap_bytes", -1), ("expensive_bytes", -1), ("expensive_tensors", -1),
-                                         ("selective_ms", math.nan), ("selective_ms", -1.0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("cheap_bytes", -1),
+        ("expensive_bytes", -1),
+        ("expensive_tensors", -1),
+        ("selective_ms", math.nan),
+        ("selective_ms", -1.0),
+    ],
+)
 def test_bad_selective_numbers_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         make_plan([dataclasses.replace(region(), **{field: value})], NO_LINK, 10 * MB)
@@ -153,13 +171,19 @@ def test_auto_moves_the_stash_when_only_the_inputs_fit():
 @pytest.mark.parametrize("budget_mb", [20, 60, 150, 250])
 def test_auto_finds_the_fastest_assignment_that_fits_three_regions(gb_per_s, budget_mb):
     """Against every one of the 5^3 assignments, on a copy engine at three link speeds."""
-    profiles = [region(0, selective_ms=1.0), region(1, selective_ms=2.5, expensive_bytes=70 * MB, cheap_bytes=30 * MB),
-                region(2, selective_ms=0.5)]
+    profiles = [
+        region(0, selective_ms=1.0),
+        region(1, selective_ms=2.5, expensive_bytes=70 * MB, cheap_bytes=30 * MB),
+        region(2, selective_ms=0.5),
+    ]
     machine = cuda(gb_per_s)
     budget = budget_mb * MB
     plan = make_plan(profiles, machine, budget, "auto")
-    fitting = [simulate(profiles, d, machine)[0] for d in itertools.product(ALL, repeat=3)
-               if simulate(profiles, d, machine)[1] <= budget]
+    fitting = [
+        simulate(profiles, d, machine)[0]
+        for d in itertools.product(ALL, repeat=3)
+        if simulate(profiles, d, machine)[1] <= budget
+    ]
     assert fitting, "every budget here fits something (the test's premise)"
     assert plan.fits_budget, str(plan)
     assert plan.predicted_step_ms == pytest.approx(min(fitting)), str(plan)

@@ -23,7 +23,11 @@ def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     # quick and does not write the user's cache.
     machine = offload.MachineProfile(device_type="cpu", disk_write_gb_per_s=2.0, disk_read_gb_per_s=4.0)
     real_engine = offload.engine
-    monkeypatch.setattr(offload, "engine", lambda *a, **k: real_engine(*a, **{"machine": machine, **k}) if "regions" in k else real_engine(*a, **k))
+    monkeypatch.setattr(
+        offload,
+        "engine",
+        lambda *a, **k: real_engine(*a, **{"machine": machine, **k}) if "regions" in k else real_engine(*a, **k),
+    )
     namespace: dict = {}
     for block in _python_blocks():
         exec(compile(block, str(README), "exec"), namespace)

@@ -42,7 +42,7 @@ def _forward_only(ctx) -> bool:
     "make_ctx",
     [
         lambda: offload.engine(None, min_offload_bytes=1 << 30),  # everything passes through
-        lambda: offload.engine(0, min_offload_bytes=0),           # everything is taken
+        lambda: offload.engine(0, min_offload_bytes=0),  # everything is taken
         offload.no_offload,
     ],
     ids=["engine-passthrough", "engine-takes", "no_offload"],

@@ -54,9 +54,7 @@ def batch(seq: int = CONFIG.seq_len, step: int = 0):
     return idx[:, :-1], idx[:, 1:]
 
 
-def train(
-    model: MiniGPT, eng=None, steps: int = STEPS, seq: int = CONFIG.seq_len, on_step=None, first_step: int = 0
-):
+def train(model: MiniGPT, eng=None, steps: int = STEPS, seq: int = CONFIG.seq_len, on_step=None, first_step: int = 0):
     """``steps`` SGD steps from step ``first_step`` (its batch and seed); returns every step's loss
     and gradients. ``on_step(eng)`` after each."""
     history = []
@@ -181,7 +179,11 @@ NO_DISK = offload.MachineProfile(device_type="cpu", device_name="no disk")
 def test_auto_recomputes_when_moving_costs_more(machine, budget, saved_bytes, reference, spill_dir):
     model = make_model()
     eng = offload.engine(
-        budget_mb(saved_bytes, budget), policy="auto", regions=model.blocks, model=model, machine=machine,
+        budget_mb(saved_bytes, budget),
+        policy="auto",
+        regions=model.blocks,
+        model=model,
+        machine=machine,
         spill_dir=spill_dir,
     )
     recomputed = []
@@ -267,7 +269,12 @@ def test_regions_filter_selecting_nothing_is_refused():
 def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
     model = make_model()
     eng = offload.engine(
-        saved_bytes * 0.1 / 2**20, policy="auto", regions=model.blocks, model=model, machine=MACHINE, spill_dir=spill_dir
+        saved_bytes * 0.1 / 2**20,
+        policy="auto",
+        regions=model.blocks,
+        model=model,
+        machine=MACHINE,
+        spill_dir=spill_dir,
     )
     assert eng.plan is None and eng.plans == {}
     assert "no plan yet" in offload.explain(eng)
@@ -345,7 +352,12 @@ def test_budget_is_respected(policy, budget, saved_bytes, spill_dir):
     """The engine-managed bytes on the device never exceed the budget, in forward or backward."""
     model = make_model()
     eng = offload.engine(
-        budget_mb(saved_bytes, budget), policy=policy, regions=model.blocks, model=model, machine=MACHINE, spill_dir=spill_dir
+        budget_mb(saved_bytes, budget),
+        policy=policy,
+        regions=model.blocks,
+        model=model,
+        machine=MACHINE,
+        spill_dir=spill_dir,
     )
     budget_bytes = eng.config.budget_bytes
     peaks = []
@@ -359,7 +371,10 @@ def test_budget_is_respected(policy, budget, saved_bytes, spill_dir):
 
 def _block(name: str, forward_ms: float, saved_mb: float = 100.0) -> offload.RegionProfile:
     return offload.RegionProfile(
-        name=name, saved_bytes=int(saved_mb * 1e6), input_bytes=int(saved_mb * 1e4), forward_ms=forward_ms,
+        name=name,
+        saved_bytes=int(saved_mb * 1e6),
+        input_bytes=int(saved_mb * 1e4),
+        forward_ms=forward_ms,
         num_tensors=10,
     )
 
@@ -419,7 +434,11 @@ def test_profiling_stages(case, saved_bytes, spill_dir):
     policy, budget, machine, expected = STAGE_CASES[case]
     model = make_model()
     eng = offload.engine(
-        budget_mb(saved_bytes, budget), policy=policy, regions=model.blocks, model=model, machine=machine,
+        budget_mb(saved_bytes, budget),
+        policy=policy,
+        regions=model.blocks,
+        model=model,
+        machine=machine,
         spill_dir=spill_dir,
     )
     train(model, eng)
@@ -433,7 +452,11 @@ def test_auto_plans_from_the_trial_timings(saved_bytes, spill_dir):
     "recompute" step: a measured recompute and a backward without it."""
     model = make_model()
     eng = offload.engine(
-        budget_mb(saved_bytes, "small"), policy="auto", regions=model.blocks, model=model, machine=MACHINE,
+        budget_mb(saved_bytes, "small"),
+        policy="auto",
+        regions=model.blocks,
+        model=model,
+        machine=MACHINE,
         spill_dir=spill_dir,
     )
     train(model, eng, steps=3)
@@ -454,7 +477,11 @@ def test_a_plan_in_force_does_not_spill_what_it_keeps(saved_bytes, spill_dir):
     plan already fits the budget, so the blocks it keeps stay on the device."""
     model = make_model()
     eng = offload.engine(
-        budget_mb(saved_bytes, "medium"), policy="auto", regions=model.blocks, model=model, machine=MACHINE,
+        budget_mb(saved_bytes, "medium"),
+        policy="auto",
+        regions=model.blocks,
+        model=model,
+        machine=MACHINE,
         spill_dir=spill_dir,
     )
     offloaded = []
@@ -475,7 +502,11 @@ def test_a_budget_that_fits_everything_is_measured_without_spilling(saved_bytes,
     the second measured step whose times the final plan predicts with."""
     model = make_model()
     eng = offload.engine(
-        saved_bytes * 1.02 / 2**20, policy="auto", regions=model.blocks, model=model, machine=MACHINE,
+        saved_bytes * 1.02 / 2**20,
+        policy="auto",
+        regions=model.blocks,
+        model=model,
+        machine=MACHINE,
         spill_dir=spill_dir,
     )
     offloaded = []
@@ -496,7 +527,11 @@ def test_a_profiling_step_that_raises_is_measured_again(saved_bytes, reference, 
     runs again on the next step, and the engine still ends with a plan and exact gradients."""
     model = make_model()
     eng = offload.engine(
-        budget_mb(saved_bytes, "small"), policy="auto", regions=model.blocks, model=model, machine=MACHINE,
+        budget_mb(saved_bytes, "small"),
+        policy="auto",
+        regions=model.blocks,
+        model=model,
+        machine=MACHINE,
         spill_dir=spill_dir,
     )
     history = train(model, eng, steps=1)  # "measure"

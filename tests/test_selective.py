@@ -182,8 +182,12 @@ def test_region_called_twice_in_one_graph_and_retain_graph():
         module, x = copy.deepcopy(lin), torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(1))
         x.requires_grad_(True)
         torch.manual_seed(SEED)
-        fn = (lambda t: twice(module, t)) if selective is None else (
-            lambda t: selective_checkpoint(lambda u: drop(module(u).tanh()), (t,), {}, "r", selective=selective)[0]
+        fn = (
+            (lambda t: twice(module, t))
+            if selective is None
+            else (
+                lambda t: selective_checkpoint(lambda u: drop(module(u).tanh()), (t,), {}, "r", selective=selective)[0]
+            )
         )
         if selective is None:
             out = fn(x)
@@ -276,7 +280,13 @@ def test_different_expensive_ops_on_the_rerun_raise_naming_the_region():
 
 def test_expensive_table_names_the_kernels_this_torch_runs():
     names = {str(op) for op in EXPENSIVE_OPS}
-    for name in ("aten.mm", "aten.addmm", "aten.bmm", "aten.convolution", "aten._scaled_dot_product_flash_attention_for_cpu"):
+    for name in (
+        "aten.mm",
+        "aten.addmm",
+        "aten.bmm",
+        "aten.convolution",
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+    ):
         assert name in names, f"{name} missing from EXPENSIVE_OPS"
     assert "aten.mul" not in names and "aten.native_dropout" not in names
 
@@ -286,8 +296,14 @@ def test_expensive_table_names_the_kernels_this_torch_runs():
 
 def selective_engine(model: GPTLoss, budget_mb, spill_dir, link=None, **kw) -> offload.Engine:
     return offload.engine(
-        budget_mb, policy="selective", regions=model.model.blocks, model=model, min_offload_bytes=0,
-        spill_dir=spill_dir, link=link, **kw,
+        budget_mb,
+        policy="selective",
+        regions=model.model.blocks,
+        model=model,
+        min_offload_bytes=0,
+        spill_dir=spill_dir,
+        link=link,
+        **kw,
     )
 
 
@@ -322,8 +338,11 @@ def test_budget_0_moves_the_stash_through_the_host_tier(link, spill_dir):
     with link_named(link) as made:
         eng = selective_engine(model, 0, spill_dir, link=made)
         for i in range(STEPS):
-            assert_same(run_step(reference, tokens, input_grad=False), run_step(model, tokens, eng, input_grad=False),
-                        f"{link} step {i}")
+            assert_same(
+                run_step(reference, tokens, input_grad=False),
+                run_step(model, tokens, eng, input_grad=False),
+                f"{link} step {i}",
+            )
         stats = wait_clean(eng, spill_dir)
         eng.close()
     assert stats.offloaded_bytes > 0 and stats.reloaded_bytes > 0
@@ -370,8 +389,9 @@ def test_recomputed_bytes_is_the_dropped_tanh_outputs(policy, spill_dir):
     tanh, once for the second matmul: one storage). Recompute and selective both drop g only."""
     torch.manual_seed(0)
     model = Stack()
-    eng = offload.engine(None, policy=policy, regions=model.blocks, model=model, min_offload_bytes=0,
-                         spill_dir=spill_dir)
+    eng = offload.engine(
+        None, policy=policy, regions=model.blocks, model=model, min_offload_bytes=0, spill_dir=spill_dir
+    )
     per_step = []
     for _ in range(3):
         eng.reset_stats()
@@ -395,9 +415,13 @@ def test_compiled_blocks_are_recomputed_whole_with_a_note(spill_dir):
     for i, b in enumerate(reference.blocks):
         reference.blocks[i] = torch.compile(b, backend="aot_eager")
     assert all(is_compiled(b) for b in model.blocks) and not any(is_compiled(b) for b in base.blocks)
-    eng = offload.engine(None, policy="selective", regions=model.blocks, model=model, min_offload_bytes=0,
-                         spill_dir=spill_dir)
-    make = lambda: torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(5))
+    eng = offload.engine(
+        None, policy="selective", regions=model.blocks, model=model, min_offload_bytes=0, spill_dir=spill_dir
+    )
+
+    def make() -> torch.Tensor:
+        return torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(5))
+
     for i in range(3):
         assert_same(run_step(reference, make), run_step(model, make, eng), f"compiled step {i}")
     assert set(eng.plan.decisions) == {offload.Decision.RECOMPUTE}, str(eng.plan)
@@ -416,11 +440,21 @@ def test_auto_uses_selective_where_it_is_cheapest(spill_dir):
     run_step(copy.deepcopy(model), tokens, eng0, input_grad=False)
     total_mb = eng0.stats.saved_bytes / 2**20
     eng0.close()
-    eng = offload.engine(0.6 * total_mb, policy="auto", regions=model.model.blocks, model=model, machine=no_disk,
-                         min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(
+        0.6 * total_mb,
+        policy="auto",
+        regions=model.model.blocks,
+        model=model,
+        machine=no_disk,
+        min_offload_bytes=0,
+        spill_dir=spill_dir,
+    )
     for i in range(STEPS):
-        assert_same(run_step(reference, tokens, input_grad=False), run_step(model, tokens, eng, input_grad=False),
-                    f"auto step {i}")
+        assert_same(
+            run_step(reference, tokens, input_grad=False),
+            run_step(model, tokens, eng, input_grad=False),
+            f"auto step {i}",
+        )
     profiles = eng.profiled_steps[-1].regions
     assert all(p.selective_ms > 0 and p.cheap_bytes > 0 and p.expensive_bytes > 0 for p in profiles), profiles
     assert offload.Decision.OFFLOAD not in eng.plan.decisions
@@ -541,8 +575,9 @@ def test_a_region_that_fails_under_a_dispatch_mode_is_profiled_as_not_splittable
     reference = copy.deepcopy(model)
     eng = selective_engine(model, None, spill_dir)
     for i in range(3):
-        assert_same(run_step(reference, tokens, input_grad=False), run_step(model, tokens, eng, input_grad=False),
-                    f"step {i}")
+        assert_same(
+            run_step(reference, tokens, input_grad=False), run_step(model, tokens, eng, input_grad=False), f"step {i}"
+        )
     assert set(eng.plan.decisions) == {offload.Decision.RECOMPUTE}, str(eng.plan)
     assert "no Python modes here" in offload.explain(eng)
     eng.close()

@@ -332,7 +332,10 @@ def test_directory_removed_at_interpreter_exit(spill_dir):
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", script, str(spill_dir)], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", script, str(spill_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert done.returncode == 0, done.stderr

@@ -15,11 +15,16 @@ def sweep():
 
 def row(policy, runs_ms, *, peak_mb=10.0, budget_mb=20.0, predicted=None):
     return {
-        "config": f"{policy}-50%", "policy": policy, "budget_fraction": 0.5, "compiled": False,
+        "config": f"{policy}-50%",
+        "policy": policy,
+        "budget_fraction": 0.5,
+        "compiled": False,
         "step_ms": sorted(runs_ms)[len(runs_ms) // 2],
-        "runs_step_ms": list(runs_ms), "runs_predicted_ms": list(predicted or [None] * len(runs_ms)),
+        "runs_step_ms": list(runs_ms),
+        "runs_predicted_ms": list(predicted or [None] * len(runs_ms)),
         "predicted_ms": None if predicted is None else sorted(predicted)[len(predicted) // 2],
-        "engine_peak_mb": peak_mb, "budget_mb": budget_mb,
+        "engine_peak_mb": peak_mb,
+        "budget_mb": budget_mb,
     }
 
 

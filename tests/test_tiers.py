@@ -98,7 +98,9 @@ def test_spill_extents_go_as_backward_consumes_them(spill_dir):
         for i, layer in enumerate(model):
             h = layer(h)
             if i == len(model) // 2:
-                h.register_hook(lambda grad: counts.append((eng.stats.spill_bytes, len(files_under(spill_dir)))) or grad)
+                h.register_hook(
+                    lambda grad: counts.append((eng.stats.spill_bytes, len(files_under(spill_dir)))) or grad
+                )
         loss = h.sum()
     after_forward = eng.stats.spill_bytes
     assert after_forward >= eng.stats.offloaded_bytes > 0

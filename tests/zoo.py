@@ -69,8 +69,11 @@ class ResBlock(nn.Module):
 def cnn(channels: int = 8, blocks: int = 2, *, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Conv2d(3, channels, 3, padding=1), *[ResBlock(channels) for _ in range(blocks)],
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10),
+        nn.Conv2d(3, channels, 3, padding=1),
+        *[ResBlock(channels) for _ in range(blocks)],
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(channels, 10),
     )
 
 
@@ -248,6 +251,20 @@ def budget_between(total_bytes: int, fraction: float) -> float:
 
 
 __all__ = [
-    "GPTLoss", "MB", "Recurrent", "ResBlock", "Result", "Tied", "assert_same", "budget_between", "cnn",
-    "default_loss", "files_under", "gpt", "mlp", "run_step", "saved_bytes", "wait_clean",
+    "GPTLoss",
+    "MB",
+    "Recurrent",
+    "ResBlock",
+    "Result",
+    "Tied",
+    "assert_same",
+    "budget_between",
+    "cnn",
+    "default_loss",
+    "files_under",
+    "gpt",
+    "mlp",
+    "run_step",
+    "saved_bytes",
+    "wait_clean",
 ]

@@ -20,7 +20,18 @@ import torch
 import offload
 from offload.models import GPTConfig
 
-__all__ = ["DTYPES", "MB", "PRESETS", "REFERENCE", "Kind", "Preset", "RunSettings", "Variant", "engine_variants", "parse_variant"]
+__all__ = [
+    "DTYPES",
+    "MB",
+    "PRESETS",
+    "REFERENCE",
+    "Kind",
+    "Preset",
+    "RunSettings",
+    "Variant",
+    "engine_variants",
+    "parse_variant",
+]
 
 MB = 1 << 20  # bytes per MB, as offload.engine(budget_mb=...) counts them
 
@@ -147,8 +158,12 @@ class RunSettings:
 
     def gpt_config(self) -> GPTConfig:
         return GPTConfig(
-            n_layer=self.layers, n_head=self.heads, n_embd=self.hidden, seq_len=self.seq,
-            dropout=self.dropout, attention=self.attention,
+            n_layer=self.layers,
+            n_head=self.heads,
+            n_embd=self.hidden,
+            seq_len=self.seq,
+            dropout=self.dropout,
+            attention=self.attention,
         )
 
 
@@ -168,22 +183,53 @@ PRESETS: dict[str, Preset] = {
     "demo": Preset(
         # The "math" attention path: the CPU's fused SDPA kernel with dropout gave losses differing
         # at 1e-6 between processes even with no engine at all, hiding whether the engine is exact.
-        dict(layers=4, hidden=256, heads=4, seq=256, batch=4, steps=3, warmup=3, dtype="fp32", device="cpu",
-             attention="math"),
+        dict(
+            layers=4,
+            hidden=256,
+            heads=4,
+            seq=256,
+            batch=4,
+            steps=3,
+            warmup=3,
+            dtype="fp32",
+            device="cpu",
+            attention="math",
+        ),
         _BASELINES + (Variant(Kind.ENGINE, "offload", 0.25), Variant(Kind.ENGINE, "auto", 0.25)),
         "CPU, five configurations of MiniGPT 4 x 256",
     ),
     "h200": Preset(
         # ~1.6B parameters (8 x 200M): estimated (not yet measured) ~75 ms of compute per step on an H200, so the ~18
         # configurations x (grad check + 3 + 2 steps) should take about a minute (gpu_check gives it 110 s).
-        dict(layers=8, hidden=4096, heads=32, seq=4096, batch=1, steps=2, warmup=3, dtype="bf16", device="cuda",
-             attention="sdpa", check_seq=1024),
+        dict(
+            layers=8,
+            hidden=4096,
+            heads=32,
+            seq=4096,
+            batch=1,
+            steps=2,
+            warmup=3,
+            dtype="bf16",
+            device="cuda",
+            attention="sdpa",
+            check_seq=1024,
+        ),
         _COMPARISON,
         "a 7B-class layer shape (h=4096, s=4096) x 8 blocks in bf16 on one large GPU, every configuration",
     ),
     "tiny": Preset(
-        dict(layers=3, hidden=32, heads=2, seq=16, batch=2, steps=1, warmup=3, dtype="fp32", device="cpu",
-             min_offload_bytes=0),
+        dict(
+            layers=3,
+            hidden=32,
+            heads=2,
+            seq=16,
+            batch=2,
+            steps=1,
+            warmup=3,
+            dtype="fp32",
+            device="cpu",
+            min_offload_bytes=0,
+        ),
         _COMPARISON,
         "the h200 configurations at a tiny shape: every code path of the GPU run, in under a minute (CPU or CUDA)",
     ),

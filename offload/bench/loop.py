@@ -145,8 +145,11 @@ class Trainer:
         x, y = next(self.stream)
         return x.to(self.device), y.to(self.device)
 
-    def step(self, context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-             memory: Optional[Memory] = None) -> dict:
+    def step(
+        self,
+        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        memory: Optional[Memory] = None,
+    ) -> dict:
         """One training step under ``context()``: its times, loss and (given ``memory``) memory."""
         x, y = self.batch()
         torch.manual_seed(self.run.seed + 1 + self.steps)  # same dropout masks in every configuration
@@ -205,8 +208,11 @@ def grad_checksums(model: torch.nn.Module) -> dict[str, Optional[list]]:
     out: dict[str, Optional[list]] = {}
     for name, p in model.named_parameters():
         g = None if p.grad is None else p.grad.detach().contiguous()
-        out[name] = None if g is None else [int(torch.sum(g.view(_INT_OF_SIZE[g.element_size()]), dtype=torch.int64)),
-                                            float(g.double().norm())]
+        out[name] = (
+            None
+            if g is None
+            else [int(torch.sum(g.view(_INT_OF_SIZE[g.element_size()]), dtype=torch.int64)), float(g.double().norm())]
+        )
     return out
 
 
@@ -216,8 +222,11 @@ def _determinism(strict: bool) -> Iterator[None]:
     (what ``torch.use_deterministic_algorithms(True)`` does). Else: deterministic kernels where
     torch has them, a warning elsewhere, and no NaN-filling (it would skew the timings)."""
     # fill_uninitialized_memory is a property of the class torch gives this module; stubs do not see it.
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             deterministic_flags.fill_uninitialized_memory)  # type: ignore[attr-defined]  # see above
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        deterministic_flags.fill_uninitialized_memory,  # type: ignore[attr-defined]  # see above
+    )
     torch.use_deterministic_algorithms(True, warn_only=not strict)
     deterministic_flags.fill_uninitialized_memory = strict  # type: ignore[attr-defined]  # see above
     try:
@@ -240,14 +249,24 @@ def _make_context(
         return (lambda: hooks), None
     if variant.kind is not Kind.ENGINE:
         return contextlib.nullcontext, None
-    engine = offload.engine(budget_mb, policy=variant.policy, regions=trainer.model.blocks, model=trainer.model,
-                            machine=machine, **engine_kwargs)
+    engine = offload.engine(
+        budget_mb,
+        policy=variant.policy,
+        regions=trainer.model.blocks,
+        model=trainer.model,
+        machine=machine,
+        **engine_kwargs,
+    )
     return (lambda: engine), engine
 
 
 def run_one(
-    run: RunSettings, variant: Variant, data: torch.Tensor, *,
-    activation_bytes: Optional[int] = None, emit: Callable[[dict], None] = lambda record: None,
+    run: RunSettings,
+    variant: Variant,
+    data: torch.Tensor,
+    *,
+    activation_bytes: Optional[int] = None,
+    emit: Callable[[dict], None] = lambda record: None,
 ) -> dict:
     """Train ``run.total_steps`` steps of ``variant`` here, passing each step's record to ``emit``;
     return the summary record. ``activation_bytes`` (the reference's saved bytes) sizes budgets;
@@ -287,8 +306,13 @@ def run_one(
                 if engine is not None:
                     engine.reset_stats()
                 record = trainer.step(context, memory)
-                record.update(type="step", config=variant.name, step=step, budget_mb=budget_mb,
-                              warmup=step < run.warmup or profiling)
+                record.update(
+                    type="step",
+                    config=variant.name,
+                    step=step,
+                    budget_mb=budget_mb,
+                    warmup=step < run.warmup or profiling,
+                )
                 if hooks is not None and hooks.timing:
                     record["block_forward_ms"] = hooks.forward_ms()
                 if engine is not None:
@@ -299,10 +323,15 @@ def run_one(
             activation_bytes = trainer.saved_bytes(engine_kwargs)
         plan = None if engine is None else engine.plan
         return summary | dict(
-            activation_bytes=activation_bytes, budget_mb=budget_mb, peak_source=memory.source,
+            activation_bytes=activation_bytes,
+            budget_mb=budget_mb,
+            peak_source=memory.source,
             malloc_mmap_threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-            plan=None if plan is None else plan.to_dict(), plan_text=None if plan is None else str(plan),
-            machine=None if machine is None else dataclasses.asdict(machine), trace=trace)
+            plan=None if plan is None else plan.to_dict(),
+            plan_text=None if plan is None else str(plan),
+            machine=None if machine is None else dataclasses.asdict(machine),
+            trace=trace,
+        )
     finally:
         if engine is not None:
             engine.close()
@@ -327,8 +356,9 @@ def _grad_check(
     engine of its own); the gradients' checksums, or the error strict determinism raised."""
     context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine)
     run = trainer.run  # a batch of its own: the timed steps see the same batches whether or not a check ran
-    check_batches = batches(trainer.data, run.batch, run.check_seq or run.seq,
-                            torch.Generator().manual_seed(run.seed + CHECK_SEED_OFFSET))
+    check_batches = batches(
+        trainer.data, run.batch, run.check_seq or run.seq, torch.Generator().manual_seed(run.seed + CHECK_SEED_OFFSET)
+    )
     x, y = (t.to(trainer.device) for t in next(check_batches))
     torch.manual_seed(run.seed)
     try:

@@ -28,8 +28,20 @@ import offload
 from offload._pagecache import cached_bytes_under
 from offload._probe import cpu_model
 
-__all__ = ["THREADS_ENV", "Memory", "describe_machine", "environment", "median", "resolve_device", "set_threads",
-           "sync", "table", "timed", "write_json", "write_text"]
+__all__ = [
+    "THREADS_ENV",
+    "Memory",
+    "describe_machine",
+    "environment",
+    "median",
+    "resolve_device",
+    "set_threads",
+    "sync",
+    "table",
+    "timed",
+    "write_json",
+    "write_text",
+]
 
 THREADS_ENV = "OFFLOAD_BENCH_THREADS"  # torch intra-op threads of bench/'s scripts (default: torch's choice)
 
@@ -133,7 +145,11 @@ def _proc_status_bytes(field: str) -> int:
 
 
 def timed(
-    fns: dict[str, Callable[[], None]], *, rounds: int, warmup: int, device: torch.device,
+    fns: dict[str, Callable[[], None]],
+    *,
+    rounds: int,
+    warmup: int,
+    device: torch.device,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Time each function ``rounds`` times, interleaved (A B C A B C ...), after ``warmup`` rounds,
     each call between device synchronizations: (wall ms, process CPU ms) per call, per name. CPU
@@ -154,8 +170,13 @@ def timed(
 
 def _git_commit() -> Optional[str]:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(offload.__file__).resolve().parents[1],
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(offload.__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -204,10 +225,18 @@ def table(header: Sequence[str], rows: Sequence[Sequence], *, markdown: bool = F
     full = [line for line in lines if len(line) == len(header)]
     if markdown:
         out = ["| " + " | ".join(lines[0]) + " |", "|" + "---|" * len(header)]
-        return "\n".join(out + ["| " + " | ".join(line + [""] * (len(header) - len(line))) + " |" for line in lines[1:]])
+        return "\n".join(
+            out + ["| " + " | ".join(line + [""] * (len(header) - len(line))) + " |" for line in lines[1:]]
+        )
     widths = [max(len(line[i]) for line in full) for i in range(len(header))]
-    out = [("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
-            if len(line) == len(header) else "  ".join([line[0].ljust(widths[0])] + line[1:])) for line in lines]
+    out = [
+        (
+            "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+            if len(line) == len(header)
+            else "  ".join([line[0].ljust(widths[0])] + line[1:])
+        )
+        for line in lines
+    ]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)
 

@@ -27,8 +27,19 @@ PREDICTION_TOLERANCE = 0.15  # the planner's predicted step time should be withi
 
 _BOUNDED_KINDS = (Kind.NONE.value, Kind.CHECKPOINT.value, Kind.ENGINE.value)
 """Kinds the cost-model bound covers (save_on_cpu and torchtune move bytes it does not count)."""
-_STAT_FIELDS = ("saved_bytes", "offloaded_bytes", "reloaded_bytes", "spilled_bytes", "recomputed_regions",
-                "prefetch_hits", "prefetch_misses", "reload_wait_ms", "evict_wait_ms", "d2h_busy_ms", "h2d_busy_ms")
+_STAT_FIELDS = (
+    "saved_bytes",
+    "offloaded_bytes",
+    "reloaded_bytes",
+    "spilled_bytes",
+    "recomputed_regions",
+    "prefetch_hits",
+    "prefetch_misses",
+    "reload_wait_ms",
+    "evict_wait_ms",
+    "d2h_busy_ms",
+    "h2d_busy_ms",
+)
 
 
 def _mb(value: Optional[float]) -> Optional[float]:
@@ -55,8 +66,10 @@ def _grads_verdict(check: Optional[dict], reference: Optional[dict]) -> str:
     differ = [n for n in theirs if ours.get(n) != theirs[n]]
     if not differ:
         return "equal"
-    worst = max((abs(ours[n][1] - theirs[n][1]) / (theirs[n][1] or 1.0) for n in differ if ours.get(n) and theirs[n]),
-                default=float("nan"))
+    worst = max(
+        (abs(ours[n][1] - theirs[n][1]) / (theirs[n][1] or 1.0) for n in differ if ours.get(n) and theirs[n]),
+        default=float("nan"),
+    )
     return f"differs {len(differ)}/{len(theirs)} (norm {worst:.1g})"
 
 
@@ -67,10 +80,12 @@ def summarize(
     ref_runs = results.get(REFERENCE.name) or [{}]
     compiled_ref = results.get(dataclasses.replace(REFERENCE, compiled=True).name) or ref_runs
     # Compiled blocks run other kernels than eager ones: their losses compare with the compiled reference.
-    ref_losses = {c: [s["loss"] for s in runs[0].get("steps", [])] for c, runs in ((False, ref_runs), (True, compiled_ref))}
+    ref_losses = {
+        c: [s["loss"] for s in runs[0].get("steps", [])] for c, runs in ((False, ref_runs), (True, compiled_ref))
+    }
     ref_summary = ref_runs[0].get("summary") or {}
     ref_block_ms = median(s.get("block_forward_ms") for s in ref_runs[0].get("steps", []) if not s["warmup"])
-    out_gbps, back_gbps = (machine.offload_gb_per_s() if machine is not None else (0.0, 0.0))
+    out_gbps, back_gbps = machine.offload_gb_per_s() if machine is not None else (0.0, 0.0)
     rows: list[dict[str, Any]] = []
     for v in variants:
         runs = results[v.name]
@@ -81,22 +96,37 @@ def summarize(
         losses, reference = [s["loss"] for s in runs[0]["steps"]], ref_losses[v.compiled]
         is_ref = v.kind is Kind.NONE
         row: dict[str, Any] = {
-            "config": v.name, "kind": v.kind.value, "policy": v.policy, "budget_fraction": v.budget_fraction,
-            "compiled": v.compiled, "budget_mb": summary.get("budget_mb"), "measured_steps": len(measured),
-            "step_ms": median(runs_ms), "runs_step_ms": runs_ms, "cpu_ms": median(s["cpu_ms"] for s in measured),
+            "config": v.name,
+            "kind": v.kind.value,
+            "policy": v.policy,
+            "budget_fraction": v.budget_fraction,
+            "compiled": v.compiled,
+            "budget_mb": summary.get("budget_mb"),
+            "measured_steps": len(measured),
+            "step_ms": median(runs_ms),
+            "runs_step_ms": runs_ms,
+            "cpu_ms": median(s["cpu_ms"] for s in measured),
             "opt_ms": median(s["opt_ms"] for s in measured),
             "peak_mb": _mb(max((s["peak_bytes"] for s in measured), default=None)),
             "act_peak_mb": _mb(max((s["act_peak_bytes"] for s in measured), default=None)),
             "opt_peak_mb": _mb(max((s["opt_peak_bytes"] for s in measured), default=None)),
-            "engine_peak_mb": _mb(max((s.get("peak_resident_bytes") or 0 for r in runs for s in r["steps"]), default=0)
-                                  if v.kind is Kind.ENGINE else None),
+            "engine_peak_mb": _mb(
+                max((s.get("peak_resident_bytes") or 0 for r in runs for s in r["steps"]), default=0)
+                if v.kind is Kind.ENGINE
+                else None
+            ),
             **{f.replace("_bytes", "_mb"): (_mb(stats[f]) if f.endswith("_bytes") else stats[f]) for f in _STAT_FIELDS},
             "losses": losses,
             "losses_match": None if is_ref or not reference or len(losses) != len(reference) else losses == reference,
-            "max_loss_diff": None if is_ref else max((abs(a - b) for a, b in zip(losses, reference, strict=False)), default=None),
-            "grads": "ref" if v == REFERENCE else _grads_verdict(summary.get("grad_check"), ref_summary.get("grad_check")),
+            "max_loss_diff": None
+            if is_ref
+            else max((abs(a - b) for a, b in zip(losses, reference, strict=False)), default=None),
+            "grads": "ref"
+            if v == REFERENCE
+            else _grads_verdict(summary.get("grad_check"), ref_summary.get("grad_check")),
             "runs_predicted_ms": [((r["summary"] or {}).get("plan") or {}).get("predicted_step_ms") for r in runs],
-            "decisions": "".join(x["decision"][0].upper() for x in (summary.get("plan") or {}).get("regions", [])) or None,
+            "decisions": "".join(x["decision"][0].upper() for x in (summary.get("plan") or {}).get("regions", []))
+            or None,
             "error": next((r["error"] for r in runs if r["error"]), None),
             "skipped": next((r["skipped"] for r in runs if r["skipped"]), None)
             or (None if any(r["steps"] or r["summary"] or r["error"] for r in runs) else "not run (yet)"),
@@ -104,8 +134,9 @@ def summarize(
         if v == REFERENCE and summary.get("activation_bytes") is not None:
             row["saved_mb"] = _mb(summary["activation_bytes"])
         row["predicted_ms"] = median(row["runs_predicted_ms"])
-        row["exposed_wait_ms"] = (None if stats["reload_wait_ms"] is None
-                                  else stats["reload_wait_ms"] + (stats["evict_wait_ms"] or 0.0))
+        row["exposed_wait_ms"] = (
+            None if stats["reload_wait_ms"] is None else stats["reload_wait_ms"] + (stats["evict_wait_ms"] or 0.0)
+        )
         row["d2h_gb_per_s"] = _gbps(stats["offloaded_bytes"], stats["d2h_busy_ms"])
         row["h2d_gb_per_s"] = _gbps(stats["reloaded_bytes"], stats["h2d_busy_ms"])
         recomputed = run.layers if v.kind is Kind.CHECKPOINT else (stats["recomputed_regions"] or 0)
@@ -133,24 +164,36 @@ def verdicts(rows: list[dict]) -> dict:
     as the median of step-time ratios paired within each repeat, and the planner's error."""
     out = []
     for fraction in sorted({r["budget_fraction"] for r in rows if r.get("budget_fraction")}, reverse=True):
-        at = {r["policy"]: r for r in rows if r.get("budget_fraction") == fraction and not r.get("compiled")
-              and r.get("step_ms") is not None}
+        at = {
+            r["policy"]: r
+            for r in rows
+            if r.get("budget_fraction") == fraction and not r.get("compiled") and r.get("step_ms") is not None
+        }
         auto = at.get("auto")
         if auto is None:
             continue
-        held = {p: r for p, r in at.items() if r["engine_peak_mb"] is not None and r["engine_peak_mb"] <= r["budget_mb"]}
+        held = {
+            p: r for p, r in at.items() if r["engine_peak_mb"] is not None and r["engine_peak_mb"] <= r["budget_mb"]
+        }
         fixed = {p: r for p, r in held.items() if p != "auto"}
         best = min(fixed, key=lambda p: fixed[p]["step_ms"]) if fixed else None
         ratio = _paired(auto["runs_step_ms"], fixed[best]["runs_step_ms"]) if best else None
         predicted = _paired(auto["runs_predicted_ms"], auto["runs_step_ms"])
-        out.append({
-            "fraction": fraction, "auto_ms": auto["step_ms"], "best_fixed": best,
-            "best_fixed_ms": fixed[best]["step_ms"] if best else None, "auto_over_best": ratio,
-            "auto_within_5pct": ratio is not None and ratio <= AUTO_SLOWER_LIMIT, "auto_holds_budget": "auto" in held,
-            "predicted_ms": auto.get("predicted_ms"), "predicted_over_measured": predicted,
-            "prediction_within_15pct": predicted is not None and abs(predicted - 1) <= PREDICTION_TOLERANCE,
-            "decisions": auto.get("decisions"),
-        })
+        out.append(
+            {
+                "fraction": fraction,
+                "auto_ms": auto["step_ms"],
+                "best_fixed": best,
+                "best_fixed_ms": fixed[best]["step_ms"] if best else None,
+                "auto_over_best": ratio,
+                "auto_within_5pct": ratio is not None and ratio <= AUTO_SLOWER_LIMIT,
+                "auto_holds_budget": "auto" in held,
+                "predicted_ms": auto.get("predicted_ms"),
+                "predicted_over_measured": predicted,
+                "prediction_within_15pct": predicted is not None and abs(predicted - 1) <= PREDICTION_TOLERANCE,
+                "decisions": auto.get("decisions"),
+            }
+        )
     checks = ("auto_within_5pct", "auto_holds_budget", "prediction_within_15pct")
     return {"verdicts": out} | {f"{c}_everywhere": all(v[c] for v in out) for c in checks}
 
@@ -167,41 +210,106 @@ def _losses(r: dict) -> str:
 
 def main_table(rows: list[dict], device: str, markdown: bool = False) -> str:
     memory = "alloc" if device == "cuda" else "RSS+cache"
-    header = ("config", "ms/step", "x none", f"peak {memory} MB", "act MB", "x none", "opt MB", "moved MB",
-              "D2H GB/s", "H2D GB/s", "wait ms", "bound ms", "/bound", "grads step 0", "losses")
+    header = (
+        "config",
+        "ms/step",
+        "x none",
+        f"peak {memory} MB",
+        "act MB",
+        "x none",
+        "opt MB",
+        "moved MB",
+        "D2H GB/s",
+        "H2D GB/s",
+        "wait ms",
+        "bound ms",
+        "/bound",
+        "grads step 0",
+        "losses",
+    )
     lines: list[tuple] = []
     for r in rows:
         if r["error"] or r["skipped"]:
             what = f"FAILED: {r['error'].splitlines()[0][:100]}" if r["error"] else f"skipped: {r['skipped'][:100]}"
             lines.append((r["config"], what))
             continue
-        lines.append((
-            r["config"], _f(r["step_ms"], ".1f"), _f(r["ratio"], ".2f"), _f(r["peak_mb"], ".1f"),
-            _f(r["act_peak_mb"], ".1f"), _f(r["act_ratio"], ".2f"), _f(r["opt_peak_mb"], ".1f"),
-            _f(r["offloaded_mb"], ".1f"), _f(r["d2h_gb_per_s"], ".1f"), _f(r["h2d_gb_per_s"], ".1f"),
-            _f(r["exposed_wait_ms"], ".1f"), _f(r["bound_ms"], ".1f"), _f(r["over_bound"], ".2f"),
-            r["grads"], _losses(r),
-        ))
+        lines.append(
+            (
+                r["config"],
+                _f(r["step_ms"], ".1f"),
+                _f(r["ratio"], ".2f"),
+                _f(r["peak_mb"], ".1f"),
+                _f(r["act_peak_mb"], ".1f"),
+                _f(r["act_ratio"], ".2f"),
+                _f(r["opt_peak_mb"], ".1f"),
+                _f(r["offloaded_mb"], ".1f"),
+                _f(r["d2h_gb_per_s"], ".1f"),
+                _f(r["h2d_gb_per_s"], ".1f"),
+                _f(r["exposed_wait_ms"], ".1f"),
+                _f(r["bound_ms"], ".1f"),
+                _f(r["over_bound"], ".2f"),
+                r["grads"],
+                _losses(r),
+            )
+        )
     return table(header, lines, markdown=markdown)
 
 
 def engine_table(rows: list[dict], markdown: bool = False) -> str:
-    header = ("config", "budget MB", "CPU ms", "engine peak MB", "recomputed", "decisions", "predicted ms",
-              "predicted / measured")
-    lines = [(r["config"], _f(r["budget_mb"], ".1f"), _f(r["cpu_ms"], ".0f"), _f(r["engine_peak_mb"], ".1f"),
-              _f(r["recomputed_regions"], "g"), r["decisions"], _f(r["predicted_ms"], ".1f"),
-              _f(_paired(r["runs_predicted_ms"], r["runs_step_ms"]), ".2f"))
-             for r in rows if r["kind"] == Kind.ENGINE.value and not (r["error"] or r["skipped"])]
+    header = (
+        "config",
+        "budget MB",
+        "CPU ms",
+        "engine peak MB",
+        "recomputed",
+        "decisions",
+        "predicted ms",
+        "predicted / measured",
+    )
+    lines = [
+        (
+            r["config"],
+            _f(r["budget_mb"], ".1f"),
+            _f(r["cpu_ms"], ".0f"),
+            _f(r["engine_peak_mb"], ".1f"),
+            _f(r["recomputed_regions"], "g"),
+            r["decisions"],
+            _f(r["predicted_ms"], ".1f"),
+            _f(_paired(r["runs_predicted_ms"], r["runs_step_ms"]), ".2f"),
+        )
+        for r in rows
+        if r["kind"] == Kind.ENGINE.value and not (r["error"] or r["skipped"])
+    ]
     return table(header, lines, markdown=markdown)
 
 
 def verdict_table(checked: dict, markdown: bool = False) -> str:
-    header = ("budget %", "auto ms", "best fixed", "its ms", "auto / best", "<= 1.05", "holds budget",
-              "predicted / measured", "decisions")
+    header = (
+        "budget %",
+        "auto ms",
+        "best fixed",
+        "its ms",
+        "auto / best",
+        "<= 1.05",
+        "holds budget",
+        "predicted / measured",
+        "decisions",
+    )
     yes = {True: "yes", False: "NO"}
-    lines = [(f"{100 * v['fraction']:.0f}", _f(v["auto_ms"], ".1f"), v["best_fixed"], _f(v["best_fixed_ms"], ".1f"),
-              _f(v["auto_over_best"], ".3f"), yes[v["auto_within_5pct"]], yes[v["auto_holds_budget"]],
-              _f(v["predicted_over_measured"], ".2f"), v["decisions"]) for v in checked["verdicts"]]
+    lines = [
+        (
+            f"{100 * v['fraction']:.0f}",
+            _f(v["auto_ms"], ".1f"),
+            v["best_fixed"],
+            _f(v["best_fixed_ms"], ".1f"),
+            _f(v["auto_over_best"], ".3f"),
+            yes[v["auto_within_5pct"]],
+            yes[v["auto_holds_budget"]],
+            _f(v["predicted_over_measured"], ".2f"),
+            v["decisions"],
+        )
+        for v in checked["verdicts"]
+    ]
     return table(header, lines, markdown=markdown)
 
 
@@ -239,26 +347,43 @@ def plot(path: Path, rows: list[dict], results: dict, run: RunSettings) -> Optio
         return None
     fig = Figure(figsize=(12, 4.8))
     left, right = fig.subplots(1, 2)
-    points = [(r["step_ms"], r["act_peak_mb"], r["config"]) for r in rows
-              if r["step_ms"] is not None and r["act_peak_mb"] is not None]
+    points = [
+        (r["step_ms"], r["act_peak_mb"], r["config"])
+        for r in rows
+        if r["step_ms"] is not None and r["act_peak_mb"] is not None
+    ]
     for i, (ms, mb, name) in enumerate(points):
         left.scatter(ms, mb, s=30)
         left.annotate(name, (ms, mb), textcoords="offset points", xytext=(5, 5 if i % 2 == 0 else -12), fontsize=7)
     front = pareto_front(points)
-    left.step([p[0] for p in front], [p[1] for p in front], where="post", color="gray", lw=1, ls="--",
-              label="Pareto front")
-    left.set(xlabel="step time, ms (median)", title="memory vs time per configuration",
-             ylabel="activation peak, MB" + (" (RSS + spill page cache)" if run.device == "cpu" else " (allocated)"))
+    left.step(
+        [p[0] for p in front], [p[1] for p in front], where="post", color="gray", lw=1, ls="--", label="Pareto front"
+    )
+    left.set(
+        xlabel="step time, ms (median)",
+        title="memory vs time per configuration",
+        ylabel="activation peak, MB" + (" (RSS + spill page cache)" if run.device == "cpu" else " (allocated)"),
+    )
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
-    traced = [r for r in rows if r["kind"] == Kind.ENGINE.value and r["budget_mb"] is not None
-              and ((results[r["config"]][0]["summary"] or {}).get("trace"))]
+    traced = [
+        r
+        for r in rows
+        if r["kind"] == Kind.ENGINE.value
+        and r["budget_mb"] is not None
+        and ((results[r["config"]][0]["summary"] or {}).get("trace"))
+    ]
     if traced:
         smallest = min(r["budget_mb"] for r in traced)
         for r in (r for r in traced if r["budget_mb"] == smallest):
             samples = results[r["config"]][0]["summary"]["trace"]
-            right.plot(range(len(samples)), [(s["resident_bytes"] or 0) / MB for s in samples], marker="o", ms=3,
-                       label=r["config"])
+            right.plot(
+                range(len(samples)),
+                [(s["resident_bytes"] or 0) / MB for s in samples],
+                marker="o",
+                ms=3,
+                label=r["config"],
+            )
             right.set_xticks(range(len(samples)), [s["phase"] for s in samples], rotation=60, fontsize=7)
         right.axhline(smallest, color="gray", ls="--", lw=1, label=f"budget {smallest:.3g} MB")
         right.set(ylabel="engine resident bytes, MB", title="resident activations over the last step")
@@ -266,16 +391,34 @@ def plot(path: Path, rows: list[dict], results: dict, run: RunSettings) -> Optio
         right.grid(alpha=0.3)
     else:
         right.set_axis_off()
-    fig.suptitle(f"MiniGPT {run.layers}x{run.hidden}, seq {run.seq}, batch {run.batch}, {run.dtype} on {run.device}",
-                 fontsize=10)
+    fig.suptitle(
+        f"MiniGPT {run.layers}x{run.hidden}, seq {run.seq}, batch {run.batch}, {run.dtype} on {run.device}", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
 
 
-CSV_COLUMNS = ("config", "repeat", "step", "warmup", "loss", "loss_match", "step_ms", "fwd_bwd_ms", "opt_ms",
-               "cpu_ms", "peak_mb", "act_peak_mb", "opt_peak_mb", "budget_mb", "block_forward_ms",
-               "resident_bytes", "peak_resident_bytes", "host_bytes") + _STAT_FIELDS
+CSV_COLUMNS = (
+    "config",
+    "repeat",
+    "step",
+    "warmup",
+    "loss",
+    "loss_match",
+    "step_ms",
+    "fwd_bwd_ms",
+    "opt_ms",
+    "cpu_ms",
+    "peak_mb",
+    "act_peak_mb",
+    "opt_peak_mb",
+    "budget_mb",
+    "block_forward_ms",
+    "resident_bytes",
+    "peak_resident_bytes",
+    "host_bytes",
+) + _STAT_FIELDS
 """metrics.csv, one row per step, configuration and repeat. Engine columns are empty without an engine."""
 
 
@@ -286,10 +429,20 @@ def _write_csv(path: Path, results: dict[str, list[dict]]) -> None:
         writer.writeheader()
         for name, runs in results.items():
             for s in (s for r in runs for s in r["steps"]):
-                row = dict(s, warmup=int(s["warmup"]), loss=repr(s["loss"]),
-                           **{k.replace("_bytes", "_mb"): round(s[k] / MB, 3) for k in ("peak_bytes", "act_peak_bytes", "opt_peak_bytes")})
-                row["loss_match"] = "" if name == REFERENCE.name or s["step"] not in reference else int(
-                    s["loss"] == reference[s["step"]])
+                row = dict(
+                    s,
+                    warmup=int(s["warmup"]),
+                    loss=repr(s["loss"]),
+                    **{
+                        k.replace("_bytes", "_mb"): round(s[k] / MB, 3)
+                        for k in ("peak_bytes", "act_peak_bytes", "opt_peak_bytes")
+                    },
+                )
+                row["loss_match"] = (
+                    ""
+                    if name == REFERENCE.name or s["step"] not in reference
+                    else int(s["loss"] == reference[s["step"]])
+                )
                 writer.writerow(row)
 
 
@@ -311,34 +464,53 @@ class Report:
         _write_csv(self.out / "metrics.csv", results)
         plot_path = plot(self.out / "step.png", self.rows, results, run) if wall_s is not None else None
         payload = {
-            "benchmark": "step", "settings": dataclasses.asdict(run), "env": self.env,
+            "benchmark": "step",
+            "settings": dataclasses.asdict(run),
+            "env": self.env,
             "machine": None if self.machine is None else dataclasses.asdict(self.machine),
-            "finished": wall_s is not None, "wall_s": None if wall_s is None else round(wall_s, 1),
+            "finished": wall_s is not None,
+            "wall_s": None if wall_s is None else round(wall_s, 1),
             "results": [{k: v for k, v in r.items() if k != "losses"} for r in self.rows],
-            "verdicts": self.checked, "csv": str(self.out / "metrics.csv"),
+            "verdicts": self.checked,
+            "csv": str(self.out / "metrics.csv"),
             "plot": None if plot_path is None else str(plot_path),
         }
-        runs = {n: [{k: r[k] for k in ("summary", "error", "skipped")} | {"losses": [s["loss"] for s in r["steps"]]}
-                    for r in rs] for n, rs in results.items()}
+        runs = {
+            n: [
+                {k: r[k] for k in ("summary", "error", "skipped")} | {"losses": [s["loss"] for s in r["steps"]]}
+                for r in rs
+            ]
+            for n, rs in results.items()
+        }
         write_json(self.out / "summary.json", payload | {"runs": runs})
         write_text(self.out / "table.md", self.text(markdown=True) + "\n")
         return payload
 
     def title(self) -> str:
         run = self.run
-        return (f"MiniGPT {run.layers} x {run.hidden} (heads {run.heads}), seq {run.seq}, batch {run.batch}, "
-                f"{run.dtype}, attention {run.attention}, dropout {run.dropout}; {run.warmup} warm-up + {run.steps} "
-                f"measured steps x {run.repeats} repeats; {describe_machine(self.env)}")
+        return (
+            f"MiniGPT {run.layers} x {run.hidden} (heads {run.heads}), seq {run.seq}, batch {run.batch}, "
+            f"{run.dtype}, attention {run.attention}, dropout {run.dropout}; {run.warmup} warm-up + {run.steps} "
+            f"measured steps x {run.repeats} repeats; {describe_machine(self.env)}"
+        )
 
     def text(self, markdown: bool = False) -> str:
-        parts = [("# Step benchmark\n\n" if markdown else "") + self.title(),
-                 main_table(self.rows, self.run.device, markdown)]
+        parts = [
+            ("# Step benchmark\n\n" if markdown else "") + self.title(),
+            main_table(self.rows, self.run.device, markdown),
+        ]
         if any(r["kind"] == Kind.ENGINE.value for r in self.rows):
             parts.append(engine_table(self.rows, markdown))
         if self.checked["verdicts"]:
             parts.append(verdict_table(self.checked, markdown))
         parts.append(LEGEND)
-        if self.run.device == "cuda" and not self.run.deterministic and any(r["losses_match"] is False for r in self.rows):
-            parts.append("note: without --deterministic, CUDA backward kernels may use atomics; losses can differ "
-                         "after step 0 (the step-0 gradient check is strict either way)")
+        if (
+            self.run.device == "cuda"
+            and not self.run.deterministic
+            and any(r["losses_match"] is False for r in self.rows)
+        ):
+            parts.append(
+                "note: without --deterministic, CUDA backward kernels may use atomics; losses can differ "
+                "after step 0 (the step-0 gradient check is strict either way)"
+            )
         return "\n\n".join(parts)

@@ -62,8 +62,7 @@ def _run_jobs(
             emit(record | tag)
 
         try:
-            summary = loop.run_one(run, parse_variant(name), data, activation_bytes=activation_bytes,
-                                   emit=emit_tagged)
+            summary = loop.run_one(run, parse_variant(name), data, activation_bytes=activation_bytes, emit=emit_tagged)
         except loop.Skipped as reason:
             emit({"type": "skipped", "reason": str(reason)} | tag)
         except Exception as error:  # noqa: BLE001 - tabled as failed; the others still run
@@ -85,19 +84,28 @@ def _spawn(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD_BYTES))
     with tempfile.TemporaryFile(mode="w+") as err:  # a pipe could fill up and stall the child
-        proc = subprocess.Popen([sys.executable, "-m", "offload.bench", "--one", json.dumps(spec)],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "offload.bench", "--one", json.dumps(spec)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+        )
         assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             if line.startswith(_JSON_PREFIX):
-                emit(json.loads(line[len(_JSON_PREFIX):]))
+                emit(json.loads(line[len(_JSON_PREFIX) :]))
         code = proc.wait()
         err.seek(0)
         return code, err.read()
 
 
-def collect(run: RunSettings, variants: list[Variant], in_process: bool,
-            on_done: Callable[[dict[str, list[dict]]], object] = lambda results: None) -> dict[str, list[dict]]:
+def collect(
+    run: RunSettings,
+    variants: list[Variant],
+    in_process: bool,
+    on_done: Callable[[dict[str, list[dict]]], object] = lambda results: None,
+) -> dict[str, list[dict]]:
     """Run every configuration ``run.repeats`` times; per name, one record set per repeat:
     ``{"steps": [...], "summary", "error", "skipped"}``. ``on_done`` sees the results so far
     each time a configuration finishes."""
@@ -106,7 +114,9 @@ def collect(run: RunSettings, variants: list[Variant], in_process: bool,
         n: [{"steps": [], "summary": None, "error": None, "skipped": None} for _ in range(run.repeats)] for n in names
     }
     head, rest = (names[:1], names[1:]) if names[0] == REFERENCE.name else ([], names)
-    jobs = [(n, r) for r in range(run.repeats) for n in head + rest[r % max(len(rest), 1):] + rest[:r % max(len(rest), 1)]]
+    jobs = [
+        (n, r) for r in range(run.repeats) for n in head + rest[r % max(len(rest), 1) :] + rest[: r % max(len(rest), 1)]
+    ]
     state: dict[str, Optional[int]] = {"activation_bytes": None}
 
     def emit(record: dict) -> None:
@@ -143,27 +153,58 @@ def _parser() -> argparse.ArgumentParser:
         "compare time, memory, gradients.",
     )
     p.add_argument("--demo", action="store_true", help="the short CPU demo (same as --preset demo)")
-    p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="; ".join(f"{k}: {v.help}" for k, v in PRESETS.items()).replace("%", "%%"))
-    for name, kind in (("layers", int), ("hidden", int), ("heads", int), ("seq", int), ("batch", int),
-                       ("steps", int), ("warmup", int), ("repeats", int), ("dropout", float), ("seed", int),
-                       ("min-offload-bytes", int), ("check-seq", int), ("spill-dir", str)):
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="; ".join(f"{k}: {v.help}" for k, v in PRESETS.items()).replace("%", "%%"),
+    )
+    for name, kind in (
+        ("layers", int),
+        ("hidden", int),
+        ("heads", int),
+        ("seq", int),
+        ("batch", int),
+        ("steps", int),
+        ("warmup", int),
+        ("repeats", int),
+        ("dropout", float),
+        ("seed", int),
+        ("min-offload-bytes", int),
+        ("check-seq", int),
+        ("spill-dir", str),
+    ):
         p.add_argument(f"--{name}", type=kind)
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--device", choices=("cpu", "cuda"))
     p.add_argument("--attention", choices=("sdpa", "math"))
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
-                   help="timed steps under torch.use_deterministic_algorithms(True, warn_only=True)")
-    p.add_argument("--check-grads", action=argparse.BooleanOptionalAction, default=None,
-                   help="first-step gradients under strict determinism, compared with the reference's (default on)")
-    p.add_argument("--configs", help="comma-separated configuration names, e.g. "
-                   + ", ".join(v.name for v in PRESETS["tiny"].variants).replace("%", "%%")
-                   + " (default: the preset's)")
+    p.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="timed steps under torch.use_deterministic_algorithms(True, warn_only=True)",
+    )
+    p.add_argument(
+        "--check-grads",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="first-step gradients under strict determinism, compared with the reference's (default on)",
+    )
+    p.add_argument(
+        "--configs",
+        help="comma-separated configuration names, e.g. "
+        + ", ".join(v.name for v in PRESETS["tiny"].variants).replace("%", "%%")
+        + " (default: the preset's)",
+    )
     p.add_argument("--compile", action="store_true", help="each configuration also with torch.compile'd blocks")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
-    p.add_argument("--in-process", action="store_true",
-                   help="run every configuration in this process (CUDA always does; CPU peak RSS then carries over)")
-    p.add_argument("--no-progress", action="store_true", help="accepted for compatibility: progress is one line per configuration")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every configuration in this process (CUDA always does; CPU peak RSS then carries over)",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="accepted for compatibility: progress is one line per configuration"
+    )
     p.add_argument("--one", metavar="SPEC", help=argparse.SUPPRESS)  # internal: a child process
     return p
 
@@ -180,7 +221,9 @@ def _settings(args: argparse.Namespace) -> tuple[RunSettings, list[Variant]]:
     run = RunSettings(**values)
     run.gpt_config()  # validates the shape (ValueError names the field)
     if run.steps < 1 or run.warmup < 0 or run.repeats < 1:
-        raise ValueError(f"--steps and --repeats must be >= 1 and --warmup >= 0, got {run.steps}, {run.repeats}, {run.warmup}")
+        raise ValueError(
+            f"--steps and --repeats must be >= 1 and --warmup >= 0, got {run.steps}, {run.repeats}, {run.warmup}"
+        )
     if args.configs:
         variants = [parse_variant(n.strip()) for n in args.configs.split(",") if n.strip()]
     else:

@@ -72,8 +72,14 @@ TRACER_NAME = "offload"
 _NS_PER_MS = 1_000_000
 
 _STEP_FIELDS = (
-    "saved_bytes", "offloaded_bytes", "reloaded_bytes", "spilled_bytes", "saved_tensors", "recomputed_regions",
-    "reload_wait_ms", "evict_wait_ms",
+    "saved_bytes",
+    "offloaded_bytes",
+    "reloaded_bytes",
+    "spilled_bytes",
+    "saved_tensors",
+    "recomputed_regions",
+    "reload_wait_ms",
+    "evict_wait_ms",
 )
 """``Stats`` counters a step span carries as ``offload.<field>``."""
 
@@ -203,7 +209,9 @@ class StepTracer(Observer):
                 if region in saved_by_region:
                     region_attributes["offload.saved_bytes"] = saved_by_region[region]
                 span = tracer.start_span(
-                    "offload.recompute", context=inside_step, start_time=recompute_end_ns - int(ms * _NS_PER_MS),
+                    "offload.recompute",
+                    context=inside_step,
+                    start_time=recompute_end_ns - int(ms * _NS_PER_MS),
                     attributes=region_attributes,
                 )
                 span.end(end_time=recompute_end_ns)
@@ -215,7 +223,9 @@ class StepTracer(Observer):
         if wait_ms <= 0:
             return
         span = self._tracer.start_span(
-            name, context=inside_step, start_time=start_ns,
+            name,
+            context=inside_step,
+            start_time=start_ns,
             attributes={"offload.wait_ms": wait_ms, "offload.summed": True},
         )
         span.end(end_time=start_ns + int(wait_ms * _NS_PER_MS))
