@@ -99,7 +99,7 @@ def parse_variant(name: str) -> Variant:
 ENGINE_POLICIES = ("offload", "recompute", "auto", "selective")
 """Policies the comparisons run, in table order; one that is not registered (``offload.policies()``)
 is left out, so "selective" joins the tables the day it is registered."""
-PROBED_POLICIES = ("offload", "auto")
+PROBED_POLICIES = ("offload", "auto", "selective")
 """Policies whose engine is given the measured machine (``offload.probe``: link and disk speeds)."""
 
 BUDGETS = (1.0, 0.5, 0.25, 0.1)
@@ -195,8 +195,8 @@ PRESETS: dict[str, Preset] = {
             device="cpu",
             attention="math",
         ),
-        _BASELINES + (Variant(Kind.ENGINE, "offload", 0.25), Variant(Kind.ENGINE, "auto", 0.25)),
-        "CPU, five configurations of MiniGPT 4 x 256",
+        _BASELINES + tuple(Variant(Kind.ENGINE, policy, 0.25) for policy in ("offload", "selective", "auto")),
+        "CPU, six configurations of MiniGPT 4 x 256",
     ),
     "h200": Preset(
         # ~1.6B parameters (8 x 200M): estimated (not yet measured) ~75 ms of compute per step on an H200, so the ~18
