@@ -56,17 +56,21 @@ class _RNGState:
 
 
 class _AutocastState:
-    """Autocast on/off and dtype for CPU and CUDA at the region's forward."""
+    """Autocast on/off and dtype for CPU and CUDA at the region's forward, and whether autocast
+    caches its casts (``torch.utils.checkpoint`` restores that too)."""
 
     def __init__(self) -> None:
         self.states = [(dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")]
+        self.cache_enabled = torch.is_autocast_cache_enabled()
 
     @contextlib.contextmanager
     def restored(self):
         with contextlib.ExitStack() as stack:
             for dev, enabled, dtype in self.states:
                 if enabled or torch.is_autocast_enabled(dev):
-                    stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+                    stack.enter_context(
+                        torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=self.cache_enabled)
+                    )
             yield
 
 
@@ -140,6 +144,9 @@ class _Frame:
             self._forward_done(inputs)
             kept = inputs | self._kept_storages()
             self.dropped_bytes = sum(n for key, n in self.dropped_storages.items() if key not in kept)
+        except BaseException:
+            self._forward_aborted()
+            raise
         finally:
             self.forward_values = None
             self.dropped_storages = {}
@@ -158,6 +165,9 @@ class _Frame:
 
     def _forward_done(self, input_storages: set) -> None:
         pass
+
+    def _forward_aborted(self) -> None:
+        """The forward raised: let go of whatever it held (a caught OOM retried must not leak it)."""
 
     def _kept_storages(self) -> set:
         return set()

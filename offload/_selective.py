@@ -74,9 +74,10 @@ def _ops(*names: str) -> frozenset:
 
 
 EXPENSIVE_OPS: frozenset = _ops(
-    # matmul family: ~2k FLOPs per output element (k the inner size). ``matmul`` and ``linear``
-    # decompose into these before a dispatch mode sees them on most backends; listed for those
-    # where they do not.
+    # matmul family: ~2k FLOPs per output element (k the inner size). The composite ops
+    # (``matmul``, ``linear``, ``conv2d``, ``scaled_dot_product_attention``...) decompose into
+    # kernels below before a dispatch mode sees them; they are listed for a backend that
+    # registers them directly.
     "mm",
     "addmm",
     "bmm",
@@ -89,6 +90,15 @@ EXPENSIVE_OPS: frozenset = _ops(
     "_addmm_activation",
     "_int_mm",
     "_scaled_mm",
+    "_grouped_mm",  # mixture-of-experts
+    "_scaled_grouped_mm",
+    "_weight_int4pack_mm",  # weight-only quantized linears
+    "_weight_int4pack_mm_for_cpu",
+    "_weight_int8pack_mm",
+    "_mixed_dtypes_linear",
+    "mkldnn_linear",
+    "_cslt_sparse_mm",  # 2:4 sparse
+    "_sparse_semi_structured_linear",
     # attention: ~4·s·d FLOPs per output element, every fused variant and their tuple outputs
     "scaled_dot_product_attention",
     "_scaled_dot_product_attention_math",
@@ -113,6 +123,10 @@ EXPENSIVE_OPS: frozenset = _ops(
     "conv_transpose1d",
     "conv_transpose2d",
     "conv_transpose3d",
+    # recurrent layers: a matmul per step
+    "_cudnn_rnn",
+    "mkldnn_rnn_layer",
+    "miopen_rnn",
 )
 """Ops whose outputs a selective region stashes instead of recomputing: those that cost hundreds
 to thousands of FLOPs per output byte. Every other op is cheap (a few FLOPs per byte: elementwise,
@@ -125,8 +139,16 @@ out at or below 0 in timing noise, and 0 means "not measured" to the planner."""
 
 
 def is_expensive(func: Any) -> bool:
-    """Whether ``func`` (an aten OpOverload) is in ``EXPENSIVE_OPS``."""
-    return getattr(func, "overloadpacket", None) in EXPENSIVE_OPS
+    """Whether ``func`` (an aten OpOverload) is in ``EXPENSIVE_OPS``, in a functional overload.
+
+    An ``out=`` overload (``aten.mm.out``) writes into a tensor the caller made; the version bump
+    of that write lands after the mode has seen the op, so stashing it would always look like an
+    in-place write into the stash and send the region back to whole recompute for no reason. It
+    runs as a cheap op instead (re-run in backward: correct, only not saved)."""
+    if getattr(func, "overloadpacket", None) not in EXPENSIVE_OPS:
+        return False
+    schema = getattr(func, "_schema", None)
+    return schema is None or not schema.is_mutable
 
 
 def is_compiled(module: torch.nn.Module) -> bool:
@@ -327,6 +349,12 @@ class _SelectiveFrame(_Frame):
     def _pack_placeholder(self, t: torch.Tensor) -> Any:
         self.needed = len(self.stashed)
         return super()._pack_placeholder(t)
+
+    def _forward_aborted(self) -> None:
+        # The held outputs close a cycle through their autograd nodes back to this frame that
+        # Python's collector cannot see (Note: [stash packed when the forward returns]); only
+        # _forward_done breaks it, and it did not run.
+        self.stashed = []
 
     def _kept_storages(self) -> set:
         return set(self.stash_storages)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import offload
 from links import link_named
-from offload._selective import EXPENSIVE_OPS, is_compiled, selective_checkpoint
+from offload._selective import EXPENSIVE_OPS, is_compiled, is_expensive, selective_checkpoint
 from offload.models import GPTConfig, MiniGPT
 from offload.models.gpt import Block
 from zoo import GPTLoss, assert_same, run_step, wait_clean
@@ -278,6 +280,28 @@ def test_different_expensive_ops_on_the_rerun_raise_naming_the_region():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("selective", [True, False], ids=["selective", "whole"])
+def test_a_forward_that_raises_leaves_nothing_alive(selective):
+    """A caught error in a region's forward (an OOM retried with a smaller batch) must not leak
+    its matmul outputs: the stash holds them in a cycle through their autograd nodes that only
+    the end of the forward used to break."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(WIDTH, WIDTH))
+    seen = []
+
+    def fails(x):
+        y = x @ w
+        seen.append(weakref.ref(y))
+        y.relu()  # saves y for backward
+        raise RuntimeError("out of memory (simulated)")
+
+    x = torch.randn(ROWS, WIDTH, requires_grad=True)
+    with pytest.raises(RuntimeError, match="simulated"):
+        selective_checkpoint(fails, (x,), {}, "blocks.0", selective=selective)
+    gc.collect()
+    assert seen and seen[0]() is None, "the failed forward's matmul output is still alive"
+
+
 def test_expensive_table_names_the_kernels_this_torch_runs():
     names = {str(op) for op in EXPENSIVE_OPS}
     for name in (
@@ -289,6 +313,10 @@ def test_expensive_table_names_the_kernels_this_torch_runs():
     ):
         assert name in names, f"{name} missing from EXPENSIVE_OPS"
     assert "aten.mul" not in names and "aten.native_dropout" not in names
+    aten = torch.ops.aten
+    assert is_expensive(aten.mm.default) and is_expensive(aten.addmm.default)
+    assert not is_expensive(aten.mm.out), "an out= overload's write would read as an in-place write into the stash"
+    assert not is_expensive(aten.mul.Tensor)
 
 
 # ------------------------------------------------------------------------- inside the engine
