@@ -24,8 +24,12 @@ so a step that saves thousands of small tensors reads a handful of times, and a 
 huge ones reads about once per tensor (then each tensor's own cost dwarfs the reading).
 
 What "free" is: on CUDA ``torch.cuda.mem_get_info(device)[0]`` (free to the driver) plus what
-the caching allocator holds unused (``memory_reserved - memory_allocated``), which PyTorch hands
-out without asking the driver; on the CPU ``psutil.virtual_memory().available``.
+the caching allocator holds unused (reserved - allocated, from one ``memory_stats`` call), which
+PyTorch hands out without asking the driver; on the CPU ``psutil.virtual_memory().available``,
+or less where the process's memory cgroup (a container's limit, v1 or v2) leaves less: its
+limit minus its usage, the usage less the inactive file cache the kernel reclaims first (what
+the kubelet calls the working set). A container on a large host would otherwise see the host's
+free memory, keep everything hot, and be OOM-killed at its own limit.
 
 Regions plan against the budget in force when they plan; a plan made for a budget the reading
 has since left by more than the hysteresis band (``replan_needed``) is made again from the same
@@ -36,7 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
+from pathlib import Path
 from typing import Callable, Optional, Union
 
 import psutil
@@ -44,7 +50,15 @@ import torch
 
 from ._cost import MB
 
-__all__ = ["DEFAULT_RESERVE_MB", "FollowFree", "FreeMemory", "device_free_bytes", "replan_needed"]
+__all__ = [
+    "DEFAULT_RESERVE_MB",
+    "FollowFree",
+    "FreeMemory",
+    "default_free_memory",
+    "device_free_bytes",
+    "memory_cgroups",
+    "replan_needed",
+]
 
 DEFAULT_RESERVE_MB = 2048
 """MB kept free on the device with ``budget_mb="auto"`` when ``reserve_mb`` is not given.
@@ -82,13 +96,78 @@ REPLAN_MIN_GAIN_BYTES = 16 * MB
 any byte of room)."""
 
 
-def device_free_bytes(device: torch.device) -> int:
-    """Bytes the compute device could still hand out now (see the module docstring)."""
+def device_free_bytes(device: torch.device, cgroups: tuple[Path, ...] = ()) -> int:
+    """Bytes the compute device could still hand out now (see the module docstring); on the CPU,
+    no more than the memory cgroups in ``cgroups`` (``memory_cgroups()``) leave."""
     if device.type == "cuda":
         free_driver, _ = torch.cuda.mem_get_info(device)
-        cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        stats = torch.cuda.memory_stats(device)  # one snapshot: memory_reserved and _allocated each take one
+        cached_unused = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
         return int(free_driver + max(0, cached_unused))
-    return int(psutil.virtual_memory().available)
+    free = int(psutil.virtual_memory().available)
+    for group in cgroups:
+        left = _cgroup_left(group)
+        if left is not None:
+            free = min(free, left)
+    return free
+
+
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_NO_LIMIT = 1 << 60
+"""cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; anything above this is no limit."""
+
+
+def memory_cgroups(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = _CGROUP_ROOT) -> tuple[Path, ...]:
+    """The directories of this process's memory cgroup and its ancestors (v2, or v1's memory
+    controller), each of which may set a limit; () where there are none (not Linux)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return ()
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: "0::/path"
+            base = root
+        elif "memory" in controllers.split(","):  # v1: "4:memory:/path"
+            base = root / "memory"
+        else:
+            continue
+        here = base / path.lstrip("/")
+        if not here.is_dir():  # a cgroup namespace mounts the process's own group at the root
+            here = base
+        while True:
+            found.append(here)
+            if here == base:
+                break
+            here = here.parent
+    return tuple(d for d in found if (d / "memory.max").exists() or (d / "memory.limit_in_bytes").exists())
+
+
+def _cgroup_left(group: Path) -> Optional[int]:
+    """Bytes the cgroup ``group`` still allows (limit - working set); None: no limit, or unreadable."""
+    v2 = (group / "memory.max").exists()
+    try:
+        limit_text = (group / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
+        if limit_text == "max" or int(limit_text) >= _NO_LIMIT:
+            return None
+        usage = int((group / ("memory.current" if v2 else "memory.usage_in_bytes")).read_text())
+        inactive_key = "inactive_file" if v2 else "total_inactive_file"
+        inactive = 0
+        for line in (group / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == inactive_key:
+                inactive = int(value)
+                break
+    except (OSError, ValueError):
+        return None
+    return max(0, int(limit_text) - max(0, usage - inactive))
+
+
+def default_free_memory(device: torch.device) -> "FreeMemory":
+    """The engine's own reading for ``device``: the memory cgroups are found once, here."""
+    cgroups = memory_cgroups() if device.type == "cpu" and os.name == "posix" else ()
+    return FreeMemory(read=lambda: device_free_bytes(device, cgroups))
 
 
 @dataclasses.dataclass(frozen=True)

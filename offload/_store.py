@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -44,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from ._budget import FollowFree, FreeMemory, device_free_bytes
+from ._budget import FollowFree, FreeMemory, default_free_memory
 from ._config import Config
 from ._entry import ORIGINAL_IS_DATA, Copy, CopyState, Entry, Handle, Residence, Tier
 from ._errors import OffloadError, inplace_error
@@ -86,9 +85,7 @@ class Store:
         self.evict_at: Optional[int] = None
         self._follow: Optional[FollowFree] = None
         if config.reserve_bytes is not None:  # budget_mb="auto"
-            self._follow = FollowFree(
-                config.reserve_bytes, memory or FreeMemory(read=functools.partial(device_free_bytes, device))
-            )
+            self._follow = FollowFree(config.reserve_bytes, memory or default_free_memory(device))
         self._planned = False
         self.spill = SpillFile(config.spill_dir, config.spill_workers)
         self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link)
@@ -226,7 +223,8 @@ class Store:
                 self._hot_bytes += e.nbytes
                 self._resident_bytes += e.nbytes
                 self.counters.saved_bytes += e.nbytes
-                self._maybe_read_free(e.nbytes)  # after counting it: it is allocated, not free
+                if self._follow is not None:  # after counting it: it is allocated, not free
+                    self._maybe_read_free(e.nbytes)
             elif e.users_left > 0:
                 e.users_left += 1  # a save during backward (double backward) is a user of this load too
             e.refs += 1
@@ -600,10 +598,13 @@ class Store:
         """Called from ``Handle.__del__`` on any thread, possibly while this thread holds the lock."""
         if self._lock.acquire(blocking=False):
             try:
-                self._release_ref(h.entry, h.seen_gen != h.entry.load_gen)
+                e = h.entry
+                was_hot = e.residence is Residence.HOT  # its release defers no free: nothing new to retire
+                self._release_ref(e, h.seen_gen != e.load_gen)
                 self._drain_dead()
-                for tier in self.tiers:  # frees that waited for a copy: retire them now if they can be
-                    tier.poll()
+                if not was_hot:
+                    for tier in self.tiers:  # frees that waited for a copy: retire them now if they can be
+                        tier.poll()
             finally:
                 self._lock.release()
         else:
@@ -631,7 +632,7 @@ class Store:
             del self._hot[e.seq]
             self._hot_bytes -= e.nbytes
             self._resident_bytes -= e.nbytes
-            e.copies = {}
+            e.copies.clear()
             e.residence = Residence.RELEASED
             return
         if self._held is e:

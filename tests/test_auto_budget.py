@@ -20,6 +20,8 @@ from offload._budget import (
     REPLAN_BELOW,
     REPLAN_MIN_GAIN_BYTES,
     FreeMemory,
+    device_free_bytes,
+    memory_cgroups,
     replan_needed,
 )
 from offload._cost import MB
@@ -334,14 +336,54 @@ def test_regions_plan_at_the_budget_in_force_and_replan_when_it_drops(spill_dir)
     eng.close()
 
 
+# ------------------------------------------------------------------------------- containers
+
+
+def _fake_cgroups(tmp_path, version: int, limit: str, usage: int, inactive: int):
+    """A /proc/self/cgroup and a cgroup tree as the kernel lays them out (v1 or v2)."""
+    root = tmp_path / "cgroup"
+    if version == 2:
+        group = root / "kubepods" / "pod1"
+        names = ("memory.max", "memory.current", "inactive_file")
+        proc = "0::/kubepods/pod1\n"
+    else:
+        group = root / "memory" / "docker" / "c1"
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        proc = "5:cpu,cpuacct:/docker/c1\n4:memory:/docker/c1\n"
+    group.mkdir(parents=True)
+    (group / names[0]).write_text(limit + "\n")
+    (group / names[1]).write_text(f"{usage}\n")
+    (group / "memory.stat").write_text(f"anon 1\n{names[2]} {inactive}\nactive_file 5\n")
+    proc_file = tmp_path / "proc_cgroup"
+    proc_file.write_text(proc)
+    return memory_cgroups(proc_file, root), group
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_cpu_reading_respects_the_containers_memory_limit(tmp_path, version):
+    """A container's limit, not the host's free RAM: limit - (usage - inactive file cache)."""
+    limit, usage, inactive = 3 * MB * 1024, 2 * MB * 1024, 256 * MB
+    groups, group = _fake_cgroups(tmp_path, version, str(limit), usage, inactive)
+    assert group in groups
+    cpu = torch.device("cpu")
+    host = device_free_bytes(cpu)
+    assert host > limit - (usage - inactive), "this machine has too little RAM for the test to mean anything"
+    assert device_free_bytes(cpu, groups) == limit - (usage - inactive)
+
+
+@pytest.mark.parametrize("version, limit", [(1, "9223372036854771712"), (2, "max")])
+def test_cpu_reading_without_a_container_limit_is_the_hosts(tmp_path, version, limit):
+    groups, _ = _fake_cgroups(tmp_path, version, limit, 10 * MB, 0)
+    cpu = torch.device("cpu")
+    assert abs(device_free_bytes(cpu, groups) - device_free_bytes(cpu)) < 256 * MB  # both psutil's, a moment apart
+
+
 # ------------------------------------------------------------------------------- CUDA
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_reading_counts_the_allocators_unused_blocks():
-    from offload._budget import device_free_bytes
-
     device = torch.device("cuda", torch.cuda.current_device())
     block = torch.empty(64 * MB, dtype=torch.uint8, device=device)
     del block  # back to the caching allocator, not to the driver
