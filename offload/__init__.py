@@ -19,6 +19,7 @@ from ._policy import policy_names as policies
 from ._probe import probe
 from ._recompute import checkpoint
 from ._stats import Stats
+from ._version import __version__ as __version__
 
 __all__ = [
     "Decision",
@@ -37,4 +38,3 @@ __all__ = [
     "probe",
     "register_policy",
 ]
-__version__ = "0.1.0"

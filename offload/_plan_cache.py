@@ -13,7 +13,7 @@ An entry is filed under the sha256 of its key, whose parts are all written out b
     regions  a fingerprint of the regions: names, every submodule's type, parameter shapes and dtypes
     budget   budget_mb in bytes, or "auto" and the reserve
     policy   the policy's name
-    torch    torch.__version__
+    torch    torch.__version__ (and offload's version, and the autocast state at lookup)
     machine  the probe's key for this machine (``offload._probe.machine_key``)
 
 What is trusted: nothing that does not parse, carry this module's format marker and version,
@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import os
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ import torch
 
 from ._cost import RegionProfile
 from ._planner import Decision, Plan, RegionPlan
+from ._version import __version__ as OFFLOAD_VERSION
 
 __all__ = ["CachedPlan", "PlanCache", "rank_path"]
 
@@ -82,19 +84,23 @@ def rank_path(path: Path, environ: Mapping[str, str] = os.environ) -> Path:
         world_size = 1
     if world_size <= 1:
         return path
-    rank = environ.get("RANK", environ.get("LOCAL_RANK", "0"))
+    rank = environ.get("RANK")
+    if rank is None:  # LOCAL_RANK repeats on every node: a shared file system needs the host too
+        rank = f"{socket.gethostname()}.{environ.get('LOCAL_RANK', '0')}"
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
 
 def regions_fingerprint(regions: list[tuple[str, torch.nn.Module]]) -> str:
-    """sha256 of the regions' names, submodule types, parameter shapes and dtypes."""
+    """sha256 of the regions' names, submodule types, parameter shapes, dtypes and whether each
+    trains (a frozen weight saves less: LoRA), and their buffers' shapes and dtypes."""
     parts = []
     for name, module in regions:
         parts.append(
             [
                 name,
                 [f"{type(m).__module__}.{type(m).__qualname__}" for _, m in module.named_modules()],
-                [[p_name, list(p.shape), str(p.dtype)] for p_name, p in module.named_parameters()],
+                [[p_name, list(p.shape), str(p.dtype), p.requires_grad] for p_name, p in module.named_parameters()],
+                [[b_name, list(b.shape), str(b.dtype)] for b_name, b in module.named_buffers()],
             ]
         )
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
@@ -135,7 +141,7 @@ class PlanCache:
         entries = self._read_entries(warn=first)
         if entries is None:
             return None
-        key = self._key(signature, regions)
+        key = self.key(signature, regions)
         entry = entries.get(_digest(key))
         if entry is None:
             if first and entries:
@@ -201,7 +207,7 @@ class PlanCache:
         link_scale: Optional[float],
     ) -> None:
         """File the final plan for these inputs, keeping the file's other entries; never raises for I/O."""
-        key = self._key(signature, regions)
+        key = self.key(signature, regions)
         entries = self._read_entries(warn=False) or {}
         entries[_digest(key)] = {
             "key": key,
@@ -222,7 +228,8 @@ class PlanCache:
                 os.fsync(f.fileno())  # the rename must not land before the bytes do
             os.replace(tmp_path, self.path)
             tmp_path = None
-        except OSError as error:
+            log.info("offload: plan for inputs %s written to %s", signature, self.path)
+        except (OSError, TypeError, ValueError) as error:  # I/O, or a profile JSON cannot carry
             log.warning(
                 "offload: could not write the plan cache %s (%s); the next run profiles again", self.path, error
             )
@@ -232,17 +239,26 @@ class PlanCache:
                     os.unlink(tmp_path)
                 except OSError:
                     pass  # the temporary file is already gone
-        log.info("offload: plan for inputs %s written to %s", signature, self.path)
 
-    def _key(self, signature: tuple, regions: list[tuple[str, torch.nn.Module]]) -> dict:
+    def key(self, signature: tuple, regions: list[tuple[str, torch.nn.Module]]) -> dict:
+        """The key an entry for these inputs and regions is filed under (its parts written out)."""
         return {
             "inputs": repr(signature),
             "regions": regions_fingerprint(regions),
             "budget": self._budget,
             "policy": self._policy,
             "torch": torch.__version__,
+            "offload": OFFLOAD_VERSION,  # the planner's rules change with it
+            "autocast": _autocast_state(_signature_device(signature)),  # bf16 autocast halves what is saved
             "machine": self._machine_key(_signature_device(signature)),
         }
+
+
+def _autocast_state(device: torch.device) -> str:
+    """Autocast at lookup (inside the first region's forward) on the inputs' device type."""
+    if not torch.is_autocast_enabled(device.type):
+        return "off"
+    return str(torch.get_autocast_dtype(device.type))
 
 
 def _digest(key: dict) -> str:

@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import offload
-from offload._plan_cache import FORMAT, VERSION, rank_path
+from offload._plan_cache import FORMAT, VERSION, PlanCache, rank_path, regions_fingerprint
 from test_regions import MACHINE, assert_same_history, make_model, train
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -231,7 +233,29 @@ def test_each_rank_keeps_its_own_file():
     assert rank_path(path, {}) == path
     assert rank_path(path, {"WORLD_SIZE": "1", "RANK": "0"}) == path
     assert rank_path(path, {"WORLD_SIZE": "4", "RANK": "3"}) == Path("/cache/plans.rank3.json")
-    assert rank_path(path, {"WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == Path("/cache/plans.rank1.json")
+    host = socket.gethostname()  # LOCAL_RANK repeats on every node of a shared file system
+    assert rank_path(path, {"WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == Path(f"/cache/plans.rank{host}.1.json")
+
+
+def test_the_key_changes_with_what_changes_the_saves():
+    """A frozen weight (LoRA) and another buffer save differently with the same shapes; so does
+    the same model under bf16 autocast: none of them may reuse the other's plan."""
+    model = make_model()
+    regions = [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+    base = regions_fingerprint(regions)
+    next(model.blocks[0].parameters()).requires_grad_(False)
+    assert regions_fingerprint(regions) != base
+    next(model.blocks[0].parameters()).requires_grad_(True)
+    assert regions_fingerprint(regions) == base
+    model.blocks[0].register_buffer("extra", torch.zeros(3))
+    assert regions_fingerprint(regions) != base
+    cache = PlanCache(Path("unused.json"), budget=None, policy="auto", machine_key=lambda d: "m")
+    signature = (((2, 8), torch.int64, torch.device("cpu")),)
+    plain = cache.key(signature, regions)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = cache.key(signature, regions)
+    assert plain["autocast"] == "off" and autocast["autocast"] == "torch.bfloat16"
+    assert plain["offload"] == offload.__version__
 
 
 def test_one_warning_per_engine_however_many_inputs_miss(tmp_path, spill_dir, caplog):
