@@ -139,7 +139,9 @@ class Entry:
         self.owner = weakref.ref(t if t._base is None else t._base)  # whose version counter t uses
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
         self.residence = Residence.HOT
-        self.copies: dict[Tier, Copy] = {Tier.DEVICE: Copy(Tier.DEVICE, storage, CopyState.READY, original=True)}
+        self.copies: dict[Tier, Copy] = {
+            Tier.DEVICE: Copy(Tier.DEVICE, storage, CopyState.READY, FINISHED, FINISHED, True)
+        }
         self.refs = 0
         """Live handles (saved tensors autograd still holds)."""
         self.users_left = 0
