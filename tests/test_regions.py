@@ -10,6 +10,7 @@ probe runs and the plans do not depend on this machine.
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -112,6 +113,13 @@ def budget_mb(saved_bytes: int, name: str):
     return None if name == "none" else saved_bytes * BUDGET_FRACTIONS[name] / 2**20
 
 
+def block_engine(model, budget: Optional[float], policy: str, spill_dir, machine=MACHINE) -> offload.Engine:
+    """The engine most tests here use: the model's blocks as regions, a fixed machine profile."""
+    return offload.engine(
+        budget, policy=policy, regions=model.blocks, model=model, machine=machine, spill_dir=spill_dir
+    )
+
+
 def expected_recomputes(eng) -> list[int]:
     """Recomputed regions per step as the engine's stages say: every block on the "recompute"
     trial, none on "measure" and "offload" steps, the plan's re-running regions once it is in force."""
@@ -142,14 +150,7 @@ CASES = [("none", "none")] + [
 @pytest.mark.parametrize("policy,budget", CASES, ids=[f"{p}-{b}" for p, b in CASES])
 def test_policy_gradients_equal_no_engine(policy, budget, saved_bytes, reference, spill_dir):
     model = make_model()
-    eng = offload.engine(
-        budget_mb(saved_bytes, budget),
-        policy=policy,
-        regions=model.blocks,
-        model=model,
-        machine=MACHINE,
-        spill_dir=spill_dir,
-    )
+    eng = block_engine(model, budget_mb(saved_bytes, budget), policy, spill_dir)
     recomputed = []
     history = train(model, eng, on_step=lambda e: recomputed.append(e.stats.recomputed_regions))
     assert_same_history(history, reference, f"policy {policy!r} at budget {budget}")
@@ -178,14 +179,7 @@ NO_DISK = offload.MachineProfile(device_type="cpu", device_name="no disk")
 @pytest.mark.parametrize("budget", ["medium", "small"])
 def test_auto_recomputes_when_moving_costs_more(machine, budget, saved_bytes, reference, spill_dir):
     model = make_model()
-    eng = offload.engine(
-        budget_mb(saved_bytes, budget),
-        policy="auto",
-        regions=model.blocks,
-        model=model,
-        machine=machine,
-        spill_dir=spill_dir,
-    )
+    eng = block_engine(model, budget_mb(saved_bytes, budget), "auto", spill_dir, machine=machine)
     recomputed = []
     history = train(model, eng, on_step=lambda e: recomputed.append(e.stats.recomputed_regions))
     assert_same_history(history, reference, f"auto on a {machine.device_name} at budget {budget}")
@@ -268,14 +262,7 @@ def test_regions_filter_selecting_nothing_is_refused():
 
 def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
     model = make_model()
-    eng = offload.engine(
-        saved_bytes * 0.1 / 2**20,
-        policy="auto",
-        regions=model.blocks,
-        model=model,
-        machine=MACHINE,
-        spill_dir=spill_dir,
-    )
+    eng = block_engine(model, saved_bytes * 0.1 / 2**20, "auto", spill_dir)
     assert eng.plan is None and eng.plans == {}
     assert "no plan yet" in offload.explain(eng)
     assert eng.profiling
@@ -351,14 +338,7 @@ def test_regions_run_plainly_outside_the_engine(reference, spill_dir):
 def test_budget_is_respected(policy, budget, saved_bytes, spill_dir):
     """The engine-managed bytes on the device never exceed the budget, in forward or backward."""
     model = make_model()
-    eng = offload.engine(
-        budget_mb(saved_bytes, budget),
-        policy=policy,
-        regions=model.blocks,
-        model=model,
-        machine=MACHINE,
-        spill_dir=spill_dir,
-    )
+    eng = block_engine(model, budget_mb(saved_bytes, budget), policy, spill_dir)
     budget_bytes = eng.config.budget_bytes
     peaks = []
     train(model, eng, on_step=lambda e: peaks.append(e.stats.peak_resident_bytes))
@@ -433,14 +413,7 @@ STAGE_CASES = {
 def test_profiling_stages(case, saved_bytes, spill_dir):
     policy, budget, machine, expected = STAGE_CASES[case]
     model = make_model()
-    eng = offload.engine(
-        budget_mb(saved_bytes, budget),
-        policy=policy,
-        regions=model.blocks,
-        model=model,
-        machine=machine,
-        spill_dir=spill_dir,
-    )
+    eng = block_engine(model, budget_mb(saved_bytes, budget), policy, spill_dir, machine=machine)
     train(model, eng)
     assert list(eng.recent_stages) == expected
     assert not eng.profiling
@@ -451,14 +424,7 @@ def test_auto_plans_from_the_trial_timings(saved_bytes, spill_dir):
     """The final plan's regions carry the sizes of the "measure" step and the times of the
     "recompute" step: a measured recompute and a backward without it."""
     model = make_model()
-    eng = offload.engine(
-        budget_mb(saved_bytes, "small"),
-        policy="auto",
-        regions=model.blocks,
-        model=model,
-        machine=MACHINE,
-        spill_dir=spill_dir,
-    )
+    eng = block_engine(model, budget_mb(saved_bytes, "small"), "auto", spill_dir)
     train(model, eng, steps=3)
     steps = {step.stage: step for step in eng.profiled_steps}
     sizes, timed, span_ms = steps["measure"].regions, steps["recompute"].regions, steps["recompute"].span_ms
@@ -476,14 +442,7 @@ def test_a_plan_in_force_does_not_spill_what_it_keeps(saved_bytes, spill_dir):
     """The store's early eviction (its in-flight window) is off while a plan is in force: the
     plan already fits the budget, so the blocks it keeps stay on the device."""
     model = make_model()
-    eng = offload.engine(
-        budget_mb(saved_bytes, "medium"),
-        policy="auto",
-        regions=model.blocks,
-        model=model,
-        machine=MACHINE,
-        spill_dir=spill_dir,
-    )
+    eng = block_engine(model, budget_mb(saved_bytes, "medium"), "auto", spill_dir)
     offloaded = []
     train(model, eng, on_step=lambda e: offloaded.append(e.stats.offloaded_bytes))
     plan = eng.plan
@@ -501,14 +460,7 @@ def test_a_budget_that_fits_everything_is_measured_without_spilling(saved_bytes,
     window) may spill; once the provisional plan keeps everything, nothing is moved, not even on
     the second measured step whose times the final plan predicts with."""
     model = make_model()
-    eng = offload.engine(
-        saved_bytes * 1.02 / 2**20,
-        policy="auto",
-        regions=model.blocks,
-        model=model,
-        machine=MACHINE,
-        spill_dir=spill_dir,
-    )
+    eng = block_engine(model, saved_bytes * 1.02 / 2**20, "auto", spill_dir)
     offloaded = []
     train(model, eng, on_step=lambda e: offloaded.append(e.stats.offloaded_bytes))
     assert list(eng.recent_stages) == ["measure", "measure", None, None, None]
@@ -526,14 +478,7 @@ def test_a_profiling_step_that_raises_is_measured_again(saved_bytes, reference, 
     """An exception in the middle of the "recompute" trial leaves half a measurement: that stage
     runs again on the next step, and the engine still ends with a plan and exact gradients."""
     model = make_model()
-    eng = offload.engine(
-        budget_mb(saved_bytes, "small"),
-        policy="auto",
-        regions=model.blocks,
-        model=model,
-        machine=MACHINE,
-        spill_dir=spill_dir,
-    )
+    eng = block_engine(model, budget_mb(saved_bytes, "small"), "auto", spill_dir)
     history = train(model, eng, steps=1)  # "measure"
 
     def fail(module, args):
