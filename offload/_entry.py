@@ -167,6 +167,11 @@ class Entry:
             return False
         return self.residence in ORIGINAL_IS_DATA or self.owner() is owner
 
+    def original_on_device(self) -> bool:
+        """Whether the saved storage itself is still one of this entry's copies."""
+        device = self.copies.get(Tier.DEVICE)
+        return device is not None and device.original
+
     def nearest(self) -> Copy:
         """The copy closest to the device; an entry the store still tracks always has one."""
         for tier in Tier:
@@ -201,8 +206,7 @@ class Handle:
         self.seen_gen = -1
         self.alias: Optional[torch.Tensor] = t.detach()  # See Note: [version watch]
         self.layout: Optional[tuple] = None
-        device = entry.copies.get(Tier.DEVICE)
-        if device is not None and device.original:
+        if entry.residence is Residence.HOT or entry.original_on_device():  # HOT: its only copy is the original
             entry.handles.append(weakref.ref(self))
         else:
             self.let_go()

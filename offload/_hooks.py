@@ -59,16 +59,14 @@ class Eligibility:
         elif type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf):
             return False
         device = t.device
-        if self.device is not None and device != self.device:
-            if not (self.device.index is None and device.type == self.device.type == "cuda"):
-                return False
-            # device="cuda" names the current CUDA device: pin the index now that CUDA is in use
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            if device != self.device:
-                return False
+        if device != self.device:  # the first tensor (no device yet), device="cuda", or another device
+            return self._on_new_device(t, device)
+        return self._plain_and_large(t)
+
+    def _plain_and_large(self, t: torch.Tensor) -> bool:
+        """A plain dense tensor whose storage is large enough and not a module's."""
         if (
             t.layout is not torch.strided
-            or device.type == "meta"
             or t.is_quantized
             or t.is_nested
             or t.is_conj()
@@ -77,15 +75,26 @@ class Eligibility:
         ):
             return False
         storage = t.untyped_storage()
-        if storage.nbytes() < self.min_bytes or storage._cdata in self.skip_storages:
-            return False
-        if self.device is None and device.type in ("cpu", "cuda"):
+        return storage.nbytes() >= self.min_bytes and storage._cdata not in self.skip_storages
+
+    def _on_new_device(self, t: torch.Tensor, device: torch.device) -> bool:
+        """A tensor on another device than the engine's. Without a device yet, the first eligible
+        CPU or CUDA tensor's becomes it (not a small or odd one's: a model's first save may be a
+        CPU index tensor). ``device="cuda"`` names the current CUDA device: pinned to its index now
+        that CUDA is in use. Meta and other devices are never taken."""
+        if self.device is None:
+            if device.type not in ("cpu", "cuda") or not self._plain_and_large(t):
+                return False
             self.device = (
                 device
-                if device.type == "cpu" or device.index is not None
+                if device.index is not None or device.type == "cpu"
                 else torch.device("cuda", torch.cuda.current_device())
             )
-        return device == self.device
+            return True
+        if self.device.index is None and device.type == self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            return device == self.device and self._plain_and_large(t)
+        return False
 
 
 # Note: [pass through a detached alias]

@@ -601,7 +601,8 @@ class Store:
                 e = h.entry
                 was_hot = e.residence is Residence.HOT  # its release defers no free: nothing new to retire
                 self._release_ref(e, h.seen_gen != e.load_gen)
-                self._drain_dead()
+                if self._dead:
+                    self._drain_dead()
                 if not was_hot:
                     for tier in self.tiers:  # frees that waited for a copy: retire them now if they can be
                         tier.poll()
