@@ -178,7 +178,8 @@ class Config:
     step under the saved plan, without profiling. None: plans live as long as the engine."""
     policy: str = "offload"
     """How regions meet the budget: "none" (keep, only count), "offload" (move tensors), "recompute"
-    (checkpoint every region), "auto" (measure, then choose per region), or a registered policy."""
+    (checkpoint every region), "selective" (re-run every region's cheap ops, keep or move its matmul
+    and attention outputs), "auto" (measure, then choose per region), or a registered policy."""
 
     @property
     def follows_free_memory(self) -> bool:

@@ -240,7 +240,8 @@ def engine(
             to disk), ``min_offload_bytes`` (smaller storages stay), ``device`` ('cpu', 'cuda',
             'cuda:1'; None: that of the first tensor saved), ``prefetch`` (default True),
             ``spill_workers`` (I/O threads), ``policy`` (one of ``offload.policies()``: "none",
-            "offload" (the default without regions), "recompute", "auto" (the default with regions)),
+            "offload" (the default without regions), "recompute", "selective", "auto" (the default
+            with regions); "recompute", "selective" and "auto" need ``regions=``),
             ``plan_cache`` (with regions: a JSON file keeping final plans across restarts, so a
             restarted job does not profile again; see ``offload._plan_cache``).
     """
@@ -263,7 +264,10 @@ def explain(what: Union[Engine, Plan, None]) -> str:
     """The plan table of an engine (its latest plan) or of a ``Plan``, as text."""
     plan = what.plan if isinstance(what, Engine) else what
     if plan is None:
-        return "no plan yet: an engine plans after its first step with regions= (policy 'auto' or 'offload')"
+        return (
+            "no plan yet: an engine plans with regions= and a policy that measures ('auto', 'offload' or "
+            "'selective'), after its profiling steps; 'recompute' and 'none' make no plan"
+        )
     if not isinstance(plan, Plan):
         raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")
     if isinstance(what, Engine) and what.profiling:

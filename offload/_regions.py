@@ -87,12 +87,18 @@ def resolve_regions(regions: RegionsArg, model: Optional[torch.nn.Module]) -> li
         found = [(name, m) for name, m in model.named_modules() if name and regions(m, name)]
     else:
         if isinstance(regions, torch.nn.Module) and not isinstance(regions, (torch.nn.ModuleList, torch.nn.Sequential)):
-            raise TypeError("regions= takes an iterable of nn.Modules (e.g. model.blocks) or a filter function")
+            raise TypeError(
+                f"regions= takes an iterable of nn.Modules (e.g. model.blocks) or a filter function, got one "
+                f"{type(regions).__name__}; pass regions=[module] for a single region"
+            )
         names = {id(m): name for name, m in model.named_modules()} if model is not None else {}
         found = []
         for i, m in enumerate(regions):
             if not isinstance(m, torch.nn.Module):
-                raise TypeError(f"regions= item {i} is {type(m).__name__}, not an nn.Module")
+                raise TypeError(
+                    f"regions= item {i} is {type(m).__name__} ({m!r:.40}), not an nn.Module; pass modules, "
+                    "e.g. regions=model.blocks or regions=[model.blocks[i] for i in (0, 2)]"
+                )
             found.append((names.get(id(m), f"region{i}"), m))
     if not found:
         raise ValueError("regions= selected no module; pass e.g. regions=model.blocks")

@@ -236,6 +236,6 @@ PRESETS: dict[str, Preset] = {
     "sweep": Preset(
         dict(layers=6, hidden=256, heads=4, seq=256, batch=8, steps=4, warmup=3, dtype="fp32", device="cpu"),
         (REFERENCE, Variant(Kind.ENGINE, "none")) + engine_variants(),
-        "CPU budget sweep: every policy at 100/50/25/10 %%, auto judged against the best fixed policy",
+        "CPU budget sweep: every policy at 100/50/25/10 %, auto judged against the best fixed policy",
     ),
 }

@@ -324,8 +324,9 @@ engine reports it. wait: reload + evict wait on the compute stream. bound: max(r
 recomputed blocks x reference forward ms per block, bytes out / probed out GB/s + bytes back /
 probed back GB/s). grads step 0: gradients of one step on the initial weights under strict
 determinism (math attention) against the reference's; losses: every step's against the
-reference's (a compiled configuration's against none+compile). engine peak: most engine-resident bytes at
-once over every step, profiling included. decisions: one letter per block (Keep, Offload, Recompute)."""
+reference's (a compiled configuration's against none+compile). engine peak: most engine-resident
+bytes at once over every step, profiling included. decisions: one letter per block (Keep, Offload,
+Recompute, Selective with its stash kept or moved)."""
 
 
 def pareto_front(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
