@@ -242,6 +242,7 @@ class PlanCache:
 
     def key(self, signature: tuple, regions: list[tuple[str, torch.nn.Module]]) -> dict:
         """The key an entry for these inputs and regions is filed under (its parts written out)."""
+        device = _signature_device(signature)
         return {
             "inputs": repr(signature),
             "regions": regions_fingerprint(regions),
@@ -249,8 +250,8 @@ class PlanCache:
             "policy": self._policy,
             "torch": torch.__version__,
             "offload": OFFLOAD_VERSION,  # the planner's rules change with it
-            "autocast": _autocast_state(_signature_device(signature)),  # bf16 autocast halves what is saved
-            "machine": self._machine_key(_signature_device(signature)),
+            "autocast": _autocast_state(device),  # bf16 autocast halves what is saved
+            "machine": self._machine_key(device),
         }
 
 

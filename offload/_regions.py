@@ -50,7 +50,7 @@ from ._budget import replan_needed
 from ._cost import MachineProfile, RegionProfile
 from ._planner import Decision, Plan, calibrate_link, link_usable, scale_link
 from ._policy import make_plan
-from ._selective import SelectiveProfile, is_compiled, profiled_checkpoint, selective_checkpoint
+from ._selective import COMPILED_CALL, SelectiveProfile, is_compiled, profiled_checkpoint, selective_checkpoint
 from ._session import Session
 
 __all__ = ["ProfiledStep", "Regions", "resolve_regions"]
@@ -153,14 +153,14 @@ class Regions:
 
     def _install(self, index: int, name: str, module: torch.nn.Module) -> None:
         """Wrap the region's call (See Note: [a block compiled in place])."""
-        attr = _COMPILED_CALL if getattr(module, _COMPILED_CALL, None) is not None else "forward"
+        attr = COMPILED_CALL if getattr(module, COMPILED_CALL, None) is not None else "forward"
         self._wrapped.append(_Wrapped(module, index, name, attr, module.__dict__.get(attr)))
         setattr(module, attr, self._wrap(index, name, module, getattr(module, attr)))
 
     def rewrap_compiled(self) -> None:
         """Re-wrap the regions compiled in place since the engine wrapped them (at ``with eng:``)."""
         for w in list(self._wrapped):
-            if w.attr == "forward" and getattr(w.module, _COMPILED_CALL, None) is not None:
+            if w.attr == "forward" and getattr(w.module, COMPILED_CALL, None) is not None:
                 w.put_back()
                 self._wrapped.remove(w)
                 self._install(w.index, w.name, w.module)
@@ -283,17 +283,11 @@ class Regions:
                 else:
                     self._stages[key] = [MEASURE] * (PROFILE_STEPS - 1)
         elif stage == RECOMPUTE_TRIAL:
+            # The trial's times and selective figures, the "measure" step's sizes (a recomputed
+            # region saves only its inputs): every new profile field follows the trial by default.
             timed = [
                 dataclasses.replace(
-                    size,
-                    forward_ms=p.forward_ms,
-                    backward_ms=p.backward_ms,
-                    recompute_ms=p.recompute_ms,
-                    selective_ms=p.selective_ms,
-                    cheap_bytes=p.cheap_bytes,
-                    expensive_bytes=p.expensive_bytes,
-                    expensive_tensors=p.expensive_tensors,
-                    note=p.note,
+                    p, saved_bytes=size.saved_bytes, num_tensors=size.num_tensors, input_bytes=size.input_bytes
                 )
                 for size, p in zip(self._sizes[key], profiles, strict=True)
             ]
@@ -416,9 +410,8 @@ class Regions:
 #     recompute would re-run the eager forward: a different set of saved tensors than the compiled
 #     forward saved, and the engine's determinism check raised. So a block compiled in place is
 #     wrapped around its compiled call instead: the region runs (and re-runs) the compiled code.
-#     ``_compiled_call_impl`` is private to torch (2.2+); a module without it is wrapped on forward.
-
-_COMPILED_CALL = "_compiled_call_impl"
+#     ``_compiled_call_impl`` (``_selective.COMPILED_CALL``) is private to torch (2.2+); a module
+#     without it is wrapped on forward.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -151,11 +151,15 @@ def is_expensive(func: Any) -> bool:
     return schema is None or not schema.is_mutable
 
 
+COMPILED_CALL = "_compiled_call_impl"
+"""What ``module.compile()`` sets on the module (private to torch, 2.2+): its compiled ``_call_impl``."""
+
+
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether ``module`` runs compiled code (``torch.compile(module)`` or ``module.compile()``):
     one autograd Function a dispatch mode cannot split. Dynamo is looked up only if loaded; a
     module cannot be compiled without it."""
-    if getattr(module, "_compiled_call_impl", None) is not None:
+    if getattr(module, COMPILED_CALL, None) is not None:
         return True
     dynamo = sys.modules.get("torch._dynamo")
     optimized = getattr(getattr(dynamo, "eval_frame", None), "OptimizedModule", None)
