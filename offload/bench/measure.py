@@ -30,10 +30,12 @@ from offload._probe import cpu_model
 
 __all__ = [
     "THREADS_ENV",
+    "Column",
     "Memory",
     "describe_machine",
     "environment",
     "median",
+    "records_table",
     "resolve_device",
     "set_threads",
     "sync",
@@ -239,6 +241,35 @@ def table(header: Sequence[str], rows: Sequence[Sequence], *, markdown: bool = F
     ]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+Column = tuple[str, Union[str, Callable[[dict], Any]], str]
+"""A table column: (header, the record's key or a function of the record, format spec; '' for str)."""
+
+
+def records_table(
+    columns: Sequence[Column],
+    records: Iterable[dict],
+    *,
+    markdown: bool = False,
+    left: int = 1,
+    note: Callable[[dict], Optional[str]] = lambda record: None,
+) -> str:
+    """``table`` of one row per record, each cell its column's value formatted by its spec (None
+    prints as '-'); a record for which ``note`` returns a text prints its first cell and that text."""
+    rows: list[Sequence] = []
+    for record in records:
+        if text := note(record):
+            rows.append((_cell(record, columns[0]), text))
+        else:
+            rows.append([_cell(record, column) for column in columns])
+    return table([header for header, _, _ in columns], rows, markdown=markdown, left=left)
+
+
+def _cell(record: dict, column: Column) -> Any:
+    _, key, spec = column
+    value = record[key] if isinstance(key, str) else key(record)
+    return value if value is None or not spec else format(value, spec)
 
 
 def write_text(path: Union[str, os.PathLike], text: str) -> Path:
