@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from offload import MachineProfile
 from offload.bench.config import MB, REFERENCE, Kind, RunSettings, Variant
-from offload.bench.measure import describe_machine, median, table, write_json, write_text
+from offload.bench.measure import Column, describe_machine, median, records_table, write_json, write_text
 
 __all__ = ["CSV_COLUMNS", "Report", "pareto_front", "plot", "summarize", "verdicts"]
 
@@ -27,19 +27,19 @@ PREDICTION_TOLERANCE = 0.15  # the planner's predicted step time should be withi
 
 _BOUNDED_KINDS = (Kind.NONE.value, Kind.CHECKPOINT.value, Kind.ENGINE.value)
 """Kinds the cost-model bound covers (save_on_cpu and torchtune move bytes it does not count)."""
-_STAT_FIELDS = (
-    "saved_bytes",
-    "offloaded_bytes",
-    "reloaded_bytes",
-    "spilled_bytes",
-    "recomputed_regions",
-    "prefetch_hits",
-    "prefetch_misses",
-    "reload_wait_ms",
-    "evict_wait_ms",
-    "d2h_busy_ms",
-    "h2d_busy_ms",
+_STAT_FIELDS = tuple(
+    "saved_bytes offloaded_bytes reloaded_bytes spilled_bytes recomputed_regions prefetch_hits prefetch_misses"
+    " reload_wait_ms evict_wait_ms d2h_busy_ms h2d_busy_ms".split()
 )
+"""The engine's counters in each step record: metrics.csv columns, and medians in the rows (bytes as MB)."""
+CSV_COLUMNS = (
+    tuple(
+        "config repeat step warmup loss loss_match step_ms fwd_bwd_ms opt_ms cpu_ms peak_mb act_peak_mb opt_peak_mb"
+        " budget_mb block_forward_ms resident_bytes peak_resident_bytes host_bytes".split()
+    )
+    + _STAT_FIELDS
+)
+"""metrics.csv, one row per step, configuration and repeat. Engine columns are empty without an engine."""
 
 
 def _mb(value: Optional[float]) -> Optional[float]:
@@ -50,9 +50,22 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
+def _gbps(moved_bytes: Optional[float], busy_ms: Optional[float]) -> Optional[float]:
+    return moved_bytes / (busy_ms * 1e-3) / 1e9 if moved_bytes and busy_ms else None
+
+
 def _paired(numerators: list, denominators: list) -> Optional[float]:
     """Median of the ratios paired by repeat (None where either side is missing in every pair)."""
     return median([a / b for a, b in zip(numerators, denominators, strict=False) if a is not None and b])
+
+
+def _measured(runs: list[dict]) -> list[dict]:
+    """The timed steps of ``runs`` (warm-up steps are recorded, not timed)."""
+    return [s for r in runs for s in r.get("steps", []) if not s["warmup"]]
+
+
+def _peak_mb(steps: list[dict], key: str, empty: Optional[int] = None) -> Optional[float]:
+    return _mb(max((s.get(key) or 0 for s in steps), default=empty))
 
 
 def _grads_verdict(check: Optional[dict], reference: Optional[dict]) -> str:
@@ -83,80 +96,76 @@ def summarize(
     ref_losses = {
         c: [s["loss"] for s in runs[0].get("steps", [])] for c, runs in ((False, ref_runs), (True, compiled_ref))
     }
-    ref_summary = ref_runs[0].get("summary") or {}
-    ref_block_ms = median(s.get("block_forward_ms") for s in ref_runs[0].get("steps", []) if not s["warmup"])
+    ref_grads = (ref_runs[0].get("summary") or {}).get("grad_check")
+    ref_block_ms = median(s.get("block_forward_ms") for s in _measured(ref_runs[:1]))
     out_gbps, back_gbps = machine.offload_gb_per_s() if machine is not None else (0.0, 0.0)
     rows: list[dict[str, Any]] = []
     for v in variants:
         runs = results[v.name]
-        measured = [s for r in runs for s in r["steps"] if not s["warmup"]]
         summary = next((r["summary"] for r in runs if r["summary"]), None) or {}
-        runs_ms = [median(s["step_ms"] for s in r["steps"] if not s["warmup"]) for r in runs]
+        plan = summary.get("plan") or {}
+        runs_ms = [median(s["step_ms"] for s in _measured([r])) for r in runs]
+        measured = _measured(runs)
         stats = {f: median(s.get(f) for s in measured) for f in _STAT_FIELDS}
         losses, reference = [s["loss"] for s in runs[0]["steps"]], ref_losses[v.compiled]
         is_ref = v.kind is Kind.NONE
-        row: dict[str, Any] = {
-            "config": v.name,
-            "kind": v.kind.value,
-            "policy": v.policy,
-            "budget_fraction": v.budget_fraction,
-            "compiled": v.compiled,
-            "budget_mb": summary.get("budget_mb"),
-            "measured_steps": len(measured),
-            "step_ms": median(runs_ms),
-            "runs_step_ms": runs_ms,
-            "cpu_ms": median(s["cpu_ms"] for s in measured),
-            "opt_ms": median(s["opt_ms"] for s in measured),
-            "peak_mb": _mb(max((s["peak_bytes"] for s in measured), default=None)),
-            "act_peak_mb": _mb(max((s["act_peak_bytes"] for s in measured), default=None)),
-            "opt_peak_mb": _mb(max((s["opt_peak_bytes"] for s in measured), default=None)),
-            "engine_peak_mb": _mb(
-                max((s.get("peak_resident_bytes") or 0 for r in runs for s in r["steps"]), default=0)
-                if v.kind is Kind.ENGINE
-                else None
-            ),
-            **{f.replace("_bytes", "_mb"): (_mb(stats[f]) if f.endswith("_bytes") else stats[f]) for f in _STAT_FIELDS},
-            "losses": losses,
-            "losses_match": None if is_ref or not reference or len(losses) != len(reference) else losses == reference,
-            "max_loss_diff": None
-            if is_ref
-            else max((abs(a - b) for a, b in zip(losses, reference, strict=False)), default=None),
-            "grads": "ref"
-            if v == REFERENCE
-            else _grads_verdict(summary.get("grad_check"), ref_summary.get("grad_check")),
-            "runs_predicted_ms": [((r["summary"] or {}).get("plan") or {}).get("predicted_step_ms") for r in runs],
-            "decisions": "".join(x["decision"][0].upper() for x in (summary.get("plan") or {}).get("regions", []))
-            or None,
-            "error": next((r["error"] for r in runs if r["error"]), None),
-            "skipped": next((r["skipped"] for r in runs if r["skipped"]), None)
-            or (None if any(r["steps"] or r["summary"] or r["error"] for r in runs) else "not run (yet)"),
-        }
-        if v == REFERENCE and summary.get("activation_bytes") is not None:
-            row["saved_mb"] = _mb(summary["activation_bytes"])
-        row["predicted_ms"] = median(row["runs_predicted_ms"])
-        row["exposed_wait_ms"] = (
-            None if stats["reload_wait_ms"] is None else stats["reload_wait_ms"] + (stats["evict_wait_ms"] or 0.0)
-        )
-        row["d2h_gb_per_s"] = _gbps(stats["offloaded_bytes"], stats["d2h_busy_ms"])
-        row["h2d_gb_per_s"] = _gbps(stats["reloaded_bytes"], stats["h2d_busy_ms"])
         recomputed = run.layers if v.kind is Kind.CHECKPOINT else (stats["recomputed_regions"] or 0)
-        row["recompute_ms"] = None if ref_block_ms is None else recomputed * ref_block_ms / run.layers
         moved = [(stats["offloaded_bytes"], out_gbps), (stats["reloaded_bytes"], back_gbps)]
-        row["link_ms"] = sum(b / (g * 1e9) * 1e3 for b, g in moved if b and g) if v.kind is Kind.ENGINE else None
-        rows.append(row)
-    ref = rows[0] if rows and rows[0]["config"] == REFERENCE.name else None
+        runs_predicted_ms = [((r["summary"] or {}).get("plan") or {}).get("predicted_step_ms") for r in runs]
+        rows.append(
+            {
+                "config": v.name,
+                "kind": v.kind.value,
+                "policy": v.policy,
+                "budget_fraction": v.budget_fraction,
+                "compiled": v.compiled,
+                "budget_mb": summary.get("budget_mb"),
+                "measured_steps": len(measured),
+                "step_ms": median(runs_ms),
+                "runs_step_ms": runs_ms,
+                "cpu_ms": median(s["cpu_ms"] for s in measured),
+                "opt_ms": median(s["opt_ms"] for s in measured),
+                **{f"{peak}_mb": _peak_mb(measured, f"{peak}_bytes") for peak in ("peak", "act_peak", "opt_peak")},
+                "engine_peak_mb": _peak_mb([s for r in runs for s in r["steps"]], "peak_resident_bytes", empty=0)
+                if v.kind is Kind.ENGINE
+                else None,
+                **{
+                    f.replace("_bytes", "_mb"): _mb(stats[f]) if f.endswith("_bytes") else stats[f]
+                    for f in _STAT_FIELDS
+                },
+                "losses_match": None
+                if is_ref or not reference or len(losses) != len(reference)
+                else losses == reference,
+                "max_loss_diff": None
+                if is_ref
+                else max((abs(a - b) for a, b in zip(losses, reference, strict=False)), default=None),
+                "grads": "ref" if v == REFERENCE else _grads_verdict(summary.get("grad_check"), ref_grads),
+                "runs_predicted_ms": runs_predicted_ms,
+                "decisions": "".join(region["decision"][0].upper() for region in plan.get("regions", [])) or None,
+                "error": next((r["error"] for r in runs if r["error"]), None),
+                "skipped": next((r["skipped"] for r in runs if r["skipped"]), None)
+                or (None if any(r["steps"] or r["summary"] or r["error"] for r in runs) else "not run (yet)"),
+                "predicted_ms": median(runs_predicted_ms),
+                "exposed_wait_ms": None
+                if stats["reload_wait_ms"] is None
+                else stats["reload_wait_ms"] + (stats["evict_wait_ms"] or 0.0),
+                "d2h_gb_per_s": _gbps(stats["offloaded_bytes"], stats["d2h_busy_ms"]),
+                "h2d_gb_per_s": _gbps(stats["reloaded_bytes"], stats["h2d_busy_ms"]),
+                "recompute_ms": None if ref_block_ms is None else recomputed * ref_block_ms / run.layers,
+                "link_ms": sum(b / (g * 1e9) * 1e3 for b, g in moved if b and g) if v.kind is Kind.ENGINE else None,
+            }
+        )
+        if v == REFERENCE and summary.get("activation_bytes") is not None:
+            rows[-1]["saved_mb"] = _mb(summary["activation_bytes"])
+    ref = rows[0] if rows and rows[0]["config"] == REFERENCE.name else {}
     for row in rows:
-        row["ratio"] = _ratio(row["step_ms"], ref["step_ms"] if ref else None)
-        row["act_ratio"] = _ratio(row["act_peak_mb"], ref["act_peak_mb"] if ref else None)
-        compute = ref and ref["step_ms"]
+        row["ratio"] = _ratio(row["step_ms"], ref.get("step_ms"))
+        row["act_ratio"] = _ratio(row["act_peak_mb"], ref.get("act_peak_mb"))
+        compute = ref.get("step_ms")
         bounded = compute and row["recompute_ms"] is not None and row["kind"] in _BOUNDED_KINDS
         row["bound_ms"] = max(compute + row["recompute_ms"], row["link_ms"] or 0.0) if bounded else None
         row["over_bound"] = _ratio(row["step_ms"], row["bound_ms"])
     return rows
-
-
-def _gbps(moved_bytes: Optional[float], busy_ms: Optional[float]) -> Optional[float]:
-    return moved_bytes / (busy_ms * 1e-3) / 1e9 if moved_bytes and busy_ms else None
 
 
 def verdicts(rows: list[dict]) -> dict:
@@ -172,10 +181,8 @@ def verdicts(rows: list[dict]) -> dict:
         auto = at.get("auto")
         if auto is None:
             continue
-        held = {
-            p: r for p, r in at.items() if r["engine_peak_mb"] is not None and r["engine_peak_mb"] <= r["budget_mb"]
-        }
-        fixed = {p: r for p, r in held.items() if p != "auto"}
+        held = {p for p, r in at.items() if r["engine_peak_mb"] is not None and r["engine_peak_mb"] <= r["budget_mb"]}
+        fixed = {p: at[p] for p in held - {"auto"}}
         best = min(fixed, key=lambda p: fixed[p]["step_ms"]) if fixed else None
         ratio = _paired(auto["runs_step_ms"], fixed[best]["runs_step_ms"]) if best else None
         predicted = _paired(auto["runs_predicted_ms"], auto["runs_step_ms"])
@@ -198,120 +205,64 @@ def verdicts(rows: list[dict]) -> dict:
     return {"verdicts": out} | {f"{c}_everywhere": all(v[c] for v in out) for c in checks}
 
 
-def _f(value: Optional[float], spec: str) -> Optional[str]:
-    return None if value is None else format(value, spec)
-
-
 def _losses(r: dict) -> str:
     if r["kind"] == Kind.NONE.value:
         return "ref"
-    return {None: "-", True: "equal", False: f"differ ({_f(r['max_loss_diff'], '.1g')})"}[r["losses_match"]]
+    if r["losses_match"] is None:
+        return "-"
+    return "equal" if r["losses_match"] else f"differ ({r['max_loss_diff']:.1g})"
+
+
+def _failed(r: dict) -> Optional[str]:
+    """The note that replaces a failed or skipped configuration's figures."""
+    if r["error"]:
+        return f"FAILED: {r['error'].splitlines()[0][:100]}"
+    return f"skipped: {r['skipped'][:100]}" if r["skipped"] else None
 
 
 def main_table(rows: list[dict], device: str, markdown: bool = False) -> str:
-    memory = "alloc" if device == "cuda" else "RSS+cache"
-    header = (
-        "config",
-        "ms/step",
-        "x none",
-        f"peak {memory} MB",
-        "act MB",
-        "x none",
-        "opt MB",
-        "moved MB",
-        "D2H GB/s",
-        "H2D GB/s",
-        "wait ms",
-        "bound ms",
-        "/bound",
-        "grads step 0",
-        "losses",
-    )
-    lines: list[tuple] = []
-    for r in rows:
-        if r["error"] or r["skipped"]:
-            what = f"FAILED: {r['error'].splitlines()[0][:100]}" if r["error"] else f"skipped: {r['skipped'][:100]}"
-            lines.append((r["config"], what))
-            continue
-        lines.append(
-            (
-                r["config"],
-                _f(r["step_ms"], ".1f"),
-                _f(r["ratio"], ".2f"),
-                _f(r["peak_mb"], ".1f"),
-                _f(r["act_peak_mb"], ".1f"),
-                _f(r["act_ratio"], ".2f"),
-                _f(r["opt_peak_mb"], ".1f"),
-                _f(r["offloaded_mb"], ".1f"),
-                _f(r["d2h_gb_per_s"], ".1f"),
-                _f(r["h2d_gb_per_s"], ".1f"),
-                _f(r["exposed_wait_ms"], ".1f"),
-                _f(r["bound_ms"], ".1f"),
-                _f(r["over_bound"], ".2f"),
-                r["grads"],
-                _losses(r),
-            )
-        )
-    return table(header, lines, markdown=markdown)
-
-
-def engine_table(rows: list[dict], markdown: bool = False) -> str:
-    header = (
-        "config",
-        "budget MB",
-        "CPU ms",
-        "engine peak MB",
-        "recomputed",
-        "decisions",
-        "predicted ms",
-        "predicted / measured",
-    )
-    lines = [
-        (
-            r["config"],
-            _f(r["budget_mb"], ".1f"),
-            _f(r["cpu_ms"], ".0f"),
-            _f(r["engine_peak_mb"], ".1f"),
-            _f(r["recomputed_regions"], "g"),
-            r["decisions"],
-            _f(r["predicted_ms"], ".1f"),
-            _f(_paired(r["runs_predicted_ms"], r["runs_step_ms"]), ".2f"),
-        )
-        for r in rows
-        if r["kind"] == Kind.ENGINE.value and not (r["error"] or r["skipped"])
+    columns: list[Column] = [
+        ("config", "config", ""),
+        ("ms/step", "step_ms", ".1f"),
+        ("x none", "ratio", ".2f"),
+        (f"peak {'alloc' if device == 'cuda' else 'RSS+cache'} MB", "peak_mb", ".1f"),
+        ("act MB", "act_peak_mb", ".1f"),
+        ("x none", "act_ratio", ".2f"),
+        ("opt MB", "opt_peak_mb", ".1f"),
+        ("moved MB", "offloaded_mb", ".1f"),
+        ("D2H GB/s", "d2h_gb_per_s", ".1f"),
+        ("H2D GB/s", "h2d_gb_per_s", ".1f"),
+        ("wait ms", "exposed_wait_ms", ".1f"),
+        ("bound ms", "bound_ms", ".1f"),
+        ("/bound", "over_bound", ".2f"),
+        ("grads step 0", "grads", ""),
+        ("losses", _losses, ""),
     ]
-    return table(header, lines, markdown=markdown)
+    return records_table(columns, rows, markdown=markdown, note=_failed)
 
 
-def verdict_table(checked: dict, markdown: bool = False) -> str:
-    header = (
-        "budget %",
-        "auto ms",
-        "best fixed",
-        "its ms",
-        "auto / best",
-        "<= 1.05",
-        "holds budget",
-        "predicted / measured",
-        "decisions",
-    )
-    yes = {True: "yes", False: "NO"}
-    lines = [
-        (
-            f"{100 * v['fraction']:.0f}",
-            _f(v["auto_ms"], ".1f"),
-            v["best_fixed"],
-            _f(v["best_fixed_ms"], ".1f"),
-            _f(v["auto_over_best"], ".3f"),
-            yes[v["auto_within_5pct"]],
-            yes[v["auto_holds_budget"]],
-            _f(v["predicted_over_measured"], ".2f"),
-            v["decisions"],
-        )
-        for v in checked["verdicts"]
-    ]
-    return table(header, lines, markdown=markdown)
-
+_ENGINE_COLUMNS: list[Column] = [
+    ("config", "config", ""),
+    ("budget MB", "budget_mb", ".1f"),
+    ("CPU ms", "cpu_ms", ".0f"),
+    ("engine peak MB", "engine_peak_mb", ".1f"),
+    ("recomputed", "recomputed_regions", "g"),
+    ("decisions", "decisions", ""),
+    ("predicted ms", "predicted_ms", ".1f"),
+    ("predicted / measured", lambda r: _paired(r["runs_predicted_ms"], r["runs_step_ms"]), ".2f"),
+]
+_YES = {True: "yes", False: "NO"}
+_VERDICT_COLUMNS: list[Column] = [
+    ("budget %", lambda v: 100 * v["fraction"], ".0f"),
+    ("auto ms", "auto_ms", ".1f"),
+    ("best fixed", "best_fixed", ""),
+    ("its ms", "best_fixed_ms", ".1f"),
+    ("auto / best", "auto_over_best", ".3f"),
+    ("<= 1.05", lambda v: _YES[v["auto_within_5pct"]], ""),
+    ("holds budget", lambda v: _YES[v["auto_holds_budget"]], ""),
+    ("predicted / measured", "predicted_over_measured", ".2f"),
+    ("decisions", "decisions", ""),
+]
 
 LEGEND = """\
 ms/step: median over measured steps (then over repeats) of forward + backward + AdamW step.
@@ -341,18 +292,14 @@ def pareto_front(points: list[tuple[float, float, str]]) -> list[tuple[float, fl
 
 def plot(path: Path, rows: list[dict], results: dict, run: RunSettings) -> Optional[Path]:
     """Activation peak vs step time (every configuration a point, the Pareto front drawn), and
-    engine-resident bytes over one step; None without matplotlib."""
+    engine-resident bytes over one step at the smallest budget; None without matplotlib."""
     try:
         from matplotlib.figure import Figure  # a Figure made directly draws through Agg, with no pyplot state
     except ImportError:
         return None
     fig = Figure(figsize=(12, 4.8))
     left, right = fig.subplots(1, 2)
-    points = [
-        (r["step_ms"], r["act_peak_mb"], r["config"])
-        for r in rows
-        if r["step_ms"] is not None and r["act_peak_mb"] is not None
-    ]
+    points = [p for p in ((r["step_ms"], r["act_peak_mb"], r["config"]) for r in rows) if None not in p[:2]]
     for i, (ms, mb, name) in enumerate(points):
         left.scatter(ms, mb, s=30)
         left.annotate(name, (ms, mb), textcoords="offset points", xytext=(5, 5 if i % 2 == 0 else -12), fontsize=7)
@@ -360,67 +307,36 @@ def plot(path: Path, rows: list[dict], results: dict, run: RunSettings) -> Optio
     left.step(
         [p[0] for p in front], [p[1] for p in front], where="post", color="gray", lw=1, ls="--", label="Pareto front"
     )
-    left.set(
-        xlabel="step time, ms (median)",
-        title="memory vs time per configuration",
-        ylabel="activation peak, MB" + (" (RSS + spill page cache)" if run.device == "cpu" else " (allocated)"),
-    )
-    left.legend(fontsize=8)
-    left.grid(alpha=0.3)
-    traced = [
-        r
+    memory = " (RSS + spill page cache)" if run.device == "cpu" else " (allocated)"
+    left.set(xlabel="step time, ms (median)", ylabel="activation peak, MB" + memory)
+    left.set_title("memory vs time per configuration")
+    traces = {
+        r["config"]: (r["budget_mb"], trace)
         for r in rows
         if r["kind"] == Kind.ENGINE.value
         and r["budget_mb"] is not None
-        and ((results[r["config"]][0]["summary"] or {}).get("trace"))
-    ]
-    if traced:
-        smallest = min(r["budget_mb"] for r in traced)
-        for r in (r for r in traced if r["budget_mb"] == smallest):
-            samples = results[r["config"]][0]["summary"]["trace"]
-            right.plot(
-                range(len(samples)),
-                [(s["resident_bytes"] or 0) / MB for s in samples],
-                marker="o",
-                ms=3,
-                label=r["config"],
-            )
-            right.set_xticks(range(len(samples)), [s["phase"] for s in samples], rotation=60, fontsize=7)
+        and (trace := (results[r["config"]][0]["summary"] or {}).get("trace"))
+    }
+    if traces:
+        smallest = min(budget_mb for budget_mb, _ in traces.values())
+        for name, (budget_mb, samples) in traces.items():
+            if budget_mb == smallest:
+                resident_mb = [(s["resident_bytes"] or 0) / MB for s in samples]
+                right.plot(range(len(samples)), resident_mb, marker="o", ms=3, label=name)
+                right.set_xticks(range(len(samples)), [s["phase"] for s in samples], rotation=60, fontsize=7)
         right.axhline(smallest, color="gray", ls="--", lw=1, label=f"budget {smallest:.3g} MB")
         right.set(ylabel="engine resident bytes, MB", title="resident activations over the last step")
-        right.legend(fontsize=8)
-        right.grid(alpha=0.3)
     else:
         right.set_axis_off()
+    for axes in (left, right) if traces else (left,):
+        axes.legend(fontsize=8)
+        axes.grid(alpha=0.3)
     fig.suptitle(
         f"MiniGPT {run.layers}x{run.hidden}, seq {run.seq}, batch {run.batch}, {run.dtype} on {run.device}", fontsize=10
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
-
-
-CSV_COLUMNS = (
-    "config",
-    "repeat",
-    "step",
-    "warmup",
-    "loss",
-    "loss_match",
-    "step_ms",
-    "fwd_bwd_ms",
-    "opt_ms",
-    "cpu_ms",
-    "peak_mb",
-    "act_peak_mb",
-    "opt_peak_mb",
-    "budget_mb",
-    "block_forward_ms",
-    "resident_bytes",
-    "peak_resident_bytes",
-    "host_bytes",
-) + _STAT_FIELDS
-"""metrics.csv, one row per step, configuration and repeat. Engine columns are empty without an engine."""
 
 
 def _write_csv(path: Path, results: dict[str, list[dict]]) -> None:
@@ -430,58 +346,52 @@ def _write_csv(path: Path, results: dict[str, list[dict]]) -> None:
         writer.writeheader()
         for name, runs in results.items():
             for s in (s for r in runs for s in r["steps"]):
-                row = dict(
-                    s,
-                    warmup=int(s["warmup"]),
-                    loss=repr(s["loss"]),
-                    **{
-                        k.replace("_bytes", "_mb"): round(s[k] / MB, 3)
-                        for k in ("peak_bytes", "act_peak_bytes", "opt_peak_bytes")
-                    },
+                compared = name != REFERENCE.name and s["step"] in reference
+                writer.writerow(
+                    s
+                    | {f"{peak}_mb": round(s[f"{peak}_bytes"] / MB, 3) for peak in ("peak", "act_peak", "opt_peak")}
+                    | {"warmup": int(s["warmup"]), "loss": repr(s["loss"])}
+                    | {"loss_match": int(s["loss"] == reference[s["step"]]) if compared else ""}
                 )
-                row["loss_match"] = (
-                    ""
-                    if name == REFERENCE.name or s["step"] not in reference
-                    else int(s["loss"] == reference[s["step"]])
-                )
-                writer.writerow(row)
 
 
+@dataclasses.dataclass
 class Report:
     """The outputs of one benchmark run, rewritten whole each time ``write`` is called."""
 
-    def __init__(
-        self, out: Path, run: RunSettings, variants: list[Variant], env: dict, machine: Optional[MachineProfile]
-    ) -> None:
-        self.out, self.run, self.variants, self.env, self.machine = out, run, variants, env, machine
-        self.rows: list[dict] = []
+    out: Path
+    run: RunSettings
+    variants: list[Variant]
+    env: dict
+    machine: Optional[MachineProfile]
+    rows: list[dict] = dataclasses.field(default_factory=list)
+    checked: dict = dataclasses.field(default_factory=lambda: {"verdicts": []})
 
     def write(self, results: dict[str, list[dict]], wall_s: Optional[float] = None) -> dict:
         """Write metrics.csv, summary.json, table.md (and the plot, once ``wall_s`` is given); return
         the payload of the last JSON line."""
-        run = self.run
-        self.rows = summarize(run, self.variants, results, self.machine)
+        self.rows = summarize(self.run, self.variants, results, self.machine)
         self.checked = verdicts(self.rows)
         _write_csv(self.out / "metrics.csv", results)
-        plot_path = plot(self.out / "step.png", self.rows, results, run) if wall_s is not None else None
+        plot_path = plot(self.out / "step.png", self.rows, results, self.run) if wall_s is not None else None
         payload = {
             "benchmark": "step",
-            "settings": dataclasses.asdict(run),
+            "settings": dataclasses.asdict(self.run),
             "env": self.env,
             "machine": None if self.machine is None else dataclasses.asdict(self.machine),
             "finished": wall_s is not None,
             "wall_s": None if wall_s is None else round(wall_s, 1),
-            "results": [{k: v for k, v in r.items() if k != "losses"} for r in self.rows],
+            "results": self.rows,
             "verdicts": self.checked,
             "csv": str(self.out / "metrics.csv"),
             "plot": None if plot_path is None else str(plot_path),
         }
         runs = {
-            n: [
+            name: [
                 {k: r[k] for k in ("summary", "error", "skipped")} | {"losses": [s["loss"] for s in r["steps"]]}
-                for r in rs
+                for r in repeats
             ]
-            for n, rs in results.items()
+            for name, repeats in results.items()
         }
         write_json(self.out / "summary.json", payload | {"runs": runs})
         write_text(self.out / "table.md", self.text(markdown=True) + "\n")
@@ -501,9 +411,10 @@ class Report:
             main_table(self.rows, self.run.device, markdown),
         ]
         if any(r["kind"] == Kind.ENGINE.value for r in self.rows):
-            parts.append(engine_table(self.rows, markdown))
+            engine_rows = [r for r in self.rows if r["kind"] == Kind.ENGINE.value and not _failed(r)]
+            parts.append(records_table(_ENGINE_COLUMNS, engine_rows, markdown=markdown))
         if self.checked["verdicts"]:
-            parts.append(verdict_table(self.checked, markdown))
+            parts.append(records_table(_VERDICT_COLUMNS, self.checked["verdicts"], markdown=markdown))
         parts.append(LEGEND)
         if (
             self.run.device == "cuda"
