@@ -102,23 +102,21 @@ def summarize(
     rows: list[dict[str, Any]] = []
     for v in variants:
         runs = results[v.name]
+        steps, measured = [s for r in runs for s in r["steps"]], _measured(runs)
         summary = next((r["summary"] for r in runs if r["summary"]), None) or {}
-        plan = summary.get("plan") or {}
         runs_ms = [median(s["step_ms"] for s in _measured([r])) for r in runs]
-        measured = _measured(runs)
+        runs_predicted_ms = [((r["summary"] or {}).get("plan") or {}).get("predicted_step_ms") for r in runs]
         stats = {f: median(s.get(f) for s in measured) for f in _STAT_FIELDS}
-        losses, reference = [s["loss"] for s in runs[0]["steps"]], ref_losses[v.compiled]
-        is_ref = v.kind is Kind.NONE
+        reload_ms, evict_ms = stats["reload_wait_ms"], stats["evict_wait_ms"]
         recomputed = run.layers if v.kind is Kind.CHECKPOINT else (stats["recomputed_regions"] or 0)
         moved = [(stats["offloaded_bytes"], out_gbps), (stats["reloaded_bytes"], back_gbps)]
-        runs_predicted_ms = [((r["summary"] or {}).get("plan") or {}).get("predicted_step_ms") for r in runs]
+        losses, reference = [s["loss"] for s in runs[0]["steps"]], ref_losses[v.compiled]
+        compared = v.kind is not Kind.NONE and reference and len(losses) == len(reference)
+        ran = any(r["steps"] or r["summary"] or r["error"] for r in runs)
         rows.append(
             {
                 "config": v.name,
-                "kind": v.kind.value,
-                "policy": v.policy,
-                "budget_fraction": v.budget_fraction,
-                "compiled": v.compiled,
+                **(dataclasses.asdict(v) | {"kind": v.kind.value}),  # and policy, budget_fraction, compiled
                 "budget_mb": summary.get("budget_mb"),
                 "measured_steps": len(measured),
                 "step_ms": median(runs_ms),
@@ -126,29 +124,20 @@ def summarize(
                 "cpu_ms": median(s["cpu_ms"] for s in measured),
                 "opt_ms": median(s["opt_ms"] for s in measured),
                 **{f"{peak}_mb": _peak_mb(measured, f"{peak}_bytes") for peak in ("peak", "act_peak", "opt_peak")},
-                "engine_peak_mb": _peak_mb([s for r in runs for s in r["steps"]], "peak_resident_bytes", empty=0)
-                if v.kind is Kind.ENGINE
-                else None,
-                **{
-                    f.replace("_bytes", "_mb"): _mb(stats[f]) if f.endswith("_bytes") else stats[f]
-                    for f in _STAT_FIELDS
-                },
-                "losses_match": None
-                if is_ref or not reference or len(losses) != len(reference)
-                else losses == reference,
+                "engine_peak_mb": _peak_mb(steps, "peak_resident_bytes", empty=0) if v.kind is Kind.ENGINE else None,
+                **{f.replace("_bytes", "_mb"): _mb(x) if f.endswith("_bytes") else x for f, x in stats.items()},
+                "losses_match": losses == reference if compared else None,
                 "max_loss_diff": None
-                if is_ref
+                if v.kind is Kind.NONE
                 else max((abs(a - b) for a, b in zip(losses, reference, strict=False)), default=None),
                 "grads": "ref" if v == REFERENCE else _grads_verdict(summary.get("grad_check"), ref_grads),
                 "runs_predicted_ms": runs_predicted_ms,
-                "decisions": "".join(region["decision"][0].upper() for region in plan.get("regions", [])) or None,
-                "error": next((r["error"] for r in runs if r["error"]), None),
-                "skipped": next((r["skipped"] for r in runs if r["skipped"]), None)
-                or (None if any(r["steps"] or r["summary"] or r["error"] for r in runs) else "not run (yet)"),
                 "predicted_ms": median(runs_predicted_ms),
-                "exposed_wait_ms": None
-                if stats["reload_wait_ms"] is None
-                else stats["reload_wait_ms"] + (stats["evict_wait_ms"] or 0.0),
+                "decisions": "".join(r["decision"][0].upper() for r in (summary.get("plan") or {}).get("regions", []))
+                or None,
+                "error": next((r["error"] for r in runs if r["error"]), None),
+                "skipped": next((r["skipped"] for r in runs if r["skipped"]), None if ran else "not run (yet)"),
+                "exposed_wait_ms": None if reload_ms is None else reload_ms + (evict_ms or 0.0),
                 "d2h_gb_per_s": _gbps(stats["offloaded_bytes"], stats["d2h_busy_ms"]),
                 "h2d_gb_per_s": _gbps(stats["reloaded_bytes"], stats["h2d_busy_ms"]),
                 "recompute_ms": None if ref_block_ms is None else recomputed * ref_block_ms / run.layers,
@@ -172,12 +161,9 @@ def verdicts(rows: list[dict]) -> dict:
     """Per budget: auto against the best fixed policy that holds the budget (engine peak <= budget),
     as the median of step-time ratios paired within each repeat, and the planner's error."""
     out = []
+    timed = [r for r in rows if not r.get("compiled") and r.get("step_ms") is not None]
     for fraction in sorted({r["budget_fraction"] for r in rows if r.get("budget_fraction")}, reverse=True):
-        at = {
-            r["policy"]: r
-            for r in rows
-            if r.get("budget_fraction") == fraction and not r.get("compiled") and r.get("step_ms") is not None
-        }
+        at = {r["policy"]: r for r in timed if r.get("budget_fraction") == fraction}
         auto = at.get("auto")
         if auto is None:
             continue

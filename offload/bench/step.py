@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -47,13 +48,14 @@ glibc's default raises the threshold after each large free (up to 32 MiB), after
 activations stay in the heap and RSS stops tracking live memory. 128 KiB is glibc's own start."""
 
 _JSON_PREFIX = "@offload-bench "  # marks a child's result lines: stray prints from libraries are never parsed
-_STDERR_TAIL_CHARS = 4000
+_STDERR_TAIL_CHARS = 4000  # how much of a crashed child's stderr its configuration's error keeps
+
+Job = tuple[str, int]
+"""One run of one configuration: (its name, the repeat)."""
 
 
-def _run_jobs(
-    run: RunSettings, jobs: list[tuple[str, int]], activation_bytes: Optional[int], emit: Callable[[dict], None]
-) -> None:
-    """Run (configuration, repeat) jobs in this process, passing every record to ``emit``."""
+def _run_jobs(run: RunSettings, jobs: list[Job], activation_bytes: Optional[int], emit: Callable[[dict], None]) -> None:
+    """Run jobs in this process, passing every record, tagged with its job, to ``emit``."""
     data = load_corpus()
     for name, repeat in jobs:
         tag = {"config": name, "repeat": repeat}
@@ -75,29 +77,21 @@ def _run_jobs(
 
 
 def _spawn(
-    run: RunSettings, job: tuple[str, int], activation_bytes: Optional[int], emit: Callable[[dict], None]
+    run: RunSettings, job: Job, activation_bytes: Optional[int], emit: Callable[[dict], None]
 ) -> tuple[int, str]:
-    """Run one job in a fresh ``python -m offload.bench --one`` process."""
+    """Run one job in a fresh ``python -m offload.bench --one`` process; its exit code and stderr."""
     spec = {"run": dataclasses.asdict(run), "jobs": [job], "activation_bytes": activation_bytes}
-    env = dict(os.environ)
     package_root = str(Path(offload.__file__).resolve().parents[1])  # works without an install too
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD_BYTES))
     with tempfile.TemporaryFile(mode="w+") as err:  # a pipe could fill up and stall the child
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "offload.bench", "--one", json.dumps(spec)],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            env=env,
-        )
-        assert proc.stdout is not None  # stdout=PIPE
-        for line in proc.stdout:
-            if line.startswith(_JSON_PREFIX):
-                emit(json.loads(line[len(_JSON_PREFIX) :]))
-        code = proc.wait()
+        command = [sys.executable, "-m", "offload.bench", "--one", json.dumps(spec)]
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, env=env) as child:
+            for line in child.stdout or ():
+                if line.startswith(_JSON_PREFIX):
+                    emit(json.loads(line[len(_JSON_PREFIX) :]))
         err.seek(0)
-        return code, err.read()
+        return child.returncode, err.read()
 
 
 def collect(
@@ -114,20 +108,19 @@ def collect(
         n: [{"steps": [], "summary": None, "error": None, "skipped": None} for _ in range(run.repeats)] for n in names
     }
     head, rest = (names[:1], names[1:]) if names[0] == REFERENCE.name else ([], names)
-    jobs = [
-        (n, r) for r in range(run.repeats) for n in head + rest[r % max(len(rest), 1) :] + rest[: r % max(len(rest), 1)]
-    ]
-    state: dict[str, Optional[int]] = {"activation_bytes": None}
+    turns = [r % max(len(rest), 1) for r in range(run.repeats)]  # repeat r starts r places further into the rest
+    jobs = [(n, r) for r, turn in enumerate(turns) for n in head + rest[turn:] + rest[:turn]]
+    activation_bytes: Optional[int] = None  # the reference's, once measured: it sizes every budget
 
     def emit(record: dict) -> None:
-        result = results[record["config"]][record["repeat"]]
-        kind = record["type"]
+        nonlocal activation_bytes
+        result, kind = results[record["config"]][record["repeat"]], record["type"]
         if kind == "step":
             result["steps"].append(record)
             return
         if kind == "summary":
             result["summary"] = record
-            state["activation_bytes"] = state["activation_bytes"] or record["activation_bytes"]
+            activation_bytes = activation_bytes or record["activation_bytes"]
         else:
             result[kind] = record["reason" if kind == "skipped" else "error"]
         print(f"bench: {record['config']} (repeat {record['repeat'] + 1}/{run.repeats}) {kind}", file=sys.stderr)
@@ -136,14 +129,21 @@ def collect(
     if in_process or run.device != "cpu":
         _run_jobs(run, jobs, None, emit)
         return results
-    for job in jobs:  # CPU: a fresh process per configuration (peak RSS must not inherit another's heap)
-        code, stderr = _spawn(run, job, state["activation_bytes"], emit)
-        result = results[job[0]][job[1]]
-        if result["summary"] is None and result["error"] is None and result["skipped"] is None:
+    for name, repeat in jobs:  # CPU: a fresh process per configuration (peak RSS must not inherit another's heap)
+        code, stderr = _spawn(run, (name, repeat), activation_bytes, emit)
+        result = results[name][repeat]
+        if all(result[k] is None for k in ("summary", "error", "skipped")):
             tail = stderr.strip()[-_STDERR_TAIL_CHARS:]
             result["error"] = f"child process exited with code {code}" + (f":\n{tail}" if tail else "")
             on_done(results)
     return results
+
+
+_CHOICES = {"dtype": sorted(DTYPES), "device": ("cpu", "cuda"), "attention": ("sdpa", "math")}
+_FLAG_HELP = {
+    "deterministic": "timed steps under torch.use_deterministic_algorithms(True, warn_only=True)",
+    "check_grads": "first-step gradients under strict determinism, compared with the reference's (default on)",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -153,47 +153,22 @@ def _parser() -> argparse.ArgumentParser:
         "compare time, memory, gradients.",
     )
     p.add_argument("--demo", action="store_true", help="the short CPU demo (same as --preset demo)")
-    p.add_argument(
-        "--preset",
-        choices=sorted(PRESETS),
-        help="; ".join(f"{k}: {v.help}" for k, v in PRESETS.items()).replace("%", "%%"),
-    )
-    for name, kind in (
-        ("layers", int),
-        ("hidden", int),
-        ("heads", int),
-        ("seq", int),
-        ("batch", int),
-        ("steps", int),
-        ("warmup", int),
-        ("repeats", int),
-        ("dropout", float),
-        ("seed", int),
-        ("min-offload-bytes", int),
-        ("check-seq", int),
-        ("spill-dir", str),
-    ):
-        p.add_argument(f"--{name}", type=kind)
-    p.add_argument("--dtype", choices=sorted(DTYPES))
-    p.add_argument("--device", choices=("cpu", "cuda"))
-    p.add_argument("--attention", choices=("sdpa", "math"))
-    p.add_argument(
-        "--deterministic",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="timed steps under torch.use_deterministic_algorithms(True, warn_only=True)",
-    )
-    p.add_argument(
-        "--check-grads",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="first-step gradients under strict determinism, compared with the reference's (default on)",
-    )
+    presets = "; ".join(f"{k}: {v.help}" for k, v in PRESETS.items())
+    p.add_argument("--preset", choices=sorted(PRESETS), help=presets.replace("%", "%%"))
+    hints = typing.get_type_hints(RunSettings)
+    for field in dataclasses.fields(RunSettings):  # a flag per setting; one not given stays None: the preset's
+        flag, text = "--" + field.name.replace("_", "-"), _FLAG_HELP.get(field.name)
+        if field.name in _CHOICES:
+            p.add_argument(flag, choices=_CHOICES[field.name], help=text)
+        elif hints[field.name] is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
+        else:  # the annotated type, Optional[int] read as int
+            kind = next(t for t in typing.get_args(hints[field.name]) or (hints[field.name],) if t is not type(None))
+            p.add_argument(flag, type=kind, help=text)
+    examples = ", ".join(v.name for v in PRESETS["tiny"].variants)
     p.add_argument(
         "--configs",
-        help="comma-separated configuration names, e.g. "
-        + ", ".join(v.name for v in PRESETS["tiny"].variants).replace("%", "%%")
-        + " (default: the preset's)",
+        help=f"comma-separated configuration names, e.g. {examples} (default: the preset's)".replace("%", "%%"),
     )
     p.add_argument("--compile", action="store_true", help="each configuration also with torch.compile'd blocks")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
@@ -210,12 +185,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> tuple[RunSettings, list[Variant]]:
-    preset = PRESETS["demo" if args.demo else args.preset] if (args.demo or args.preset) else None
+    preset = PRESETS.get("demo" if args.demo else args.preset)
     values = dict(preset.settings) if preset else {}
-    for field in dataclasses.fields(RunSettings):
-        given = getattr(args, field.name, None)
-        if given is not None:
-            values[field.name] = given
+    values |= {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(RunSettings) if getattr(args, f.name) is not None
+    }
     values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     values.setdefault("dtype", "bf16" if values["device"] == "cuda" else "fp32")
     run = RunSettings(**values)
@@ -227,11 +201,11 @@ def _settings(args: argparse.Namespace) -> tuple[RunSettings, list[Variant]]:
     if args.configs:
         variants = [parse_variant(n.strip()) for n in args.configs.split(",") if n.strip()]
     else:
-        variants = list(preset.variants if preset else PRESETS["demo"].variants)
+        variants = list((preset or PRESETS["demo"]).variants)
     if args.compile:
         variants = [w for v in variants for w in (v, dataclasses.replace(v, compiled=True)) if not v.compiled]
-    variants = list(dict.fromkeys(variants))
-    variants.sort(key=lambda v: v != REFERENCE)  # the reference runs first: it sizes the budgets
+    # The reference runs first: it sizes the budgets.
+    variants = sorted(dict.fromkeys(variants), key=lambda v: v != REFERENCE)
     return run, variants
 
 
