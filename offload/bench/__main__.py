@@ -1,8 +1,6 @@
 """``python -m offload.bench [--demo | --preset NAME] [...]``: the step benchmark (see ``offload.bench.step``)."""
 
-import sys
-
 from offload.bench.step import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -27,17 +27,17 @@ PREDICTION_TOLERANCE = 0.15  # the planner's predicted step time should be withi
 
 _BOUNDED_KINDS = (Kind.NONE.value, Kind.CHECKPOINT.value, Kind.ENGINE.value)
 """Kinds the cost-model bound covers (save_on_cpu and torchtune move bytes it does not count)."""
-_STAT_FIELDS = tuple(
-    "saved_bytes offloaded_bytes reloaded_bytes spilled_bytes recomputed_regions prefetch_hits prefetch_misses"
-    " reload_wait_ms evict_wait_ms d2h_busy_ms h2d_busy_ms".split()
+_STAT_FIELDS = (
+    *"saved_bytes offloaded_bytes reloaded_bytes spilled_bytes recomputed_regions prefetch_hits".split(),
+    *"prefetch_misses reload_wait_ms evict_wait_ms d2h_busy_ms h2d_busy_ms".split(),
 )
 """The engine's counters in each step record: metrics.csv columns, and medians in the rows (bytes as MB)."""
+_PEAKS = ("peak", "act_peak", "opt_peak")
+"""Memory peaks of each step record (``<peak>_bytes``), reported in MB (``<peak>_mb``)."""
 CSV_COLUMNS = (
-    tuple(
-        "config repeat step warmup loss loss_match step_ms fwd_bwd_ms opt_ms cpu_ms peak_mb act_peak_mb opt_peak_mb"
-        " budget_mb block_forward_ms resident_bytes peak_resident_bytes host_bytes".split()
-    )
-    + _STAT_FIELDS
+    *"config repeat step warmup loss loss_match step_ms fwd_bwd_ms opt_ms cpu_ms peak_mb act_peak_mb".split(),
+    *"opt_peak_mb budget_mb block_forward_ms resident_bytes peak_resident_bytes host_bytes".split(),
+    *_STAT_FIELDS,
 )
 """metrics.csv, one row per step, configuration and repeat. Engine columns are empty without an engine."""
 
@@ -123,7 +123,7 @@ def summarize(
                 "runs_step_ms": runs_ms,
                 "cpu_ms": median(s["cpu_ms"] for s in measured),
                 "opt_ms": median(s["opt_ms"] for s in measured),
-                **{f"{peak}_mb": _peak_mb(measured, f"{peak}_bytes") for peak in ("peak", "act_peak", "opt_peak")},
+                **{f"{peak}_mb": _peak_mb(measured, f"{peak}_bytes") for peak in _PEAKS},
                 "engine_peak_mb": _peak_mb(steps, "peak_resident_bytes", empty=0) if v.kind is Kind.ENGINE else None,
                 **{f.replace("_bytes", "_mb"): _mb(x) if f.endswith("_bytes") else x for f, x in stats.items()},
                 "losses_match": losses == reference if compared else None,
@@ -335,10 +335,16 @@ def _write_csv(path: Path, results: dict[str, list[dict]]) -> None:
                 compared = name != REFERENCE.name and s["step"] in reference
                 writer.writerow(
                     s
-                    | {f"{peak}_mb": round(s[f"{peak}_bytes"] / MB, 3) for peak in ("peak", "act_peak", "opt_peak")}
+                    | {f"{peak}_mb": round(s[f"{peak}_bytes"] / MB, 3) for peak in _PEAKS}
                     | {"warmup": int(s["warmup"]), "loss": repr(s["loss"])}
                     | {"loss_match": int(s["loss"] == reference[s["step"]]) if compared else ""}
                 )
+
+
+_ATOMICS_NOTE = (
+    "note: without --deterministic, CUDA backward kernels may use atomics; losses can differ "
+    "after step 0 (the step-0 gradient check is strict either way)"
+)
 
 
 @dataclasses.dataclass
@@ -402,13 +408,7 @@ class Report:
         if self.checked["verdicts"]:
             parts.append(records_table(_VERDICT_COLUMNS, self.checked["verdicts"], markdown=markdown))
         parts.append(LEGEND)
-        if (
-            self.run.device == "cuda"
-            and not self.run.deterministic
-            and any(r["losses_match"] is False for r in self.rows)
-        ):
-            parts.append(
-                "note: without --deterministic, CUDA backward kernels may use atomics; losses can differ "
-                "after step 0 (the step-0 gradient check is strict either way)"
-            )
+        nondeterministic = self.run.device == "cuda" and not self.run.deterministic
+        if nondeterministic and any(r["losses_match"] is False for r in self.rows):
+            parts.append(_ATOMICS_NOTE)
         return "\n\n".join(parts)

@@ -52,10 +52,13 @@ _STDERR_TAIL_CHARS = 4000  # how much of a crashed child's stderr its configurat
 
 Job = tuple[str, int]
 """One run of one configuration: (its name, the repeat)."""
+Emit = Callable[[dict], None]
+"""Where a job's records go: ``step`` and ``summary`` records (``loop.run_one``), or ``skipped`` or
+``error``, each tagged with its job's ``config`` and ``repeat``."""
 
 
-def _run_jobs(run: RunSettings, jobs: list[Job], activation_bytes: Optional[int], emit: Callable[[dict], None]) -> None:
-    """Run jobs in this process, passing every record, tagged with its job, to ``emit``."""
+def _run_jobs(run: RunSettings, jobs: list[Job], activation_bytes: Optional[int], emit: Emit) -> None:
+    """Run jobs in this process, one after another."""
     data = load_corpus()
     for name, repeat in jobs:
         tag = {"config": name, "repeat": repeat}
@@ -66,7 +69,7 @@ def _run_jobs(run: RunSettings, jobs: list[Job], activation_bytes: Optional[int]
         try:
             summary = loop.run_one(run, parse_variant(name), data, activation_bytes=activation_bytes, emit=emit_tagged)
         except loop.Skipped as reason:
-            emit({"type": "skipped", "reason": str(reason)} | tag)
+            emit({"type": "skipped", "skipped": str(reason)} | tag)
         except Exception as error:  # noqa: BLE001 - tabled as failed; the others still run
             emit({"type": "error", "error": f"{type(error).__name__}: {error}"} | tag)
             del error  # its traceback holds the failed configuration's model: free it before the next
@@ -76,9 +79,7 @@ def _run_jobs(run: RunSettings, jobs: list[Job], activation_bytes: Optional[int]
             emit(summary | tag)
 
 
-def _spawn(
-    run: RunSettings, job: Job, activation_bytes: Optional[int], emit: Callable[[dict], None]
-) -> tuple[int, str]:
+def _spawn(run: RunSettings, job: Job, activation_bytes: Optional[int], emit: Emit) -> tuple[int, str]:
     """Run one job in a fresh ``python -m offload.bench --one`` process; its exit code and stderr."""
     spec = {"run": dataclasses.asdict(run), "jobs": [job], "activation_bytes": activation_bytes}
     package_root = str(Path(offload.__file__).resolve().parents[1])  # works without an install too
@@ -122,7 +123,7 @@ def collect(
             result["summary"] = record
             activation_bytes = activation_bytes or record["activation_bytes"]
         else:
-            result[kind] = record["reason" if kind == "skipped" else "error"]
+            result[kind] = record[kind]
         print(f"bench: {record['config']} (repeat {record['repeat'] + 1}/{run.repeats}) {kind}", file=sys.stderr)
         on_done(results)
 
@@ -152,7 +153,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Train MiniGPT a few steps under each way of handling activations; "
         "compare time, memory, gradients.",
     )
-    p.add_argument("--demo", action="store_true", help="the short CPU demo (same as --preset demo)")
+    for flag, text in (
+        ("--demo", "the short CPU demo (same as --preset demo)"),
+        ("--compile", "each configuration also with torch.compile'd blocks"),
+        ("--in-process", "run every configuration in this process (CUDA always does; CPU peak RSS then carries over)"),
+        ("--no-progress", "accepted for compatibility: progress is one line per configuration"),
+    ):
+        p.add_argument(flag, action="store_true", help=text)
     presets = "; ".join(f"{k}: {v.help}" for k, v in PRESETS.items())
     p.add_argument("--preset", choices=sorted(PRESETS), help=presets.replace("%", "%%"))
     hints = typing.get_type_hints(RunSettings)
@@ -170,16 +177,7 @@ def _parser() -> argparse.ArgumentParser:
         "--configs",
         help=f"comma-separated configuration names, e.g. {examples} (default: the preset's)".replace("%", "%%"),
     )
-    p.add_argument("--compile", action="store_true", help="each configuration also with torch.compile'd blocks")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
-    p.add_argument(
-        "--in-process",
-        action="store_true",
-        help="run every configuration in this process (CUDA always does; CPU peak RSS then carries over)",
-    )
-    p.add_argument(
-        "--no-progress", action="store_true", help="accepted for compatibility: progress is one line per configuration"
-    )
     p.add_argument("--one", metavar="SPEC", help=argparse.SUPPRESS)  # internal: a child process
     return p
 
@@ -209,17 +207,17 @@ def _settings(args: argparse.Namespace) -> tuple[RunSettings, list[Variant]]:
     return run, variants
 
 
+def _to_parent(record: dict) -> None:
+    print(_JSON_PREFIX + json.dumps(record), flush=True)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the benchmark; returns 0, or 1 when a configuration failed (2 for bad arguments)."""
     args = _parser().parse_args(argv)
-    if args.one is not None:
+    if args.one is not None:  # a child process (``_spawn``): its records go to stdout, one JSON line each
         spec = json.loads(args.one)
-
-        def emit(record: dict) -> None:
-            sys.stdout.write(_JSON_PREFIX + json.dumps(record) + "\n")
-            sys.stdout.flush()
-
-        _run_jobs(RunSettings(**spec["run"]), [tuple(j) for j in spec["jobs"]], spec["activation_bytes"], emit)
+        jobs = [(name, repeat) for name, repeat in spec["jobs"]]
+        _run_jobs(RunSettings(**spec["run"]), jobs, spec["activation_bytes"], emit=_to_parent)
         return 0
     try:
         run, variants = _settings(args)
