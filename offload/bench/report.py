@@ -296,25 +296,20 @@ def plot(path: Path, rows: list[dict], results: dict, run: RunSettings) -> Optio
     memory = " (RSS + spill page cache)" if run.device == "cpu" else " (allocated)"
     left.set(xlabel="step time, ms (median)", ylabel="activation peak, MB" + memory)
     left.set_title("memory vs time per configuration")
-    traces = {
-        r["config"]: (r["budget_mb"], trace)
-        for r in rows
-        if r["kind"] == Kind.ENGINE.value
-        and r["budget_mb"] is not None
-        and (trace := (results[r["config"]][0]["summary"] or {}).get("trace"))
-    }
-    if traces:
-        smallest = min(budget_mb for budget_mb, _ in traces.values())
-        for name, (budget_mb, samples) in traces.items():
-            if budget_mb == smallest:
+    engine_rows = [r for r in rows if r["kind"] == Kind.ENGINE.value and r["budget_mb"] is not None]
+    traced = [(r, trace) for r in engine_rows if (trace := (results[r["config"]][0]["summary"] or {}).get("trace"))]
+    if traced:
+        smallest = min(r["budget_mb"] for r, _ in traced)
+        for r, samples in traced:
+            if r["budget_mb"] == smallest:
                 resident_mb = [(s["resident_bytes"] or 0) / MB for s in samples]
-                right.plot(range(len(samples)), resident_mb, marker="o", ms=3, label=name)
+                right.plot(range(len(samples)), resident_mb, marker="o", ms=3, label=r["config"])
                 right.set_xticks(range(len(samples)), [s["phase"] for s in samples], rotation=60, fontsize=7)
         right.axhline(smallest, color="gray", ls="--", lw=1, label=f"budget {smallest:.3g} MB")
         right.set(ylabel="engine resident bytes, MB", title="resident activations over the last step")
     else:
         right.set_axis_off()
-    for axes in (left, right) if traces else (left,):
+    for axes in (left, right) if traced else (left,):
         axes.legend(fontsize=8)
         axes.grid(alpha=0.3)
     fig.suptitle(

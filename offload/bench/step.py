@@ -232,12 +232,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if run.device == "cuda":  # read when cuBLAS initializes: before this process's first matmul
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", loop.CUBLAS_WORKSPACE_CONFIG)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     device = torch.device(run.device)
     machine = offload.probe(device)  # measured once, cached on disk: children read the cache
-    reporter = report.Report(out, run, variants, environment(device), machine)
+    reporter = report.Report(args.out, run, variants, environment(device), machine)
     print(f"offload.bench: {reporter.title()}; configurations: {', '.join(v.name for v in variants)}", file=sys.stderr)
     results = collect(run, variants, args.in_process, on_done=reporter.write)
     payload = reporter.write(results, wall_s=time.perf_counter() - started)
