@@ -112,6 +112,8 @@ def summarize(
         moved = [(stats["offloaded_bytes"], out_gbps), (stats["reloaded_bytes"], back_gbps)]
         losses, reference = [s["loss"] for s in runs[0]["steps"]], ref_losses[v.compiled]
         compared = v.kind is not Kind.NONE and reference and len(losses) == len(reference)
+        loss_diffs = [abs(a - b) for a, b in zip(losses, reference, strict=False)]
+        regions = (summary.get("plan") or {}).get("regions", [])
         ran = any(r["steps"] or r["summary"] or r["error"] for r in runs)
         rows.append(
             {
@@ -127,14 +129,11 @@ def summarize(
                 "engine_peak_mb": _peak_mb(steps, "peak_resident_bytes", empty=0) if v.kind is Kind.ENGINE else None,
                 **{f.replace("_bytes", "_mb"): _mb(x) if f.endswith("_bytes") else x for f, x in stats.items()},
                 "losses_match": losses == reference if compared else None,
-                "max_loss_diff": None
-                if v.kind is Kind.NONE
-                else max((abs(a - b) for a, b in zip(losses, reference, strict=False)), default=None),
+                "max_loss_diff": None if v.kind is Kind.NONE else max(loss_diffs, default=None),
                 "grads": "ref" if v == REFERENCE else _grads_verdict(summary.get("grad_check"), ref_grads),
                 "runs_predicted_ms": runs_predicted_ms,
                 "predicted_ms": median(runs_predicted_ms),
-                "decisions": "".join(r["decision"][0].upper() for r in (summary.get("plan") or {}).get("regions", []))
-                or None,
+                "decisions": "".join(region["decision"][0].upper() for region in regions) or None,
                 "error": next((r["error"] for r in runs if r["error"]), None),
                 "skipped": next((r["skipped"] for r in runs if r["skipped"]), None if ran else "not run (yet)"),
                 "exposed_wait_ms": None if reload_ms is None else reload_ms + (evict_ms or 0.0),

@@ -185,9 +185,8 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> tuple[RunSettings, list[Variant]]:
     preset = PRESETS.get("demo" if args.demo else args.preset)
     values = dict(preset.settings) if preset else {}
-    values |= {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(RunSettings) if getattr(args, f.name) is not None
-    }
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunSettings)}
+    values |= {name: value for name, value in given.items() if value is not None}
     values.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     values.setdefault("dtype", "bf16" if values["device"] == "cuda" else "fp32")
     run = RunSettings(**values)
@@ -196,10 +195,8 @@ def _settings(args: argparse.Namespace) -> tuple[RunSettings, list[Variant]]:
         raise ValueError(
             f"--steps and --repeats must be >= 1 and --warmup >= 0, got {run.steps}, {run.repeats}, {run.warmup}"
         )
-    if args.configs:
-        variants = [parse_variant(n.strip()) for n in args.configs.split(",") if n.strip()]
-    else:
-        variants = list((preset or PRESETS["demo"]).variants)
+    names = [name.strip() for name in (args.configs or "").split(",") if name.strip()]
+    variants = [parse_variant(name) for name in names] if names else list((preset or PRESETS["demo"]).variants)
     if args.compile:
         variants = [w for v in variants for w in (v, dataclasses.replace(v, compiled=True)) if not v.compiled]
     # The reference runs first: it sizes the budgets.
