@@ -57,31 +57,27 @@ Emit = Callable[[dict], None]
 ``error``, each tagged with its job's ``config`` and ``repeat``."""
 
 
-def _run_jobs(run: RunSettings, jobs: list[Job], activation_bytes: Optional[int], emit: Emit) -> None:
-    """Run jobs in this process, one after another."""
-    data = load_corpus()
-    for name, repeat in jobs:
-        tag = {"config": name, "repeat": repeat}
-
-        def emit_tagged(record: dict, tag: dict = tag) -> None:
-            emit(record | tag)
-
-        try:
-            summary = loop.run_one(run, parse_variant(name), data, activation_bytes=activation_bytes, emit=emit_tagged)
-        except loop.Skipped as reason:
-            emit({"type": "skipped", "skipped": str(reason)} | tag)
-        except Exception as error:  # noqa: BLE001 - tabled as failed; the others still run
-            emit({"type": "error", "error": f"{type(error).__name__}: {error}"} | tag)
-            del error  # its traceback holds the failed configuration's model: free it before the next
-            gc.collect()
-        else:
-            activation_bytes = activation_bytes or summary["activation_bytes"]
-            emit(summary | tag)
+def _run_job(run: RunSettings, job: Job, data: torch.Tensor, activation_bytes: Optional[int], emit: Emit) -> None:
+    """Run one job in this process."""
+    name, repeat = job
+    tag = {"config": name, "repeat": repeat}
+    try:
+        summary = loop.run_one(
+            run, parse_variant(name), data, activation_bytes=activation_bytes, emit=lambda record: emit(record | tag)
+        )
+    except loop.Skipped as reason:
+        emit({"type": "skipped", "skipped": str(reason)} | tag)
+    except Exception as error:  # noqa: BLE001 - tabled as failed; the others still run
+        emit({"type": "error", "error": f"{type(error).__name__}: {error}"} | tag)
+        del error  # its traceback holds the failed configuration's model: free it before the next
+        gc.collect()
+    else:
+        emit(summary | tag)
 
 
 def _spawn(run: RunSettings, job: Job, activation_bytes: Optional[int], emit: Emit) -> tuple[int, str]:
     """Run one job in a fresh ``python -m offload.bench --one`` process; its exit code and stderr."""
-    spec = {"run": dataclasses.asdict(run), "jobs": [job], "activation_bytes": activation_bytes}
+    spec = {"run": dataclasses.asdict(run), "job": job, "activation_bytes": activation_bytes}
     package_root = str(Path(offload.__file__).resolve().parents[1])  # works without an install too
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD_BYTES))
@@ -128,7 +124,9 @@ def collect(
         on_done(results)
 
     if in_process or run.device != "cpu":
-        _run_jobs(run, jobs, None, emit)
+        data = load_corpus()
+        for job in jobs:
+            _run_job(run, job, data, activation_bytes, emit)
         return results
     for name, repeat in jobs:  # CPU: a fresh process per configuration (peak RSS must not inherit another's heap)
         code, stderr = _spawn(run, (name, repeat), activation_bytes, emit)
@@ -213,8 +211,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.one is not None:  # a child process (``_spawn``): its records go to stdout, one JSON line each
         spec = json.loads(args.one)
-        jobs = [(name, repeat) for name, repeat in spec["jobs"]]
-        _run_jobs(RunSettings(**spec["run"]), jobs, spec["activation_bytes"], emit=_to_parent)
+        name, repeat = spec["job"]
+        _run_job(RunSettings(**spec["run"]), (name, repeat), load_corpus(), spec["activation_bytes"], _to_parent)
         return 0
     try:
         run, variants = _settings(args)
