@@ -24,10 +24,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, get_args, get_type_hints
 
 import torch
 
@@ -151,25 +150,25 @@ def _parser() -> argparse.ArgumentParser:
         description="Train MiniGPT a few steps under each way of handling activations; "
         "compare time, memory, gradients.",
     )
-    for flag, text in (
+    for switch, switch_help in (
         ("--demo", "the short CPU demo (same as --preset demo)"),
         ("--compile", "each configuration also with torch.compile'd blocks"),
         ("--in-process", "run every configuration in this process (CUDA always does; CPU peak RSS then carries over)"),
         ("--no-progress", "accepted for compatibility: progress is one line per configuration"),
     ):
-        p.add_argument(flag, action="store_true", help=text)
+        p.add_argument(switch, action="store_true", help=switch_help)
     presets = "; ".join(f"{k}: {v.help}" for k, v in PRESETS.items())
     p.add_argument("--preset", choices=sorted(PRESETS), help=presets.replace("%", "%%"))
-    hints = typing.get_type_hints(RunSettings)
+    hints = get_type_hints(RunSettings)
     for field in dataclasses.fields(RunSettings):  # a flag per setting; one not given stays None: the preset's
-        flag, text = "--" + field.name.replace("_", "-"), _FLAG_HELP.get(field.name)
+        flag, flag_help = "--" + field.name.replace("_", "-"), _FLAG_HELP.get(field.name)
         if field.name in _CHOICES:
-            p.add_argument(flag, choices=_CHOICES[field.name], help=text)
+            p.add_argument(flag, choices=_CHOICES[field.name], help=flag_help)
         elif hints[field.name] is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=flag_help)
         else:  # the annotated type, Optional[int] read as int
-            kind = next(t for t in typing.get_args(hints[field.name]) or (hints[field.name],) if t is not type(None))
-            p.add_argument(flag, type=kind, help=text)
+            kind = next(t for t in get_args(hints[field.name]) or (hints[field.name],) if t is not type(None))
+            p.add_argument(flag, type=kind, help=flag_help)
     examples = ", ".join(v.name for v in PRESETS["tiny"].variants)
     p.add_argument(
         "--configs",
