@@ -109,7 +109,9 @@ class Memory:
     def current(self) -> int:
         if self.cuda:
             return torch.cuda.memory_allocated(self.device)
-        return _proc_status_bytes("VmRSS") + ((cached_bytes_under(self.spill_dir) or 0) if self.spill_dir else 0)
+        # The page cache first: reading it allocates, and a window's base must count that.
+        cache = (cached_bytes_under(self.spill_dir) or 0) if self.spill_dir else 0
+        return _proc_status_bytes("VmRSS") + cache
 
 
 def _reset_hwm() -> bool:
