@@ -116,8 +116,8 @@ class RunSettings:
     steps: int = 3
     """Measured (timed) steps per configuration."""
     warmup: int = 3
-    """Steps trained and recorded first, not timed: policy "auto" profiles on up to three
-    (offload._regions); a step that still profiles after these is not timed either."""
+    """Steps trained first and recorded, but not timed: the engine's regions profile on up to three
+    (policy "auto"; see offload._regions). A step that still profiles after these is not timed either."""
     repeats: int = 1
     """Times every configuration runs, the order rotated each time; figures are medians over them."""
     dtype: str = "fp32"
@@ -132,14 +132,14 @@ class RunSettings:
     """Timed steps under ``torch.use_deterministic_algorithms(True, warn_only=True)``: on CUDA the
     losses of later steps then compare too. The first-step gradient check is always strict."""
     check_grads: bool = True
-    """First, one step under strict determinism and math attention whose gradients are compared
-    with the reference's (``loop._grad_check``)."""
+    """Before training, one step under strict determinism with math attention whose gradients are
+    compared with the reference's (see ``loop._grad_check``)."""
     check_seq: Optional[int] = None
-    """The gradient check's sequence length (None: ``seq``): math attention holds the whole
-    seq x seq score matrix per head, so the h200 preset checks on shorter rows of the same model."""
+    """Sequence length of the gradient check's batch (None: ``seq``). Math attention keeps the whole
+    seq x seq score matrix per head, so the h200 preset checks on a shorter batch of the same model."""
     spill_dir: Optional[str] = None
-    """Parent of the engine's spill directory (None: the system's temporary one). The harness owns
-    the directory either way, so the page cache its files hold is counted as memory."""
+    """Parent of the engine's spill directory; None: a private temporary one per configuration.
+    Either way the harness owns it, so the page cache its files hold is counted as memory."""
 
     @property
     def total_steps(self) -> int:
