@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.bench.config import DTYPES, MB, PROBED_POLICIES, Kind, RunSettings, Variant
-from offload.bench.measure import Memory, resolve_device, sync
+from offload.bench.measure import Memory, resolve_device, window
 from offload.models import MiniGPT, batches
 
 __all__ = ["CUBLAS_WORKSPACE_CONFIG", "Skipped", "Trainer", "grad_checksums", "run_one"]
@@ -119,25 +119,6 @@ class BlockHooks:
         return sum(start.elapsed_time(end) if self.cuda else (end - start) * 1e3 for start, end in spans)
 
 
-@contextlib.contextmanager
-def _window(device: torch.device, memory: Optional[Memory]) -> Iterator[dict]:
-    """One timed window of a step. The dict it yields holds on exit ``ms`` (wall time, less the page
-    cache sampling in it), ``cpu_ms`` and, given ``memory``, ``peak`` and ``rise`` (the peak less the
-    memory in use at the start)."""
-    sync(device)
-    if memory is not None:
-        memory.reset()
-    base = 0 if memory is None else memory.current()
-    figures: dict = {}
-    cpu_start, start = time.process_time(), time.perf_counter()
-    yield figures
-    sync(device)
-    figures["ms"] = (time.perf_counter() - start) * 1e3 - (0 if memory is None else memory.sample_ms)
-    figures["cpu_ms"] = (time.process_time() - cpu_start) * 1e3
-    if memory is not None:
-        figures.update(peak=memory.peak(), rise=memory.peak() - base)
-
-
 class Trainer:
     """MiniGPT, AdamW and the batch stream for one configuration; ``step`` trains one step."""
 
@@ -167,7 +148,7 @@ class Trainer:
         if self.hooks is not None:
             self.hooks.memory = memory  # sampled by the hooks during this step only
         sample_cache = (lambda: None) if memory is None else memory.sample_cache
-        with _window(self.device, memory) as fwd_bwd:
+        with window(self.device, memory) as fwd_bwd:
             with context():
                 _, loss = self.model(x, y)
             sample_cache()
@@ -175,7 +156,7 @@ class Trainer:
             sample_cache()
         if self.hooks is not None:
             self.hooks.memory = None
-        with _window(self.device, memory) as opt:
+        with window(self.device, memory) as opt:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         record = dict(loss=loss.item(), fwd_bwd_ms=fwd_bwd["ms"], opt_ms=opt["ms"], step_ms=fwd_bwd["ms"] + opt["ms"])

@@ -1,12 +1,13 @@
 """How the benchmarks measure (memory, time, the machine) and write what they measured, so each
 figure means one thing in ``offload.bench`` and ``bench/`` alike: ``Memory`` (peak of a window),
-``sync`` and ``timed`` (synchronize before reading the clock; interleave the variants compared),
-``environment`` (what a committed result must name), ``table`` and ``records_table`` (the one
-table printer), ``write_text`` / ``write_json`` (whole or not at all).
+``sync``, ``window`` and ``timed`` (synchronize before reading the clock; interleave the variants
+compared), ``environment`` (what a committed result must name), ``table`` and ``records_table``
+(the one table printer), ``write_text`` / ``write_json`` (whole or not at all).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import json
@@ -20,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -29,7 +30,7 @@ from offload._pagecache import cached_bytes_under
 from offload._probe import cpu_model
 
 __all__ = "THREADS_ENV Column Memory describe_machine environment median records_table resolve_device".split()
-__all__ += "set_threads sync table timed write_json write_text".split()
+__all__ += "set_threads sync table timed window write_json write_text".split()
 
 THREADS_ENV = "OFFLOAD_BENCH_THREADS"  # torch intra-op threads of bench/'s scripts (default: torch's choice)
 
@@ -131,24 +132,41 @@ def _proc_status_bytes(field: str) -> int:
     return int(match.group(1)) * 1024 if match else 0
 
 
+@contextlib.contextmanager
+def window(device: torch.device, memory: Optional[Memory] = None) -> Iterator[dict]:
+    """A measured window between device synchronizations. The dict it yields holds on exit ``ms``
+    (wall time, less the page-cache sampling of ``memory`` in it), ``cpu_ms`` (process CPU time:
+    the window's cost when other tenants steal the wall clock; it misses disk and device waits) and,
+    given ``memory``, ``peak`` and ``rise`` (the peak less the memory in use at the start)."""
+    sync(device)
+    if memory is not None:
+        memory.reset()
+    base = 0 if memory is None else memory.current()
+    figures: dict = {}
+    cpu_start, start = time.process_time(), time.perf_counter()
+    yield figures
+    sync(device)
+    figures["ms"] = (time.perf_counter() - start) * 1e3 - (0 if memory is None else memory.sample_ms)
+    figures["cpu_ms"] = (time.process_time() - cpu_start) * 1e3
+    if memory is not None:
+        figures.update(peak=memory.peak(), rise=memory.peak() - base)
+
+
 Times = dict[str, list[float]]  # per name, one figure per call
 
 
 def timed(fns: dict[str, Callable[[], None]], *, rounds: int, warmup: int, device: torch.device) -> tuple[Times, Times]:
     """Time each function ``rounds`` times, interleaved (A B C A B C ...), after ``warmup`` rounds,
-    each call between device synchronizations: (wall ms, process CPU ms) per call, per name. CPU
-    time is what a call costs when other tenants steal the wall clock (it misses disk and device waits)."""
+    each call a ``window``: (wall ms, process CPU ms) per call, per name."""
     wall: Times = {name: [] for name in fns}
     cpu: Times = {name: [] for name in fns}
     for round_index in range(warmup + rounds):
         for name, fn in fns.items():
-            sync(device)
-            cpu_start, start = time.process_time(), time.perf_counter()
-            fn()
-            sync(device)
+            with window(device) as figures:
+                fn()
             if round_index >= warmup:
-                wall[name].append((time.perf_counter() - start) * 1e3)
-                cpu[name].append((time.process_time() - cpu_start) * 1e3)
+                wall[name].append(figures["ms"])
+                cpu[name].append(figures["cpu_ms"])
     return wall, cpu
 
 
