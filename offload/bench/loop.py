@@ -109,9 +109,8 @@ class BlockHooks:
     def _sample(self, phase: str, index: int) -> None:
         if self.trace is not None and self.memory is not None:
             resident = None if self.engine is None else self.engine.stats.resident_bytes
-            self.trace.append(
-                {"phase": f"{phase}{index}", "resident_bytes": resident, "memory_bytes": self.memory.current()}
-            )
+            sample = {"phase": f"{phase}{index}", "resident_bytes": resident, "memory_bytes": self.memory.current()}
+            self.trace.append(sample)
 
     def forward_ms(self) -> float:
         """Sum of the blocks' forward times since the last call (call after a device synchronization)."""
