@@ -20,18 +20,7 @@ import torch
 import offload
 from offload.models import GPTConfig
 
-__all__ = [
-    "DTYPES",
-    "MB",
-    "PRESETS",
-    "REFERENCE",
-    "Kind",
-    "Preset",
-    "RunSettings",
-    "Variant",
-    "engine_variants",
-    "parse_variant",
-]
+__all__ = "DTYPES MB PRESETS REFERENCE Kind Preset RunSettings Variant engine_variants parse_variant".split()
 
 MB = 1 << 20  # bytes per MB, as offload.engine(budget_mb=...) counts them
 
@@ -144,7 +133,7 @@ class RunSettings:
     losses of later steps then compare too. The first-step gradient check is always strict."""
     check_grads: bool = True
     """Before training, one step under strict determinism with math attention whose gradients are
-    compared with the reference's (see ``loop.grad_check``)."""
+    compared with the reference's (see ``loop._grad_check``)."""
     check_seq: Optional[int] = None
     """Sequence length of the gradient check's batch (None: ``seq``). Math attention keeps the whole
     seq x seq score matrix per head, so the h200 preset checks on a shorter batch of the same model."""
@@ -169,7 +158,8 @@ class RunSettings:
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """A named starting point: settings (overridable flag by flag) and the configurations to run."""
+    """A named starting point: settings (``RunSettings`` fields over its defaults, each overridable
+    by its flag) and the configurations to run."""
 
     settings: dict
     variants: tuple[Variant, ...]
@@ -180,61 +170,27 @@ _BASELINES = (REFERENCE, Variant(Kind.CHECKPOINT), Variant(Kind.SAVE_ON_CPU))
 _COMPARISON = _BASELINES + engine_variants() + (Variant(Kind.TORCHTUNE),)
 
 PRESETS: dict[str, Preset] = {
+    # "math" attention: the CPU's fused SDPA kernel with dropout gave losses differing at 1e-6 between
+    # processes even with no engine at all, hiding whether the engine is exact.
     "demo": Preset(
-        # The "math" attention path: the CPU's fused SDPA kernel with dropout gave losses differing
-        # at 1e-6 between processes even with no engine at all, hiding whether the engine is exact.
-        dict(
-            layers=4,
-            hidden=256,
-            heads=4,
-            seq=256,
-            batch=4,
-            steps=3,
-            warmup=3,
-            dtype="fp32",
-            device="cpu",
-            attention="math",
-        ),
+        dict(layers=4, hidden=256, heads=4, seq=256, batch=4, steps=3, dtype="fp32", device="cpu", attention="math"),
         _BASELINES + tuple(Variant(Kind.ENGINE, policy, 0.25) for policy in ("offload", "selective", "auto")),
         "CPU, six configurations of MiniGPT 4 x 256",
     ),
+    # ~1.6B parameters (8 x 200M): estimated (not yet measured) ~75 ms of compute per step on an H200, so the ~18
+    # configurations x (grad check + 3 + 2 steps) should take about a minute (gpu_check gives it 110 s).
     "h200": Preset(
-        # ~1.6B parameters (8 x 200M): estimated (not yet measured) ~75 ms of compute per step on an H200, so the ~18
-        # configurations x (grad check + 3 + 2 steps) should take about a minute (gpu_check gives it 110 s).
-        dict(
-            layers=8,
-            hidden=4096,
-            heads=32,
-            seq=4096,
-            batch=1,
-            steps=2,
-            warmup=3,
-            dtype="bf16",
-            device="cuda",
-            attention="sdpa",
-            check_seq=1024,
-        ),
+        dict(layers=8, hidden=4096, heads=32, seq=4096, batch=1, steps=2, dtype="bf16", device="cuda", check_seq=1024),
         _COMPARISON,
         "a 7B-class layer shape (h=4096, s=4096) x 8 blocks in bf16 on one large GPU, every configuration",
     ),
     "tiny": Preset(
-        dict(
-            layers=3,
-            hidden=32,
-            heads=2,
-            seq=16,
-            batch=2,
-            steps=1,
-            warmup=3,
-            dtype="fp32",
-            device="cpu",
-            min_offload_bytes=0,
-        ),
+        dict(layers=3, hidden=32, heads=2, seq=16, batch=2, steps=1, dtype="fp32", device="cpu", min_offload_bytes=0),
         _COMPARISON,
         "the h200 configurations at a tiny shape: every code path of the GPU run, in under a minute (CPU or CUDA)",
     ),
     "sweep": Preset(
-        dict(layers=6, hidden=256, heads=4, seq=256, batch=8, steps=4, warmup=3, dtype="fp32", device="cpu"),
+        dict(layers=6, hidden=256, heads=4, seq=256, batch=8, steps=4, dtype="fp32", device="cpu"),
         (REFERENCE, Variant(Kind.ENGINE, "none")) + engine_variants(),
         "CPU budget sweep: every policy at 100/50/25/10 %, auto judged against the best fixed policy",
     ),

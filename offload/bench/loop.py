@@ -22,7 +22,6 @@ import functools
 import gc
 import importlib
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.bench.config import DTYPES, MB, PROBED_POLICIES, Kind, RunSettings, Variant
-from offload.bench.measure import Memory, resolve_device, sync
+from offload.bench.measure import Memory, resolve_device, window
 from offload.models import MiniGPT, batches
 
 __all__ = ["CUBLAS_WORKSPACE_CONFIG", "Skipped", "Trainer", "grad_checksums", "run_one"]
@@ -48,6 +47,10 @@ when cuBLAS initializes, so the parent sets it for its children)."""
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a gradient's bits, summed
 CHECK_SEED_OFFSET = 7  # the gradient check's batch comes from its own stream (seed + this)
+
+
+Context = Callable[[], contextlib.AbstractContextManager]
+"""What a configuration trains under: a factory of the context manager each step enters."""
 
 
 class Skipped(Exception):
@@ -63,30 +66,25 @@ def _torchtune_offload() -> type:
 
 
 class BlockHooks:
-    """Hooks on every block of an eager model (compiled code runs no Python hooks): each block's
-    forward time while ``timing``; engine-resident bytes and memory in use after each block's
-    forward and backward over the step after ``start_trace`` (the plot); and ``on_last_backward``
+    """Hooks on every block of an eager model (compiled code runs no Python hooks): while ``timing``,
+    each block's forward time; while ``trace`` is a list, ``engine``'s resident bytes and the memory
+    in use after each block's forward and backward (the plot); and a page-cache sample of ``memory``
     as the last block's backward starts, when the spill files hold the most they will this step."""
 
-    def __init__(self, blocks: torch.nn.ModuleList, device: torch.device, on_last_backward: Callable[[], None]) -> None:
-        self.cuda, self.last, self.on_last_backward = device.type == "cuda", len(blocks) - 1, on_last_backward
+    def __init__(self, blocks: torch.nn.ModuleList, device: torch.device) -> None:
+        self.cuda, self.last = device.type == "cuda", len(blocks) - 1
         self.timing = False
-        self.marks: list[list] = []
         self.trace: Optional[list[dict]] = None
-        self._engine: Optional[offload.Engine] = None
-        self._memory: Optional[Memory] = None
+        self.engine: Optional[offload.Engine] = None
+        self.memory: Optional[Memory] = None  # set by Trainer.step for the step
+        self._spans: list[tuple[Any, Any]] = []
+        self._started: Any = None
         for index, block in enumerate(blocks):
             block.register_forward_pre_hook(self._start)
             block.register_forward_hook(functools.partial(self._end, index))
 
-    def start_trace(self, engine: Optional[offload.Engine], memory: Memory) -> None:
-        self.trace, self._engine, self._memory = [], engine, memory
-
-    def stop_trace(self) -> list[dict]:
-        trace, self.trace = self.trace or [], None
-        return trace
-
-    def _now(self):
+    def _now(self) -> Any:
+        """The host clock, or on CUDA an event recorded now (read after a synchronization)."""
         if not self.cuda:
             return time.perf_counter()
         (event := torch.cuda.Event(enable_timing=True)).record()
@@ -94,102 +92,77 @@ class BlockHooks:
 
     def _start(self, module: torch.nn.Module, args: tuple) -> None:
         if self.timing:
-            self.marks.append([self._now(), None])
-
-    def _sample(self, phase: str) -> None:
-        assert self.trace is not None and self._memory is not None, "sampled only between start_trace and stop_trace"
-        resident = None if self._engine is None else self._engine.stats.resident_bytes
-        self.trace.append({"phase": phase, "resident_bytes": resident, "memory_bytes": self._memory.current()})
+            self._started = self._now()
 
     def _end(self, index: int, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self.timing:
-            self.marks[-1][1] = self._now()
-        if self.trace is not None:
-            self._sample(f"fwd{index}")
-        if not (isinstance(output, torch.Tensor) and output.requires_grad):
-            return
-        if index == self.last:
-            output.register_hook(lambda grad: self.on_last_backward())
-        if self.trace is not None:
-            output.register_hook(lambda grad: self._sample(f"bwd{index}"))
+            self._spans.append((self._started, self._now()))
+        self._sample("fwd", index)
+        if isinstance(output, torch.Tensor) and output.requires_grad and (index == self.last or self.trace is not None):
+            output.register_hook(lambda grad: self._backward(index))
+
+    def _backward(self, index: int) -> None:
+        if index == self.last and self.memory is not None:
+            self.memory.sample_cache()
+        self._sample("bwd", index)
+
+    def _sample(self, phase: str, index: int) -> None:
+        if self.trace is not None and self.memory is not None:
+            resident = None if self.engine is None else self.engine.stats.resident_bytes
+            sample = {"phase": f"{phase}{index}", "resident_bytes": resident, "memory_bytes": self.memory.current()}
+            self.trace.append(sample)
 
     def forward_ms(self) -> float:
-        """Sum over the blocks of the last step (call after a device synchronization); then clear."""
-        marks, self.marks = [m for m in self.marks if m[1] is not None], []
-        return sum(s.elapsed_time(e) if self.cuda else (e - s) * 1e3 for s, e in marks)
+        """Sum of the blocks' forward times since the last call (call after a device synchronization)."""
+        spans, self._spans = self._spans, []
+        return sum(start.elapsed_time(end) if self.cuda else (end - start) * 1e3 for start, end in spans)
 
 
 class Trainer:
     """MiniGPT, AdamW and the batch stream for one configuration; ``step`` trains one step."""
 
     def __init__(self, run: RunSettings, variant: Variant, data: torch.Tensor, device: torch.device) -> None:
-        self.run, self.variant, self.device = run, variant, device
+        self.run, self.variant, self.data, self.device, self.steps = run, variant, data, device, 0
         torch.manual_seed(run.seed)
         with torch.device(device):
-            self.model = MiniGPT(run.gpt_config())
-        self.model = self.model.to(DTYPES[run.dtype]).train()
+            self.model = MiniGPT(run.gpt_config()).to(DTYPES[run.dtype]).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
-        self.data = data
         self.stream = batches(data, run.batch, run.seq, torch.Generator().manual_seed(run.seed))
-        self._memory: Optional[Memory] = None
-        self._paused_s = 0.0
-        self.hooks = None if variant.compiled else BlockHooks(self.model.blocks, device, self._sample_cache)
+        self.hooks = None if variant.compiled else BlockHooks(self.model.blocks, device)
         for block in self.model.blocks:
             if variant.kind is Kind.CHECKPOINT:
                 block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
             if variant.compiled:
                 block.compile()
-        self.steps = 0
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = next(self.stream)
         return x.to(self.device), y.to(self.device)
 
-    def step(
-        self,
-        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-        memory: Optional[Memory] = None,
-    ) -> dict:
+    def step(self, context: Context = contextlib.nullcontext, memory: Optional[Memory] = None) -> dict:
         """One training step under ``context()``: its times, loss and (given ``memory``) memory."""
         x, y = self.batch()
         torch.manual_seed(self.run.seed + 1 + self.steps)  # same dropout masks in every configuration
         self.steps += 1
-        self._memory, self._paused_s = memory, 0.0
-        sync(self.device)
+        if self.hooks is not None:
+            self.hooks.memory = memory  # sampled by the hooks during this step only
+        sample_cache = (lambda: None) if memory is None else memory.sample_cache
+        with window(self.device, memory) as fwd_bwd:
+            with context():
+                _, loss = self.model(x, y)
+            sample_cache()
+            loss.backward()
+            sample_cache()
+        if self.hooks is not None:
+            self.hooks.memory = None
+        with window(self.device, memory) as opt:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        record = dict(loss=loss.item(), fwd_bwd_ms=fwd_bwd["ms"], opt_ms=opt["ms"], step_ms=fwd_bwd["ms"] + opt["ms"])
+        record["cpu_ms"] = fwd_bwd["cpu_ms"] + opt["cpu_ms"]
         if memory is not None:
-            memory.reset()
-        base = memory.current() if memory is not None else 0
-        cpu0, start = time.process_time(), time.perf_counter()
-        with context():
-            _, loss = self.model(x, y)
-        self._sample_cache()
-        loss.backward()
-        self._sample_cache()
-        sync(self.device)
-        fwd_bwd_ms = (time.perf_counter() - start - self._paused_s) * 1e3
-        cpu_ms = (time.process_time() - cpu0) * 1e3
-        record = {"loss": loss.item(), "fwd_bwd_ms": fwd_bwd_ms}
-        if memory is not None:
-            record.update(peak_bytes=memory.peak(), act_peak_bytes=memory.peak() - base)
-            memory.reset()
-            base = memory.current()
-        cpu0, start = time.process_time(), time.perf_counter()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        sync(self.device)
-        opt_ms = (time.perf_counter() - start) * 1e3
-        record.update(opt_ms=opt_ms, step_ms=fwd_bwd_ms + opt_ms, cpu_ms=cpu_ms + (time.process_time() - cpu0) * 1e3)
-        if memory is not None:
-            record["opt_peak_bytes"] = memory.peak() - base
-        self._memory = None
+            record.update(peak_bytes=fwd_bwd["peak"], act_peak_bytes=fwd_bwd["rise"], opt_peak_bytes=opt["rise"])
         return record
-
-    def _sample_cache(self) -> None:
-        """Sample the spill page cache (``Memory.sample_cache``), its time kept out of the step's."""
-        if self._memory is not None:
-            start = time.perf_counter()
-            self._memory.sample_cache()
-            self._paused_s += time.perf_counter() - start
 
     def saved_bytes(self, engine_kwargs: dict) -> int:
         """Bytes of distinct saved storages one step leaves for backward (an engine that only counts)."""
@@ -205,15 +178,14 @@ class Trainer:
 def grad_checksums(model: torch.nn.Module) -> dict[str, Optional[list]]:
     """Per parameter: [sum of the gradient's bit patterns as int64, its norm in float64]. Two
     gradients with equal checksums are equal bit for bit but for a vanishing chance of collision."""
-    out: dict[str, Optional[list]] = {}
-    for name, p in model.named_parameters():
-        g = None if p.grad is None else p.grad.detach().contiguous()
-        out[name] = (
-            None
-            if g is None
-            else [int(torch.sum(g.view(_INT_OF_SIZE[g.element_size()]), dtype=torch.int64)), float(g.double().norm())]
-        )
-    return out
+    checksums: dict[str, Optional[list]] = {}
+    for name, param in model.named_parameters():
+        if (grad := param.grad) is None:
+            checksums[name] = None
+        else:
+            bits = grad.detach().contiguous().view(_INT_OF_SIZE[grad.element_size()])
+            checksums[name] = [int(bits.sum(dtype=torch.int64)), float(grad.double().norm())]
+    return checksums
 
 
 @contextlib.contextmanager
@@ -222,40 +194,33 @@ def _determinism(strict: bool) -> Iterator[None]:
     (what ``torch.use_deterministic_algorithms(True)`` does). Else: deterministic kernels where
     torch has them, a warning elsewhere, and no NaN-filling (it would skew the timings)."""
     # fill_uninitialized_memory is a property of the class torch gives this module; stubs do not see it.
-    saved = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        deterministic_flags.fill_uninitialized_memory,  # type: ignore[attr-defined]  # see above
-    )
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = deterministic_flags.fill_uninitialized_memory  # type: ignore[attr-defined]  # see above
     torch.use_deterministic_algorithms(True, warn_only=not strict)
     deterministic_flags.fill_uninitialized_memory = strict  # type: ignore[attr-defined]  # see above
     try:
         with sdpa_kernel(SDPBackend.MATH) if strict else contextlib.nullcontext():
             yield
     finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-        deterministic_flags.fill_uninitialized_memory = saved[2]  # type: ignore[attr-defined]  # see above
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        deterministic_flags.fill_uninitialized_memory = fill  # type: ignore[attr-defined]  # see above
 
 
 def _make_context(
     trainer: Trainer, budget_mb: Optional[float], engine_kwargs: dict, machine: Optional[offload.MachineProfile]
-) -> tuple[Callable[[], Any], Optional[offload.Engine]]:
+) -> tuple[Context, Optional[offload.Engine]]:
     """(context factory, engine or None) for the trainer's configuration."""
-    variant, device = trainer.variant, trainer.device
-    if variant.kind is Kind.SAVE_ON_CPU:
-        return functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=device.type == "cuda"), None
-    if variant.kind is Kind.TORCHTUNE:
+    kind, model = trainer.variant.kind, trainer.model
+    if kind is Kind.SAVE_ON_CPU:
+        return functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=trainer.device.type == "cuda"), None
+    if kind is Kind.TORCHTUNE:
         hooks = _torchtune_offload()()  # one instance, reused every step as torchtune does
         return (lambda: hooks), None
-    if variant.kind is not Kind.ENGINE:
+    if kind is not Kind.ENGINE:
         return contextlib.nullcontext, None
     engine = offload.engine(
-        budget_mb,
-        policy=variant.policy,
-        regions=trainer.model.blocks,
-        model=trainer.model,
-        machine=machine,
-        **engine_kwargs,
+        budget_mb, policy=trainer.variant.policy, regions=model.blocks, model=model, machine=machine, **engine_kwargs
     )
     return (lambda: engine), engine
 
@@ -274,22 +239,20 @@ def run_one(
     device = resolve_device(run.device)
     if variant.kind is Kind.TORCHTUNE and _torchtune_offload() and device.type != "cuda":
         raise Skipped("torchtune's OffloadActivations needs CUDA streams")
-    spill_dir = tempfile.mkdtemp(prefix="offload-bench-", dir=run.spill_dir)
-    engine_kwargs: dict[str, Any] = {"spill_dir": spill_dir}
+    spill = tempfile.TemporaryDirectory(prefix="offload-bench-", dir=run.spill_dir, ignore_cleanup_errors=True)
+    engine_kwargs: dict[str, Any] = {"spill_dir": spill.name}
     if run.min_offload_bytes is not None:
         engine_kwargs["min_offload_bytes"] = run.min_offload_bytes
     trainer = Trainer(run, variant, data, device)
-    memory = Memory(device, spill_dir)
+    memory, hooks = Memory(device, spill.name), trainer.hooks
     machine = offload.probe(device) if variant.policy in PROBED_POLICIES else None  # cached after the first
     engine: Optional[offload.Engine] = None
     summary: dict[str, Any] = {"type": "summary", "config": variant.name}
-    hooks = trainer.hooks
     try:
-        if variant.budget_fraction is not None and activation_bytes is None:
-            activation_bytes = Trainer(run, variant, data, device).saved_bytes(engine_kwargs)
         budget_mb = None
         if variant.budget_fraction is not None:
-            assert activation_bytes is not None  # measured just above
+            if activation_bytes is None:
+                activation_bytes = Trainer(run, variant, data, device).saved_bytes(engine_kwargs)
             budget_mb = variant.budget_fraction * activation_bytes / MB
         if run.check_grads and not variant.compiled:
             # A shorter check batch saves proportionally less: its budget shrinks alike, so it moves what a step would.
@@ -300,25 +263,20 @@ def run_one(
             hooks.timing = variant.kind is Kind.NONE
         with _determinism(strict=False) if run.deterministic else contextlib.nullcontext():
             for step in range(run.total_steps):
-                if step == run.total_steps - 1 and hooks is not None:
-                    hooks.start_trace(engine, memory)
+                if hooks is not None and step == run.total_steps - 1:
+                    hooks.trace, hooks.engine = [], engine  # the last step's trace: the plot
                 profiling = engine is not None and engine.profiling  # a profiling step is never timed
                 if engine is not None:
                     engine.reset_stats()
                 record = trainer.step(context, memory)
-                record.update(
-                    type="step",
-                    config=variant.name,
-                    step=step,
-                    budget_mb=budget_mb,
-                    warmup=step < run.warmup or profiling,
-                )
+                record |= dict(type="step", config=variant.name, step=step, budget_mb=budget_mb)
+                record["warmup"] = step < run.warmup or profiling
                 if hooks is not None and hooks.timing:
                     record["block_forward_ms"] = hooks.forward_ms()
                 if engine is not None:
                     record.update(engine.stats.to_dict())
                 emit(record)
-        trace = [] if hooks is None else hooks.stop_trace()
+        trace = [] if hooks is None else hooks.trace or []
         if variant.kind is Kind.NONE:
             activation_bytes = trainer.saved_bytes(engine_kwargs)
         plan = None if engine is None else engine.plan
@@ -337,16 +295,9 @@ def run_one(
             engine.close()
         del trainer
         gc.collect()
-        shutil.rmtree(spill_dir, ignore_errors=True)
+        spill.cleanup()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _check_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy from ops with deterministic CUDA kernels (log_softmax, gather): strict mode
-    raises on ``F.cross_entropy`` on CUDA (``torch.use_deterministic_algorithms`` lists NLLLoss among
-    the CUDA ops without a deterministic implementation)."""
-    return -logits.float().log_softmax(-1).gather(-1, targets.unsqueeze(-1)).mean()
 
 
 def _grad_check(
@@ -356,16 +307,16 @@ def _grad_check(
     engine of its own); the gradients' checksums, or the error strict determinism raised."""
     context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine)
     run = trainer.run  # a batch of its own: the timed steps see the same batches whether or not a check ran
-    check_batches = batches(
-        trainer.data, run.batch, run.check_seq or run.seq, torch.Generator().manual_seed(run.seed + CHECK_SEED_OFFSET)
-    )
-    x, y = (t.to(trainer.device) for t in next(check_batches))
+    generator = torch.Generator().manual_seed(run.seed + CHECK_SEED_OFFSET)
+    x, y = (t.to(trainer.device) for t in next(batches(trainer.data, run.batch, run.check_seq or run.seq, generator)))
     torch.manual_seed(run.seed)
     try:
         with _determinism(strict=True):
             with context():
                 logits, _ = trainer.model(x)
-                loss = _check_loss(logits, y)
+                # Cross-entropy from ops with deterministic CUDA kernels: strict mode raises on F.cross_entropy
+                # on CUDA (torch.use_deterministic_algorithms lists NLLLoss among the ops without one).
+                loss = -logits.float().log_softmax(-1).gather(-1, y.unsqueeze(-1)).mean()
             loss.backward()
         return {"checksums": grad_checksums(trainer.model)}
     except RuntimeError as error:

@@ -1,12 +1,13 @@
 """How the benchmarks measure (memory, time, the machine) and write what they measured, so each
 figure means one thing in ``offload.bench`` and ``bench/`` alike: ``Memory`` (peak of a window),
-``sync`` and ``timed`` (synchronize before reading the clock; interleave the variants compared),
-``environment`` (what a committed result must name), ``table`` (the one table printer),
-``write_text`` / ``write_json`` (whole or not at all).
+``sync``, ``window`` and ``timed`` (synchronize before reading the clock; interleave the variants
+compared), ``environment`` (what a committed result must name), ``table`` and ``records_table``
+(the one table printer), ``write_text`` / ``write_json`` (whole or not at all).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import json
@@ -20,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -28,22 +29,8 @@ import offload
 from offload._pagecache import cached_bytes_under
 from offload._probe import cpu_model
 
-__all__ = [
-    "THREADS_ENV",
-    "Column",
-    "Memory",
-    "describe_machine",
-    "environment",
-    "median",
-    "records_table",
-    "resolve_device",
-    "set_threads",
-    "sync",
-    "table",
-    "timed",
-    "write_json",
-    "write_text",
-]
+__all__ = "THREADS_ENV Column Memory describe_machine environment median records_table resolve_device".split()
+__all__ += "set_threads sync table timed window write_json write_text".split()
 
 THREADS_ENV = "OFFLOAD_BENCH_THREADS"  # torch intra-op threads of bench/'s scripts (default: torch's choice)
 
@@ -67,8 +54,7 @@ def resolve_device(name: Optional[str]) -> torch.device:
 def set_threads(threads: Optional[int]) -> None:
     """Pin torch's intra-op threads (None: ``$OFFLOAD_BENCH_THREADS`` or torch's default). On a
     shared machine 1 thread avoids OpenMP spin-waits against other processes."""
-    threads = threads or int(os.environ.get(THREADS_ENV) or 0)
-    if threads:
+    if threads := threads or int(os.environ.get(THREADS_ENV) or 0):
         torch.set_num_threads(threads)
 
 
@@ -82,57 +68,57 @@ class Memory:
     through ``/proc/self/clear_refs`` after ``malloc_trim``; elsewhere ``ru_maxrss``, which never goes
     down), plus the page cache of the files under ``spill_dir`` as ``sample_cache`` last saw it: a
     byte parked in the spill files' page cache is still RAM, so no configuration looks better by it.
+    ``sample_ms`` is the time ``sample_cache`` took since ``reset``, for a timed window to leave out.
     """
 
     def __init__(self, device: torch.device, spill_dir: Optional[str] = None) -> None:
-        self.device, self.spill_dir, self.cache_peak = device, spill_dir, 0
-        if device.type == "cuda":
+        self.device, self.spill_dir, self.cache_peak, self.sample_ms = device, spill_dir, 0, 0.0
+        self.cuda = device.type == "cuda"
+        self.hwm = not self.cuda and _reset_hwm()
+        if self.cuda:
             self.source = "cuda.max_memory_allocated"
-        elif _reset_hwm():
+        elif self.hwm:
             self.source = "VmHWM (malloc_trim, then reset per window) + spill page cache"
         else:
             self.source = "ru_maxrss (whole process) + spill page cache"
 
     def reset(self) -> None:
-        self.cache_peak = 0
-        if self.device.type == "cuda":
+        self.cache_peak, self.sample_ms = 0, 0.0
+        if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.source.startswith("VmHWM"):
-            _release_free_heap()
+        elif self.hwm:
+            try:  # hand freed heap pages back to the OS, so the resident set counts live memory
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):
+                pass
             _reset_hwm()
 
     def sample_cache(self) -> None:
-        if self.device.type != "cuda" and self.spill_dir is not None:
+        if not self.cuda and self.spill_dir is not None:
+            start = time.perf_counter()
             self.cache_peak = max(self.cache_peak, cached_bytes_under(self.spill_dir) or 0)
+            self.sample_ms += (time.perf_counter() - start) * 1e3
 
     def peak(self) -> int:
-        if self.device.type == "cuda":
+        if self.cuda:
             return torch.cuda.max_memory_allocated(self.device)
-        if self.source.startswith("VmHWM"):
+        if self.hwm:
             return _proc_status_bytes("VmHWM") + self.cache_peak
         scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale + self.cache_peak
 
     def current(self) -> int:
-        if self.device.type == "cuda":
+        if self.cuda:
             return torch.cuda.memory_allocated(self.device)
+        # The page cache first: reading it allocates, and a window's base must count that.
         cache = (cached_bytes_under(self.spill_dir) or 0) if self.spill_dir else 0
         return _proc_status_bytes("VmRSS") + cache
-
-
-def _release_free_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc ``malloc_trim``), so RSS counts live memory."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _reset_hwm() -> bool:
     """Reset this process's peak-RSS mark (Linux >= 4.0); False where that is not possible."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         return False
     return _proc_status_bytes("VmHWM") > 0
@@ -146,39 +132,48 @@ def _proc_status_bytes(field: str) -> int:
     return int(match.group(1)) * 1024 if match else 0
 
 
-def timed(
-    fns: dict[str, Callable[[], None]],
-    *,
-    rounds: int,
-    warmup: int,
-    device: torch.device,
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+@contextlib.contextmanager
+def window(device: torch.device, memory: Optional[Memory] = None) -> Iterator[dict]:
+    """A measured window between device synchronizations. The dict it yields holds on exit ``ms``
+    (wall time, less the page-cache sampling of ``memory`` in it), ``cpu_ms`` (process CPU time:
+    the window's cost when other tenants steal the wall clock; it misses disk and device waits) and,
+    given ``memory``, ``peak`` and ``rise`` (the peak less the memory in use at the start)."""
+    sync(device)
+    if memory is not None:
+        memory.reset()
+    base = 0 if memory is None else memory.current()
+    figures: dict = {}
+    cpu_start, start = time.process_time(), time.perf_counter()
+    yield figures
+    sync(device)
+    figures["ms"] = (time.perf_counter() - start) * 1e3 - (0 if memory is None else memory.sample_ms)
+    figures["cpu_ms"] = (time.process_time() - cpu_start) * 1e3
+    if memory is not None:
+        figures.update(peak=memory.peak(), rise=memory.peak() - base)
+
+
+Times = dict[str, list[float]]  # per name, one figure per call
+
+
+def timed(fns: dict[str, Callable[[], None]], *, rounds: int, warmup: int, device: torch.device) -> tuple[Times, Times]:
     """Time each function ``rounds`` times, interleaved (A B C A B C ...), after ``warmup`` rounds,
-    each call between device synchronizations: (wall ms, process CPU ms) per call, per name. CPU
-    time is what a call costs when other tenants steal the wall clock (it misses disk and device waits)."""
-    wall: dict[str, list[float]] = {name: [] for name in fns}
-    cpu: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(warmup + rounds):
+    each call a ``window``: (wall ms, process CPU ms) per call, per name."""
+    wall: Times = {name: [] for name in fns}
+    cpu: Times = {name: [] for name in fns}
+    for round_index in range(warmup + rounds):
         for name, fn in fns.items():
-            sync(device)
-            cpu_start, start = time.process_time(), time.perf_counter()
-            fn()
-            sync(device)
-            if i >= warmup:
-                wall[name].append((time.perf_counter() - start) * 1e3)
-                cpu[name].append((time.process_time() - cpu_start) * 1e3)
+            with window(device) as figures:
+                fn()
+            if round_index >= warmup:
+                wall[name].append(figures["ms"])
+                cpu[name].append(figures["cpu_ms"])
     return wall, cpu
 
 
 def _git_commit() -> Optional[str]:
+    command, root = ["git", "rev-parse", "--short", "HEAD"], Path(offload.__file__).resolve().parents[1]
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(offload.__file__).resolve().parents[1],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
+        out = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -224,23 +219,19 @@ def table(header: Sequence[str], rows: Sequence[Sequence], *, markdown: bool = F
     right-aligned), or a markdown table. None prints as '-'. A row shorter than the header (a
     name and a note, e.g. "skipped: ...") prints its note across the remaining columns."""
     lines = [[str(c) for c in header]] + [["-" if c is None else str(c) for c in row] for row in rows]
-    full = [line for line in lines if len(line) == len(header)]
     if markdown:
-        out = ["| " + " | ".join(lines[0]) + " |", "|" + "---|" * len(header)]
-        return "\n".join(
-            out + ["| " + " | ".join(line + [""] * (len(header) - len(line))) + " |" for line in lines[1:]]
-        )
-    widths = [max(len(line[i]) for line in full) for i in range(len(header))]
-    out = [
-        (
-            "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
-            if len(line) == len(header)
-            else "  ".join([line[0].ljust(widths[0])] + line[1:])
-        )
-        for line in lines
-    ]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
+        cells = ["| " + " | ".join(line + [""] * (len(header) - len(line))) + " |" for line in lines]
+        return "\n".join([cells[0], "|" + "---|" * len(header)] + cells[1:])
+    widths = [max(len(line[i]) for line in lines if len(line) == len(header)) for i in range(len(header))]
+
+    def render(line: list[str]) -> str:
+        if len(line) < len(header):  # a name and a note
+            return "  ".join([line[0].ljust(widths[0])] + line[1:])
+        cells = zip(line, widths, strict=True)
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(cells))
+
+    rendered = [render(line) for line in lines]
+    return "\n".join([rendered[0], "  ".join("-" * w for w in widths)] + rendered[1:])
 
 
 Column = tuple[str, Union[str, Callable[[dict], Any]], str]
@@ -257,19 +248,14 @@ def records_table(
 ) -> str:
     """``table`` of one row per record, each cell its column's value formatted by its spec (None
     prints as '-'); a record for which ``note`` returns a text prints its first cell and that text."""
-    rows: list[Sequence] = []
-    for record in records:
-        if text := note(record):
-            rows.append((_cell(record, columns[0]), text))
-        else:
-            rows.append([_cell(record, column) for column in columns])
+
+    def cell(record: dict, column: Column) -> Any:
+        _, key, spec = column
+        value = record[key] if isinstance(key, str) else key(record)
+        return value if value is None or not spec else format(value, spec)
+
+    rows = [[cell(r, columns[0]), text] if (text := note(r)) else [cell(r, c) for c in columns] for r in records]
     return table([header for header, _, _ in columns], rows, markdown=markdown, left=left)
-
-
-def _cell(record: dict, column: Column) -> Any:
-    _, key, spec = column
-    value = record[key] if isinstance(key, str) else key(record)
-    return value if value is None or not spec else format(value, spec)
 
 
 def write_text(path: Union[str, os.PathLike], text: str) -> Path:
