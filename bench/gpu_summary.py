@@ -54,8 +54,8 @@ def _tests(path: Path):
 
 def _figures(out: Path) -> dict:
     """Each part's key figures; None for a part that left no readable output."""
-    figures = {"probe": _load(out / "probe.json"), "step": None, "tests": _tests(out / "tests.xml")}
-    figures |= {"overhead": None, "layers": None}
+    figures = dict.fromkeys(PART_ORDER[1:])  # every part but env, which the summary holds whole
+    figures.update(probe=_load(out / "probe.json"), tests=_tests(out / "tests.xml"))
     if step := _load(out / "step" / "summary.json"):
         figures["step"] = {
             "finished": step.get("finished"),

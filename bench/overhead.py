@@ -28,7 +28,6 @@ from offload._pagecache import cached_bytes_under  # noqa: E402
 from offload.bench import measure  # noqa: E402
 from offload.bench.config import MB, REFERENCE, RunSettings  # noqa: E402
 from offload.bench.loop import Trainer  # noqa: E402
-from offload.bench.measure import median  # noqa: E402
 from offload.models import load_corpus  # noqa: E402
 from offload.models.gpt import GPTConfig, MiniGPT  # noqa: E402
 
@@ -76,7 +75,7 @@ STEP_COLUMNS: list[measure.Column] = [
 def paired_median(after: list[float], before: list[float], compare=operator.sub) -> float:
     """Median over rounds of ``compare(after_i, before_i)``: the two ran back to back, so drift between
     rounds cancels. The noise-free check beside it is min - min: noise only ever adds time."""
-    return median([compare(a, b) for a, b in zip(after, before, strict=True)])
+    return measure.median([compare(a, b) for a, b in zip(after, before, strict=True)])
 
 
 def chain(x: torch.Tensor, length: int, make_context) -> None:
@@ -118,7 +117,7 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
     if saved != length:
         raise RuntimeError(f"expected the engine to take {length} saved tensors, it took {saved}")
     base, base_cpu = times.pop("no hooks"), cpu["no hooks"]
-    us_per_tensor = 1e3 / saved  # per ms of chain
+    us_per_tensor = 1e3 / saved  # a chain's ms -> us per saved tensor
     variants = {
         name: {
             "median_us": round(us_per_tensor * paired_median(ms, base), 3),
@@ -131,7 +130,7 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
         "chain_length": length,
         "numel": CHAIN_NUMEL,
         "repeats": repeats,
-        "no_hooks_ms": round(median(base), 3),
+        "no_hooks_ms": round(measure.median(base), 3),
         "engine_budget_none_us": variants["engine budget None"]["median_us"],
         "variants": variants,
     }
@@ -151,8 +150,8 @@ def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
     return {
         "tensors": length,
         "tensor_bytes": numel * 4,
-        "base_ms": round(median(times["base"]), 3),
-        "moved_ms": round(median(times["moved"]), 3),
+        "base_ms": round(measure.median(times["base"]), 3),
+        "moved_ms": round(measure.median(times["moved"]), 3),
         "per_tensor_us": round(moved_ms * 1e3 / length, 1),
         "per_mb_ms": round(moved_ms / moved_mb, 3) if moved_mb else None,
         "offloaded_mb": round(moved_mb, 2),
@@ -183,13 +182,13 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
     base, base_cpu = times["no engine"], cpu["no engine"]
     variants = {  # overheads are fractions of the no-engine step (bench/README.md)
         name: {
-            "median_ms": round(median(ms), 3),
+            "median_ms": round(measure.median(ms), 3),
             "min_ms": round(min(ms), 3),
-            "cpu_median_ms": round(median(cpu[name]), 3),
-            "overhead": round(median(ms) / median(base) - 1, 4),
+            "cpu_median_ms": round(measure.median(cpu[name]), 3),
+            "overhead": round(measure.median(ms) / measure.median(base) - 1, 4),
             "paired_overhead": round(paired_median(ms, base, operator.truediv) - 1, 4),
             "min_overhead": round(min(ms) / min(base) - 1, 4),
-            "cpu_overhead": round(median(cpu[name]) / median(base_cpu) - 1, 4),
+            "cpu_overhead": round(measure.median(cpu[name]) / measure.median(base_cpu) - 1, 4),
         }
         for name, ms in times.items()
     }
@@ -203,8 +202,8 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
             reload_wait_ms_per_step=round(stats.reload_wait_ms / calls, 3),
         )
         engine.close()
-    shape, none_row = settings.gpt_config(), variants["budget None"]
-    model = {key: getattr(shape, key) for key in ("n_layer", "n_embd", "n_head", "seq_len")}
+    none_row = variants["budget None"]
+    model = {key: getattr(settings.gpt_config(), key) for key in ("n_layer", "n_embd", "n_head", "seq_len")}
     return {
         "model": model | {"batch": settings.batch, "dtype": settings.dtype, "params": trainer.model.num_params()},
         "steps": steps,
@@ -212,8 +211,8 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
         "saved_bytes_per_step": saved.saved_bytes,
         "saved_tensors_per_step": saved.saved_tensors,
         "passthrough_tensors_per_step": saved.passthrough_tensors,
-        "no_engine_ms": round(median(base), 3),
-        "no_engine_cpu_ms": round(median(base_cpu), 3),
+        "no_engine_ms": round(measure.median(base), 3),
+        "no_engine_cpu_ms": round(measure.median(base_cpu), 3),
         "engine_none_ms": none_row["median_ms"],
         "overhead_budget_none": none_row["overhead"],
         "cpu_overhead_budget_none": none_row["cpu_overhead"],
