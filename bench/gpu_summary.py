@@ -7,6 +7,7 @@ Standard library only, no torch: it must run even when torch does not import.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import os
@@ -15,24 +16,12 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 PART_ORDER = ("env", "probe", "step", "tests", "overhead", "layers")
+PART_KEYS = ("part", "status", "rc", "seconds", "limit_s", "output")  # of NAME.part.json; the parts table's columns
 STEP_KEYS = (
-    "config",
-    "step_ms",
-    "ratio",
-    "act_peak_mb",
-    "act_ratio",
-    "opt_peak_mb",
-    "offloaded_mb",
-    "d2h_gb_per_s",
-    "h2d_gb_per_s",
-    "exposed_wait_ms",
-    "bound_ms",
-    "over_bound",
-    "grads",
-    "losses_match",
-    "error",
-    "skipped",
-)
+    "config step_ms ratio act_peak_mb act_ratio opt_peak_mb offloaded_mb d2h_gb_per_s h2d_gb_per_s exposed_wait_ms "
+    "bound_ms over_bound grads losses_match error skipped"
+).split()
+"""What summary.json keeps of each row of the step part's summary.json (offload.bench's records)."""
 
 
 def _load(path: Path):
@@ -49,25 +38,45 @@ def _write(path: Path, text: str) -> None:
 
 
 def _tests(path: Path):
+    """Counts and failed test names of the JUnit XML pytest wrote; None without a readable one."""
     try:
         root = ElementTree.parse(path).getroot()
     except (OSError, ElementTree.ParseError):
         return None
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    if suite is None:
+    if (suite := root if root.tag == "testsuite" else root.find("testsuite")) is None:
         return None
-    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} | {
-        "failed": [
-            f"{c.get('classname')}::{c.get('name')}"
-            for c in suite.iter("testcase")
-            if c.find("failure") is not None or c.find("error") is not None
-        ]
-    }
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    failed = [
+        case for case in suite.iter("testcase") if case.find("failure") is not None or case.find("error") is not None
+    ]
+    return counts | {"failed": [f"{case.get('classname')}::{case.get('name')}" for case in failed]}
+
+
+def _figures(out: Path) -> dict:
+    """Each part's key figures; None for a part that left no readable output."""
+    figures = dict.fromkeys(PART_ORDER[1:])  # every part but env, which the summary holds whole
+    figures.update(probe=_load(out / "probe.json"), tests=_tests(out / "tests.xml"))
+    if step := _load(out / "step" / "summary.json"):
+        figures["step"] = {
+            "finished": step.get("finished"),
+            "settings": step.get("settings"),
+            "rows": [{key: row.get(key) for key in STEP_KEYS} for row in step.get("results", [])],
+            "verdicts": step.get("verdicts"),
+        }
+    if over := _load(out / "overhead.json"):
+        figures["overhead"] = {
+            "per_tensor_us": {name: v["median_us"] for name, v in over["per_tensor"]["variants"].items()},
+            "step_overhead_budget_none": over["step"]["overhead_budget_none"],
+            "step_model": over["step"]["model"],
+        }
+    if layers := _load(out / "layers.json"):
+        winners = {f"{row['layer']}-{row['size']}": row["winner"] for row in layers["rows"]}
+        figures["layers"] = {"transfer_fit": layers.get("transfer_fit"), "winners": winners}
+    return figures
 
 
 def summarize(out: Path, seconds) -> dict:
-    parts = {p.name[: -len(".part.json")]: _load(p) for p in out.glob("*.part.json")}
-    step, over, layers = (_load(out / name) for name in ("step/summary.json", "overhead.json", "layers.json"))
+    parts = {p.name.removesuffix(".part.json"): _load(p) for p in out.glob("*.part.json")}
     env = _load(out / "env.json") or {}
     return {
         "cuda": bool(env.get("cuda")),
@@ -75,89 +84,50 @@ def summarize(out: Path, seconds) -> dict:
         "seconds": seconds,
         "gpu": (out / "gpu.csv").read_text().strip() if (out / "gpu.csv").exists() else None,
         "env": env,
-        "parts": [parts.pop(n) for n in PART_ORDER if n in parts] + list(parts.values()),
-        "figures": {
-            "probe": _load(out / "probe.json"),
-            "step": None
-            if not step
-            else {
-                "finished": step.get("finished"),
-                "settings": step.get("settings"),
-                "rows": [{k: r.get(k) for k in STEP_KEYS} for r in step.get("results", [])],
-                "verdicts": step.get("verdicts"),
-            },
-            "tests": _tests(out / "tests.xml"),
-            "overhead": None
-            if not over
-            else {
-                "per_tensor_us": {k: v["median_us"] for k, v in over["per_tensor"]["variants"].items()},
-                "step_overhead_budget_none": over["step"]["overhead_budget_none"],
-                "step_model": over["step"]["model"],
-            },
-            "layers": None
-            if not layers
-            else {
-                "transfer_fit": layers.get("transfer_fit"),
-                "winners": {f"{r['layer']}-{r['size']}": r["winner"] for r in layers["rows"]},
-            },
-        },
+        "parts": [parts.pop(name) for name in PART_ORDER if name in parts] + list(parts.values()),
+        "figures": _figures(out),
     }
 
 
-def markdown(s: dict, out: Path) -> str:
-    env, fig = s["env"], s["figures"]
+def _row(cells) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def markdown(summary: dict, out: Path) -> str:
+    env, figures = collections.defaultdict(lambda: "?", summary["env"]), summary["figures"]
+    parts = [_row(key.replace("_", " ") for key in PART_KEYS), "|" + "---|" * len(PART_KEYS)]
+    sections = {"Parts": parts + [_row(part[key] for key in PART_KEYS) for part in summary["parts"] if part]}
+    if probe := figures["probe"]:
+        sections["Probe"] = [f"- {key}: {value}" for key, value in probe.items()]
+    if (step_table := out / "step" / "table.md").exists():  # offload.bench's own, under its own heading
+        sections["Step benchmark"] = [step_table.read_text().strip().removeprefix("# Step benchmark").strip()]
+    if tests := figures["tests"]:
+        counts = ", ".join(f"{tests[key]} {key}" for key in ("tests", "failures", "errors", "skipped"))
+        sections["CUDA tests"] = [counts] + [f"- FAILED {name}" for name in tests["failed"]]
+    if over := figures["overhead"]:
+        per_tensor_us = ", ".join(f"{name} {us}" for name, us in over["per_tensor_us"].items())
+        sections["Overhead"] = [
+            f"per saved tensor, pack + unpack, median us: {per_tensor_us}",
+            f"step overhead at budget None: {100 * over['step_overhead_budget_none']:+.2f}% ({over['step_model']})",
+        ]
+    if figures["layers"] and (fit := figures["layers"]["transfer_fit"]):
+        winners = ", ".join(f"{case} {winner}" for case, winner in figures["layers"]["winners"].items())
+        sections["Layers"] = [
+            f"fit: transfer ms = {fit['ms_per_mb']} x saved MB + {fit['ms_per_tensor']} x saved tensors "
+            f"(round trip {fit['round_trip_gb_per_s']} GB/s)",
+            f"winners: {winners}",
+        ]
     lines = [
         "# offload device check",
         "",
-        f"- written (UTC): {s['written_utc']}; {s['seconds']} s so far; CUDA available: {s['cuda']}",
-        f"- GPU (nvidia-smi name, memory, driver): {s['gpu'] or 'n/a'}",
-        f"- host: {env.get('host_cpu', '?')}, {env.get('cpu_cores_logical', '?')} cores, "
-        f"{env.get('ram_gb', '?')} GB RAM",
-        f"- versions: python {env.get('python', '?')}, torch {env.get('torch', '?')} (CUDA {env.get('cuda_build')}), "
-        f"offload {env.get('offload', '?')} at {env.get('git_commit', '?')}",
-        "",
-        "## Parts",
-        "",
-        "| part | status | rc | seconds | limit s | output |",
-        "|---|---|---|---|---|---|",
+        f"- written (UTC): {summary['written_utc']}; {summary['seconds']} s so far; CUDA available: {summary['cuda']}",
+        f"- GPU (nvidia-smi name, memory, driver): {summary['gpu'] or 'n/a'}",
+        f"- host: {env['host_cpu']}, {env['cpu_cores_logical']} cores, {env['ram_gb']} GB RAM",
+        f"- versions: python {env['python']}, torch {env['torch']} (CUDA {env.get('cuda_build')}), "
+        f"offload {env['offload']} at {env['git_commit']}",
     ]
-    lines += [
-        f"| {p['part']} | {p['status']} | {p['rc']} | {p['seconds']} | {p['limit_s']} | {p['output']} |"
-        for p in s["parts"]
-        if p
-    ]
-    if fig["probe"]:
-        lines += ["", "## Probe", ""] + [f"- {k}: {v}" for k, v in fig["probe"].items()]
-    if (out / "step" / "table.md").exists():
-        lines += [
-            "",
-            (out / "step" / "table.md").read_text().strip().replace("# Step benchmark", "## Step benchmark", 1),
-        ]
-    if t := fig["tests"]:
-        lines += [
-            "",
-            "## CUDA tests",
-            "",
-            f"{t['tests']} tests, {t['failures']} failures, {t['errors']} errors, {t['skipped']} skipped",
-        ] + [f"- FAILED {name}" for name in t["failed"]]
-    if o := fig["overhead"]:
-        lines += [
-            "",
-            "## Overhead",
-            "",
-            "per saved tensor, pack + unpack, median us: "
-            + ", ".join(f"{k} {v}" for k, v in o["per_tensor_us"].items()),
-            f"step overhead at budget None: {100 * o['step_overhead_budget_none']:+.2f}% ({o['step_model']})",
-        ]
-    if fig["layers"] and (f := fig["layers"]["transfer_fit"]):
-        lines += [
-            "",
-            "## Layers",
-            "",
-            f"fit: transfer ms = {f['ms_per_mb']} x saved MB + {f['ms_per_tensor']} x saved "
-            f"tensors (round trip {f['round_trip_gb_per_s']} GB/s)",
-            "winners: " + ", ".join(f"{k} {v}" for k, v in fig["layers"]["winners"].items()),
-        ]
+    for heading, body in sections.items():
+        lines += ["", f"## {heading}", "", *body]
     return "\n".join(lines + ["", "Logs: one `<part>.log` per part in this directory."]) + "\n"
 
 

@@ -8,12 +8,14 @@
     recompute  x ──fwd, grad enabled──▶ out                (what a recompute re-runs)
     transfer_ms = median over rounds of (offload_i − keep_i), keep_i run just before offload_i
 
-bench/README.md defines every figure; both runners write the same JSON (``report``).
+Each runner collects one result per case ({kind: median ms, "transfer_ms", "facts"}) and ends in
+``report``, which tables them and writes the JSON. bench/README.md defines every figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -31,18 +33,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
 import offload  # noqa: E402
+from offload.bench import measure  # noqa: E402
 from offload.bench.config import MB  # noqa: E402
-from offload.bench.measure import (  # noqa: E402
-    describe_machine,
-    environment,
-    median,
-    resolve_device,
-    set_threads,
-    sync,
-    table,
-    timed,
-    write_json,
-)
 from offload.models.gpt import Block, CausalSelfAttention, GPTConfig, SwiGLU  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -51,30 +43,21 @@ DEVICE_ENV = "OFFLOAD_BENCH_DEVICE"  # default: cuda when available, else cpu
 SIZES_ENV = "OFFLOAD_BENCH_SIZES"  # a SIZE_PRESETS name (default: the device's type)
 
 
-@dataclasses.dataclass(frozen=True)
-class Size:
-    """One size of the layers: token shape (batch, seq, dim, heads) and image shape (batch, ch, hw)."""
+Size = collections.namedtuple("Size", "name batch seq dim n_head img_batch channels hw")
+"""One size of the layers: token shape (batch, seq, dim, heads) and image shape (img_batch, channels, hw)."""
 
-    name: str
-    batch: int
-    seq: int
-    dim: int
-    n_head: int
-    img_batch: int
-    channels: int
-    hw: int
 
-    def gpt(self) -> GPTConfig:
-        return GPTConfig(n_layer=1, n_head=self.n_head, n_embd=self.dim, seq_len=self.seq)
+def gpt_config(size: Size) -> GPTConfig:
+    return GPTConfig(n_layer=1, n_head=size.n_head, n_embd=size.dim, seq_len=size.seq)
 
 
 LAYERS: dict[str, Callable[[Size], nn.Module]] = {
     "linear": lambda s: nn.Linear(s.dim, s.dim, bias=False),
-    "swiglu_mlp": lambda s: SwiGLU(s.gpt()),
-    "attention": lambda s: CausalSelfAttention(s.gpt()),
+    "swiglu_mlp": lambda s: SwiGLU(gpt_config(s)),
+    "attention": lambda s: CausalSelfAttention(gpt_config(s)),
     "rmsnorm": lambda s: nn.RMSNorm(s.dim),
     "layernorm": lambda s: nn.LayerNorm(s.dim),
-    "gpt_block": lambda s: Block(s.gpt()),
+    "gpt_block": lambda s: Block(gpt_config(s)),
     "conv_bn_relu": lambda s: nn.Sequential(
         nn.Conv2d(s.channels, s.channels, 3, padding=1, bias=False), nn.BatchNorm2d(s.channels), nn.ReLU()
     ),
@@ -119,7 +102,7 @@ class Case:
 
 def parse_device(name: Optional[str]) -> torch.device:
     """``name``, else ``$OFFLOAD_BENCH_DEVICE``, else cuda when available (``measure.resolve_device``)."""
-    return resolve_device(name or os.environ.get(DEVICE_ENV))
+    return measure.resolve_device(name or os.environ.get(DEVICE_ENV))
 
 
 def size_preset(device: torch.device) -> str:
@@ -136,13 +119,17 @@ def layer_rounds(device: torch.device) -> tuple[int, int]:
     return ROUNDS.get(device.type, ROUNDS["cpu"])
 
 
+def layer_dtype(device: torch.device) -> torch.dtype:
+    return LAYER_DTYPES.get(device.type, torch.float32)
+
+
 class LayerBench:
     """One layer at one size on one device, and the three functions the runners time. The input is
     a non-leaf (``x_leaf.clone()``), as inside a model; gradients are cleared before each step; the
     offload engine is made once and reused across steps, as in training."""
 
     def __init__(self, case: Case, device: torch.device, seed: int = 0) -> None:
-        self.case, self.device, self.dtype = case, device, LAYER_DTYPES.get(device.type, torch.float32)
+        self.case, self.device, self.dtype = case, device, layer_dtype(device)
         torch.manual_seed(seed)
         with torch.device(device):
             self.module = LAYERS[case.layer](case.size).to(self.dtype).train()
@@ -173,10 +160,10 @@ class LayerBench:
         ``times_ms``, it also times itself into that list (the paired reference of pytest's runner)."""
 
         def synced() -> None:
-            sync(self.device)
+            measure.sync(self.device)
             start = time.perf_counter()
             getattr(self, kind)()
-            sync(self.device)
+            measure.sync(self.device)
             if times_ms is not None:
                 times_ms.append((time.perf_counter() - start) * 1e3)
 
@@ -192,7 +179,7 @@ class LayerBench:
             self.module(self.x_leaf.clone())
         self.engine.reset_stats()
         self.offload()
-        sync(self.device)
+        measure.sync(self.device)
         moved = self.engine.stats
         return {
             "saved_bytes": saved.saved_bytes,
@@ -211,27 +198,39 @@ class LayerBench:
 
 def paired_difference_ms(after_ms: list[float], before_ms: list[float]) -> float:
     """Median of per-round differences: drift between rounds cancels, as the two ran back to back."""
-    return median([a - b for a, b in zip(after_ms, before_ms, strict=True)])
+    return measure.median([a - b for a, b in zip(after_ms, before_ms, strict=True)])
 
 
-def layer_row(
-    case: Case, device: torch.device, medians_ms: dict[str, float], transfer_ms: Optional[float], facts: dict
-) -> dict:
-    """One result row: the measured medians, the derived costs and the winner. ``transfer_ms`` is
-    the paired estimate; when None, the difference of the keep and offload medians stands in."""
-    keep, offloaded, recompute = (medians_ms.get(k, float("nan")) for k in KINDS)
-    transfer = offloaded - keep if transfer_ms is None else transfer_ms
+def time_case(case: Case, device: torch.device) -> dict:
+    """One case's result from the interleaved runner (``python bench/layers.py``)."""
+    warmup, rounds = layer_rounds(device)
+    bench = LayerBench(case, device)
+    try:
+        steps = {kind: bench.step(kind) for kind in KINDS}
+        times, _ = measure.timed(steps, rounds=rounds, warmup=warmup, device=device)
+        facts = bench.facts()
+    finally:
+        bench.close()
+    medians = {kind: measure.median(ms) for kind, ms in times.items()}
+    return medians | {"transfer_ms": paired_difference_ms(times["offload"], times["keep"]), "facts": facts}
+
+
+def layer_row(case: Case, device: torch.device, result: dict) -> dict:
+    """One JSON row: the measured medians, the derived costs and the winner. Without the paired
+    ``transfer_ms`` (its offload round not run), the difference of the keep and offload medians stands in."""
+    keep, offloaded, recompute = (result.get(kind, math.nan) for kind in KINDS)
+    transfer = result.get("transfer_ms", offloaded - keep)
+    facts = result.get("facts", {})
     saved = facts.get("saved_bytes", 0)
-    winner = (
-        ""
-        if math.isnan(transfer) or math.isnan(recompute)
-        else ("offload" if max(transfer, 0.0) < recompute else "recompute")
-    )
+    if math.isnan(transfer) or math.isnan(recompute):
+        winner = ""
+    else:
+        winner = "offload" if max(transfer, 0.0) < recompute else "recompute"
     return {
         "layer": case.layer,
         "size": case.size.name,
         "shape": list(case.shape),
-        "dtype": str(LAYER_DTYPES.get(device.type, torch.float32)).replace("torch.", ""),
+        "dtype": str(layer_dtype(device)).replace("torch.", ""),
         "keep_ms": round(keep, 3),
         "offload_ms": round(offloaded, 3),
         "transfer_ms": round(transfer, 3),
@@ -272,11 +271,26 @@ DEFINITIONS = {
     "winner": "offload if max(transfer_ms, 0) < recompute_ms else recompute",
 }
 
+COLUMNS: list[measure.Column] = [
+    ("layer", "layer", ""),
+    ("size", "size", ""),
+    ("shape", lambda row: "x".join(map(str, row["shape"])), ""),
+    ("saved MB", lambda row: row.get("saved_bytes", 0) / MB, ".2f"),
+    ("keep ms", "keep_ms", ".2f"),
+    ("transfer ms", "transfer_ms", ".2f"),
+    ("recompute ms", "recompute_ms", ".2f"),
+    ("GB/s", "round_trip_gb_per_s", ""),
+    ("winner", "winner", ""),
+]
 
-def report(rows: list[dict], device: torch.device, runner: str, write: bool, say: Callable[[str], None]) -> dict:
-    """Print the table and the fit through ``say``; write the JSON when ``write``. Both runners end here."""
+
+def report(results: dict[Case, dict], device: torch.device, runner: str, say: Callable[[str], None]) -> dict:
+    """Table the results and the fit through ``say``, and write the JSON: to ``$OFFLOAD_BENCH_OUT``
+    when set, else to results/ when every case and kind was measured (a partial run cannot clobber it)."""
+    rows = [layer_row(case, device, result) for case, result in results.items()]
     warmup, rounds = layer_rounds(device)
     fit = transfer_fit(rows)
+    env = measure.environment(device)
     payload = {
         "benchmark": "layers",
         "runner": runner,
@@ -284,49 +298,29 @@ def report(rows: list[dict], device: torch.device, runner: str, write: bool, say
         "warmup_rounds": warmup,
         "rounds": rounds,
         "definitions": DEFINITIONS,
-        "env": environment(device),
+        "env": env,
         "transfer_fit": fit,
         "rows": rows,
     }
-    header = ("layer", "size", "shape", "saved MB", "keep ms", "transfer ms", "recompute ms", "GB/s", "winner")
-    say(f"layers on {describe_machine(payload['env'])}")
-    say(
-        table(
-            header,
-            [
-                (
-                    r["layer"],
-                    r["size"],
-                    "x".join(map(str, r["shape"])),
-                    f"{r.get('saved_bytes', 0) / MB:.2f}",
-                    f"{r['keep_ms']:.2f}",
-                    f"{r['transfer_ms']:.2f}",
-                    f"{r['recompute_ms']:.2f}",
-                    r.get("round_trip_gb_per_s"),
-                    r["winner"],
-                )
-                for r in rows
-            ],
-            left=3,
-        )
-    )
-    for r in rows:
-        if not r.get("moved_all", True):
+    say(f"layers on {measure.describe_machine(env)}")
+    say(measure.records_table(COLUMNS, rows, left=3))
+    for row in rows:
+        if not row["moved_all"]:
             say(
-                f"WARNING {r['layer']} {r['size']}: the budget-0 engine moved {r.get('offloaded_bytes')} of "
-                f"{r.get('saved_bytes')} saved bytes; its transfer figure is not a full round trip"
+                f"WARNING {row['layer']} {row['size']}: the budget-0 engine moved {row.get('offloaded_bytes')} of "
+                f"{row.get('saved_bytes')} saved bytes; its transfer figure is not a full round trip"
             )
-    say(
-        ""
-        if not fit
-        else (
+    if fit:
+        say(
             f"fit: transfer ms = {fit['ms_per_mb']:.3f} x saved MB + {fit['ms_per_tensor']:.3f} x saved tensors "
             f"(round trip {fit['round_trip_gb_per_s']} GB/s, {1e3 * fit['ms_per_tensor']:.0f} us per tensor; "
             f"median error {fit['median_abs_error_ms']} ms)"
         )
-    )
-    if write:
-        say(f"wrote {write_json(os.environ.get(OUT_ENV) or RESULTS_DIR / f'layers-{device.type}.json', payload)}")
+    measured = [row[f"{kind}_ms"] for row in rows for kind in KINDS]
+    complete = set(cases(device)) <= set(results) and not any(map(math.isnan, measured))
+    out = os.environ.get(OUT_ENV) or (RESULTS_DIR / f"layers-{device.type}.json" if complete else None)
+    if out:
+        say(f"wrote {measure.write_json(out, payload)}")
     else:
         say(f"partial run: results not written (set {OUT_ENV}=PATH to keep them)")
     return payload
@@ -334,40 +328,27 @@ def report(rows: list[dict], device: torch.device, runner: str, write: bool, say
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--sizes", default=None, help=f"size preset: {', '.join(SIZE_PRESETS)}")
-    parser.add_argument("--only", default=None, help="comma-separated layer names to run")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument(
-        "--json-out", default=None, help="where to write the JSON (default: results/layers-<device>.json)"
-    )
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--sizes", help=f"size preset: {', '.join(SIZE_PRESETS)}")
+    parser.add_argument("--only", help="comma-separated layer names to run")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--json-out", help="where to write the JSON (default: results/layers-<device>.json)")
     args = parser.parse_args(argv)
     if args.sizes:
         os.environ[SIZES_ENV] = args.sizes
     if args.json_out:
         os.environ[OUT_ENV] = args.json_out
     device = parse_device(args.device)
-    set_threads(args.threads)
-    warmup, rounds = layer_rounds(device)
-    only = set(args.only.split(",")) if args.only else None
-    rows = []
+    measure.set_threads(args.threads)
+    results = {}
     for case in cases(device):
-        if only and case.layer not in only:
+        if args.only and case.layer not in args.only.split(","):
             continue
-        bench = LayerBench(case, device)
-        try:
-            times, _ = timed({kind: bench.step(kind) for kind in KINDS}, rounds=rounds, warmup=warmup, device=device)
-            facts = bench.facts()
-        finally:
-            bench.close()
-        medians = {kind: median(ms) for kind, ms in times.items()}
-        rows.append(layer_row(case, device, medians, paired_difference_ms(times["offload"], times["keep"]), facts))
-        print(f"  {case.id}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in medians.items()), file=sys.stderr)
-        del bench
+        results[case] = time_case(case, device)
+        print(f"  {case.id}: " + ", ".join(f"{k} {results[case][k]:.2f} ms" for k in KINDS), file=sys.stderr)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    payload = report(rows, device, "bench/layers.py", write=only is None or bool(args.json_out), say=print)
-    print(json.dumps(payload))
+    print(json.dumps(report(results, device, "bench/layers.py", say=print)))
     return 0
 
 

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import operator
 import sys
 import tempfile
 from pathlib import Path
@@ -24,19 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
 import offload  # noqa: E402
 from offload._pagecache import cached_bytes_under  # noqa: E402
+from offload.bench import measure  # noqa: E402
 from offload.bench.config import MB, REFERENCE, RunSettings  # noqa: E402
 from offload.bench.loop import Trainer  # noqa: E402
-from offload.bench.measure import (  # noqa: E402
-    describe_machine,
-    environment,
-    median,
-    resolve_device,
-    set_threads,
-    sync,
-    table,
-    timed,
-    write_json,
-)
 from offload.models import load_corpus  # noqa: E402
 from offload.models.gpt import GPTConfig, MiniGPT  # noqa: E402
 
@@ -61,8 +52,33 @@ GPT_PRESETS = {
     "cuda": RunSettings(layers=8, heads=16, hidden=1024, seq=1024, batch=8, dropout=0.0, dtype="bf16", device="cuda"),
 }
 
+TENSOR_COLUMNS: list[measure.Column] = [
+    ("hooks", "name", ""),
+    ("pack+unpack us (median)", "median_us", ".2f"),
+    ("(min)", "min_us", ".2f"),
+    ("(cpu time)", "cpu_us", ".2f"),
+]
+STEP_COLUMNS: list[measure.Column] = [
+    ("variant", "name", ""),
+    ("median ms", "median_ms", ".2f"),
+    ("overhead", "overhead", "+.2%"),
+    ("paired", "paired_overhead", "+.2%"),
+    ("min ms", "min_ms", ".2f"),
+    ("min ovh", "min_overhead", "+.2%"),
+    ("cpu ms", "cpu_median_ms", ".2f"),
+    ("cpu ovh", "cpu_overhead", "+.2%"),
+    ("moved MB/step", lambda variant: variant.get("offloaded_mb_per_step"), ""),  # engines only
+    ("peak resident MB", lambda variant: variant.get("peak_resident_mb"), ""),
+]
 
-def _chain(x: torch.Tensor, length: int, make_context) -> None:
+
+def paired_median(after: list[float], before: list[float], compare=operator.sub) -> float:
+    """Median over rounds of ``compare(after_i, before_i)``: the two ran back to back, so drift between
+    rounds cancels. The noise-free check beside it is min - min: noise only ever adds time."""
+    return measure.median([compare(a, b) for a, b in zip(after, before, strict=True)])
+
+
+def chain(x: torch.Tensor, length: int, make_context) -> None:
     x.grad = None
     with make_context():
         y = x.clone()  # a non-leaf, so the first sin's saved input is eligible too
@@ -71,15 +87,15 @@ def _chain(x: torch.Tensor, length: int, make_context) -> None:
         y.sum().backward()
 
 
-def _timed_chains(x: torch.Tensor, length: int, contexts: dict, *, rounds: int, warmup: int, device) -> tuple:
+def time_chains(x: torch.Tensor, length: int, contexts: dict, *, repeats: int, warmup: int) -> tuple:
     """(wall ms, CPU ms) per context name, the chains interleaved."""
-    fns = {name: (lambda ctx=ctx: _chain(x, length, ctx)) for name, ctx in contexts.items()}
-    return timed(fns, rounds=rounds, warmup=warmup, device=device)
+    fns = {name: (lambda context=context: chain(x, length, context)) for name, context in contexts.items()}
+    return measure.timed(fns, rounds=repeats, warmup=warmup, device=x.device)
 
 
-def _one_chain_stats(x: torch.Tensor, length: int, engine):
+def chain_stats(x: torch.Tensor, length: int, engine):
     engine.reset_stats()
-    _chain(x, length, lambda: engine)
+    chain(x, length, lambda: engine)
     return engine.stats
 
 
@@ -94,18 +110,19 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
         "engine budget None": lambda: counting,
         "engine budget 0": lambda: moving,
     }
-    times, cpu = _timed_chains(x, length, contexts, rounds=repeats, warmup=warmup, device=device)
-    saved = _one_chain_stats(x, length, counting).saved_tensors
+    times, cpu = time_chains(x, length, contexts, repeats=repeats, warmup=warmup)
+    saved = chain_stats(x, length, counting).saved_tensors
     counting.close()
     moving.close()
     if saved != length:
         raise RuntimeError(f"expected the engine to take {length} saved tensors, it took {saved}")
     base, base_cpu = times.pop("no hooks"), cpu["no hooks"]
-    variants = {  # median of paired differences; min - min (noise only ever adds time); process CPU time
+    us_per_tensor = 1e3 / saved  # a chain's ms -> us per saved tensor
+    variants = {
         name: {
-            "median_us": round(median([(v - b) * 1e3 / saved for v, b in zip(ms, base, strict=True)]), 3),
-            "min_us": round((min(ms) - min(base)) * 1e3 / saved, 3),
-            "cpu_us": round(median([(v - b) * 1e3 / saved for v, b in zip(cpu[name], base_cpu, strict=True)]), 3),
+            "median_us": round(us_per_tensor * paired_median(ms, base), 3),
+            "min_us": round(us_per_tensor * (min(ms) - min(base)), 3),
+            "cpu_us": round(us_per_tensor * paired_median(cpu[name], base_cpu), 3),
         }
         for name, ms in times.items()
     }
@@ -113,7 +130,7 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
         "chain_length": length,
         "numel": CHAIN_NUMEL,
         "repeats": repeats,
-        "no_hooks_ms": round(median(base), 3),
+        "no_hooks_ms": round(measure.median(base), 3),
         "engine_budget_none_us": variants["engine budget None"]["median_us"],
         "variants": variants,
     }
@@ -124,25 +141,19 @@ def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
     x = torch.ones(numel, requires_grad=True)
     counting = offload.engine(budget_mb=None, min_offload_bytes=0)
     moving = offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=spill_dir)
-    times, _ = _timed_chains(
-        x,
-        length,
-        {"base": lambda: counting, "moved": lambda: moving},
-        rounds=repeats,
-        warmup=DISK_WARMUP,
-        device=torch.device("cpu"),
-    )
-    moved_mb = _one_chain_stats(x, length, moving).offloaded_bytes / MB
+    contexts = {"base": lambda: counting, "moved": lambda: moving}
+    times, _ = time_chains(x, length, contexts, repeats=repeats, warmup=DISK_WARMUP)
+    moved_mb = chain_stats(x, length, moving).offloaded_bytes / MB
     counting.close()
     moving.close()
-    diff_ms = median([m - b for m, b in zip(times["moved"], times["base"], strict=True)])
+    moved_ms = paired_median(times["moved"], times["base"])
     return {
         "tensors": length,
         "tensor_bytes": numel * 4,
-        "base_ms": round(median(times["base"]), 3),
-        "moved_ms": round(median(times["moved"]), 3),
-        "per_tensor_us": round(diff_ms * 1e3 / length, 1),
-        "per_mb_ms": round(diff_ms / moved_mb, 3) if moved_mb else None,
+        "base_ms": round(measure.median(times["base"]), 3),
+        "moved_ms": round(measure.median(times["moved"]), 3),
+        "per_tensor_us": round(moved_ms * 1e3 / length, 1),
+        "per_mb_ms": round(moved_ms / moved_mb, 3) if moved_mb else None,
         "offloaded_mb": round(moved_mb, 2),
     }
 
@@ -150,63 +161,58 @@ def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
 def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> dict:
     settings = GPT_PRESETS["cuda" if device.type == "cuda" else "cpu"]
     settings = dataclasses.replace(settings, batch=batch or settings.batch)
-    step = Trainer(settings, REFERENCE, load_corpus(), device)
-    counting = offload.engine(budget_mb=None, device=device, model=step.model)
+    trainer = Trainer(settings, REFERENCE, load_corpus(), device)
+    counting = offload.engine(budget_mb=None, device=device, model=trainer.model)
     for _ in range(warmup):
-        step.step(lambda: counting)
-    sync(device)
+        trainer.step(lambda: counting)
+    measure.sync(device)
     counting.reset_stats()
-    step.step(lambda: counting)
+    trainer.step(lambda: counting)
     saved = counting.stats
     partial_mb = PARTIAL_BUDGET_FRACTION * saved.saved_bytes / MB
     engines = {
         "budget None": counting,
-        f"budget {partial_mb:.1f} MB (25%)": offload.engine(budget_mb=partial_mb, device=device, model=step.model),
-        "budget 0": offload.engine(budget_mb=0, device=device, model=step.model),
+        f"budget {partial_mb:.1f} MB (25%)": offload.engine(budget_mb=partial_mb, device=device, model=trainer.model),
+        "budget 0": offload.engine(budget_mb=0, device=device, model=trainer.model),
     }
-    for e in engines.values():
-        e.reset_stats()
-    fns = {"no engine": step.step} | {name: (lambda e=e: step.step(lambda: e)) for name, e in engines.items()}
-    times, cpu = timed(fns, rounds=steps, warmup=warmup, device=device)
-    base, base_cpu_ms, calls = times["no engine"], median(cpu["no engine"]), warmup + steps
-    variants = {}
-    for name, ms in times.items():
-        variants[name] = {
-            "median_ms": round(median(ms), 3),
+    for engine in engines.values():
+        engine.reset_stats()
+    fns = {"no engine": trainer.step} | {name: (lambda e=e: trainer.step(lambda: e)) for name, e in engines.items()}
+    times, cpu = measure.timed(fns, rounds=steps, warmup=warmup, device=device)
+    base, base_cpu = times["no engine"], cpu["no engine"]
+    variants = {  # overheads are fractions of the no-engine step (bench/README.md)
+        name: {
+            "median_ms": round(measure.median(ms), 3),
             "min_ms": round(min(ms), 3),
-            "cpu_median_ms": round(median(cpu[name]), 3),
-            "overhead": round(median(ms) / median(base) - 1, 4),
-            "paired_overhead": round(median([v / b - 1 for v, b in zip(ms, base, strict=True)]), 4),
+            "cpu_median_ms": round(measure.median(cpu[name]), 3),
+            "overhead": round(measure.median(ms) / measure.median(base) - 1, 4),
+            "paired_overhead": round(paired_median(ms, base, operator.truediv) - 1, 4),
             "min_overhead": round(min(ms) / min(base) - 1, 4),
-            "cpu_overhead": round(median(cpu[name]) / base_cpu_ms - 1, 4),
+            "cpu_overhead": round(measure.median(cpu[name]) / measure.median(base_cpu) - 1, 4),
         }
-        if name in engines:
-            s = engines[name].stats
-            variants[name].update(
-                offloaded_mb_per_step=round(s.offloaded_bytes / calls / MB, 2),
-                peak_resident_mb=round(s.peak_resident_bytes / MB, 2),
-                evict_wait_ms_per_step=round(s.evict_wait_ms / calls, 3),
-                reload_wait_ms_per_step=round(s.reload_wait_ms / calls, 3),
-            )
-            engines[name].close()
+        for name, ms in times.items()
+    }
+    calls = warmup + steps
+    for name, engine in engines.items():
+        stats = engine.stats
+        variants[name].update(
+            offloaded_mb_per_step=round(stats.offloaded_bytes / calls / MB, 2),
+            peak_resident_mb=round(stats.peak_resident_bytes / MB, 2),
+            evict_wait_ms_per_step=round(stats.evict_wait_ms / calls, 3),
+            reload_wait_ms_per_step=round(stats.reload_wait_ms / calls, 3),
+        )
+        engine.close()
     none_row = variants["budget None"]
+    model = {key: getattr(settings.gpt_config(), key) for key in ("n_layer", "n_embd", "n_head", "seq_len")}
     return {
-        "model": dict(
-            n_layer=settings.layers,
-            n_embd=settings.hidden,
-            n_head=settings.heads,
-            seq_len=settings.seq,
-            batch=settings.batch,
-            dtype=settings.dtype,
-            params=step.model.num_params(),
-        ),
+        "model": model | {"batch": settings.batch, "dtype": settings.dtype, "params": trainer.model.num_params()},
         "steps": steps,
         "warmup": warmup,
         "saved_bytes_per_step": saved.saved_bytes,
         "saved_tensors_per_step": saved.saved_tensors,
         "passthrough_tensors_per_step": saved.passthrough_tensors,
-        "no_engine_ms": round(median(base), 3),
-        "no_engine_cpu_ms": round(base_cpu_ms, 3),
+        "no_engine_ms": round(measure.median(base), 3),
+        "no_engine_cpu_ms": round(measure.median(base_cpu), 3),
         "engine_none_ms": none_row["median_ms"],
         "overhead_budget_none": none_row["overhead"],
         "cpu_overhead_budget_none": none_row["cpu_overhead"],
@@ -221,19 +227,18 @@ def disk_gpt_step(budget_mb: float, spill_dir: str) -> dict:
     torch.manual_seed(0)
     model = MiniGPT(GPTConfig(n_layer=4, n_embd=256, n_head=4, seq_len=256))
     idx = torch.randint(0, 256, (8, 256))
-    eng = offload.engine(budget_mb=budget_mb, spill_dir=spill_dir, model=model)
+    engine = offload.engine(budget_mb=budget_mb, spill_dir=spill_dir, model=model)
     for _ in range(2):
-        with eng:
+        with engine:
             _, loss = model(idx, idx)
         loss.backward()
-    eng.reset_stats()
-    with eng:
+    engine.reset_stats()
+    with engine:
         _, loss = model(idx, idx)
-    cached = cached_bytes_under(spill_dir)
-    spilled = eng.stats.spilled_bytes
+    cached, spilled = cached_bytes_under(spill_dir), engine.stats.spilled_bytes
     loss.backward()
-    stats = eng.stats
-    eng.close()
+    stats = engine.stats
+    engine.close()
     return {
         "budget_mb": budget_mb,
         "offloaded_mb": round(stats.offloaded_bytes / MB, 2),
@@ -243,64 +248,6 @@ def disk_gpt_step(budget_mb: float, spill_dir: str) -> dict:
         "page_cache_at_forward_end_mb": None if cached is None else round(cached / MB, 2),
         "page_cache_share": None if not (cached is not None and spilled) else round(cached / spilled, 3),
     }
-
-
-def print_overhead(tensor: dict, step: dict, env: dict) -> None:
-    print(f"offload overhead on {describe_machine(env)}\n")
-    print(
-        f"per saved tensor: chain of {tensor['chain_length']} sin ops on {CHAIN_NUMEL} floats, "
-        f"no hooks {tensor['no_hooks_ms']:.2f} ms, median of {tensor['repeats']} paired repeats"
-    )
-    rows = [
-        (name, f"{v['median_us']:.2f}", f"{v['min_us']:.2f}", f"{v['cpu_us']:.2f}")
-        for name, v in tensor["variants"].items()
-    ]
-    print(table(("hooks", "pack+unpack us (median)", "(min)", "(cpu time)"), rows))
-    m = step["model"]
-    print(
-        f"\nper step: MiniGPT n_layer={m['n_layer']} n_embd={m['n_embd']} seq_len={m['seq_len']} batch={m['batch']} "
-        f"({m['params'] / 1e6:.1f}M params), {step['saved_tensors_per_step']} saved tensors "
-        f"({step['saved_bytes_per_step'] / MB:.1f} MB) per step, median of {step['steps']} interleaved steps"
-    )
-    rows = [
-        (
-            name,
-            f"{v['median_ms']:.2f}",
-            f"{100 * v['overhead']:+.2f}%",
-            f"{100 * v['paired_overhead']:+.2f}%",
-            f"{v['min_ms']:.2f}",
-            f"{100 * v['min_overhead']:+.2f}%",
-            f"{v['cpu_median_ms']:.2f}",
-            f"{100 * v['cpu_overhead']:+.2f}%",
-            v.get("offloaded_mb_per_step", "-"),
-            v.get("peak_resident_mb", "-"),
-        )
-        for name, v in step["variants"].items()
-    ]
-    print(
-        table(
-            (
-                "variant",
-                "median ms",
-                "overhead",
-                "paired",
-                "min ms",
-                "min ovh",
-                "cpu ms",
-                "cpu ovh",
-                "moved MB/step",
-                "peak resident MB",
-            ),
-            rows,
-        )
-    )
-    verdict = "within" if step["within_target"] else "OVER"
-    print(
-        f"\nbudget None overhead {100 * step['overhead_budget_none']:+.2f}% "
-        f"({verdict} the {100 * STEP_TARGET_OVERHEAD:.0f}% target); by CPU time "
-        f"{100 * step['cpu_overhead_budget_none']:+.2f}%; load average {env['load_avg_1m']} on "
-        f"{env['cpu_cores_logical']} cores"
-    )
 
 
 def disk_tier(repeats: int, spill_parent) -> dict:
@@ -319,44 +266,60 @@ def disk_tier(repeats: int, spill_parent) -> dict:
     return {"benchmark": "disk_tier", "offload_file": offload.__file__, **chains, "gpt_steps": steps}
 
 
+def print_overhead(tensor: dict, step: dict, env: dict) -> None:
+    print(f"offload overhead on {measure.describe_machine(env)}\n")
+    print(
+        f"per saved tensor: chain of {tensor['chain_length']} sin ops on {CHAIN_NUMEL} floats, "
+        f"no hooks {tensor['no_hooks_ms']:.2f} ms, median of {tensor['repeats']} paired repeats"
+    )
+    print(measure.records_table(TENSOR_COLUMNS, [{"name": name, **v} for name, v in tensor["variants"].items()]))
+    m = step["model"]
+    print(
+        f"\nper step: MiniGPT n_layer={m['n_layer']} n_embd={m['n_embd']} seq_len={m['seq_len']} batch={m['batch']} "
+        f"({m['params'] / 1e6:.1f}M params), {step['saved_tensors_per_step']} saved tensors "
+        f"({step['saved_bytes_per_step'] / MB:.1f} MB) per step, median of {step['steps']} interleaved steps"
+    )
+    print(measure.records_table(STEP_COLUMNS, [{"name": name, **v} for name, v in step["variants"].items()]))
+    print(
+        f"\nbudget None overhead {step['overhead_budget_none']:+.2%} "
+        f"({'within' if step['within_target'] else 'OVER'} the {STEP_TARGET_OVERHEAD:.0%} target); "
+        f"by CPU time {step['cpu_overhead_budget_none']:+.2%}; "
+        f"load average {env['load_avg_1m']} on {env['cpu_cores_logical']} cores"
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default: 30)")
-    parser.add_argument(
-        "--repeats", type=int, default=None, help="timed chain runs per variant (default: 15; --disk 7)"
-    )
+    parser.add_argument("--repeats", type=int, help="timed chain runs per variant (default: 15; --disk 7)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up runs per variant (default: 3)")
     parser.add_argument(
-        "--chain", type=int, default=CHAIN_LENGTH, help=f"saved tensors per chain run (default: {CHAIN_LENGTH})"
+        "--chain", type=int, default=CHAIN_LENGTH, help=f"saved tensors per chain (default: {CHAIN_LENGTH})"
     )
-    parser.add_argument("--batch", type=int, default=None, help="the step's batch size (default: the device's preset)")
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice; --disk 1)"
-    )
+    parser.add_argument("--batch", type=int, help="the step's batch size (default: the device's preset)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice; --disk 1)")
     parser.add_argument("--disk", action="store_true", help="the disk tier's figures instead (CPU)")
-    parser.add_argument(
-        "--spill-dir", default=None, help="--disk: parent of the spill directory (default: the temp dir)"
-    )
-    parser.add_argument("--json-out", default=None, help="also write the JSON object to this file")
+    parser.add_argument("--spill-dir", help="--disk: parent of the spill directory (default: the temp dir)")
+    parser.add_argument("--json-out", help="also write the JSON object to this file")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (7 if args.disk else 15)
     for name in ("steps", "repeats", "chain"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.disk:
-        set_threads(args.threads or 1)
-        payload = disk_tier(args.repeats, args.spill_dir) | {"env": environment(torch.device("cpu"))}
+        measure.set_threads(args.threads or 1)
+        payload = disk_tier(args.repeats, args.spill_dir) | {"env": measure.environment(torch.device("cpu"))}
     else:
-        device = resolve_device(args.device)
-        set_threads(args.threads)
+        device = measure.resolve_device(args.device)
+        measure.set_threads(args.threads)
         tensor = per_tensor(device, args.repeats, args.warmup, args.chain)
         step = step_overhead(device, args.steps, args.warmup, args.batch)
-        env = environment(device)
+        env = measure.environment(device)
         print_overhead(tensor, step, env)
         payload = {"benchmark": "overhead", "env": env, "per_tensor": tensor, "step": step}
     if args.json_out:
-        print(f"wrote {write_json(args.json_out, payload)}")
+        print(f"wrote {measure.write_json(args.json_out, payload)}")
     print(json.dumps(payload))
     return 0
 

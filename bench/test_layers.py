@@ -17,8 +17,9 @@ pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installe
 import torch  # noqa: E402
 
 import layers  # noqa: E402
+from offload.bench.measure import median, set_threads  # noqa: E402
 
-layers.set_threads(None)  # $OFFLOAD_BENCH_THREADS, if set
+set_threads(None)  # $OFFLOAD_BENCH_THREADS, if set
 if os.environ.get(layers.DEVICE_ENV, "").startswith("cuda") and not torch.cuda.is_available():
     pytest.skip(
         f"{layers.DEVICE_ENV}={os.environ[layers.DEVICE_ENV]} but CUDA is not available", allow_module_level=True
@@ -30,22 +31,23 @@ PARAMS = [pytest.param(case, kind, id=f"{case.id}-{kind}") for case in layers.ca
 
 @pytest.mark.parametrize(("case", "kind"), PARAMS)
 def test_layer(benchmark, layer_results, case: layers.Case, kind: str) -> None:
-    bench = layers.LayerBench(case, DEVICE)
     warmup, rounds = layers.layer_rounds(DEVICE)
+    bench = layers.LayerBench(case, DEVICE)
     keep_before_ms: list[float] = []
     setup = bench.step("keep", keep_before_ms) if kind == "offload" else None  # the paired reference
     try:
-        facts = bench.facts() if kind == "offload" else None
+        facts = bench.facts() if kind == "offload" else {}
         benchmark.group = f"{case.layer} ({DEVICE.type})"
-        benchmark.extra_info.update(layer=case.layer, size=case.size.name, kind=kind, **(facts or {}))
+        benchmark.extra_info.update(layer=case.layer, size=case.size.name, kind=kind, **facts)
         benchmark.pedantic(bench.step(kind), setup=setup, rounds=rounds, warmup_rounds=warmup, iterations=1)
     finally:
         bench.close()
     if benchmark.stats is None:  # --benchmark-disable: nothing was timed
         return
-    timed_ms = [s * 1e3 for s in benchmark.stats.stats.data]
+    timed_ms = [seconds * 1e3 for seconds in benchmark.stats.stats.data]
     result = layer_results.setdefault(case, {})
-    result[kind] = layers.median(timed_ms)
+    result[kind] = median(timed_ms)
     if kind == "offload":
-        result["transfer_ms"] = layers.paired_difference_ms(timed_ms, keep_before_ms[warmup : warmup + rounds])
-        result["facts"], benchmark.extra_info["transfer_ms"] = facts, result["transfer_ms"]
+        transfer_ms = layers.paired_difference_ms(timed_ms, keep_before_ms[warmup : warmup + rounds])
+        result.update(transfer_ms=transfer_ms, facts=facts)
+        benchmark.extra_info["transfer_ms"] = transfer_ms
