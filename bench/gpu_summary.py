@@ -95,8 +95,8 @@ def _row(cells) -> str:
 
 def markdown(summary: dict, out: Path) -> str:
     env, figures = collections.defaultdict(lambda: "?", summary["env"]), summary["figures"]
-    parts = [_row(key.replace("_", " ") for key in PART_KEYS), "|" + "---|" * len(PART_KEYS)]
-    sections = {"Parts": parts + [_row(part[key] for key in PART_KEYS) for part in summary["parts"] if part]}
+    header = [_row(key.replace("_", " ") for key in PART_KEYS), "|" + "---|" * len(PART_KEYS)]
+    sections = {"Parts": header + [_row(part[key] for key in PART_KEYS) for part in summary["parts"] if part]}
     if probe := figures["probe"]:
         sections["Probe"] = [f"- {key}: {value}" for key, value in probe.items()]
     if (step_table := out / "step" / "table.md").exists():  # offload.bench's own, under its own heading

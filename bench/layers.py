@@ -15,7 +15,6 @@ Each runner collects one result per case ({kind: median ms, "transfer_ms", "fact
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import dataclasses
 import json
@@ -43,8 +42,18 @@ DEVICE_ENV = "OFFLOAD_BENCH_DEVICE"  # default: cuda when available, else cpu
 SIZES_ENV = "OFFLOAD_BENCH_SIZES"  # a SIZE_PRESETS name (default: the device's type)
 
 
-Size = collections.namedtuple("Size", "name batch seq dim n_head img_batch channels hw")
-"""One size of the layers: token shape (batch, seq, dim, heads) and image shape (img_batch, channels, hw)."""
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One size of the layers: token shape (batch, seq, dim, heads) and image shape (img_batch, channels, hw)."""
+
+    name: str
+    batch: int
+    seq: int
+    dim: int
+    n_head: int
+    img_batch: int
+    channels: int
+    hw: int
 
 
 def gpt_config(size: Size) -> GPTConfig:
@@ -286,7 +295,8 @@ COLUMNS: list[measure.Column] = [
 
 def report(results: dict[Case, dict], device: torch.device, runner: str, say: Callable[[str], None]) -> dict:
     """Table the results and the fit through ``say``, and write the JSON: to ``$OFFLOAD_BENCH_OUT``
-    when set, else to results/ when every case and kind was measured (a partial run cannot clobber it)."""
+    when set, else to results/layers-<device>.json when every case and kind of the device's own sizes
+    was measured (a partial run, or one at other sizes, cannot clobber it)."""
     rows = [layer_row(case, device, result) for case, result in results.items()]
     warmup, rounds = layer_rounds(device)
     fit = transfer_fit(rows)
@@ -317,7 +327,9 @@ def report(results: dict[Case, dict], device: torch.device, runner: str, say: Ca
             f"median error {fit['median_abs_error_ms']} ms)"
         )
     measured = [row[f"{kind}_ms"] for row in rows for kind in KINDS]
-    complete = set(cases(device)) <= set(results) and not any(map(math.isnan, measured))
+    # results/ holds the device's own sizes: a run at other sizes (--sizes tiny) or of fewer cases leaves it be.
+    complete = size_preset(device) == device.type and set(cases(device)) <= set(results)
+    complete = complete and not any(map(math.isnan, measured))
     out = os.environ.get(OUT_ENV) or (RESULTS_DIR / f"layers-{device.type}.json" if complete else None)
     if out:
         say(f"wrote {measure.write_json(out, payload)}")
@@ -340,9 +352,10 @@ def main(argv=None) -> int:
         os.environ[OUT_ENV] = args.json_out
     device = parse_device(args.device)
     measure.set_threads(args.threads)
+    only = set(args.only.split(",")) if args.only else None
     results = {}
     for case in cases(device):
-        if args.only and case.layer not in args.only.split(","):
+        if only and case.layer not in only:
             continue
         results[case] = time_case(case, device)
         print(f"  {case.id}: " + ", ".join(f"{k} {results[case][k]:.2f} ms" for k in KINDS), file=sys.stderr)

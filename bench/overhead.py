@@ -203,7 +203,8 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
         )
         engine.close()
     none_row = variants["budget None"]
-    model = {key: getattr(settings.gpt_config(), key) for key in ("n_layer", "n_embd", "n_head", "seq_len")}
+    config = settings.gpt_config()
+    model = {key: getattr(config, key) for key in ("n_layer", "n_embd", "n_head", "seq_len")}
     return {
         "model": model | {"batch": settings.batch, "dtype": settings.dtype, "params": trainer.model.num_params()},
         "steps": steps,

@@ -173,6 +173,17 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert step.main(["--configs", "none,bogus", "--out", str(tmp_path)]) == 2
     assert "bogus" in capsys.readouterr().err
     assert step.main(["--hidden", "30", "--heads", "4", "--out", str(tmp_path)]) == 2
+    capsys.readouterr()
+    names_nothing = ["--preset", "tiny", "--in-process", "--configs", ",", "--out", str(tmp_path / "none")]
+    assert step.main(names_nothing) == 2  # an error, not the preset's whole set
+    assert "names no configuration" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()  # nothing ran
+
+
+def test_bool_settings_are_switches():
+    with pytest.raises(SystemExit) as exit_info:
+        step.main(["--deterministic", "False"])  # a switch: "False" is not read as a truthy string
+    assert exit_info.value.code == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without CUDA")

@@ -20,7 +20,8 @@ import torch
 import offload
 from offload.models import GPTConfig
 
-__all__ = "DTYPES MB PRESETS REFERENCE Kind Preset RunSettings Variant engine_variants parse_variant".split()
+__all__ = ["DTYPES", "MB", "PRESETS", "REFERENCE", "Kind", "Preset", "RunSettings", "Variant"]
+__all__ += ["engine_variants", "parse_variant"]
 
 MB = 1 << 20  # bytes per MB, as offload.engine(budget_mb=...) counts them
 

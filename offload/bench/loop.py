@@ -67,9 +67,10 @@ def _torchtune_offload() -> type:
 
 class BlockHooks:
     """Hooks on every block of an eager model (compiled code runs no Python hooks): while ``timing``,
-    each block's forward time; while ``trace`` is a list, ``engine``'s resident bytes and the memory
-    in use after each block's forward and backward (the plot); and a page-cache sample of ``memory``
-    as the last block's backward starts, when the spill files hold the most they will this step."""
+    each block's forward time; between ``start_trace`` and ``stop_trace``, the engine's resident
+    bytes and the memory in use after each block's forward and backward (the plot); and a page-cache
+    sample of ``memory`` as the last block's backward starts, when the spill files hold the most
+    they will this step."""
 
     def __init__(self, blocks: torch.nn.ModuleList, device: torch.device) -> None:
         self.cuda, self.last = device.type == "cuda", len(blocks) - 1
@@ -82,6 +83,15 @@ class BlockHooks:
         for index, block in enumerate(blocks):
             block.register_forward_pre_hook(self._start)
             block.register_forward_hook(functools.partial(self._end, index))
+
+    def start_trace(self, engine: Optional[offload.Engine]) -> None:
+        """Trace the steps from now on (the harness traces the last one, for the plot)."""
+        self.trace, self.engine = [], engine
+
+    def stop_trace(self) -> list[dict]:
+        """The samples since ``start_trace``; tracing stops (later passes, e.g. a counting one, add none)."""
+        trace, self.trace, self.engine = self.trace or [], None, None
+        return trace
 
     def _now(self) -> Any:
         """The host clock, or on CUDA an event recorded now (read after a synchronization)."""
@@ -122,7 +132,8 @@ class Trainer:
     """MiniGPT, AdamW and the batch stream for one configuration; ``step`` trains one step."""
 
     def __init__(self, run: RunSettings, variant: Variant, data: torch.Tensor, device: torch.device) -> None:
-        self.run, self.variant, self.data, self.device, self.steps = run, variant, data, device, 0
+        self.run, self.variant, self.data, self.device = run, variant, data, device
+        self.steps = 0
         torch.manual_seed(run.seed)
         with torch.device(device):
             self.model = MiniGPT(run.gpt_config()).to(DTYPES[run.dtype]).train()
@@ -144,17 +155,19 @@ class Trainer:
         x, y = self.batch()
         torch.manual_seed(self.run.seed + 1 + self.steps)  # same dropout masks in every configuration
         self.steps += 1
+        sample_cache = (lambda: None) if memory is None else memory.sample_cache
         if self.hooks is not None:
             self.hooks.memory = memory  # sampled by the hooks during this step only
-        sample_cache = (lambda: None) if memory is None else memory.sample_cache
-        with window(self.device, memory) as fwd_bwd:
-            with context():
-                _, loss = self.model(x, y)
-            sample_cache()
-            loss.backward()
-            sample_cache()
-        if self.hooks is not None:
-            self.hooks.memory = None
+        try:
+            with window(self.device, memory) as fwd_bwd:
+                with context():
+                    _, loss = self.model(x, y)
+                sample_cache()
+                loss.backward()
+                sample_cache()
+        finally:
+            if self.hooks is not None:
+                self.hooks.memory = None
         with window(self.device, memory) as opt:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -264,7 +277,7 @@ def run_one(
         with _determinism(strict=False) if run.deterministic else contextlib.nullcontext():
             for step in range(run.total_steps):
                 if hooks is not None and step == run.total_steps - 1:
-                    hooks.trace, hooks.engine = [], engine  # the last step's trace: the plot
+                    hooks.start_trace(engine)
                 profiling = engine is not None and engine.profiling  # a profiling step is never timed
                 if engine is not None:
                     engine.reset_stats()
@@ -276,7 +289,7 @@ def run_one(
                 if engine is not None:
                     record.update(engine.stats.to_dict())
                 emit(record)
-        trace = [] if hooks is None else hooks.trace or []
+        trace = [] if hooks is None else hooks.stop_trace()
         if variant.kind is Kind.NONE:
             activation_bytes = trainer.saved_bytes(engine_kwargs)
         plan = None if engine is None else engine.plan

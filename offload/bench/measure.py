@@ -29,8 +29,8 @@ import offload
 from offload._pagecache import cached_bytes_under
 from offload._probe import cpu_model
 
-__all__ = "THREADS_ENV Column Memory describe_machine environment median records_table resolve_device".split()
-__all__ += "set_threads sync table timed window write_json write_text".split()
+__all__ = ["THREADS_ENV", "Column", "Memory", "describe_machine", "environment", "median", "records_table"]
+__all__ += ["resolve_device", "set_threads", "sync", "table", "timed", "window", "write_json", "write_text"]
 
 THREADS_ENV = "OFFLOAD_BENCH_THREADS"  # torch intra-op threads of bench/'s scripts (default: torch's choice)
 
@@ -54,8 +54,9 @@ def resolve_device(name: Optional[str]) -> torch.device:
 def set_threads(threads: Optional[int]) -> None:
     """Pin torch's intra-op threads (None: ``$OFFLOAD_BENCH_THREADS`` or torch's default). On a
     shared machine 1 thread avoids OpenMP spin-waits against other processes."""
-    if threads := threads or int(os.environ.get(THREADS_ENV) or 0):
-        torch.set_num_threads(threads)
+    chosen = threads or int(os.environ.get(THREADS_ENV) or 0)
+    if chosen:
+        torch.set_num_threads(chosen)
 
 
 def median(values: Iterable[Optional[float]]) -> Optional[float]:
@@ -171,9 +172,11 @@ def timed(fns: dict[str, Callable[[], None]], *, rounds: int, warmup: int, devic
 
 
 def _git_commit() -> Optional[str]:
-    command, root = ["git", "rev-parse", "--short", "HEAD"], Path(offload.__file__).resolve().parents[1]
+    checkout = Path(offload.__file__).resolve().parents[1]
     try:
-        out = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -254,7 +257,10 @@ def records_table(
         value = record[key] if isinstance(key, str) else key(record)
         return value if value is None or not spec else format(value, spec)
 
-    rows = [[cell(r, columns[0]), text] if (text := note(r)) else [cell(r, c) for c in columns] for r in records]
+    rows: list[Sequence] = []
+    for record in records:
+        text = note(record)
+        rows.append([cell(record, columns[0]), text] if text else [cell(record, column) for column in columns])
     return table([header for header, _, _ in columns], rows, markdown=markdown, left=left)
 
 

@@ -102,7 +102,8 @@ def summarize(
     rows: list[dict[str, Any]] = []
     for v in variants:
         runs = results[v.name]
-        steps, measured = [s for r in runs for s in r["steps"]], _measured(runs)
+        steps = [s for r in runs for s in r["steps"]]
+        measured = _measured(runs)
         summary = next((r["summary"] for r in runs if r["summary"]), None) or {}
         runs_ms = [median(s["step_ms"] for s in _measured([r])) for r in runs]
         runs_predicted_ms = [((r["summary"] or {}).get("plan") or {}).get("predicted_step_ms") for r in runs]
@@ -110,7 +111,8 @@ def summarize(
         reload_ms, evict_ms = stats["reload_wait_ms"], stats["evict_wait_ms"]
         recomputed = run.layers if v.kind is Kind.CHECKPOINT else (stats["recomputed_regions"] or 0)
         moved = [(stats["offloaded_bytes"], out_gbps), (stats["reloaded_bytes"], back_gbps)]
-        losses, reference = [s["loss"] for s in runs[0]["steps"]], ref_losses[v.compiled]
+        losses = [s["loss"] for s in runs[0]["steps"]]
+        reference = ref_losses[v.compiled]
         compared = v.kind is not Kind.NONE and reference and len(losses) == len(reference)
         loss_diffs = [abs(a - b) for a, b in zip(losses, reference, strict=False)]
         regions = (summary.get("plan") or {}).get("regions", [])
@@ -118,7 +120,10 @@ def summarize(
         rows.append(
             {
                 "config": v.name,
-                **(dataclasses.asdict(v) | {"kind": v.kind.value}),  # and policy, budget_fraction, compiled
+                "kind": v.kind.value,
+                "policy": v.policy,
+                "budget_fraction": v.budget_fraction,
+                "compiled": v.compiled,
                 "budget_mb": summary.get("budget_mb"),
                 "measured_steps": len(measured),
                 "step_ms": median(runs_ms),
@@ -166,8 +171,8 @@ def verdicts(rows: list[dict]) -> dict:
         auto = at.get("auto")
         if auto is None:
             continue
-        held = {p for p, r in at.items() if r["engine_peak_mb"] is not None and r["engine_peak_mb"] <= r["budget_mb"]}
-        fixed = {p: at[p] for p in held - {"auto"}}
+        held = [p for p, r in at.items() if r["engine_peak_mb"] is not None and r["engine_peak_mb"] <= r["budget_mb"]]
+        fixed = {p: at[p] for p in held if p != "auto"}  # in row order: a tie goes to the first
         best = min(fixed, key=lambda p: fixed[p]["step_ms"]) if fixed else None
         ratio = _paired(auto["runs_step_ms"], fixed[best]["runs_step_ms"]) if best else None
         predicted = _paired(auto["runs_predicted_ms"], auto["runs_step_ms"])
@@ -284,7 +289,8 @@ def plot(path: Path, rows: list[dict], results: dict, run: RunSettings) -> Optio
         return None
     fig = Figure(figsize=(12, 4.8))
     left, right = fig.subplots(1, 2)
-    points = [p for p in ((r["step_ms"], r["act_peak_mb"], r["config"]) for r in rows) if None not in p[:2]]
+    measured = [r for r in rows if r["step_ms"] is not None and r["act_peak_mb"] is not None]
+    points = [(r["step_ms"], r["act_peak_mb"], r["config"]) for r in measured]
     for i, (ms, mb, name) in enumerate(points):
         left.scatter(ms, mb, s=30)
         left.annotate(name, (ms, mb), textcoords="offset points", xytext=(5, 5 if i % 2 == 0 else -12), fontsize=7)
@@ -308,7 +314,7 @@ def plot(path: Path, rows: list[dict], results: dict, run: RunSettings) -> Optio
         right.set(ylabel="engine resident bytes, MB", title="resident activations over the last step")
     else:
         right.set_axis_off()
-    for axes in (left, right) if traced else (left,):
+    for axes in [left, right] if traced else [left]:  # an empty right panel has no legend or grid
         axes.legend(fontsize=8)
         axes.grid(alpha=0.3)
     fig.suptitle(

@@ -162,12 +162,13 @@ def _parser() -> argparse.ArgumentParser:
     hints = get_type_hints(RunSettings)
     for field in dataclasses.fields(RunSettings):  # a flag per setting; one not given stays None: the preset's
         flag, flag_help = "--" + field.name.replace("_", "-"), _FLAG_HELP.get(field.name)
+        # The annotated type, Optional[X] read as X.
+        kind = next(t for t in get_args(hints[field.name]) or (hints[field.name],) if t is not type(None))
         if field.name in _CHOICES:
             p.add_argument(flag, choices=_CHOICES[field.name], help=flag_help)
-        elif hints[field.name] is bool:
+        elif kind is bool:  # --x / --no-x: type=bool would read "--x False" as True
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=flag_help)
-        else:  # the annotated type, Optional[int] read as int
-            kind = next(t for t in get_args(hints[field.name]) or (hints[field.name],) if t is not type(None))
+        else:
             p.add_argument(flag, type=kind, help=flag_help)
     examples = ", ".join(v.name for v in PRESETS["tiny"].variants)
     p.add_argument(
@@ -193,6 +194,8 @@ def _settings(args: argparse.Namespace) -> tuple[RunSettings, list[Variant]]:
             f"--steps and --repeats must be >= 1 and --warmup >= 0, got {run.steps}, {run.repeats}, {run.warmup}"
         )
     names = [name.strip() for name in (args.configs or "").split(",") if name.strip()]
+    if args.configs is not None and not names:
+        raise ValueError(f"--configs {args.configs!r} names no configuration; e.g. --configs none,offload-25%")
     variants = [parse_variant(name) for name in names] if names else list((preset or PRESETS["demo"]).variants)
     if args.compile:
         variants = [w for v in variants for w in (v, dataclasses.replace(v, compiled=True)) if not v.compiled]
