@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -105,6 +106,7 @@ class Store:
         self._host_lru: dict[int, Entry] = {}  # seq -> AWAY entries with an idle host copy (room to make)
         self._demoting: collections.deque = collections.deque()  # host copies being written to disk
         self._climbing: list[Entry] = []  # loads still on an intermediate tier (disk -> host)
+        self._orphans: list[_Orphan] = []  # writes in flight when their entry was released
         self._held: Optional[Entry] = None  # See Note: [held for the next user]
         self._seq = 0
         self._hot_bytes = 0
@@ -332,6 +334,8 @@ class Store:
             self._land_out(self._leaving.popleft())
         while self._demoting and self._demoting[0].copies[Tier.DISK].filled.done():
             self._land_demotion(self._demoting.popleft())
+        if self._orphans:
+            self._orphans = [orphan for orphan in self._orphans if not self._settle_orphan(orphan)]
         if self._climbing:
             climbing, self._climbing = self._climbing, []
             for e in climbing:
@@ -381,6 +385,20 @@ class Store:
         host = e.copies.get(Tier.HOST)
         if host is not None and e.residence is Residence.AWAY:
             self._tier[Tier.HOST].free(e.copies.pop(Tier.HOST))
+
+    def _settle_orphan(self, orphan: _Orphan) -> bool:
+        """An orphan's copy has landed (True) or not yet (False). One that failed moved nothing and
+        wrote nothing: it leaves the counters, as ``_out_failed`` does for a live entry."""
+        if not orphan.copy.filled.done():
+            return False
+        error = orphan.copy.filled.error()
+        if error is not None:
+            if orphan.left_device:
+                self.counters.offloaded_bytes -= orphan.nbytes
+            if orphan.copy.tier is Tier.DISK:
+                self.counters.spilled_bytes -= orphan.nbytes
+            self._note_write_failure(error)
+        return True
 
     def _note_write_failure(self, error: BaseException) -> None:
         if not self._write_failed:
@@ -642,6 +660,8 @@ class Store:
             del self._kept[e.seq]
         elif residence is Residence.LEAVING:
             self._leaving.remove(e)
+            # Counted when it started; landed or not, it has not been looked at: a failure must come out.
+            self._orphans.append(_Orphan(e.copies[self._out.tier], e.nbytes, left_device=True))
         elif residence is Residence.LOADED:
             self._loaded_bytes -= e.nbytes
         if residence is not Residence.AWAY:
@@ -650,6 +670,7 @@ class Store:
         self._host_lru.pop(e.seq, None)
         if e in self._demoting:
             self._demoting.remove(e)
+            self._orphans.append(_Orphan(e.copies[Tier.DISK], e.nbytes, left_device=False))
         if e in self._climbing:
             self._climbing.remove(e)
         for tier, copy in e.copies.items():
@@ -667,6 +688,8 @@ class Store:
                 _wait_quietly(e.copies[self._out.tier])
             for e in self._climbing:  # reads to the host land there; no copy up starts now
                 _wait_quietly(e.nearest())
+            for orphan in self._orphans:  # settled by the poll below, so the counters are final
+                _wait_quietly(orphan.copy)
             self._climbing = []
             self._poll()
             live = {
@@ -691,6 +714,17 @@ class Store:
             if isinstance(host, HostTier):
                 host.arena.clear()
             self.spill.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Orphan:
+    """A copy out (d2h or spill write) still in flight when its entry was released. Its memory is
+    freed by its tier once it settles; the store only has to learn whether it failed."""
+
+    copy: Copy
+    nbytes: int
+    left_device: bool
+    """Counted in ``offloaded_bytes`` (a copy out of the device), not only in ``spilled_bytes``."""
 
 
 def _wait_quietly(copy: Copy) -> None:
