@@ -106,7 +106,7 @@ class Store:
         self._host_lru: dict[int, Entry] = {}  # seq -> AWAY entries with an idle host copy (room to make)
         self._demoting: collections.deque = collections.deque()  # host copies being written to disk
         self._climbing: list[Entry] = []  # loads still on an intermediate tier (disk -> host)
-        self._orphans: list[_Orphan] = []  # writes in flight when their entry was released
+        self._orphans: list[_Orphan] = []  # spill writes in flight when their entry was released
         self._held: Optional[Entry] = None  # See Note: [held for the next user]
         self._seq = 0
         self._hot_bytes = 0
@@ -301,7 +301,10 @@ class Store:
 
     def _free_host_copy_or_demote(self, e: Entry) -> None:
         del self._host_lru[e.seq]
-        if Tier.DISK in e.copies:  # read back from disk earlier: the host copy is a spare
+        disk = e.copies.get(Tier.DISK)
+        if disk is not None and disk.state is CopyState.FILLING:
+            return  # being demoted: the write landing frees the host copy, a failed one keeps it (_land_demotion)
+        if disk is not None:  # read back from disk earlier: the host copy is a spare
             self._tier[Tier.HOST].free(e.copies.pop(Tier.HOST))
             return
         with record("offload::spill"):
@@ -644,6 +647,8 @@ class Store:
 
     def _release(self, e: Entry) -> None:
         """Free everything an entry holds; copies still in flight are freed when they settle."""
+        if e.residence is Residence.RELEASED:  # close() released it; its last handle died since
+            return
         if self._by_key.get(e.key) is e:
             del self._by_key[e.key]
         residence = e.residence
@@ -660,8 +665,9 @@ class Store:
             del self._kept[e.seq]
         elif residence is Residence.LEAVING:
             self._leaving.remove(e)
-            # Counted when it started; landed or not, it has not been looked at: a failure must come out.
-            self._orphans.append(_Orphan(e.copies[self._out.tier], e.nbytes, left_device=True))
+            copy = e.copies[self._out.tier]
+            if copy.tier is Tier.DISK:  # counted when it started and not looked at since: a failure must come out
+                self._orphans.append(_Orphan(copy, e.nbytes, left_device=True))
         elif residence is Residence.LOADED:
             self._loaded_bytes -= e.nbytes
         if residence is not Residence.AWAY:
@@ -688,6 +694,8 @@ class Store:
                 _wait_quietly(e.copies[self._out.tier])
             for e in self._climbing:  # reads to the host land there; no copy up starts now
                 _wait_quietly(e.nearest())
+            for e in self._demoting:
+                _wait_quietly(e.copies[Tier.DISK])
             for orphan in self._orphans:  # settled by the poll below, so the counters are final
                 _wait_quietly(orphan.copy)
             self._climbing = []
@@ -718,8 +726,8 @@ class Store:
 
 @dataclasses.dataclass(frozen=True)
 class _Orphan:
-    """A copy out (d2h or spill write) still in flight when its entry was released. Its memory is
-    freed by its tier once it settles; the store only has to learn whether it failed."""
+    """A spill write still in flight when its entry was released (a d2h copy cannot fail). Its
+    memory is freed by its tier once it settles; the store only has to learn whether it failed."""
 
     copy: Copy
     nbytes: int

@@ -898,3 +898,18 @@ def test_exception_in_backward_resets(error, tier, spill_dir):
     _assert_reset(eng, spill_dir)
     eng.close()
     assert list(spill_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["hot", "moved"])
+def test_freeing_the_graph_after_close_counts_nothing_twice(budget, spill_dir):
+    """close() releases what a live graph still points at; when that graph is freed afterwards, its
+    handles' releases find the entries gone and change nothing (resident bytes stay 0, not below)."""
+    model = TanhChain(4)
+    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    with eng:
+        loss = model(chain_input()).sum()
+    eng.close()
+    assert eng.stats.resident_bytes == 0
+    del loss
+    gc.collect()
+    assert eng.stats.resident_bytes == 0
