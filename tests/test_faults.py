@@ -218,26 +218,39 @@ def test_disk_full_keeps_tensors_in_memory(writes_ok, partial, budget_tensors, f
     assert list(spill_dir.iterdir()) == []
 
 
-def test_write_failing_after_backward_adopted_its_source(monkeypatch, spill_dir):
-    """The last spill write is still in flight when backward reaches its tensor: backward serves it
-    from its source and, with both users served, lets it go. Then the write fails. A second backward
-    (retain_graph) must still find the data: the source went back to the store, not away."""
-    real_write = offload._spill._File.write
-    gate = threading.Event()
-    started, gated_done = [], []
-    depth = 4
+class _LastWriteFailsLate:
+    """Replaces the spill file's write: the ``depth - 1``-th write (the newest evicted tensor's of a
+    ``TanhChain(depth)`` at a 2.5-tensor budget) waits for ``gate`` and then fails with ENOSPC."""
 
-    def last_write_fails_late(file, extent, data):
-        started.append(extent)
-        if len(started) != depth - 1:
-            return real_write(file, extent, data)
-        try:  # the newest evicted tensor's write
-            gate.wait(GATE_TIMEOUT_S)
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, depth: int) -> None:
+        self.real_write, self.depth = offload._spill._File.write, depth
+        self.gate = threading.Event()
+        self.started: list = []
+        self.gated_done: list = []
+        gated = self
+
+        def write(file, extent, data):  # a plain function: the class binds ``file`` as self
+            return gated._write(file, extent, data)
+
+        monkeypatch.setattr(offload._spill._File, "write", write)
+
+    def _write(self, file, extent, data):
+        self.started.append(extent)
+        if len(self.started) != self.depth - 1:
+            return self.real_write(file, extent, data)
+        try:
+            self.gate.wait(GATE_TIMEOUT_S)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         finally:
-            gated_done.append(extent)
+            self.gated_done.append(extent)
 
-    monkeypatch.setattr(offload._spill._File, "write", last_write_fails_late)
+    def in_flight(self) -> bool:
+        return len(self.started) == self.depth - 1 and not self.gated_done and not self.gate.is_set()
+
+
+def _gated_chain(monkeypatch, spill_dir, depth: int = 4):
+    """(the gated write, the engine, the model, its reference with gradients, the loss under the engine)."""
+    write = _LastWriteFailsLate(monkeypatch, depth)
     model, ref_model = TanhChain(depth), TanhChain(depth)
     torch.manual_seed(0)
     x = chain_input()
@@ -246,10 +259,18 @@ def test_write_failing_after_backward_adopted_its_source(monkeypatch, spill_dir)
     eng = offload.engine(2.5 * NBYTES / MB, min_offload_bytes=0, spill_dir=spill_dir)
     with eng:
         loss = model(x).sum()
+    return write, eng, model, ref_model, loss
+
+
+def test_write_failing_after_backward_adopted_its_source(monkeypatch, spill_dir):
+    """The last spill write is still in flight when backward reaches its tensor: backward serves it
+    from its source and, with both users served, lets it go. Then the write fails. A second backward
+    (retain_graph) must still find the data: the source went back to the store, not away."""
+    write, eng, model, ref_model, loss = _gated_chain(monkeypatch, spill_dir)
     loss.backward(retain_graph=True)
-    assert not gate.is_set() and torch.equal(model.scale.grad, ref_model.scale.grad)
-    assert len(started) == depth - 1 and not gated_done, "backward ran with the gated write in flight"
-    gate.set()
+    assert torch.equal(model.scale.grad, ref_model.scale.grad)
+    assert write.in_flight(), "backward ran with the gated write in flight"
+    write.gate.set()
     model.zero_grad(set_to_none=True)
     loss.backward()
     assert torch.equal(model.scale.grad, ref_model.scale.grad)
@@ -258,7 +279,7 @@ def test_write_failing_after_backward_adopted_its_source(monkeypatch, spill_dir)
     # The write may fail before its tensor died (retired as a live entry) or after (an orphan the
     # next poll retires): close() settles both, so the count is final only then.
     eng.close()
-    assert eng.stats.spilled_bytes == (depth - 2) * NBYTES, "the failed write is not counted"
+    assert eng.stats.spilled_bytes == (write.depth - 2) * NBYTES, "the failed write is not counted"
     assert list(spill_dir.iterdir()) == []
 
 
@@ -266,35 +287,16 @@ def test_write_failing_after_its_tensor_died_is_not_counted(monkeypatch, spill_d
     """The last spill write is still in flight when backward, served from the source, frees the graph:
     the tensor dies with its write in flight. The write then fails. It moved and wrote nothing, so
     once the engine has settled it (close() waits for it) neither count includes it."""
-    real_write = offload._spill._File.write
-    gate = threading.Event()
-    started = []
-    depth = 4
-
-    def last_write_fails_late(file, extent, data):
-        started.append(extent)
-        if len(started) != depth - 1:
-            return real_write(file, extent, data)
-        gate.wait(GATE_TIMEOUT_S)  # the newest evicted tensor's write
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(offload._spill._File, "write", last_write_fails_late)
-    model, ref_model = TanhChain(depth), TanhChain(depth)
-    torch.manual_seed(0)
-    x = chain_input()
-    ref_model(x).sum().backward()
-    eng = offload.engine(2.5 * NBYTES / MB, min_offload_bytes=0, spill_dir=spill_dir)
-    with eng:
-        loss = model(x).sum()
+    write, eng, model, ref_model, loss = _gated_chain(monkeypatch, spill_dir)
     loss.backward()  # frees the graph
     del loss
     assert torch.equal(model.scale.grad, ref_model.scale.grad)
-    assert len(started) == depth - 1 and not gate.is_set(), "the gated write's tensor died in flight"
-    gate.set()
+    assert write.in_flight(), "the gated write's tensor died in flight"
+    write.gate.set()
     eng.close()
     stats = eng.stats
-    assert stats.spilled_bytes == (depth - 2) * NBYTES, "the failed write is not counted as written"
-    assert stats.offloaded_bytes == (depth - 2) * NBYTES, "nor as moved"
+    assert stats.spilled_bytes == (write.depth - 2) * NBYTES, "the failed write is not counted as written"
+    assert stats.offloaded_bytes == (write.depth - 2) * NBYTES, "nor as moved"
     assert list(spill_dir.iterdir()) == []
 
 
