@@ -205,11 +205,6 @@ class LayerBench:
         self.engine.close()
 
 
-def paired_difference_ms(after_ms: list[float], before_ms: list[float]) -> float:
-    """Median of per-round differences: drift between rounds cancels, as the two ran back to back."""
-    return measure.median([a - b for a, b in zip(after_ms, before_ms, strict=True)])
-
-
 def time_case(case: Case, device: torch.device) -> dict:
     """One case's result from the interleaved runner (``python bench/layers.py``)."""
     warmup, rounds = layer_rounds(device)
@@ -221,7 +216,7 @@ def time_case(case: Case, device: torch.device) -> dict:
     finally:
         bench.close()
     medians = {kind: measure.median(ms) for kind, ms in times.items()}
-    return medians | {"transfer_ms": paired_difference_ms(times["offload"], times["keep"]), "facts": facts}
+    return medians | {"transfer_ms": measure.paired_median(times["offload"], times["keep"]), "facts": facts}
 
 
 def layer_row(case: Case, device: torch.device, result: dict) -> dict:

@@ -72,12 +72,6 @@ STEP_COLUMNS: list[measure.Column] = [
 ]
 
 
-def paired_median(after: list[float], before: list[float], compare=operator.sub) -> float:
-    """Median over rounds of ``compare(after_i, before_i)``: the two ran back to back, so drift between
-    rounds cancels. The noise-free check beside it is min - min: noise only ever adds time."""
-    return measure.median([compare(a, b) for a, b in zip(after, before, strict=True)])
-
-
 def chain(x: torch.Tensor, length: int, make_context) -> None:
     x.grad = None
     with make_context():
@@ -120,9 +114,9 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
     us_per_tensor = 1e3 / saved  # a chain's ms -> us per saved tensor
     variants = {
         name: {
-            "median_us": round(us_per_tensor * paired_median(ms, base), 3),
+            "median_us": round(us_per_tensor * measure.paired_median(ms, base), 3),
             "min_us": round(us_per_tensor * (min(ms) - min(base)), 3),
-            "cpu_us": round(us_per_tensor * paired_median(cpu[name], base_cpu), 3),
+            "cpu_us": round(us_per_tensor * measure.paired_median(cpu[name], base_cpu), 3),
         }
         for name, ms in times.items()
     }
@@ -146,7 +140,7 @@ def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
     moved_mb = chain_stats(x, length, moving).offloaded_bytes / MB
     counting.close()
     moving.close()
-    moved_ms = paired_median(times["moved"], times["base"])
+    moved_ms = measure.paired_median(times["moved"], times["base"])
     return {
         "tensors": length,
         "tensor_bytes": numel * 4,
@@ -186,7 +180,7 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
             "min_ms": round(min(ms), 3),
             "cpu_median_ms": round(measure.median(cpu[name]), 3),
             "overhead": round(measure.median(ms) / measure.median(base) - 1, 4),
-            "paired_overhead": round(paired_median(ms, base, operator.truediv) - 1, 4),
+            "paired_overhead": round(measure.paired_median(ms, base, operator.truediv) - 1, 4),
             "min_overhead": round(min(ms) / min(base) - 1, 4),
             "cpu_overhead": round(measure.median(cpu[name]) / measure.median(base_cpu) - 1, 4),
         }

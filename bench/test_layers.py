@@ -17,7 +17,7 @@ pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is not installe
 import torch  # noqa: E402
 
 import layers  # noqa: E402
-from offload.bench.measure import median, set_threads  # noqa: E402
+from offload.bench.measure import median, paired_median, set_threads  # noqa: E402
 
 set_threads(None)  # $OFFLOAD_BENCH_THREADS, if set
 if os.environ.get(layers.DEVICE_ENV, "").startswith("cuda") and not torch.cuda.is_available():
@@ -48,6 +48,6 @@ def test_layer(benchmark, layer_results, case: layers.Case, kind: str) -> None:
     result = layer_results.setdefault(case, {})
     result[kind] = median(timed_ms)
     if kind == "offload":
-        transfer_ms = layers.paired_difference_ms(timed_ms, keep_before_ms[warmup : warmup + rounds])
+        transfer_ms = paired_median(timed_ms, keep_before_ms[warmup : warmup + rounds])
         result.update(transfer_ms=transfer_ms, facts=facts)
         benchmark.extra_info["transfer_ms"] = transfer_ms

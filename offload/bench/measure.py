@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import datetime
 import json
+import operator
 import os
 import platform
 import re
@@ -29,7 +30,8 @@ import offload
 from offload._pagecache import cached_bytes_under
 from offload._probe import cpu_model
 
-__all__ = ["THREADS_ENV", "Column", "Memory", "describe_machine", "environment", "median", "records_table"]
+__all__ = ["THREADS_ENV", "Column", "Memory", "describe_machine", "environment", "median", "paired_median"]
+__all__ += ["records_table"]
 __all__ += ["resolve_device", "set_threads", "sync", "table", "timed", "window", "write_json", "write_text"]
 
 THREADS_ENV = "OFFLOAD_BENCH_THREADS"  # torch intra-op threads of bench/'s scripts (default: torch's choice)
@@ -61,6 +63,14 @@ def set_threads(threads: Optional[int]) -> None:
 
 def median(values: Iterable[Optional[float]]) -> Optional[float]:
     return statistics.median(values) if (values := [v for v in values if v is not None]) else None
+
+
+def paired_median(
+    after: Sequence[float], before: Sequence[float], compare: Callable[[float, float], float] = operator.sub
+) -> Optional[float]:
+    """Median over rounds of ``compare(after_i, before_i)``: the two ran back to back, so drift between
+    rounds cancels. The noise-free check beside it is min - min: noise only ever adds time."""
+    return median([compare(a, b) for a, b in zip(after, before, strict=True)])
 
 
 class Memory:
