@@ -546,6 +546,13 @@ class _ProfiledFrame(_Frame):
                 )
             on_selective(profile)
 
+    # Note: [a profiling re-run holds nothing after it]
+    #     The re-run's graph keeps its saved variables, and each holds the hooks it was packed with:
+    #     ``capture`` closes over ``mode``, whose ``calls`` hold the expensive outputs, whose
+    #     ``grad_fn`` is that graph. The cycle runs through autograd's C++ graph, which Python's
+    #     collector cannot see, so one region's activations would stay alive for ever, once per
+    #     profiled input shape. Emptying ``captured`` and ``mode.calls`` when the re-run is done
+    #     (or raised) opens it; the figures are computed from the local ``calls`` first.
     def _profile_selective(self) -> SelectiveProfile:
         total = len(self.meta)
         saved: dict[int, int] = {}  # droppable saves: storage id -> nbytes
@@ -570,15 +577,19 @@ class _ProfiledFrame(_Frame):
         _synchronize(self.rng.cuda_devices)
         start = time.perf_counter()
         hooks = torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured)
-        with self.rng.restored(), self.autocast.restored(), torch.enable_grad(), hooks, mode:
-            try:
-                self.fn(*args, **kwargs)
-            except _StopRecompute:
-                pass
-        _synchronize(self.rng.cuda_devices)
-        total_ms = (time.perf_counter() - start) * 1e3
-        captured.clear()
-        calls = mode.calls[: reached[0]]
+        try:
+            with self.rng.restored(), self.autocast.restored(), torch.enable_grad(), hooks, mode:
+                try:
+                    self.fn(*args, **kwargs)
+                except _StopRecompute:
+                    pass
+            _synchronize(self.rng.cuda_devices)
+            total_ms = (time.perf_counter() - start) * 1e3
+            calls = mode.calls[: reached[0]]
+        finally:
+            # See Note: [a profiling re-run holds nothing after it]
+            captured.clear()
+            mode.calls = []
         held = [h for call in calls for h in call]
         stash = {_storage_id(h.tensor): h.tensor.untyped_storage().nbytes() for h in held}
         written = next((i for i, call in enumerate(calls) if any(h.tensor._version != h.version for h in call)), None)

@@ -102,3 +102,35 @@ def test_recomputed_region_storing_into_an_argument_releases_everything(spill_di
     stats = wait_clean(eng, spill_dir)  # while the cache, and the recompute's graph in it, lives on
     assert stats.saved_tensors > 0
     eng.close()
+
+
+def _live_tensor_bytes() -> int:
+    gc.collect()
+    return sum(o.untyped_storage().nbytes() for o in gc.get_objects() if type(o) is torch.Tensor)
+
+
+@pytest.mark.parametrize("policy", ["auto", "selective", "recompute", "offload"])
+def test_profiling_steps_at_changing_shapes_keep_nothing(policy, spill_dir):
+    """Every profiling stage (measure, the recompute trial with its selective re-run, the offload
+    trial) and every plan at a new input shape leaves no tensor behind once its step is over: the
+    live tensors after many steps at changing shapes are the model's and nothing else."""
+    from offload.models import GPTConfig, MiniGPT
+
+    torch.manual_seed(0)
+    model = MiniGPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, seq_len=96))
+    eng = offload.engine(0.05, policy=policy, regions=model.blocks, model=model, spill_dir=spill_dir)
+    before = _live_tensor_bytes()
+    for seq in (32, 48, 64, 80, 96, 32, 48):
+        for _ in range(3):
+            idx = torch.randint(0, 256, (2, seq))
+            with eng:
+                loss = model(idx, idx)[1]
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            del loss
+        with eng:  # a forward whose backward never runs, in the middle of the profiling
+            model(idx, idx)
+    del idx
+    assert _live_tensor_bytes() == before, "tensors outlived the steps that made them"
+    assert policy == "recompute" or len(eng.profiled_steps) >= 2  # "recompute" measures nothing
+    eng.close()
