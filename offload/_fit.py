@@ -1,0 +1,417 @@
+"""Region profiles as functions of the input shape: a few measured shapes predict the rest.
+
+Numbers in, numbers out: nothing here touches torch, so the fits are tested with made-up points.
+
+What a region saves and how long it takes follows the tokens it sees. With ``n`` the elements of
+the region's first tensor input (batch x sequence x width; the width is fixed for one model) and
+``s`` its sequence length (the second-last dimension: batch-first layouts):
+
+    saved bytes, tensors   ~ c1·n                 almost every op saves a per-token tensor
+                           + c2·n·s               attention without a fused kernel: (s, s) scores
+    times                  ~ c0 + c1·n + c2·n·s   launch overhead, matmuls, attention
+
+Each field of ``RegionProfile`` is fitted on its own, by least squares on relative error with
+coefficients >= 0, over the first basis that explains every measured point within the field's
+tolerance (``BYTE_TOLERANCE``, ``TIME_TOLERANCE``), tried in the order::
+
+    bytes            [n]   [n, n·s]   [1, n]   [1, n, n·s]     (no fixed part: nothing saved for nothing)
+    tensor counts    [1]   [1, n]   [n]                        (the same ops save at every shape)
+    times            [n]   [1, n]   [n, n·s]   [1, n, n·s]     (a fixed part next: launches, bookkeeping)
+
+and where none does, the basis that misses least.
+
+A basis of k terms needs k points whose features separate its terms; with one point a field is
+proportional to ``n``. A field measured less often than its primary (the recompute and selective
+times, measured only on trial steps; the selective byte split) is its primary's fit times the
+mean ratio of the two at the points where both were measured, until it has two points of its own.
+
+State is bounded: at most ``MAX_POINTS`` points per field; a new point at a shape already held
+replaces it (the later measurement wins), otherwise the point that crowds its neighbours most
+goes, never the smallest or the largest (they bound the range that was measured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Optional
+
+from ._cost import RegionProfile
+
+__all__ = [
+    "BYTE_TOLERANCE",
+    "BYTE_BASES",
+    "MAX_POINTS",
+    "TIME_BASES",
+    "TIME_TOLERANCE",
+    "FieldFit",
+    "ProfileFit",
+    "Shape",
+]
+
+BYTE_TOLERANCE = 0.01
+"""Largest relative miss at a measured point for a byte or tensor-count fit to be accepted over a
+richer basis. Sizes are exact and deterministic; 1 % leaves room for allocator rounding."""
+TIME_TOLERANCE = 0.10
+"""The same for times: CPU timings drift 10-20 % from step to step, so a richer basis that only
+fits the noise is not taken."""
+MAX_POINTS = 16
+"""Points kept per field, whatever the number of shapes seen."""
+
+BYTE_BASES: tuple[tuple[str, ...], ...] = (("n",), ("n", "ns"), ("1", "n"), ("1", "n", "ns"))
+COUNT_BASES: tuple[tuple[str, ...], ...] = (("1",), ("1", "n"), ("n",))
+TIME_BASES: tuple[tuple[str, ...], ...] = (("n",), ("1", "n"), ("n", "ns"), ("1", "n", "ns"))
+"""The bases tried for sizes, tensor counts and times, in order (see the module docstring)."""
+
+_SINGULAR = 1e-9
+"""Pivot (of the equilibrated normal equations) below which the points do not separate the terms."""
+
+_BYTE_FIELDS = ("saved_bytes", "input_bytes", "num_tensors", "cheap_bytes", "expensive_bytes", "expensive_tensors")
+_COUNT_FIELDS = ("num_tensors", "expensive_tensors")
+_TIME_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "selective_ms")
+_SIZES = ("saved_bytes", "input_bytes", "num_tensors")
+"""What every profiling step measures (its times may not count: ``ProfileFit.add``)."""
+_PRIMARY = {
+    "backward_ms": "forward_ms",
+    "recompute_ms": "forward_ms",
+    "selective_ms": "forward_ms",
+    "cheap_bytes": "saved_bytes",
+    "expensive_bytes": "saved_bytes",
+    "expensive_tensors": "num_tensors",
+}
+"""A field measured less often than another, and that other (see the module docstring)."""
+
+
+def _key(shape: "Shape") -> tuple[int, int]:
+    return shape.n, shape.s
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The features of one input shape: ``n`` elements of the first tensor input, ``s`` its
+    sequence length, and the dimensions themselves (for ``explain()``)."""
+
+    n: int
+    s: int
+    dims: tuple[int, ...] = ()
+
+    @staticmethod
+    def of(dims: Sequence[int]) -> Shape:
+        """Features of a tensor of these dimensions (see the module docstring for ``s``)."""
+        dims = tuple(int(d) for d in dims)
+        n = max(1, math.prod(dims))
+        s = dims[-2] if len(dims) >= 3 else (dims[-1] if len(dims) == 2 else 1)
+        return Shape(n=n, s=max(1, s), dims=dims)
+
+    def terms(self) -> dict[str, float]:
+        return {"1": 1.0, "n": float(self.n), "ns": float(self.n) * float(self.s)}
+
+    def __str__(self) -> str:
+        return str(self.dims) if self.dims else f"n={self.n}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    basis: tuple[str, ...]
+    coefficients: tuple[float, ...]
+
+    def at(self, shape: Shape) -> float:
+        terms = shape.terms()
+        return sum(c * terms[b] for b, c in zip(self.basis, self.coefficients, strict=True))
+
+
+_ZERO = _Model(("n",), (0.0,))
+
+
+def _solve(rows: list[list[float]], values: list[float]) -> Optional[list[float]]:
+    """Least squares on relative error (each row weighted by 1/value): the normal equations,
+    equilibrated and solved by Gaussian elimination with partial pivoting. None where singular."""
+    k = len(rows[0])
+    a = [[0.0] * k for _ in range(k)]
+    b = [0.0] * k
+    for row, value in zip(rows, values, strict=True):
+        w = 1.0 / (value * value)
+        for i in range(k):
+            b[i] += w * row[i] * value
+            for j in range(k):
+                a[i][j] += w * row[i] * row[j]
+    scale = [math.sqrt(a[i][i]) for i in range(k)]  # the terms differ by orders of magnitude
+    a = [[a[i][j] / (scale[i] * scale[j]) for j in range(k)] for i in range(k)]
+    b = [b[i] / scale[i] for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < _SINGULAR:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        b[col], b[pivot] = b[pivot], b[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+                b[r] -= f * b[col]
+    return [b[i] / a[i][i] / scale[i] for i in range(k)]
+
+
+class FieldFit:
+    """The points of one field of one region, and the model fitted to them."""
+
+    def __init__(self, tolerance: float, bases: tuple[tuple[str, ...], ...]) -> None:
+        self.tolerance = tolerance
+        self.bases = bases
+        self.points: list[tuple[Shape, float]] = []
+        self._model: Optional[_Model] = None
+
+    def add(self, shape: Shape, value: float) -> None:
+        """Add (or, at a shape already held, replace) a point; keep at most ``MAX_POINTS``."""
+        self.points = [(p, v) for p, v in self.points if _key(p) != _key(shape)]
+        self.points.append((shape, float(value)))
+        if len(self.points) > MAX_POINTS:
+            self.points.remove(self._most_crowded())
+        self._model = None
+
+    def _most_crowded(self) -> tuple[Shape, float]:
+        ordered = sorted(self.points, key=lambda point: _key(point[0]))
+
+        def size(i: int) -> float:
+            return math.log(ordered[i][0].n * ordered[i][0].s)
+
+        return ordered[min(range(1, len(ordered) - 1), key=lambda i: size(i + 1) - size(i - 1))]
+
+    def __bool__(self) -> bool:
+        return bool(self.points)
+
+    def shapes(self) -> int:
+        """Distinct shapes among the points."""
+        return len({_key(p) for p, _ in self.points})
+
+    def model(self) -> _Model:
+        if self._model is None:
+            self._model = self._fit()
+        return self._model
+
+    def _fit(self) -> _Model:
+        points = [(p, v) for p, v in self.points if v > 0]
+        if not points:
+            return _ZERO
+        zeros = [p for p, v in self.points if v <= 0]  # nothing there: missed by what the model gives
+        largest = max(v for _, v in points)
+        best: Optional[tuple[float, _Model]] = None
+        for basis in self.bases:
+            if len(basis) > len(points):
+                continue
+            coefficients = _solve([[p.terms()[b] for b in basis] for p, _ in points], [v for _, v in points])
+            if coefficients is None or any(c < 0 for c in coefficients):
+                continue
+            model = _Model(basis, tuple(coefficients))
+            miss = max([abs(model.at(p) - v) / v for p, v in points] + [model.at(p) / largest for p in zeros])
+            if miss <= self.tolerance:
+                return model
+            if best is None or miss < best[0]:
+                best = (miss, model)
+        assert best is not None  # one positive point always solves the proportional basis
+        return best[1]
+
+    def at(self, shape: Shape) -> float:
+        return max(0.0, self.model().at(shape))
+
+
+class _RegionFit:
+    """Every field of one region's profile, fitted over the shapes measured."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.note = ""
+        self.fields = {
+            f: FieldFit(BYTE_TOLERANCE, COUNT_BASES if f in _COUNT_FIELDS else BYTE_BASES) for f in _BYTE_FIELDS
+        }
+        self.fields.update({f: FieldFit(TIME_TOLERANCE, TIME_BASES) for f in _TIME_FIELDS})
+        self.ratios: dict[str, list[tuple[Shape, float]]] = {f: [] for f in _PRIMARY}
+
+    def add(self, shape: Shape, profile: RegionProfile, *, times: bool) -> None:
+        for field in _SIZES:
+            self.fields[field].add(shape, getattr(profile, field))
+        if not times:
+            return
+        self.fields["forward_ms"].add(shape, profile.forward_ms)
+        measured = {
+            "backward_ms": profile.backward_ms > 0,
+            "recompute_ms": profile.recompute_ms > 0,
+            "selective_ms": profile.selective_measured(),
+            "cheap_bytes": profile.selective_measured(),
+            "expensive_bytes": profile.selective_measured(),
+            "expensive_tensors": profile.selective_measured(),
+        }
+        for field, was_measured in measured.items():
+            if not was_measured:
+                continue
+            value = getattr(profile, field)
+            self.fields[field].add(shape, value)
+            primary = getattr(profile, _PRIMARY[field])
+            if primary > 0:
+                kept = [(p, r) for p, r in self.ratios[field] if _key(p) != _key(shape)]
+                self.ratios[field] = (kept + [(shape, value / primary)])[-MAX_POINTS:]
+        if profile.note:
+            self.note = profile.note
+
+    def add_sizes(self, shape: Shape, saved_bytes: int, num_tensors: int) -> None:
+        self.fields["saved_bytes"].add(shape, saved_bytes)
+        self.fields["num_tensors"].add(shape, num_tensors)
+
+    def value(self, field: str, shape: Shape) -> float:
+        fit = self.fields[field]
+        primary = _PRIMARY.get(field)
+        if primary is not None and fit.shapes() < 2:
+            ratios = self.ratios[field]
+            if not ratios:
+                return 0.0  # never measured: 0 is "not measured" to the planner
+            return self.value(primary, shape) * sum(r for _, r in ratios) / len(ratios)
+        return fit.at(shape)
+
+    def derive(self, shape: Shape) -> RegionProfile:
+        value = self.value
+        return RegionProfile(
+            name=self.name,
+            note=self.note,
+            saved_bytes=round(value("saved_bytes", shape)),
+            input_bytes=round(value("input_bytes", shape)),
+            num_tensors=round(value("num_tensors", shape)),
+            cheap_bytes=round(value("cheap_bytes", shape)),
+            expensive_bytes=round(value("expensive_bytes", shape)),
+            expensive_tensors=round(value("expensive_tensors", shape)),
+            forward_ms=value("forward_ms", shape),
+            backward_ms=value("backward_ms", shape),
+            recompute_ms=value("recompute_ms", shape),
+            selective_ms=value("selective_ms", shape),
+        )
+
+
+def _points_to_json(points: list[tuple[Shape, float]]) -> list:
+    return [[p.n, p.s, list(p.dims), v] for p, v in points]
+
+
+def _shape_from_json(item: list) -> Shape:
+    n, s, dims = item[0], item[1], item[2]
+    if (
+        isinstance(n, bool)
+        or isinstance(s, bool)
+        or not (isinstance(n, int) and isinstance(s, int) and n > 0 and s > 0)
+    ):
+        raise ValueError(f"bad shape {item[:3]!r}")
+    return Shape(n=n, s=s, dims=tuple(int(d) for d in dims))
+
+
+def _number_from_json(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"bad value {value!r}")
+    return float(value)
+
+
+class ProfileFit:
+    """The fits of every region of one engine for one family of inputs (the same tensors, dtypes and
+    devices; only their sizes change), and of the step's time outside the regions."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(names)
+        self._regions = [_RegionFit(name) for name in names]
+        self._other = FieldFit(TIME_TOLERANCE, TIME_BASES)
+        self.measured: list[Shape] = []
+        """Shapes whose whole profiles were measured (not only their sizes), oldest first, bounded."""
+
+    def add(self, shape: Shape, profiles: Sequence[RegionProfile], *, times: bool = True) -> None:
+        """A profiling step's profiles at ``shape``: their sizes, and with ``times`` their times
+        (a time of 0 is "not measured"). Only shapes whose times count are ``measured``."""
+        if len(profiles) != len(self._regions):
+            raise ValueError(f"got {len(profiles)} profiles for {len(self._regions)} regions")
+        for fit, profile in zip(self._regions, profiles, strict=True):
+            fit.add(shape, profile, times=times)
+        if times:
+            self.measured = [s for s in self.measured if _key(s) != _key(shape)] + [shape]
+            del self.measured[:-MAX_POINTS]
+
+    def add_sizes(self, shape: Shape, index: int, saved_bytes: int, num_tensors: int) -> None:
+        """What region ``index`` was seen to save at ``shape`` on a step under a plan (exact)."""
+        self._regions[index].add_sizes(shape, saved_bytes, num_tensors)
+
+    def add_forward(self, shape: Shape, index: int, forward_ms: float) -> None:
+        """Region ``index``'s forward time seen at ``shape`` on a step under a plan."""
+        self._regions[index].fields["forward_ms"].add(shape, forward_ms)
+
+    def add_other(self, shape: Shape, other_ms: float) -> None:
+        """A measured step's time outside the regions at ``shape`` (embedding, head, loss, optimizer)."""
+        if other_ms > 0:
+            self._other.add(shape, other_ms)
+
+    def other_ms(self, shape: Shape) -> float:
+        """The step's predicted time outside the regions at ``shape`` (0 before any was measured)."""
+        return self._other.at(shape)
+
+    def __bool__(self) -> bool:
+        """Whether anything was measured (sizes at least)."""
+        return bool(self._regions) and bool(self._regions[0].fields["saved_bytes"])
+
+    def has(self, field: str) -> bool:
+        """Whether some region has ``field`` measured (``"recompute_ms"``: a trial step ran)."""
+        return any(r.fields[field] for r in self._regions)
+
+    def derive(self, shape: Shape) -> tuple[tuple[RegionProfile, ...], float]:
+        """(profiles, other_ms) predicted at ``shape``."""
+        return tuple(r.derive(shape) for r in self._regions), self.other_ms(shape)
+
+    def saved_bytes(self, index: int, shape: Shape) -> int:
+        """Region ``index``'s predicted saved bytes at ``shape``."""
+        return int(round(self._regions[index].value("saved_bytes", shape)))
+
+    def distance(self, shape: Shape) -> float:
+        """How far ``shape`` lies outside the shapes measured: its element count over the largest
+        measured, or the least measured over it (at most 1.0 inside their range)."""
+        sizes = [s.n for s in self.measured]
+        return max(shape.n / max(sizes), min(sizes) / shape.n)
+
+    def describe(self) -> str:
+        """Which shapes the fits come from, and the bases of the bytes and forward-time fits."""
+        bytes_bases = sorted({"+".join(r.fields["saved_bytes"].model().basis) for r in self._regions})
+        time_bases = sorted({"+".join(r.fields["forward_ms"].model().basis) for r in self._regions})
+        shapes = ", ".join(str(s) for s in self.measured)
+        return f"measured at {shapes}; bytes ~ {' | '.join(bytes_bases)}, forward ms ~ {' | '.join(time_bases)}"
+
+    def to_dict(self) -> dict:
+        """JSON-ready points, for the plan cache (``from_dict`` reads them back)."""
+        return {
+            "regions": [
+                {
+                    "name": r.name,
+                    "note": r.note,
+                    "fields": {f: _points_to_json(fit.points) for f, fit in r.fields.items()},
+                    "ratios": {f: _points_to_json(points) for f, points in r.ratios.items()},
+                }
+                for r in self._regions
+            ],
+            "other": _points_to_json(self._other.points),
+            "measured": [[s.n, s.s, list(s.dims)] for s in self.measured],
+        }
+
+    @staticmethod
+    def from_dict(data: dict, names: Sequence[str]) -> ProfileFit:
+        """The inverse of ``to_dict``. ``ValueError``, ``KeyError`` or ``TypeError`` where ``data``
+        is not a fit of regions named ``names``."""
+        stored_regions = data["regions"]
+        if [r["name"] for r in stored_regions] != list(names):
+            raise ValueError("its regions are not this engine's")
+        fit = ProfileFit(names)
+        for region, stored in zip(fit._regions, stored_regions, strict=True):
+            region.note = str(stored["note"])
+            for field, points in stored["fields"].items():
+                target = region.fields[field]  # KeyError for a field this version does not know
+                for item in points:
+                    target.add(_shape_from_json(item), _number_from_json(item[3]))
+            for field, points in stored["ratios"].items():
+                if field not in region.ratios:
+                    raise ValueError(f"unknown field {field!r}")
+                region.ratios[field] = [(_shape_from_json(item), _number_from_json(item[3])) for item in points]
+        for item in data["other"]:
+            fit._other.add(_shape_from_json(item), _number_from_json(item[3]))
+        fit.measured = [_shape_from_json(item) for item in data["measured"]][-MAX_POINTS:]
+        if not fit:
+            raise ValueError("it holds no measured shape")
+        return fit

@@ -1,0 +1,184 @@
+"""``offload._fit``: region profiles as functions of the input shape, tested with numbers alone.
+
+Oracle: profiles made up from known formulas (bytes linear in the elements, with and without an
+attention term in sequence², times with a fixed cost); the fit, given a few shapes, must give
+back the formula's values at shapes it never saw, exactly for sizes and within float noise for
+times, and pick the simplest basis that explains its points.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from offload._cost import RegionProfile
+from offload._fit import BYTE_BASES, BYTE_TOLERANCE, MAX_POINTS, TIME_BASES, TIME_TOLERANCE, FieldFit, ProfileFit, Shape
+
+WIDTH, BATCH = 256, 4
+
+
+def shape(seq: int, batch: int = BATCH) -> Shape:
+    return Shape.of((batch, seq, WIDTH))
+
+
+def fused_bytes(s: Shape) -> int:
+    return 34 * s.n  # per element: a fused-attention block's saves
+
+
+def math_bytes(s: Shape) -> int:
+    return 34 * s.n + 2 * s.n * s.s  # plus (s, s) scores per head
+
+
+def forward_ms(s: Shape) -> float:
+    return 0.4 + 2e-6 * s.n + 1e-9 * s.n * s.s
+
+
+def profile(s: Shape, *, attention=fused_bytes, **extra) -> RegionProfile:
+    return RegionProfile(
+        name="blocks.0",
+        saved_bytes=attention(s),
+        input_bytes=4 * s.n,
+        num_tensors=17,
+        forward_ms=forward_ms(s),
+        backward_ms=2 * forward_ms(s),
+        **extra,
+    )
+
+
+def test_shape_features():
+    assert Shape.of((4, 128, 256)) == Shape(n=4 * 128 * 256, s=128, dims=(4, 128, 256))
+    assert Shape.of((8, 64)).s == 64, "token ids (batch, seq): the sequence is the last dimension"
+    assert Shape.of((32,)).s == 1 and Shape.of(()).n == 1
+    assert str(Shape.of((2, 3, 4))) == "(2, 3, 4)"
+
+
+def test_one_shape_is_proportional():
+    fit = ProfileFit(["blocks.0"])
+    fit.add(shape(128), [profile(shape(128))])
+    (derived,), _ = fit.derive(shape(256))
+    assert derived.saved_bytes == fused_bytes(shape(256)), "bytes are linear in the elements"
+    assert derived.num_tensors == 17, "a count that does not change is fitted exactly"
+    assert derived.forward_ms == pytest.approx(2 * forward_ms(shape(128)))
+
+
+@pytest.mark.parametrize("attention", [fused_bytes, math_bytes], ids=["fused", "math"])
+def test_bytes_from_two_shapes_are_exact_anywhere(attention):
+    fit = ProfileFit(["blocks.0"])
+    for seq in (128, 512):
+        fit.add(shape(seq), [profile(shape(seq), attention=attention)])
+    for seq in (64, 200, 384, 1024, 4096):
+        for batch in (1, 4, 16):
+            (derived,), _ = fit.derive(shape(seq, batch))
+            assert derived.saved_bytes == attention(shape(seq, batch)), (seq, batch)
+    assert "bytes ~ " + ("n" if attention is fused_bytes else "n+ns") in fit.describe()
+
+
+def test_times_take_their_fixed_cost_from_two_shapes():
+    def linear_ms(s: Shape) -> float:  # a fused attention kernel at these lengths: no visible n·s term
+        return 0.4 + 2e-6 * s.n
+
+    fit = ProfileFit(["blocks.0"])
+    for seq in (64, 512):
+        p = profile(shape(seq))
+        fit.add(shape(seq), [RegionProfile(**{**p.__dict__, "forward_ms": linear_ms(shape(seq))})])
+    for seq in (16, 128, 256, 4096):
+        (derived,), _ = fit.derive(shape(seq))
+        assert derived.forward_ms == pytest.approx(linear_ms(shape(seq)), rel=1e-9), seq
+
+
+def test_times_from_three_shapes_find_the_attention_term():
+    fit = FieldFit(0.001, TIME_BASES)
+    for seq in (64, 512, 2048):
+        fit.add(shape(seq), forward_ms(shape(seq)))
+    assert fit.model().basis == ("1", "n", "ns")
+    assert fit.at(shape(1000)) == pytest.approx(forward_ms(shape(1000)), rel=1e-9)
+
+
+def test_noise_within_the_tolerance_keeps_the_simpler_basis():
+    fit = FieldFit(TIME_TOLERANCE, TIME_BASES)
+    for seq, noise in ((64, 1.05), (256, 0.96), (512, 1.04)):
+        fit.add(shape(seq), 1e-5 * shape(seq).n * noise)
+    assert fit.model().basis == ("n",), "a richer basis that only fits the noise is not taken"
+
+
+def test_trial_fields_follow_their_primary_until_they_have_two_points():
+    """recompute and selective times are measured on trial steps only: with one trial point they
+    are their primary's fit times the measured ratio, so they keep the primary's fixed cost."""
+    fit = ProfileFit(["blocks.0"])
+    trial = profile(shape(128), recompute_ms=0.9 * forward_ms(shape(128)))
+    fit.add(shape(128), [trial])
+    fit.add(shape(512), [profile(shape(512))])
+    (derived,), _ = fit.derive(shape(300))
+    assert derived.recompute_ms == pytest.approx(0.9 * derived.forward_ms)
+    assert derived.selective_ms == 0.0 and not derived.selective_measured(), "never measured stays unmeasured"
+
+
+def test_sizes_only_count_no_times():
+    fit = ProfileFit(["blocks.0"])
+    fit.add(shape(128), [profile(shape(128))], times=False)
+    assert fit and fit.measured == [], "sizes alone make no measured shape"
+    assert not fit.has("forward_ms")
+    (derived,), _ = fit.derive(shape(256))
+    assert derived.saved_bytes == fused_bytes(shape(256)) and derived.forward_ms == 0.0
+
+
+def test_sizes_seen_on_a_planned_step_refit():
+    fit = ProfileFit(["blocks.0"])
+    fit.add(shape(128), [profile(shape(128), attention=math_bytes)])
+    assert fit.saved_bytes(0, shape(512)) != math_bytes(shape(512)), "one point cannot know the n·s term"
+    fit.add_sizes(shape(512), 0, math_bytes(shape(512)), 17)
+    assert fit.saved_bytes(0, shape(300)) == math_bytes(shape(300))
+
+
+def test_a_later_measurement_at_the_same_shape_replaces_the_earlier():
+    fit = FieldFit(BYTE_TOLERANCE, BYTE_BASES)
+    fit.add(shape(128), 1000)
+    fit.add(shape(128), 2000)
+    assert fit.points == [(shape(128), 2000.0)]
+
+
+def test_points_are_bounded_and_keep_the_range():
+    fit = FieldFit(BYTE_TOLERANCE, BYTE_BASES)
+    for seq in range(10, 10 + 5 * (MAX_POINTS + 30), 5):
+        fit.add(shape(seq), fused_bytes(shape(seq)))
+    assert len(fit.points) == MAX_POINTS
+    seqs = sorted(p.dims[1] for p, _ in fit.points)
+    assert seqs[0] == 10 and seqs[-1] == 10 + 5 * (MAX_POINTS + 29), "the smallest and the largest stay"
+
+
+def test_zero_is_nothing_at_every_shape():
+    fit = FieldFit(BYTE_TOLERANCE, BYTE_BASES)
+    fit.add(shape(64), 0)
+    fit.add(shape(128), 0)
+    assert fit.at(shape(1000)) == 0.0
+
+
+def test_distance_outside_the_measured_range():
+    fit = ProfileFit(["blocks.0"])
+    for seq in (128, 256):
+        fit.add(shape(seq), [profile(shape(seq))])
+    assert fit.distance(shape(200)) <= 1.0
+    assert fit.distance(shape(512)) == pytest.approx(2.0)
+    assert fit.distance(shape(32)) == pytest.approx(4.0)
+
+
+def test_round_trip_through_json():
+    fit = ProfileFit(["a", "b"])
+    for seq in (64, 256):
+        fit.add(shape(seq), [profile(shape(seq), selective_ms=0.1, cheap_bytes=7 * shape(seq).n)] * 2)
+    fit.add_other(shape(64), 3.0)
+    again = ProfileFit.from_dict(fit.to_dict(), ["a", "b"])
+    assert again.derive(shape(100)) == fit.derive(shape(100))
+    assert again.measured == fit.measured
+    with pytest.raises(ValueError, match="regions"):
+        ProfileFit.from_dict(fit.to_dict(), ["a"])
+    bad = fit.to_dict()
+    bad["regions"][0]["fields"]["forward_ms"][0][3] = math.nan
+    with pytest.raises(ValueError, match="bad value"):
+        ProfileFit.from_dict(bad, ["a", "b"])
+
+
+def test_wrong_number_of_profiles():
+    with pytest.raises(ValueError, match="2 regions"):
+        ProfileFit(["a", "b"]).add(shape(64), [profile(shape(64))])
