@@ -28,7 +28,7 @@ from ._observe import Observers
 from ._plan_cache import PlanCache
 from ._planner import Plan
 from ._probe import machine_key, probe
-from ._regions import Regions, RegionsArg, resolve_regions
+from ._regions import AUTO, Regions, RegionsArg, resolve_regions
 from ._session import Session
 from ._stats import Stats
 from ._transfer import Link
@@ -64,26 +64,36 @@ class Engine:
             plan_cache = PlanCache(config.plan_cache, budget=budget, policy=config.policy, machine_key=machine_key)
         self._session = Session(config, link=link, machine=self._machine_profile, memory=memory, plan_cache=plan_cache)
         self._models: list[torch.nn.Module] = []
-        if model is not None:
-            self.watch(model)
         self._closed = False
         self._link_base = (0.0, 0.0, 0.0)  # link readings at the last reset_stats()
         self._regions: Optional[Regions] = None
-        if regions is not None:
-            self._regions = Regions(resolve_regions(regions, model), config.policy, config.budget_bytes, self._session)
+        self._regions_to_find = regions == AUTO and model is None  # found in the first model watched
+        if regions is not None and not self._regions_to_find:
+            self._regions = Regions(resolve_regions(regions, model), config.policy, self._session)
+        if model is not None:
+            self.watch(model)
 
     # ------------------------------------------------------------------ user API
 
     def watch(self, module: torch.nn.Module) -> "Engine":
-        """Treat ``module``'s parameters and buffers as never movable (they are kept anyway)."""
+        """Treat ``module``'s parameters and buffers as never movable (they are kept anyway). With
+        ``regions="auto"`` and no ``model=``, the first module watched is searched for its blocks."""
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"watch() takes an nn.Module, got {type(module).__name__}")
         self._models.append(module)
+        if self._regions_to_find:
+            self._regions = Regions(resolve_regions(AUTO, module), self.config.policy, self._session)
+            self._regions_to_find = False
         return self
 
     def __enter__(self) -> "Engine":
         if self._closed:
             raise RuntimeError("this offload engine was closed; make a new one with offload.engine(...)")
+        if self._regions_to_find:
+            raise ValueError(
+                "regions='auto' needs the model to search: pass model= to offload.engine(), call "
+                "engine.watch(model), or decorate the model itself (engine(model))"
+            )
         self._session.eligible.skip_modules(self._models)  # storages can change between steps (to(), load_state_dict)
         if self._regions is not None:
             self._regions.rewrap_compiled()  # a block.compile() since the last step
@@ -138,8 +148,14 @@ class Engine:
         return () if self._regions is None else tuple(self._regions.profiled)
 
     @property
+    def regions(self) -> tuple:
+        """The regions as (qualified name, module) pairs (empty without regions), in order."""
+        return () if self._regions is None else tuple(self._regions.regions)
+
+    @property
     def plans(self) -> dict:
-        """Every plan made so far, keyed by the first region's input signature."""
+        """The plans held, keyed by the first region's input signature: the latest ``MAX_PLANS``
+        per input family (``offload._profiler``), measured or derived from a fit."""
         return {} if self._regions is None else dict(self._regions.plans)
 
     @property
@@ -223,8 +239,11 @@ def engine(
             memory falls below it (see ``offload._budget``).
         model: a module whose parameters and buffers are never moved (they are detected without
             it too, except buffers: pass the model when it has large buffers).
-        regions: the units the policy decides on: an iterable of modules (``model.blocks``), or a
-            filter ``(module, qualified_name) -> bool`` together with ``model=``.
+        regions: the units the policy decides on: ``"auto"`` (the model's repeated blocks: the
+            block classes a Hugging Face model names, else the largest stack of one module type;
+            see ``offload._blocks``), an iterable of modules (``model.blocks``), or a filter
+            ``(module, qualified_name) -> bool``. "auto" and a filter search ``model=`` (or the
+            module the engine decorates).
         machine: a ``MachineProfile`` to plan with instead of measuring this machine with
             ``offload.probe()`` (measured once, then cached on disk).
         link: the transport between the device and host memory (``offload._transfer.Link``).
@@ -270,9 +289,12 @@ def explain(what: Union[Engine, Plan, None]) -> str:
         )
     if not isinstance(plan, Plan):
         raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")
+    text = str(plan)
+    if isinstance(what, Engine) and what._regions is not None:
+        text = f"{text}\nregions: {what._regions.why}"
     if isinstance(what, Engine) and what.profiling:
         return (
-            f"{plan}\n(provisional: these input shapes are still being profiled; "
+            f"{text}\n(provisional: these input shapes are still being profiled; "
             "Engine.profiling turns False once the plan is final)"
         )
-    return str(plan)
+    return text

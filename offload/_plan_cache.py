@@ -1,15 +1,18 @@
 """Plans that survive a restart: ``offload.engine(..., regions=..., plan_cache=PATH)``.
 
-Profiling costs a few training steps per input signature (``_regions``). A restarted job with
-the same model, shapes, budget, policy, torch and machine would measure the same thing again, so
-the final plan of each signature is written to a JSON file, with the profiles it was made from
-(so that a budget that follows free memory can re-plan without profiling), the rest-of-step time
-and the link calibration (``_regions``' scale on the probe's transfer costs). The next run finds
-it and runs its first step under that plan: ``eng.profiling`` is False from the first step on.
+Profiling costs a few training steps per input family (``_profiler``). A restarted job with the
+same model, budget, policy, torch and machine would measure the same thing again, so what the
+profiling found is written to a JSON file, one entry per input family (the same tensors, dtypes
+and devices; only their sizes change): the family's fit (``_fit.ProfileFit``: the points measured,
+from which the plan for any shape of the family is derived), the final plans of the shapes that
+were measured, with the profiles they were made from (so that a budget that follows free memory
+can re-plan without profiling), and the link calibration. The next run finds it and runs its first
+step under a plan, for the shapes measured before and for new ones the fit reaches alike:
+``eng.profiling`` is False from the first step on.
 
 An entry is filed under the sha256 of its key, whose parts are all written out beside it:
 
-    inputs   the first region's input signature (shapes, dtypes, devices)
+    inputs   the input family of the first region (tensor ranks, dtypes, devices)
     regions  a fingerprint of the regions: names, every submodule's type, parameter shapes and dtypes
     budget   budget_mb in bytes, or "auto" and the reserve
     policy   the policy's name
@@ -17,9 +20,9 @@ An entry is filed under the sha256 of its key, whose parts are all written out b
     machine  the probe's key for this machine (``offload._probe.machine_key``)
 
 What is trusted: nothing that does not parse, carry this module's format marker and version,
-and match every part of the key, and whose plan has one decision per region, by name. Anything
+and match every part of the key, and whose plans have one decision per region, by name. Anything
 else (a missing file, a corrupt or truncated one, a foreign JSON file, an entry for another
-model, budget, torch or machine) is ignored and the signature profiled as if there were no
+model, budget, torch or machine) is ignored and the family profiled as if there were no
 file; the engine warns about it once (a missing file is not worth a warning) and the file is
 rewritten after profiling. Decisions are stored by their value (``Decision(value)``), so a new
 decision needs no change here.
@@ -50,6 +53,7 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 
 from ._cost import RegionProfile
+from ._fit import ProfileFit
 from ._planner import Decision, Plan, RegionPlan
 from ._version import __version__ as OFFLOAD_VERSION
 
@@ -59,19 +63,19 @@ log = logging.getLogger(__name__)
 
 FORMAT = "offload-plan-cache"
 """The marker a plan cache file carries; a JSON file without it is someone else's."""
-VERSION = 1
-"""Layout version; a file with another is ignored (and rewritten)."""
+VERSION = 2
+"""Layout version; a file with another is ignored (and rewritten). 2: one entry per input family, with its fit."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CachedPlan:
-    """What a previous run left for one input signature."""
+    """What a previous run left for one input family."""
 
-    plan: Plan
-    profiles: tuple[RegionProfile, ...]
-    """The region profiles the plan was made from."""
-    other_ms: float
-    """The measured rest of the step (outside the regions), ms."""
+    fit: ProfileFit
+    """The family's fit: the points measured (the plans of other shapes are derived from it)."""
+    plans: tuple[tuple[str, Plan, tuple[RegionProfile, ...], float], ...]
+    """(the signature's repr, its final plan, the profiles it was made from, the rest-of-step ms)
+    for each shape that was measured."""
     link_scale: Optional[float]
     """The calibration of the probe's transfer costs (None: never calibrated)."""
 
@@ -135,13 +139,13 @@ class PlanCache:
 
     # ------------------------------------------------------------------ reading
 
-    def lookup(self, signature: tuple, regions: list[tuple[str, torch.nn.Module]]) -> Optional[CachedPlan]:
-        """The saved plan for these inputs and regions, or None (with at most one warning per engine)."""
+    def lookup(self, family: tuple, regions: list[tuple[str, torch.nn.Module]]) -> Optional[CachedPlan]:
+        """What was saved for this input family and these regions, or None (with at most one warning per engine)."""
         first, self._looked_up = not self._looked_up, True
         entries = self._read_entries(warn=first)
         if entries is None:
             return None
-        key = self.key(signature, regions)
+        key = self.key(family, regions)
         entry = entries.get(_digest(key))
         if entry is None:
             if first and entries:
@@ -150,14 +154,12 @@ class PlanCache:
         try:
             if entry.get("key") != key:
                 raise ValueError("the entry's key does not match its digest")
-            cached = _decode(entry)
             names = [name for name, _ in regions]
-            if [r.name for r in cached.plan.regions] != names or [p.name for p in cached.profiles] != names:
-                raise ValueError("its regions are not this engine's")
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            cached = _decode(entry, names)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
             self._warn(f"its plan for these inputs is unusable ({error}); profiling again")
             return None
-        log.info("offload: plan for inputs %s read from %s", signature, self.path)
+        log.info("offload: plans for inputs %s read from %s", family, self.path)
         return cached
 
     def _read_entries(self, *, warn: bool) -> Optional[dict]:
@@ -199,21 +201,28 @@ class PlanCache:
 
     def store(
         self,
-        signature: tuple,
+        family: tuple,
         regions: list[tuple[str, torch.nn.Module]],
-        plan: Plan,
-        profiles: list[RegionProfile],
-        other_ms: float,
+        fit: ProfileFit,
+        plans: list[tuple[object, Plan, tuple[RegionProfile, ...], float]],
         link_scale: Optional[float],
     ) -> None:
-        """File the final plan for these inputs, keeping the file's other entries; never raises for I/O."""
-        key = self.key(signature, regions)
+        """File what was found for this input family (its fit, the measured shapes' final plans,
+        each by the repr of its signature), keeping the file's other entries; never raises for I/O."""
+        key = self.key(family, regions)
         entries = self._read_entries(warn=False) or {}
         entries[_digest(key)] = {
             "key": key,
-            "plan": _encode_plan(plan),
-            "profiles": [dataclasses.asdict(p) for p in profiles],
-            "other_ms": other_ms,
+            "fit": fit.to_dict(),
+            "plans": [
+                {
+                    "inputs": repr(signature),
+                    "plan": _encode_plan(plan),
+                    "profiles": [dataclasses.asdict(p) for p in profiles],
+                    "other_ms": other_ms,
+                }
+                for signature, plan, profiles, other_ms in plans
+            ],
             "link_scale": link_scale,
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
@@ -228,7 +237,7 @@ class PlanCache:
                 os.fsync(f.fileno())  # the rename must not land before the bytes do
             os.replace(tmp_path, self.path)
             tmp_path = None
-            log.info("offload: plan for inputs %s written to %s", signature, self.path)
+            log.info("offload: plans for inputs %s written to %s", family, self.path)
         except (OSError, TypeError, ValueError) as error:  # I/O, or a profile JSON cannot carry
             log.warning(
                 "offload: could not write the plan cache %s (%s); the next run profiles again", self.path, error
@@ -240,11 +249,11 @@ class PlanCache:
                 except OSError:
                     pass  # the temporary file is already gone
 
-    def key(self, signature: tuple, regions: list[tuple[str, torch.nn.Module]]) -> dict:
-        """The key an entry for these inputs and regions is filed under (its parts written out)."""
-        device = _signature_device(signature)
+    def key(self, family: tuple, regions: list[tuple[str, torch.nn.Module]]) -> dict:
+        """The key an entry for this input family and these regions is filed under (its parts written out)."""
+        device = _signature_device(family)
         return {
-            "inputs": repr(signature),
+            "inputs": repr(family),
             "regions": regions_fingerprint(regions),
             "budget": self._budget,
             "policy": self._policy,
@@ -288,18 +297,27 @@ def _encode_plan(plan: Plan) -> dict:
     return fields
 
 
-def _decode(entry: dict) -> CachedPlan:
-    plan = dict(entry["plan"])
+def _decode_plan(stored: dict) -> Plan:
+    plan = dict(stored)
     plan["regions"] = tuple(RegionPlan(**{**r, "decision": Decision(r["decision"])}) for r in plan["regions"])
+    return Plan(**plan)
+
+
+def _number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or not math.isfinite(value):
+        raise ValueError(f"{what} {value!r} is not a number >= 0")
+    return float(value)
+
+
+def _decode(entry: dict, names: list[str]) -> CachedPlan:
     link_scale = entry["link_scale"]
     if link_scale is not None and not (isinstance(link_scale, float) and math.isfinite(link_scale) and link_scale > 0):
         raise ValueError(f"link_scale {link_scale!r} is not a positive number")
-    other_ms = entry["other_ms"]
-    if isinstance(other_ms, bool) or not isinstance(other_ms, (int, float)) or not other_ms >= 0:
-        raise ValueError(f"other_ms {other_ms!r} is not a number >= 0")
-    return CachedPlan(
-        plan=Plan(**plan),
-        profiles=tuple(RegionProfile(**p) for p in entry["profiles"]),
-        other_ms=float(other_ms),
-        link_scale=link_scale,
-    )
+    plans = []
+    for stored in entry["plans"]:
+        plan = _decode_plan(stored["plan"])
+        profiles = tuple(RegionProfile(**p) for p in stored["profiles"])
+        if [r.name for r in plan.regions] != names or [p.name for p in profiles] != names:
+            raise ValueError("its regions are not this engine's")
+        plans.append((str(stored["inputs"]), plan, profiles, _number(stored["other_ms"], "other_ms")))
+    return CachedPlan(fit=ProfileFit.from_dict(entry["fit"], names), plans=tuple(plans), link_scale=link_scale)

@@ -196,7 +196,8 @@ class Plan:
     budget_bytes: int | None
     """Activation bytes allowed on the device; None: no limit."""
     baseline_step_ms: float
-    """Forward + backward without the engine: 3x the forward sum."""
+    """The step without the engine: every region's forward and backward (measured, or
+    ``BACKWARD_TO_FORWARD`` x its forward where no backward was measured) plus the rest of the step."""
     predicted_step_ms: float
     predicted_overhead_ms: float
     """``predicted_step_ms - baseline_step_ms``: the sum of the regions' exposed time."""
@@ -204,6 +205,9 @@ class Plan:
     """Most saved-activation bytes on the device at any instant of the step."""
     fits_budget: bool
     """``predicted_peak_bytes <= budget_bytes`` (True without a budget)."""
+    origin: str = ""
+    """Where the regions' profiles come from, for ``explain()``: "measured" at these inputs, or
+    "derived, ..." from a fit over other shapes (``_fit``), naming them; "" for a plan made by hand."""
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
@@ -223,6 +227,7 @@ class Plan:
             "predicted_overhead_ms": finite(self.predicted_overhead_ms),
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "fits_budget": self.fits_budget,
+            "origin": self.origin,
             "regions": [
                 {
                     "name": r.name,
@@ -261,6 +266,8 @@ class Plan:
         )
         verdict = "" if self.budget_bytes is None else ("  (fits)" if self.fits_budget else "  (OVER BUDGET)")
         lines.append(f"predicted peak: {_mb(self.predicted_peak_bytes)} MB vs budget {budget}{verdict}")
+        if self.origin:
+            lines.append(f"profiles: {self.origin}")
         return "\n".join(lines)
 
 

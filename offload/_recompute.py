@@ -90,10 +90,21 @@ class _Frame:
     """One call of a recomputed region: its inputs (through the outer hooks) and how to re-run it."""
 
     def __init__(
-        self, fn: Callable, name: str, args: tuple, kwargs: dict, on_recompute: Optional[Callable] = None
+        self,
+        fn: Callable,
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        on_recompute: Optional[Callable] = None,
+        count: Optional[Callable[[torch.Tensor], Optional[int]]] = None,
     ) -> None:
         self.fn, self.name = fn, name
         self.on_recompute = on_recompute  # called with the recompute's wall time, ms (profiling)
+        self.count = count
+        """Profiling: what the engine would take of each save had the region run as is: None (it
+        would pass it through), or the bytes it would newly hold (0 for a storage it holds already)."""
+        self.counted_bytes = 0
+        self.counted_tensors = 0
         self.args, self.kwargs = args, kwargs
         flat = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
         self.rng = _RNGState(flat)
@@ -220,6 +231,10 @@ class _Frame:
             self.forward_values.append((t, t._version))
             if _droppable(t):
                 self.dropped_storages[_storage_id(t)] = t.untyped_storage().nbytes()
+            counted = None if self.count is None else self.count(t)
+            if counted is not None:
+                self.counted_bytes += counted
+                self.counted_tensors += 1
         self.live += 1
         return _Slot(self, len(self.meta) - 1)
 

@@ -425,6 +425,10 @@ class SelectiveRun:
     """False where the region had to be recomputed whole (see the module docstring)."""
     why_not: str = ""
     """Why it was recomputed whole, where it ran selectively at first."""
+    counted_bytes: int = 0
+    """A profiled run asked to count: bytes of distinct storages the engine would have taken had
+    the region run as is (its saves the count accepted), and the saves among them."""
+    counted_tensors: int = 0
 
 
 def selective_checkpoint(
@@ -521,8 +525,9 @@ class _ProfiledFrame(_Frame):
         kwargs: dict,
         on_recompute: Callable[[float], None] | None,
         on_selective: Callable[[SelectiveProfile], None] | None,
+        count: Callable[[torch.Tensor], int | None] | None = None,
     ) -> None:
-        super().__init__(fn, name, args, kwargs, on_recompute)
+        super().__init__(fn, name, args, kwargs, on_recompute, count)
         self.on_selective = on_selective
 
     def _recompute(self) -> None:
@@ -612,14 +617,17 @@ def profiled_checkpoint(
     split: bool,
     on_recompute: Callable[[float], None],
     on_selective: Callable[[SelectiveProfile], None],
+    count: Callable[[torch.Tensor], int | None] | None = None,
 ) -> tuple[Any, SelectiveRun]:
     """A whole-region recompute of ``fn`` (the "recompute" profiling step) reporting each re-run's
     wall time in ms (``on_recompute``); with ``split``, its first recompute also measures what a
     selective run would cost (one more re-run, reported to ``on_selective``). ``split=False`` (a
-    compiled region): a plain whole recompute, never under a dispatch mode."""
+    compiled region): a plain whole recompute, never under a dispatch mode. ``count``: what the
+    engine would take of each save had the region run as is (``_Frame.count``; the totals are
+    ``SelectiveRun.counted_bytes`` and ``counted_tensors``)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs), _NOTHING
-    frame = _ProfiledFrame(fn, name, args, kwargs, on_recompute, on_selective if split else None)
+    frame = _ProfiledFrame(fn, name, args, kwargs, on_recompute, on_selective if split else None, count)
     out = frame.run()
     return out, SelectiveRun(
         dropped_bytes=frame.dropped_bytes,
@@ -627,4 +635,6 @@ def profiled_checkpoint(
         stash_bytes=0,
         stashed_tensors=0,
         selective=False,
+        counted_bytes=frame.counted_bytes,
+        counted_tensors=frame.counted_tensors,
     )

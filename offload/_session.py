@@ -4,8 +4,8 @@ The engine (``_engine``) owns the lifecycle a user sees; this object is what run
 the one thing ``Regions`` and the probe talk to:
 
     hooks ──pack/unpack──▶ Session ──▶ Store (made on the first saved tensor, for its device)
-    Regions ──active? / eagerly() / set_planned() / saved() / count_recompute() / machine()
-              / budget_in_force() / plan_cache──▶ Session
+    Regions ──active? / eagerly() / set_planned() / saved() / moved_bytes() / count_recompute()
+              / machine() / budget_in_force() / plan_cache──▶ Session
 
 State per thread (the hook stack, eager mode) is thread-local: one engine can serve a training
 thread and an evaluation thread at once.
@@ -135,6 +135,10 @@ class Session:
     def saved(self) -> tuple[int, int]:
         """(bytes, tensors) saved through the engine so far: regions measure themselves by the difference."""
         return self.counters.saved_bytes, self.counters.saved_tensors
+
+    def moved_bytes(self) -> int:
+        """Bytes moved off the device so far: a profiling step that moved none ran alone on the device."""
+        return self.counters.offloaded_bytes
 
     def budget_in_force(self) -> Optional[int]:
         """The byte budget to plan against now: ``budget_mb``, or with "auto" the latest reading

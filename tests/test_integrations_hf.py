@@ -22,6 +22,7 @@ import torch  # noqa: E402
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # the Trainer needs it
 
+import offload  # noqa: E402
 from offload.integrations.hf import OffloadCallback  # noqa: E402
 from zoo import files_under  # noqa: E402
 
@@ -269,3 +270,87 @@ def test_forward_wrapped_again_after_train_begin(tmp_path):
     model.train()
     model(input_ids=ids, labels=ids).loss.backward()  # a training-mode forward after train end
     assert callback.engine.stats.saved_tensors == saved
+
+
+class Ragged(torch.utils.data.Dataset):
+    """Random token rows of random lengths: each batch is padded to its own longest (dynamic padding)."""
+
+    def __init__(self, rows: int, shortest: int, longest: int) -> None:
+        generator = torch.Generator().manual_seed(1)
+        lengths = torch.randint(shortest, longest + 1, (rows,), generator=generator)
+        self.rows = [torch.randint(1, VOCAB, (int(n),), generator=generator) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.rows[i]}
+
+
+def pad_to_longest(features: list) -> dict:
+    """What Hugging Face's padding collators do: pad to the batch's longest, mask and ignore the pad."""
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), longest, dtype=torch.long)
+    mask = torch.zeros(len(features), longest, dtype=torch.long)
+    for row, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[row, :n], mask[row, :n] = f["input_ids"], 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def test_dynamic_padding_with_regions_auto(tmp_path, spill_dir):
+    """The loop fine-tuning runs: a new sequence length almost every step, blocks found by
+    regions="auto". A handful of profiling steps, then every step under a plan (most of them
+    derived from the fit for lengths never measured), and the Trainer's losses and final weights
+    bitwise equal to the run without the callback."""
+    base = llama_long()
+    data = Ragged(rows=24, shortest=8, longest=64)
+    args = arguments(tmp_path)
+
+    padded: list[int] = []
+
+    def collate(features):
+        batch = pad_to_longest(features)
+        padded.append(batch["input_ids"].shape[1])
+        return batch
+
+    def run(callbacks):
+        model = copy.deepcopy(base)
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=data, data_collator=collate, callbacks=callbacks
+        )
+        trainer.train()
+        return trainer, model
+
+    reference, reference_model = run([])
+    callback = OffloadCallback(budget_mb=0.01, regions="auto", min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir)
+    trainer, model = run([callback])
+    assert losses(trainer) == losses(reference)
+    assert_same_weights(reference_model, model, "dynamic padding, regions='auto'")
+    eng = callback.engine
+    assert [name for name, _ in eng.regions] == [f"model.layers.{i}" for i in range(2)]
+    stages = list(eng.recent_stages)
+    assert len(stages) == len(losses(reference)) == len(data) // BATCH
+    assert sum(s is not None for s in stages) <= 5, stages
+    assert len(set(padded)) >= 8, f"the premise: many distinct padded lengths, got {sorted(set(padded))}"
+    derived = [p for p in eng.plans.values() if p.origin.startswith("derived")]
+    assert derived, "lengths never measured are planned from the fit"
+    assert "_no_split_modules" in offload.explain(eng)
+    assert files_under(spill_dir) == []
+
+
+def llama_long() -> torch.nn.Module:
+    """``llama()`` with room for the ragged rows' lengths."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config)

@@ -203,3 +203,20 @@ def test_bad_engine_arguments_raise_at_construction():
         OffloadCallback(budget_mb=float("nan"))
     with pytest.raises(TypeError, match="budgte_mb"):
         OffloadCallback(budgte_mb=1)
+
+
+def test_regions_auto_from_the_module_it_holds(spill_dir):
+    """regions="auto" needs nothing model-specific: the callback searches the LightningModule it
+    is handed (its ``blocks``), names the regions from it, and the fit is exact."""
+    base = MLP()
+    reference = copy.deepcopy(base)
+    fit(reference)
+    module = copy.deepcopy(base)
+    callback = OffloadCallback(
+        budget_mb=0, regions="auto", policy="recompute", min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir
+    )
+    fit(module, [callback])
+    assert all(torch.equal(a, b) for a, b in zip(reference.losses, module.losses, strict=True))
+    assert [name for name, _ in callback.engine.regions] == [f"blocks.{i}" for i in range(DEPTH)]
+    assert callback.engine.stats.recomputed_regions == DEPTH * SAMPLES // BATCH
+    assert all("forward" not in block.__dict__ for block in module.blocks), "the blocks' own forwards are back"

@@ -179,16 +179,20 @@ def test_a_file_for_another_model_is_ignored_with_one_warning(tmp_path, spill_di
     assert saved.decisions  # the profiled plan was a real one
 
 
-@pytest.mark.parametrize("tamper", ["decision", "regions", "digest", "link_scale"])
+@pytest.mark.parametrize("tamper", ["decision", "regions", "fit", "fit-value", "digest", "link_scale"])
 def test_an_entry_that_does_not_hold_up_is_ignored_with_one_warning(tamper, tmp_path, spill_dir, reference, caplog):
     path = tmp_path / "plans.json"
     profile_and_save(path, spill_dir)
     data = json.loads(path.read_text())
     (digest, entry) = next(iter(data["entries"].items()))
     if tamper == "decision":
-        entry["plan"]["regions"][0]["decision"] = "sideways"
+        entry["plans"][0]["plan"]["regions"][0]["decision"] = "sideways"
     elif tamper == "regions":
-        entry["plan"]["regions"] = entry["plan"]["regions"][:-1]
+        entry["plans"][0]["plan"]["regions"] = entry["plans"][0]["plan"]["regions"][:-1]
+    elif tamper == "fit":
+        entry["fit"]["regions"] = entry["fit"]["regions"][:-1]
+    elif tamper == "fit-value":
+        entry["fit"]["regions"][0]["fields"]["saved_bytes"][0][3] = -5
     elif tamper == "digest":
         entry["key"]["budget"] = 1  # the key no longer hashes to the digest it is filed under
     else:
@@ -197,6 +201,21 @@ def test_an_entry_that_does_not_hold_up_is_ignored_with_one_warning(tamper, tmp_
     if tamper == "digest":  # filed under this run's digest but keyed otherwise: the key itself is checked
         assert digest in data["entries"]
     assert_profiles_and_rewrites(path, spill_dir, reference, caplog, "unusable")
+
+
+def test_a_restart_with_new_shapes_plans_them_from_the_saved_fit(tmp_path, spill_dir):
+    """The file holds the family's fit, not only the measured shapes' plans: a restarted job whose
+    batches come in shapes never seen runs every step under a plan derived from it, exactly."""
+    path = tmp_path / "plans.json"
+    profile_and_save(path, spill_dir)
+    model, want = make_model(), make_model()
+    eng = engine(model, path, spill_dir=spill_dir)
+    for step, seq in enumerate([48, 40, 56]):
+        got = train(model, eng, steps=1, seq=seq, first_step=step)
+        assert_same_history(got, train(want, steps=1, seq=seq, first_step=step), f"step {step}, length {seq}")
+        assert eng.plan.origin.startswith("derived"), eng.plan.origin
+    assert list(eng.recent_stages) == [None] * 3, "no profiling step after the restart"
+    eng.close()
 
 
 def test_a_missing_file_is_created_without_a_warning(tmp_path, spill_dir, caplog):

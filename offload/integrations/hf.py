@@ -108,7 +108,8 @@ class OffloadCallback(transformers.TrainerCallback):
         if model is None:
             raise TypeError("OffloadCallback needs the Trainer's model; the Trainer passes it to every callback event")
         self._finish()  # a previous train() that raised never reached on_train_end
-        self.engine = offload.engine(**self._engine_kwargs).watch(model)
+        # The model it holds names the regions (and regions="auto" searches it).
+        self.engine = offload.engine(**({"model": model} | self._engine_kwargs))
         run = _Run(self.engine, model, model.__dict__.get("forward"), logged=self.engine.stats)
         run.wrapper = self._wrap(run, model.forward)
         model.forward = run.wrapper

@@ -67,7 +67,8 @@ class OffloadCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish()  # a previous fit that raised past on_exception
-        self.engine = offload.engine(**self._engine_kwargs).watch(pl_module)
+        # The module it holds names the regions (and regions="auto" searches it).
+        self.engine = offload.engine(**({"model": pl_module} | self._engine_kwargs))
         self._logged = self.engine.stats
         self._open = True
 

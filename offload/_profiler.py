@@ -1,0 +1,477 @@
+"""What each step of a region engine is (a profiling stage, or a plan in force), and its plan.
+
+Owns the profiles and plans of one engine's regions, across input shapes. ``Regions`` asks at the
+first region of every step (``begin``) and hands back what the step measured (``finish``,
+``observe``); the fits live in ``_fit``, the decisions in ``_policy`` / ``_planner``.
+
+Inputs are grouped in families: signatures with the same tensors, dtypes and devices, whose sizes
+differ (a batch padded to its own longest sample, a curriculum). One family, one ``ProfileFit``:
+
+    first shape of a family      "measure"  ─▶ nothing has to move: "measure" once more
+                                            ─▶ policy "auto" and something moves, or "selective":
+                                 "recompute" (every region recomputed: clean times, the recompute
+                                              and selective costs) ─▶ "offload" (once per engine,
+                                              with a link: calibrates the transfer costs)
+    a shape already planned      its plan (least recently used out beyond ``MAX_PLANS``)
+    a shape the fit can reach    a plan derived from the fit, no profiling step; what the step then
+                                 saves through the engine (exact, free) is checked against it, and
+                                 a miss beyond ``SIZE_TOLERANCE`` adds the sizes seen to the fit
+    a shape beyond the fit       "recompute" at that shape (sizes counted by the recomputed regions,
+                                 clean times), at most ``MAX_MEASURED_SHAPES`` per family: the second
+                                 shape when it differs by ``SECOND_SHAPE_SPREAD``, later ones when
+                                 they lie ``EXTRAPOLATION_LIMIT`` outside what was measured;
+                                 policy "offload" (which needs sizes only) never profiles again
+
+Why the later shapes are measured by a "recompute" step and not a "measure" one: a "measure" step
+holds the budget tensor by tensor, so on a CPU its spill threads share the cores with the forward
+and slow it 2-3x (seen on MiniGPT 8x256 at a 20 MB budget: 65-85 ms against 20-35 ms per block);
+a recomputed region sends only its inputs to the store, so its times are the compute's own, the
+same kind of time the first shape's trial measured.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+from typing import Optional
+
+import torch
+
+from ._budget import replan_needed
+from ._cost import MachineProfile, RegionProfile
+from ._fit import ProfileFit, Shape
+from ._planner import Decision, Plan, calibrate_link, link_usable, scale_link
+from ._policy import make_plan
+from ._session import Session
+
+__all__ = [
+    "EXTRAPOLATION_LIMIT",
+    "MAX_MEASURED_SHAPES",
+    "MAX_PLANS",
+    "SECOND_SHAPE_SPREAD",
+    "SIZE_TOLERANCE",
+    "TIME_CHECK_TOLERANCE",
+    "Measured",
+    "Profiler",
+    "ShapePlan",
+    "Stage",
+    "family_and_shape",
+]
+
+log = logging.getLogger(__name__)
+
+PROFILED_POLICIES = ("auto", "offload", "selective")
+"""Policies whose decisions depend on measured sizes and times; "recompute" and "none" do not."""
+
+PROFILE_STEPS = 2
+""""measure" steps at a family's first shape when no trial follows. The first pays one-time costs
+(allocator growth, lazy initialisation, kernel selection: 10x the steady forward time of the
+first block was seen on the CPU), so its plan is provisional and the second step's replaces it."""
+
+MAX_PLANS = 64
+"""Plans kept per family (least recently used out): a plan is a few hundred bytes per region, and
+re-deriving one costs a planner run."""
+MAX_FAMILIES = 8
+"""Input families kept (least recently used out)."""
+MAX_MEASURED_SHAPES = 4
+"""Shapes per family measured by a profiling step at most; beyond them every shape is derived."""
+SECOND_SHAPE_SPREAD = 1.25
+"""A second shape whose element count differs from the first's by this factor either way is
+measured: two points give every time fit its fixed cost, not only its slope."""
+EXTRAPOLATION_LIMIT = 2.0
+"""A shape whose element count lies this factor beyond the least or largest measured is measured
+(while fewer than ``MAX_MEASURED_SHAPES`` were): a fit is trusted near its points."""
+SIZE_TOLERANCE = 0.05
+"""A derived plan's saved bytes per region may miss what the step saved by this much before the
+sizes seen are added to the fit and the family's derived plans are made again."""
+TIME_CHECK_TOLERANCE = 0.3
+"""The same for a region's forward time (where the step's forward moved nothing: its compute
+alone). Wider than sizes: CPU timings drift 10-20 % from step to step, and every miss re-plans."""
+
+
+class Stage(enum.Enum):
+    """A profiling step's kind (see the module docstring); its value is what ``Engine.recent_stages`` shows."""
+
+    MEASURE = "measure"
+    """Every region runs as is, the budget held tensor by tensor: sizes, first timings."""
+    RECOMPUTE_TRIAL = "recompute"
+    """Every region recomputed: forward, backward, recompute and selective times free of transfers."""
+    OFFLOAD_TRIAL = "offload"
+    """Every region offloaded: calibrates the probe's transfer costs by what moving costs a step."""
+
+
+class Origin(enum.Enum):
+    """Where a plan's profiles come from."""
+
+    MEASURED = "measured"
+    """Profiling steps at these very inputs."""
+    DERIVED = "derived"
+    """The family's fit, at shapes measured before."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePlan:
+    """The plan for one input signature, the profiles and rest-of-step time it was made from."""
+
+    plan: Plan
+    profiles: tuple[RegionProfile, ...]
+    other_ms: float
+    origin: Origin
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What one profiling step measured: its stage and inputs, a profile per region, the regions'
+    span (first forward start to last backward end, ms; None where not timed), and whether its
+    forward moved nothing (a "measure" step that spilled ran beside its spill threads: on a CPU
+    its times are not the compute's own, so only its sizes count)."""
+
+    stage: Stage
+    key: tuple
+    profiles: tuple[RegionProfile, ...]
+    span_ms: Optional[float]
+    clean: bool = True
+
+
+def family_and_shape(key: tuple) -> tuple[tuple, Shape]:
+    """A signature's family (its first tensor's rank, dtype and device) and that tensor's shape.
+
+    The other arguments (an attention mask, positions) follow the first one's sizes, or come and
+    go (a mask passed only when a batch is padded): one fit serves them all, and where what a step
+    saves differs from the fit, the check on sizes refits (see the module docstring)."""
+    first = next((item for item in key if isinstance(item, tuple)), None)
+    if first is None:
+        return (), Shape.of(())
+    return ((len(first[0]), first[1], first[2]),), Shape.of(first[0])
+
+
+class _Repr(str):
+    """A signature known only by its repr (a previous run's, not seen in this one yet)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RecomputeSpan:
+    """The latest "recompute" trial: what the "offload" trial that follows it calibrates against."""
+
+    shape: Shape
+    profiles: tuple[RegionProfile, ...]
+    span_ms: Optional[float]
+
+
+class _Family:
+    """One input family's fit, plans and profiling in progress."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.fit = ProfileFit(names)
+        self.plans: collections.OrderedDict[tuple, ShapePlan] = collections.OrderedDict()
+        self.queue: list[Stage] = []
+        """Profiling stages still to run: the family's next steps run them, at their own shapes."""
+        self.running = False
+        """A profiling step of this family has begun and not finished."""
+        self.sizes: Optional[tuple[tuple, tuple[RegionProfile, ...]]] = None
+        """The latest "measure" step's signature and sizes, while trials follow it."""
+        self.recompute_span: Optional[_RecomputeSpan] = None
+        self.adopted = False
+        """Whether the plan cache was read for this family."""
+        self.cached: dict[str, ShapePlan] = {}
+        """Final plans a previous run left (``plan_cache=``), by the repr of their signature."""
+
+    def keep(self, key: tuple, entry: ShapePlan) -> None:
+        self.plans[key] = entry
+        self.plans.move_to_end(key)
+        while len(self.plans) > MAX_PLANS:
+            self.plans.popitem(last=False)
+
+    def profiling(self) -> bool:
+        return self.running or bool(self.queue)
+
+    def settle(self) -> None:
+        """The family's profiling is over for now: drop what only it needed, and the plans made
+        from a fit that has changed since."""
+        self.sizes = None
+        self.recompute_span = None
+        for key in [k for k, entry in self.plans.items() if entry.origin is Origin.DERIVED]:
+            del self.plans[key]
+
+
+class Profiler:
+    """The profiles and plans of one engine's regions (see the module docstring)."""
+
+    def __init__(self, regions: list[tuple[str, torch.nn.Module]], policy: str, session: Session) -> None:
+        self.regions = regions
+        self.names = tuple(name for name, _ in regions)
+        self.policy = policy
+        self._session = session
+        self._families: collections.OrderedDict[tuple, _Family] = collections.OrderedDict()
+        self._link_scale: Optional[float] = None
+        """The calibration of the probe's transfer costs (from the first "offload" trial), or None."""
+        self.misses = 0
+        """Derived plans whose sizes or times missed what their step saw (each added it to the fit)."""
+
+    # ------------------------------------------------------------------ queries
+
+    def _family(self, family: tuple) -> _Family:
+        fam = self._families.get(family)
+        if fam is None:
+            fam = self._families[family] = _Family(self.names)
+            while len(self._families) > MAX_FAMILIES:
+                self._families.popitem(last=False)
+        self._families.move_to_end(family)
+        return fam
+
+    def plan_for(self, key: tuple) -> Optional[Plan]:
+        """The plan held for ``key``, or None."""
+        fam = self._families.get(family_and_shape(key)[0])
+        entry = None if fam is None else fam.plans.get(key)
+        return None if entry is None else entry.plan
+
+    def plans(self) -> dict[tuple, Plan]:
+        """The plans held, by input signature (bounded: see ``MAX_PLANS``)."""
+        return {key: entry.plan for fam in self._families.values() for key, entry in fam.plans.items()}
+
+    def profiling(self, key: Optional[tuple]) -> bool:
+        """Whether the next step at ``key`` (None: before any step) would be a profiling step."""
+        if self.policy not in PROFILED_POLICIES:
+            return False
+        if key is None:
+            return True
+        family, shape = family_and_shape(key)
+        fam = self._families.get(family)
+        if fam is None or fam.profiling():
+            return True
+        return key not in fam.plans and repr(key) not in fam.cached and self._needs_measure(fam, shape)
+
+    def _needs_measure(self, fam: _Family, shape: Shape) -> bool:
+        if not fam.fit:
+            return True
+        if self.policy == "offload" or len(fam.fit.measured) >= MAX_MEASURED_SHAPES:
+            return False  # "offload" plans from sizes, which every step under a plan checks
+        if not fam.fit.measured:
+            return True  # sizes only (a "measure" step that spilled): a trial measures the times
+        distance = fam.fit.distance(shape)
+        return distance >= (SECOND_SHAPE_SPREAD if len(fam.fit.measured) == 1 else EXTRAPOLATION_LIMIT)
+
+    def _machine(self) -> MachineProfile:
+        machine = self._session.machine()
+        return machine if self._link_scale is None else scale_link(machine, self._link_scale)
+
+    def _entry(self, profiles: tuple[RegionProfile, ...], other_ms: float, origin: Origin, why: str) -> ShapePlan:
+        budget = self._session.budget_in_force()  # budget_mb, or with "auto" the latest reading
+        plan = make_plan(profiles, self._machine(), budget, self.policy, other_ms=other_ms)
+        return ShapePlan(dataclasses.replace(plan, origin=why), profiles, other_ms, origin)
+
+    def _calibration_due(self, plan: Plan) -> bool:
+        return (
+            self.policy == "auto"
+            and any(d is not Decision.KEEP for d in plan.decisions)
+            and self._link_scale is None
+            and link_usable(self._session.machine())
+        )
+
+    def _trials(self, fam: _Family, plan: Plan) -> list[Stage]:
+        """The trial steps a plan calls for while the family has no trial times yet."""
+        if fam.fit.has("recompute_ms"):
+            return []
+        if self.policy == "auto" and any(d is not Decision.KEEP for d in plan.decisions):
+            return [Stage.RECOMPUTE_TRIAL] + ([Stage.OFFLOAD_TRIAL] if self._calibration_due(plan) else [])
+        if self.policy == "selective":
+            return [Stage.RECOMPUTE_TRIAL]
+        return []
+
+    # ------------------------------------------------------------------ a step begins
+
+    def begin(self, key: tuple) -> tuple[Optional[Stage], Optional[ShapePlan]]:
+        """What the step at ``key`` is: (its profiling stage or None, the plan to follow or None)."""
+        if self.policy not in PROFILED_POLICIES:
+            return None, None
+        family, shape = family_and_shape(key)
+        fam = self._family(family)
+        if not fam.adopted:
+            fam.adopted = True
+            self._adopt_cached(family, fam)
+        entry = fam.plans.get(key)
+        if entry is None and repr(key) in fam.cached:
+            entry = fam.cached.pop(repr(key))
+            fam.keep(key, entry)
+        stage: Optional[Stage] = None
+        if fam.queue:
+            stage = fam.queue.pop(0)
+        elif entry is not None:
+            fam.plans.move_to_end(key)
+            if replan_needed(entry.plan.budget_bytes, self._session.budget_in_force()):
+                # budget_mb="auto": free memory moved well away from the plan's budget
+                entry = self._entry(entry.profiles, entry.other_ms, entry.origin, entry.plan.origin)
+                fam.keep(key, entry)
+                log.info(
+                    "offload: budget in force %s, re-planned inputs %s:\n%s", entry.plan.budget_bytes, key, entry.plan
+                )
+        elif not fam.fit:
+            stage = Stage.MEASURE
+        elif self._needs_measure(fam, shape):
+            stage = Stage.RECOMPUTE_TRIAL
+        else:
+            profiles, other_ms = fam.fit.derive(shape)
+            entry = self._entry(profiles, other_ms, Origin.DERIVED, f"derived, {fam.fit.describe()}")
+            fam.queue = self._trials(fam, entry.plan)
+            stage = fam.queue.pop(0) if fam.queue else None
+            if stage is None:
+                fam.keep(key, entry)
+        fam.running = fam.running or stage is not None
+        return stage, entry
+
+    # ------------------------------------------------------------------ a step ends
+
+    def finish(self, measured: Measured) -> ShapePlan:
+        """Plan from a profiling step's measurements (at the end of its backward); returns the plan
+        with the profiles it was made from."""
+        key, stage, profiles = measured.key, measured.stage, measured.profiles
+        family, shape = family_and_shape(key)
+        fam = self._family(family)
+        fam.running = False
+        if stage is Stage.MEASURE:
+            first = not fam.fit
+            fam.sizes = (key, profiles)
+            # Its times count unless they are not the compute's own: the first step pays warm-up
+            # costs, and under "auto" or "selective" (whose trials measure clean times) a step that
+            # spilled ran beside its spill threads. "offload" never runs a trial: its steps spill alike.
+            fam.fit.add(shape, profiles, times=not first and (measured.clean or self.policy == "offload"))
+            entry = self._entry(profiles, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
+            trials = self._trials(fam, entry.plan)
+            fam.queue = trials or ([Stage.MEASURE] * (PROFILE_STEPS - 1) if first else [])
+        elif stage is Stage.RECOMPUTE_TRIAL:
+            if fam.sizes is not None and fam.sizes[0] == key:
+                # The "measure" step at these inputs counted the sizes as the store does.
+                profiles = tuple(
+                    dataclasses.replace(
+                        p, saved_bytes=s.saved_bytes, num_tensors=s.num_tensors, input_bytes=s.input_bytes
+                    )
+                    for s, p in zip(fam.sizes[1], profiles, strict=True)
+                )
+            fam.recompute_span = _RecomputeSpan(shape, profiles, measured.span_ms)
+            fam.fit.add(shape, profiles, times=True)
+            entry = self._entry(profiles, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
+            if not fam.queue and self._calibration_due(entry.plan):
+                fam.queue = [Stage.OFFLOAD_TRIAL]
+        else:
+            entry = self._calibrate(fam, key, shape, measured)
+        fam.keep(key, entry)
+        if not fam.profiling():
+            fam.settle()
+            self._store_cached(family, fam)
+        log.info("offload plan for inputs %s (after a %r step):\n%s", key, stage.value, entry.plan)
+        return entry
+
+    def _calibrate(self, fam: _Family, key: tuple, shape: Shape, measured: Measured) -> ShapePlan:
+        """An "offload" trial: scale the probe's transfer costs by what moving every region cost
+        this step over keeping it, as the latest "recompute" trial (less its recomputes) tells."""
+        if fam.sizes is not None and fam.sizes[0] == key:
+            sizes = fam.sizes[1]
+        else:
+            sizes = fam.fit.derive(shape)[0]
+        trial = fam.recompute_span
+        if trial is not None and (trial.shape.n, trial.shape.s) == (shape.n, shape.s):
+            timed = trial.profiles
+        else:
+            derived = fam.fit.derive(shape)[0]
+            timed = tuple(
+                dataclasses.replace(d, saved_bytes=s.saved_bytes, num_tensors=s.num_tensors, input_bytes=s.input_bytes)
+                for s, d in zip(sizes, derived, strict=True)
+            )
+        if measured.span_ms is not None and trial is not None and trial.span_ms is not None:
+            # The "recompute" step less its recomputes is a step that keeps everything; at another
+            # shape, scaled by the regions' own time there.
+            keep_span_ms = trial.span_ms - sum(r.recompute_ms for r in trial.profiles)
+            keep_span_ms *= _regions_ms(timed) / max(_regions_ms(trial.profiles), 1e-9)
+            _, scale = calibrate_link(timed, self._machine(), measured.span_ms - keep_span_ms)
+            self._link_scale = (self._link_scale or 1.0) * scale
+            log.info("offload: transfer costs calibrated x%.3g by a step that offloaded every region", scale)
+        return self._entry(timed, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
+
+    def rerun(self, key: tuple, stage: Stage) -> None:
+        """A profiling step that never reached its last region: run its stage again next time."""
+        fam = self._family(family_and_shape(key)[0])
+        fam.running = False
+        fam.queue.insert(0, stage)
+
+    def other_ms(self, key: tuple, ms: float) -> None:
+        """The time a measured step took outside the regions (embedding, head, loss, optimizer)."""
+        family, shape = family_and_shape(key)
+        self._family(family).fit.add_other(shape, ms)
+
+    def observe(self, key: tuple, sizes: list[Optional[tuple[int, int]]], forward_ms: list[Optional[float]]) -> None:
+        """What a step under a plan saw per region: (bytes, tensors) saved where its decision sent
+        every save to the store, its forward time where that was the region's compute alone (None
+        elsewhere). Checked against a derived plan; a miss beyond ``SIZE_TOLERANCE`` or
+        ``TIME_CHECK_TOLERANCE`` adds what was seen to the fit (see the module docstring)."""
+        family, shape = family_and_shape(key)
+        fam = self._families.get(family)
+        entry = None if fam is None else fam.plans.get(key)
+        if fam is None or entry is None or entry.origin is not Origin.DERIVED:
+            return
+        missed_sizes = [
+            i
+            for i, seen in enumerate(sizes)
+            if seen is not None and abs(seen[0] - entry.profiles[i].saved_bytes) > SIZE_TOLERANCE * max(seen[0], 1)
+        ]
+        missed_times = [
+            i
+            for i, ms in enumerate(forward_ms)
+            if ms is not None
+            and entry.profiles[i].forward_ms > 0
+            and abs(ms - entry.profiles[i].forward_ms) > TIME_CHECK_TOLERANCE * entry.profiles[i].forward_ms
+        ]
+        if not (missed_sizes or missed_times):
+            return
+        self.misses += 1
+        log.info(
+            "offload: the plan derived for inputs %s missed the sizes of regions %s (by > %.0f%%) and the forward "
+            "times of %s (by > %.0f%%); refitting",
+            key,
+            [self.names[i] for i in missed_sizes],
+            100 * SIZE_TOLERANCE,
+            [self.names[i] for i in missed_times],
+            100 * TIME_CHECK_TOLERANCE,
+        )
+        for i, seen in enumerate(sizes):
+            if seen is not None:
+                fam.fit.add_sizes(shape, i, *seen)
+        for i in missed_times:
+            fam.fit.add_forward(shape, i, forward_ms[i])  # type: ignore[arg-type]  # not None: it missed
+        fam.settle()
+        self._store_cached(family, fam)
+
+    # ------------------------------------------------------------------ the plan cache
+
+    def _adopt_cached(self, family: tuple, fam: _Family) -> None:
+        cache = self._session.plan_cache
+        if cache is None:
+            return
+        cached = cache.lookup(family, self.regions)
+        if cached is None:
+            return
+        fam.fit = cached.fit
+        fam.cached = {
+            text: ShapePlan(plan, profiles, other_ms, Origin.MEASURED)
+            for text, plan, profiles, other_ms in cached.plans
+        }
+        if self._link_scale is None:
+            self._link_scale = cached.link_scale
+
+    def _store_cached(self, family: tuple, fam: _Family) -> None:
+        cache = self._session.plan_cache
+        if cache is None or fam.profiling():
+            return  # only a family with nothing being profiled is final
+        measured: list[tuple[object, Plan, tuple[RegionProfile, ...], float]] = [
+            (key, e.plan, e.profiles, e.other_ms) for key, e in fam.plans.items() if e.origin is Origin.MEASURED
+        ]
+        measured += [(_Repr(text), e.plan, e.profiles, e.other_ms) for text, e in fam.cached.items()]
+        cache.store(family, self.regions, fam.fit, measured[-MAX_PLANS:], self._link_scale)
+
+
+def _regions_ms(profiles: tuple[RegionProfile, ...]) -> float:
+    return sum(p.forward_ms + p.backward_or_estimate_ms(2.0) for p in profiles)

@@ -1,0 +1,162 @@
+"""Loops whose input shapes change every step: a few profiling steps, then plans carried across shapes.
+
+Oracle: the model without the engine, step by step at the same lengths, bitwise (fp32 on the
+CPU: the engine only changes where saved tensors live, or re-runs a block with its RNG restored).
+And for the fits: what a profiling step measures at a shape, which a plan derived for that shape
+must have predicted.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+import offload
+from offload._profiler import MAX_MEASURED_SHAPES, MAX_PLANS
+from offload.models.gpt import GPTConfig, MiniGPT
+from test_regions import LR, MACHINE, SEED, assert_same_history
+
+CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=160, dropout=0.1, attention="math")
+BATCH = 2
+
+
+def make_model(config: GPTConfig = CONFIG) -> MiniGPT:
+    torch.manual_seed(0)
+    return MiniGPT(config)
+
+
+def block_engine(model, policy: str, spill_dir, budget_mb: float = 0.05) -> offload.Engine:
+    """The blocks as regions, fixed machine figures, and every saved storage counted
+    (``min_offload_bytes=0``: sizes linear in the shape, as a real model's MB-sized saves are)."""
+    return offload.engine(
+        budget_mb,
+        policy=policy,
+        regions=model.blocks,
+        model=model,
+        machine=MACHINE,
+        spill_dir=spill_dir,
+        min_offload_bytes=0,
+    )
+
+
+def lengths(count: int, shortest: int, longest: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(shortest, longest) for _ in range(count)]
+
+
+def train(model, seqs, eng=None, on_step=None):
+    history = []
+    for step, seq in enumerate(seqs):
+        g = torch.Generator().manual_seed(100 + step)
+        idx = torch.randint(0, model.config.vocab_size, (BATCH, seq + 1), generator=g)
+        x, y = idx[:, :-1], idx[:, 1:]
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(SEED + step)
+        if eng is None:
+            _, loss = model(x, y)
+        else:
+            with eng:
+                _, loss = model(x, y)
+        loss.backward()
+        history.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        if on_step is not None:
+            on_step(eng)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return history
+
+
+def saved_by_blocks(model, seq: int) -> list[int]:
+    """What each block saves at ``seq`` as the store counts it (policy "none", no budget)."""
+    eng = offload.engine(None, policy="none", regions=model.blocks, model=model, machine=MACHINE, min_offload_bytes=0)
+    measured = []
+    for block in model.blocks:
+        before = []
+        block.register_forward_pre_hook(lambda m, a, before=before: before.append(eng.stats.saved_bytes))
+        block.register_forward_hook(lambda m, a, o, before=before: measured.append(eng.stats.saved_bytes - before[-1]))
+    idx = torch.randint(0, 256, (BATCH, seq))
+    with eng:
+        _, loss = model(idx, idx)
+    del loss
+    for block in model.blocks:
+        block._forward_pre_hooks.clear()
+        block._forward_hooks.clear()
+    eng.close()
+    return measured
+
+
+@pytest.mark.parametrize("policy", ["auto", "selective", "offload"])
+def test_dynamic_lengths_profile_a_few_steps_then_plan_every_shape(policy, spill_dir):
+    seqs = lengths(40, 40, 160)
+    reference = train(make_model(), seqs)
+    model = make_model()
+    eng = block_engine(model, policy, spill_dir, budget_mb=0.05)
+    assert_same_history(train(model, seqs, eng), reference, f"dynamic lengths under {policy}")
+    stages = list(eng.recent_stages)
+    profiled = [s for s in stages if s is not None]
+    assert len(profiled) <= 3 + MAX_MEASURED_SHAPES - 1, stages
+    assert stages[-20:] == [None] * 20, f"the last steps must all follow a plan: {stages}"
+    assert len(set(seqs)) > 25, "the premise: most lengths are new"
+    derived = [p for p in eng.plans.values() if p.origin.startswith("derived")]
+    assert len(derived) > len(eng.plans) // 2, "most lengths are planned from the fit"
+    assert not eng.profiling
+    eng.close()
+
+
+def test_sizes_counted_by_a_recompute_trial_equal_the_stores(spill_dir):
+    """A "recompute" trial at a shape no "measure" step saw counts what each block would save had it
+    run as is; that must be what the store counts at that shape."""
+    model = make_model()
+    eng = block_engine(model, "auto", spill_dir, budget_mb=0.05)
+    train(model, [160, 160, 160, 64], eng)  # measure, recompute, offload at 160; the second shape: a trial
+    trial = eng.profiled_steps[-1]
+    assert trial.stage == "recompute" and trial.inputs[0][0] == (BATCH, 64, CONFIG.n_embd)
+    eng.close()
+    assert [r.saved_bytes for r in trial.regions] == saved_by_blocks(make_model(), 64)
+
+
+def test_a_derived_plan_whose_sizes_miss_refits_them(spill_dir, caplog):
+    """Math attention saves (s, s) scores: from one shape, a proportional fit cannot know it. The
+    first step at a new length under its derived plan sees what it saved, refits, and from then
+    on the derived sizes are exact."""
+    model = make_model()
+    eng = block_engine(model, "offload", spill_dir, budget_mb=0.05)
+    with caplog.at_level(logging.INFO, logger="offload._profiler"):
+        train(model, [64, 64, 128, 96, 160, 112], eng)
+    assert list(eng.recent_stages) == ["measure", "measure", None, None, None, None]
+    misses = [r for r in caplog.records if "missed the sizes of regions ['blocks" in r.getMessage()]
+    assert len(misses) == 1, "\n".join(r.getMessage() for r in misses)
+    for seq in (96, 160, 112):
+        plan = next(p for key, p in eng.plans.items() if key[0][0][1] == seq)
+        assert plan.origin.startswith("derived") and "bytes ~ n+ns" in plan.origin, plan.origin
+        assert [r.saved_bytes for r in plan.regions] == saved_by_blocks(make_model(), seq), seq
+    eng.close()
+
+
+def test_state_is_bounded_whatever_the_number_of_shapes(spill_dir):
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=MAX_PLANS + 40)
+    model = make_model(config)
+    eng = block_engine(model, "auto", spill_dir, budget_mb=0.01)
+    seqs = list(range(8, MAX_PLANS + 40))
+    random.Random(1).shuffle(seqs)
+    train(model, seqs, eng)
+    assert len(eng.plans) <= MAX_PLANS
+    assert sum(s is not None for s in eng.recent_stages) <= 3 + MAX_MEASURED_SHAPES - 1
+    eng.close()
+
+
+def test_explain_says_where_a_plan_comes_from(spill_dir):
+    model = make_model()
+    eng = block_engine(model, "auto", spill_dir, budget_mb=0.05)
+    train(model, [160, 160, 160, 80, 120], eng)
+    text = offload.explain(eng)
+    assert "profiles: derived, measured at" in text, text
+    assert "(2, 160, 64)" in text and "(2, 80, 64)" in text
+    assert "regions: regions=: 3 modules given" in text
+    train(model, [160], eng)
+    assert "profiles: measured" in offload.explain(eng)
+    eng.close()
