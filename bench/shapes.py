@@ -1,0 +1,488 @@
+"""Loops whose shapes change: memory at rest per shape, a dynamic-padding soak, derived plans
+against measured profiles, and auto against the best fixed policy in the same loop.
+
+    python bench/shapes.py leak    [--steps-per-shape 4]
+    python bench/shapes.py soak    [--steps 500]
+    python bench/shapes.py derive  [--shapes 12]
+    python bench/shapes.py pair    [--rounds 5]
+    python bench/shapes.py all
+
+leak    MiniGPT 8 x 256, batch 4, budget 20 MB, policy "auto" over its blocks: four steps at each
+        sequence length 128, 160, 192, 224, 256, then 128 and 160 again; the process's resident
+        set at rest after each shape (gc, malloc_trim) and the bytes of live tensors.
+soak    Hugging Face's Trainer on a tiny Llama (4 layers, width 256) with a padding collator
+        (lengths 64-512, each batch padded to its longest), regions="auto", a fixed budget and
+        budget "auto" (its reserve set so the budget in force starts near the fixed one); against
+        the same run without the callback: losses bitwise, profiling steps, every step's peak
+        against its budget, RSS at rest each step.
+derive  MiniGPT and the tiny Llama: an engine trained over a few lengths plans lengths it never
+        measured from its fit; a fresh engine profiling each of those lengths measures them. Saved
+        bytes and forward ms per region, and the derived plan's predicted step against steps timed
+        under it.
+pair    The dynamic-padding loop on MiniGPT under "auto" and under each fixed policy at the same
+        budget, after their profiling, interleaved round by round (A B C D, A B C D, ...): step time
+        of auto over the best fixed policy, the median of per-round ratios.
+
+Each part prints a table and ends with one JSON line; the JSON goes to
+``$OFFLOAD_BENCH_OUT/shapes-<part>.json`` (default ``out/bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+import offload  # noqa: E402
+from offload.bench.measure import environment, median, table, write_json  # noqa: E402
+from offload.models import GPTConfig, MiniGPT  # noqa: E402
+
+MB = 1 << 20
+STEPS_UNDER_PLAN = 5
+"""derive: steps timed under each derived plan (the first, which allocates the new shape, left out)."""
+FRESH_ENGINES = 3
+"""derive: fresh engines that measure each shape (a profiling step is one sample of a noisy clock)."""
+OUT = Path(os.environ.get("OFFLOAD_BENCH_OUT", "out/bench"))
+
+
+def rest_rss() -> int:
+    """The resident set at rest: garbage collected, freed heap handed back to the OS."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return psutil.Process().memory_info().rss
+
+
+def live_tensor_bytes() -> int:
+    gc.collect()
+    return sum(o.untyped_storage().nbytes() for o in gc.get_objects() if type(o) is torch.Tensor)
+
+
+def minigpt(layers: int = 8, width: int = 256, seq: int = 512, seed: int = 0) -> MiniGPT:
+    torch.manual_seed(seed)
+    return MiniGPT(GPTConfig(n_layer=layers, n_embd=width, n_head=4, seq_len=seq, dropout=0.0))
+
+
+def gpt_step(model: MiniGPT, seq: int, batch: int, step: int, eng: Optional[offload.Engine]) -> float:
+    """One forward and backward at ``seq``; returns the loss (the batch is fixed by ``step``)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    idx = torch.randint(0, model.config.vocab_size, (batch, seq + 1), generator=g)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(step)
+    if eng is None:
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+    else:
+        with eng:
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    return loss.item()
+
+
+def emit(part: str, rows_text: str, payload: dict) -> dict:
+    payload = {"part": part, "env": environment(torch.device("cpu")), **payload}
+    print(rows_text)
+    path = write_json(OUT / f"shapes-{part}.json", payload)
+    print(f"(written to {path})")
+    print(json.dumps(payload, default=str))
+    return payload
+
+
+# ---------------------------------------------------------------------------------------- leak
+
+
+def part_leak(args: argparse.Namespace) -> dict:
+    model = minigpt()
+    eng = offload.engine(20, policy="auto", regions=model.blocks, model=model)
+    base_rss, base_live = rest_rss(), live_tensor_bytes()
+    rows, records = [], []
+    step = 0
+    for seq in (128, 160, 192, 224, 256, 128, 160):
+        for _ in range(args.steps_per_shape):
+            gpt_step(model, seq, 4, step, eng)
+            step += 1
+        rss, live = rest_rss(), live_tensor_bytes()
+        stages = list(eng.recent_stages)[-args.steps_per_shape :]
+        records.append({"seq": seq, "rss_mb": (rss - base_rss) / MB, "live_tensor_mb": live / MB, "stages": stages})
+        rows.append([seq, f"+{(rss - base_rss) / MB:.1f}", f"{live / MB:.1f}", " ".join(s or "-" for s in stages)])
+    eng.close()
+    after_first = [r["rss_mb"] for r in records[1:]]
+    flat = (max(after_first) - min(after_first)) * MB / (base_rss + min(after_first) * MB)
+    text = table(["seq", "RSS at rest, MB over start", "live tensors MB (not parameters)", "stages"], rows)
+    text += f"\nstart RSS {base_rss / MB:.0f} MB (live tensors, parameters aside: {base_live / MB:.1f} MB); "
+    text += f"spread of RSS at rest after the first shape: {100 * flat:.2f} % of RSS"
+    return emit("leak", text, {"start_rss_mb": base_rss / MB, "shapes": records, "rest_rss_spread": flat})
+
+
+# ---------------------------------------------------------------------------------------- soak
+
+
+def tiny_llama(vocab: int = 512, longest: int = 512):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=vocab,
+        max_position_embeddings=longest,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+class Ragged(torch.utils.data.Dataset):
+    """Random token rows of random lengths in [shortest, longest]."""
+
+    def __init__(self, rows: int, shortest: int, longest: int, vocab: int, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(shortest, longest + 1, (rows,), generator=g)
+        self.rows = [torch.randint(1, vocab, (int(n),), generator=g) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.rows[i]}
+
+
+def pad_to_longest(features: list) -> dict:
+    """A padding collator: each batch padded to its own longest row, the pad masked and ignored."""
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), longest, dtype=torch.long)
+    mask = torch.zeros(len(features), longest, dtype=torch.long)
+    for row, f in enumerate(features):
+        ids[row, : len(f["input_ids"])] = f["input_ids"]
+        mask[row, : len(f["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _trainer_args(out: str, batch: int):
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=out,
+        use_cpu=True,
+        report_to=[],
+        dataloader_num_workers=0,
+        save_strategy="no",
+        per_device_train_batch_size=batch,
+        num_train_epochs=1,
+        logging_steps=1,
+        learning_rate=1e-3,
+        seed=1234,
+        disable_tqdm=True,
+    )
+
+
+def part_soak(args: argparse.Namespace) -> dict:
+    import transformers
+
+    from offload.integrations.hf import OffloadCallback
+
+    batch = 4
+    data = Ragged(args.steps * batch, 64, 512, vocab=512)
+    base = tiny_llama()
+
+    # The fixed budget: a quarter of what the model saves at a middle length, counted once.
+    model = copy.deepcopy(base)
+    counting = offload.engine(None, model=model)
+    ids = torch.randint(1, 512, (batch, 288))
+    with counting:
+        loss = model(input_ids=ids, labels=ids).loss
+    budget_mb = round(0.25 * counting.stats.saved_bytes / MB, 1)
+    del loss
+    counting.close()
+
+    class Watch(transformers.TrainerCallback):
+        """Per step: its stage, its peak against the budget in force, the RSS at rest."""
+
+        def __init__(self, offload_callback: Optional[Any]) -> None:
+            self.offload_callback = offload_callback
+            self.steps: list[dict] = []
+
+        def on_step_end(self, args_, state, control, **kwargs):
+            record: dict = {"rss": rest_rss()}
+            if self.offload_callback is not None:
+                eng = self.offload_callback.engine
+                stats = eng.stats
+                record.update(
+                    stage=eng.recent_stages[-1] if eng.recent_stages else None,
+                    peak=stats.peak_resident_bytes,
+                    budget=stats.budget_bytes,
+                )
+                eng.reset_stats()  # the peak per step; the callback logs its figures from differences
+            self.steps.append(record)
+
+    def run(engine_kwargs: Optional[dict]) -> dict:
+        model = copy.deepcopy(base)
+        offload_callback = None if engine_kwargs is None else OffloadCallback(regions="auto", **engine_kwargs)
+        watch = Watch(offload_callback)
+        callbacks = [c for c in (offload_callback, watch) if c is not None]
+        with tempfile.TemporaryDirectory() as out:
+            trainer = transformers.Trainer(
+                model=model,
+                args=_trainer_args(out, batch),
+                train_dataset=data,
+                data_collator=pad_to_longest,
+                callbacks=callbacks,
+            )
+            start = time.perf_counter()
+            trainer.train()
+            seconds = time.perf_counter() - start
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        result: dict = {"losses": losses, "steps": watch.steps, "seconds": seconds}
+        if offload_callback is not None:
+            result["plans"] = len(offload_callback.engine.plans)
+            result["lengths"] = sorted({key[0][0][1] for key in offload_callback.engine.plans})
+            result["explain"] = offload.explain(offload_callback.engine)
+        return result
+
+    reserve_mb = psutil.virtual_memory().available / MB - budget_mb
+    runs = {
+        "none": run(None),
+        "fixed": run({"budget_mb": budget_mb}),
+        "auto": run({"budget_mb": "auto", "reserve_mb": reserve_mb}),
+    }
+    rows, summary = [], {}
+    for name, result in runs.items():
+        rss = [s["rss"] for s in result["steps"]][50:]
+        spread = (max(rss) - min(rss)) / statistics.median(rss)
+        record: dict = {
+            "seconds": result["seconds"],
+            "rest_rss_mb_from_step_50": [min(rss) / MB, max(rss) / MB],
+            "rest_rss_spread": spread,
+            "losses_equal": result["losses"] == runs["none"]["losses"],
+        }
+        if name != "none":
+            stages = [s["stage"] for s in result["steps"]]
+            over = [s for s in result["steps"] if s["budget"] is not None and s["peak"] > s["budget"]]
+            record.update(
+                profiling_steps=sum(s is not None for s in stages),
+                steps_over_budget=len(over),
+                plans_held=result["plans"],
+                budgets_mb=sorted({round(s["budget"] / MB, 1) for s in result["steps"] if s["budget"] is not None}),
+                explain=result["explain"],
+            )
+        summary[name] = record
+        rows.append(
+            [
+                name,
+                f"{result['seconds']:.0f}",
+                record.get("profiling_steps", "-"),
+                record.get("steps_over_budget", "-"),
+                f"{min(rss) / MB:.0f}-{max(rss) / MB:.0f}",
+                f"{100 * spread:.1f}",
+                "yes" if record["losses_equal"] else "NO",
+            ]
+        )
+    lengths = sorted({len(b) for b in _batches(data, batch)})
+    text = table(
+        ["run", "s", "profiling steps", "steps over budget", "RSS at rest MB (50+)", "spread %", "losses =="], rows
+    )
+    text += f"\n{args.steps} steps, {len(lengths)} distinct padded lengths ({lengths[0]}-{lengths[-1]})"
+    text += f", fixed budget {budget_mb} MB"
+    text += f"\n\nauto's last plan:\n{summary['auto']['explain']}"
+    return emit("soak", text, {"budget_mb": budget_mb, "distinct_lengths": len(lengths), "runs": summary})
+
+
+def _batches(data: Ragged, batch: int) -> list:
+    """The padded rows of each batch in order (the Trainer's sampler shuffles; this counts lengths)."""
+    return [max(data.rows[i : i + batch], key=len) for i in range(0, len(data), batch)]
+
+
+# ---------------------------------------------------------------------------------------- derive
+
+
+def part_derive(args: argparse.Namespace) -> dict:
+    results = {}
+    for model_name, make, step, train_lengths, test_lengths in (
+        ("minigpt", lambda: minigpt(layers=4), _gpt_step_fn(4), [256, 256, 256, 128, 384, 512], _between(args.shapes)),
+        ("llama", tiny_llama, _llama_step_fn(4), [256, 256, 256, 128, 384, 512], _between(args.shapes)),
+    ):
+        results[model_name] = _derive_one(make, step, train_lengths, test_lengths)
+    rows = []
+    for model_name, r in results.items():
+        rows.append(
+            [
+                model_name,
+                len(r["shapes"]),
+                f"{100 * r['bytes_worst']:.2f}",
+                f"{100 * r['forward_median']:.1f} / {100 * r['forward_worst']:.1f}",
+                f"{100 * r['step_median']:.1f} / {100 * r['step_worst']:.1f}",
+            ]
+        )
+    text = table(
+        ["model", "shapes", "bytes: worst miss %", "forward ms: median / worst %", "step: median / worst %"], rows
+    )
+    return emit("derive", text, {"models": results})
+
+
+def _between(count: int) -> list[int]:
+    rng = random.Random(7)
+    picks = set()
+    while len(picks) < count:
+        seq = rng.randint(140, 500)
+        if seq not in (256, 128, 384, 512):
+            picks.add(seq)
+    return sorted(picks)
+
+
+def _gpt_step_fn(batch: int) -> Callable:
+    def step(model, seq, i, eng):
+        return gpt_step(model, seq, batch, i, eng)
+
+    return step
+
+
+def _llama_step_fn(batch: int) -> Callable:
+    def step(model, seq, i, eng):
+        g = torch.Generator().manual_seed(1000 + i)
+        ids = torch.randint(1, 512, (batch, seq), generator=g)
+        model.zero_grad(set_to_none=True)
+        if eng is None:
+            loss = model(input_ids=ids, labels=ids).loss
+        else:
+            with eng:
+                loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item()
+
+    return step
+
+
+def _derive_one(make: Callable, step: Callable, train_lengths: list[int], test_lengths: list[int]) -> dict:
+    model = make()
+    budget_mb = 8
+    eng = offload.engine(budget_mb, regions="auto", model=model)
+    for i, seq in enumerate(train_lengths):
+        step(model, seq, i, eng)
+    shapes = []
+    for j, seq in enumerate(test_lengths):
+        times = []
+        for k in range(STEPS_UNDER_PLAN):
+            start = time.perf_counter()
+            step(model, seq, 100 + STEPS_UNDER_PLAN * j + k, eng)
+            times.append((time.perf_counter() - start) * 1e3)
+        plan = eng.plan
+        assert plan is not None
+        trials = []  # one profiling step is one sample: the measured side is the median of several
+        for r in range(FRESH_ENGINES):
+            fresh = offload.engine(budget_mb, regions="auto", model=model)
+            for k in range(3):  # "measure", "recompute", "offload"
+                step(model, seq, 500 + 3 * r + k, fresh)
+            trials.append(next(p for p in fresh.profiled_steps if p.stage == "recompute").regions)
+            fresh.close()
+        saved = [trials[0][i].saved_bytes for i in range(len(plan.regions))]
+        forward = [statistics.median(t[i].forward_ms for t in trials) for i in range(len(plan.regions))]
+        bytes_miss = max(abs(d.saved_bytes - m) / m for d, m in zip(plan.regions, saved, strict=True))
+        forward_miss = [abs(d.forward_ms - m) / m for d, m in zip(plan.regions, forward, strict=True)]
+        step_ms = median(times[1:])  # the first pays the new shape's allocations
+        shapes.append(
+            {
+                "seq": seq,
+                "origin": plan.origin,
+                "decisions": [d.value for d in plan.decisions],
+                "bytes_miss": bytes_miss,
+                "forward_miss_median": statistics.median(forward_miss),
+                "forward_miss_worst": max(forward_miss),
+                "predicted_step_ms": plan.predicted_step_ms,
+                "measured_step_ms": step_ms,
+                "step_miss": abs(plan.predicted_step_ms - step_ms) / step_ms,
+            }
+        )
+    eng.close()
+    return {
+        "budget_mb": budget_mb,
+        "trained_on": train_lengths,
+        "shapes": shapes,
+        "derived": sum(s["origin"].startswith("derived") for s in shapes),
+        "bytes_worst": max(s["bytes_miss"] for s in shapes),
+        "forward_median": statistics.median(s["forward_miss_median"] for s in shapes),
+        "forward_worst": max(s["forward_miss_worst"] for s in shapes),
+        "step_median": statistics.median(s["step_miss"] for s in shapes),
+        "step_worst": max(s["step_miss"] for s in shapes),
+    }
+
+
+# ---------------------------------------------------------------------------------------- pair
+
+
+def part_pair(args: argparse.Namespace) -> dict:
+    policies = ("auto", "offload", "recompute", "selective")
+    budget_mb = 12
+    base = minigpt(layers=4)
+    models = {p: copy.deepcopy(base) for p in policies}
+    engines = {p: offload.engine(budget_mb, policy=p, regions="auto", model=models[p]) for p in policies}
+    rng = random.Random(3)
+    warm = [rng.randint(96, 384) for _ in range(12)]
+    for p in policies:
+        for i, seq in enumerate(warm):
+            gpt_step(models[p], seq, 4, i, engines[p])
+    step_ms: dict[str, list[float]] = {p: [] for p in policies}
+    for r in range(args.rounds):
+        seqs = [rng.randint(96, 384) for _ in range(args.steps_per_round)]
+        order = policies[r % len(policies) :] + policies[: r % len(policies)]
+        for p in order:
+            start = time.perf_counter()
+            for i, seq in enumerate(seqs):
+                gpt_step(models[p], seq, 4, 100 + i, engines[p])
+            step_ms[p].append((time.perf_counter() - start) * 1e3 / len(seqs))
+    profiled = {p: sum(s is not None for s in engines[p].recent_stages) for p in policies}
+    for eng in engines.values():
+        eng.close()
+    fixed = [p for p in policies if p != "auto"]
+    best = min(fixed, key=lambda p: median(step_ms[p]) or float("inf"))
+    ratios = [a / b for a, b in zip(step_ms["auto"], step_ms[best], strict=True)]
+    rows = [[p, f"{median(step_ms[p]):.1f}", f"{min(step_ms[p]):.1f}", profiled[p]] for p in policies]
+    text = table(["policy", "median step ms", "best round ms", "profiling steps"], rows)
+    text += f"\nauto / best fixed ({best}): {statistics.median(ratios):.3f} (median of {len(ratios)} paired rounds)"
+    return emit(
+        "pair",
+        text,
+        {"budget_mb": budget_mb, "step_ms": step_ms, "best_fixed": best, "auto_over_best": statistics.median(ratios)},
+    )
+
+
+PARTS = {"leak": part_leak, "soak": part_soak, "derive": part_derive, "pair": part_pair}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=[*PARTS, "all"])
+    parser.add_argument("--steps-per-shape", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=500, help="soak: optimizer steps")
+    parser.add_argument("--shapes", type=int, default=12, help="derive: lengths never measured")
+    parser.add_argument("--rounds", type=int, default=5, help="pair: interleaved rounds")
+    parser.add_argument("--steps-per-round", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for name in PARTS if args.part == "all" else [args.part]:
+        PARTS[name](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
