@@ -1,20 +1,33 @@
 """Stand-in links for running the host tier (device -> host -> disk) on the CPU.
 
-The engine takes a link through ``offload.engine(link=...)``; these two play the CUDA side streams:
+The engine takes a link through ``offload.engine(link=...)``; these play the CUDA side streams:
 
 - ``DeferredLink``: a copy happens only when its completion is polled ``delay`` times or waited on,
   so the store's use of a destination before its copy landed reads the 0xFF it was filled with.
 - ``ThreadedLink``: copies complete on a background thread after ``delay_s``, concurrently with
-  compute, as on a side stream. A d2h reads its source only when it completes, through a weak
-  reference: if the engine let the source go before then (the keep-alive removed), the copy
-  writes 0xFF instead (on a GPU it would read reused memory). An h2d reads its host block only
-  when it completes, and ``released`` overwrites a block with 0xFF the moment the engine gives
-  it back: a block freed before its h2d finished yields garbage. Either way gradients differ.
+  compute, as on a side stream. ``released`` overwrites a host block with 0xFF the moment the
+  engine gives it back.
+- ``EmulatedStreams`` (with ``CudaLink`` itself, see below): CUDA's streams and events emulated on
+  the CPU, so the ordering code of the real link runs here.
+
+When the first two read a copy's source is their ``Reads`` mode:
+
+- ``Reads.AT_COMPLETION``: when the copy completes, through a weak reference for a d2h (a source
+  the engine let go first yields 0xFF). Kind to a source that is not ready yet: a copy started from
+  a host block that a disk read is still filling reads it after the read has landed.
+- ``Reads.OVER_THE_COPY``: as a stream does: the bytes are taken when the copy starts, and when it
+  completes the source must still be alive and unchanged, else the copy yields 0xFF. A copy
+  started before its source was filled, or whose source was given back (and poisoned) or let go
+  while it ran, gives garbage. This is the mode to find races with; the other stays to show what
+  it hides.
+
+Either way a wrong byte shows up as wrong gradients, and the link counts what it saw.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import queue
 import threading
 import time
@@ -22,6 +35,56 @@ import time
 import torch
 
 POISON = 0xFF
+
+
+class Reads(enum.Enum):
+    """When a stand-in link reads a copy's source (see the module docstring)."""
+
+    AT_COMPLETION = "completion"
+    OVER_THE_COPY = "start"
+
+
+class _Source:
+    """A copy's source as the link sees it: a 1-D uint8 tensor, held weakly (its storage) so the
+    link itself never keeps it alive, and, reading over the copy, the bytes it had at the start."""
+
+    def __init__(self, src: torch.Tensor, reads: Reads) -> None:
+        self.n, self.offset = src.numel(), src.storage_offset()
+        self.weak = src.untyped_storage()._weak_ref()
+        self.taken = src.clone() if reads is Reads.OVER_THE_COPY else None
+
+    def bytes_now(self):
+        """The source's bytes now, or None if the engine let its storage go."""
+        weak, self.weak = self.weak, None
+        storage = None if torch.UntypedStorage._expired(weak) else torch.UntypedStorage._new_with_weak_ptr(weak)
+        torch.UntypedStorage._free_weak_ref(weak)
+        if storage is None:
+            return None
+        return torch.empty(0, dtype=torch.uint8).set_(storage, self.offset, (self.n,), (1,))
+
+    def __del__(self) -> None:
+        if self.weak is not None:  # a copy that never completed (its link closed)
+            torch.UntypedStorage._free_weak_ref(self.weak)
+
+
+class _Copier:
+    """Carries out one copy for a link: what its ``Reads`` mode reads, checked as that mode says."""
+
+    def __init__(self, link, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.link, self.dst = link, dst
+        self.source = _Source(src, link.reads)
+
+    def __call__(self) -> None:
+        now = self.source.bytes_now()
+        taken = self.source.taken
+        if now is None:
+            self.link.sources_gone += 1
+            self.dst.fill_(POISON)
+        elif taken is not None and not torch.equal(now, taken):
+            self.link.sources_changed += 1
+            self.dst.fill_(POISON)
+        else:
+            self.dst.copy_(now if taken is None else taken)
 
 
 class _Polled:
@@ -56,22 +119,22 @@ class _Polled:
 class DeferredLink:
     """Copies happen when their completion is polled enough, or waited on."""
 
-    def __init__(self, delay: int = 3) -> None:
-        self.delay = delay
+    def __init__(self, delay: int = 3, reads: Reads = Reads.AT_COMPLETION) -> None:
+        self.delay, self.reads = delay, reads
         self.d2h_count = self.h2d_count = 0
+        self.sources_gone = self.sources_changed = 0
 
     def batch(self):
         return contextlib.nullcontext()
 
     def d2h(self, src, dst_host):
         self.d2h_count += 1
-        n = src.numel()
-        return _Polled(lambda: dst_host[:n].copy_(src), self.delay)
+        return _Polled(_Copier(self, src, dst_host[: src.numel()]), self.delay)
 
     def h2d(self, src_host, nbytes):
         self.h2d_count += 1
         dst = torch.full((nbytes,), POISON, dtype=torch.uint8)  # garbage until the copy lands
-        return dst, _Polled(lambda: dst.copy_(src_host[:nbytes]), self.delay)
+        return dst, _Polled(_Copier(self, src_host[:nbytes], dst), self.delay)
 
     def released(self, host) -> None:
         host.fill_(POISON)
@@ -107,11 +170,13 @@ class _Threaded:
 class ThreadedLink:
     """Copies complete on a background thread ``delay_s`` after they start (see the module doc)."""
 
-    def __init__(self, delay_s: float = 0.002) -> None:
-        self.delay_s = delay_s
+    def __init__(self, delay_s: float = 0.002, reads: Reads = Reads.AT_COMPLETION) -> None:
+        self.delay_s, self.reads = delay_s, reads
         self.d2h_count = self.h2d_count = 0
         self.sources_gone = 0
-        """d2h copies whose source the engine had let go before they completed (must stay 0)."""
+        """Copies whose source the engine had let go before they completed (must stay 0)."""
+        self.sources_changed = 0
+        """``Reads.OVER_THE_COPY``: copies whose source changed while they ran (must stay 0)."""
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="offload-test-link", daemon=True)
         self._thread.start()
@@ -135,28 +200,15 @@ class ThreadedLink:
 
     def d2h(self, src, dst_host):
         self.d2h_count += 1
-        n, offset = src.numel(), src.storage_offset()
-        weak = src.untyped_storage()._weak_ref()  # the link itself does not keep the source alive
-
-        def copy() -> None:
-            storage = None if torch.UntypedStorage._expired(weak) else torch.UntypedStorage._new_with_weak_ptr(weak)
-            torch.UntypedStorage._free_weak_ref(weak)
-            if storage is None:
-                self.sources_gone += 1
-                dst_host[:n].fill_(POISON)
-                return
-            source = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (n,), (1,))
-            dst_host[:n].copy_(source)
-
-        return self._later(copy)
+        return self._later(_Copier(self, src, dst_host[: src.numel()]))
 
     def h2d(self, src_host, nbytes):
         self.h2d_count += 1
         dst = torch.full((nbytes,), POISON, dtype=torch.uint8)  # garbage until the copy lands
-        return dst, self._later(lambda: dst.copy_(src_host[:nbytes]))
+        return dst, self._later(_Copier(self, src_host[:nbytes], dst))
 
     def released(self, host) -> None:
-        host.fill_(POISON)  # a block given back while an h2d still reads it yields garbage
+        host.fill_(POISON)  # a block given back while a copy still reads it yields garbage
 
     def synchronize(self) -> None:
         done = threading.Event()
@@ -174,18 +226,26 @@ class ThreadedLink:
 @contextlib.contextmanager
 def link_named(name: str):
     """A link by its test-parameter name: "disk" (None: no host tier), "deferred-N" (a
-    DeferredLink landing after N polls) or "threaded" (a ThreadedLink, closed afterwards, which
-    must never have copied from a source the engine had already let go)."""
+    DeferredLink landing after N polls) or "threaded" (a ThreadedLink, closed afterwards), each
+    reading its sources at completion, or with a "-start" suffix over the copy (``Reads``).
+    Afterwards the link must never have copied from a source the engine had let go or changed."""
     if name == "disk":
         yield None
-    elif name.startswith("deferred-"):
-        yield DeferredLink(int(name.split("-")[1]))
-    elif name == "threaded":
-        made = ThreadedLink(delay_s=0.002)
+        return
+    base = name.removesuffix("-start")
+    reads = Reads.AT_COMPLETION if base == name else Reads.OVER_THE_COPY
+    if base.startswith("deferred-"):
+        made = DeferredLink(int(base.split("-")[1]), reads=reads)
+        yield made
+    elif base == "threaded":
+        made = ThreadedLink(delay_s=0.002, reads=reads)
         try:
             yield made
         finally:
             made.close()
-        assert made.sources_gone == 0, "a copy's source was let go before the copy finished"
     else:
-        raise ValueError(f"unknown test link {name!r}; use 'disk', 'deferred-N' or 'threaded'")
+        raise ValueError(
+            f"unknown test link {name!r}; use 'disk', 'deferred-N' or 'threaded', optionally with '-start'"
+        )
+    assert made.sources_gone == 0, "a copy's source was let go before the copy finished"
+    assert made.sources_changed == 0, "a copy's source changed while the copy ran (started too early, or freed)"

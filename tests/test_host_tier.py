@@ -2,21 +2,25 @@
 
 No GPU here, so the engine gets a stand-in link through ``offload.engine(link=...)`` (tests/links.py):
 ``DeferredLink`` lands a copy only when its completion is polled or waited on; ``ThreadedLink``
-lands it on a background thread after a delay, reading its source only then, and poisons a host
-block the moment the engine gives it back. A store that used a destination before its copy landed,
-or let a copy's source go before the copy finished, reads 0xFF and the gradients differ.
+lands it on a background thread after a delay; both poison a host block the moment the engine
+gives it back, and read each source either when the copy completes or, with "-start", over the
+copy as a stream does (taken at the start, still alive and unchanged at the end). A store that
+used a destination before its copy landed, let a copy's source go before the copy finished, or
+started a copy from a source not yet filled, reads 0xFF and the gradients differ.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
 import torch.nn as nn
 
 import offload
-from links import ThreadedLink, link_named
+import offload._spill
+from links import Reads, ThreadedLink, link_named
 from zoo import MB, wait_clean
 
 
@@ -42,7 +46,7 @@ def _engine(link, **kwargs):
     return offload.engine(device="cpu", min_offload_bytes=0, link=link, **kwargs)
 
 
-@pytest.fixture(params=["deferred-1", "deferred-4", "threaded"])
+@pytest.fixture(params=["deferred-1", "deferred-4", "threaded", "deferred-4-start", "threaded-start"])
 def link(request):
     with link_named(request.param) as made:
         yield made
@@ -120,3 +124,38 @@ def test_fresh_inputs_every_step_under_a_slow_link(tmp_path):
     eng.close()
     link.close()
     assert link.sources_gone == 0
+
+
+class _SlowReads:
+    """Every spill-file read first sleeps ``delay_s`` on its worker thread, so a read back into a
+    host block is still in flight when the next unpack polls; counts the reads."""
+
+    def __init__(self, monkeypatch, delay_s: float) -> None:
+        real, self.reads = offload._spill._File.read, 0
+        slow = self
+
+        def read(file, extent, out):  # a plain function: the class binds ``file`` as self
+            slow.reads += 1
+            time.sleep(delay_s)
+            return real(file, extent, out)
+
+        monkeypatch.setattr(offload._spill._File, "read", read)
+
+
+def test_a_climb_from_disk_starts_its_copy_up_only_once_the_read_landed(tmp_path, monkeypatch):
+    """disk -> host -> device: the copy up from the host block starts only after the disk read into
+    it has landed. Reads are slow and the link reads each source over its copy, as a stream does,
+    so a copy started on a block still being filled gets garbage (the climb's ``filled.done()``
+    condition in ``Store._poll`` is what prevents it; with it removed this test fails)."""
+    reads = _SlowReads(monkeypatch, delay_s=0.05)
+    model, x = _model(), torch.randn(256, 128)
+    want = _grads(model, x)
+    link = ThreadedLink(delay_s=0.001, reads=Reads.OVER_THE_COPY)
+    eng = _engine(link, budget_mb=0.5, host_budget_mb=0.25, spill_dir=tmp_path)
+    got = _grads(model, x, eng)
+    stats = wait_clean(eng, tmp_path)
+    eng.close()
+    link.close()
+    assert stats.spilled_bytes > 0 and reads.reads > 0, "tensors went to disk and were read back"
+    assert link.sources_changed == 0, "a copy up started from a host block still being read into"
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
