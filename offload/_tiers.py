@@ -29,6 +29,7 @@ import torch
 
 from ._arena import Block, HostArena
 from ._entry import Copy, CopyState, Tier
+from ._pending import FINISHED
 from ._spill import SpillFile
 from ._transfer import CudaLink, Link
 
@@ -107,7 +108,7 @@ class DeviceTier(_Tier):
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _release(self, copy: Copy) -> None:
-        copy.data = None
+        copy.data, copy.filled = None, FINISHED  # a reload's pending holds its destination too
 
 
 class HostTier(_Tier):

@@ -245,16 +245,16 @@ def test_delayed_streams_and_reused_memory(budget, prefetch, slow_link, spill_di
 
 def _without_wait_at_use(monkeypatch) -> None:
     """The guard removed: the compute stream does not wait for a reload's event before using it."""
-    monkeypatch.setattr(offload._transfer.CudaLink, "wait_on_compute", lambda self, event: None)
+    monkeypatch.setattr(offload._transfer.CudaLink, "wait_on_compute", lambda self, event: self.streams.current())
 
 
 def _without_fence(monkeypatch) -> None:
-    """The guard removed: side streams start copies without waiting for the compute stream, so a
-    d2h can read its source before the (delayed) kernel producing it has run."""
+    """The guard removed: side streams start copies without waiting for any fence, so a d2h can
+    read its source before the (delayed) kernel producing it has run."""
 
-    def enter(self, batch, fence):
+    def enter(self, batch, fences):
         if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)
+            self.stream = self.streams.new_stream()
         self._start = None
         return self.stream
 

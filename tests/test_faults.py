@@ -569,11 +569,12 @@ ACT_MB = ACT_BYTES / MB
 """One saved activation of the host-tier MLP, in MB (budgets below count in these)."""
 
 
-@pytest.fixture(params=["deferred", "threaded", "threaded-start"])
+@pytest.fixture(params=["deferred", "threaded", "threaded-start", "emulated"])
 def link(request):
-    """Both stand-ins for the CUDA side streams (the threaded one also reading each source over
-    its copy, as a stream does); a run must never have copied from a source the engine had
-    already let go, or one that changed while the copy ran."""
+    """The stand-ins for the CUDA side streams (the threaded one also reading each source over
+    its copy, as a stream does) and CudaLink over emulated streams; a run must never have copied
+    from a source the engine had already let go, or one that changed while the copy ran, nor
+    raced."""
     with link_named("deferred-2" if request.param == "deferred" else request.param) as made:
         yield made
 
@@ -844,7 +845,7 @@ def _assert_reset(eng, spill_dir):
     assert eng.stats.saved_tensors == saved, "the hooks are off after the exception"
 
 
-@pytest.fixture(params=["disk", "deferred", "threaded", "threaded-start"])
+@pytest.fixture(params=["disk", "deferred", "threaded", "threaded-start", "emulated"])
 def tier(request):
     """Below the device: the disk alone, or a host tier (with a cap, then disk) over either link."""
     with link_named("deferred-3" if request.param == "deferred" else request.param) as made:

@@ -46,7 +46,7 @@ def _engine(link, **kwargs):
     return offload.engine(device="cpu", min_offload_bytes=0, link=link, **kwargs)
 
 
-@pytest.fixture(params=["deferred-1", "deferred-4", "threaded", "deferred-4-start", "threaded-start"])
+@pytest.fixture(params=["deferred-1", "deferred-4", "threaded", "deferred-4-start", "threaded-start", "emulated"])
 def link(request):
     with link_named(request.param) as made:
         yield made
