@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import offload
 import offload._spill
-from links import Reads, ThreadedLink, link_named
+from links import DeferredLink, Reads, ThreadedLink, link_named
 from zoo import MB, wait_clean
 
 
@@ -159,3 +159,84 @@ def test_a_climb_from_disk_starts_its_copy_up_only_once_the_read_landed(tmp_path
     assert stats.spilled_bytes > 0 and reads.reads > 0, "tensors went to disk and were read back"
     assert link.sources_changed == 0, "a copy up started from a host block still being read into"
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+class _LandsOnCue(DeferredLink):
+    """A DeferredLink whose copies out never land by polling, only when waited on or ``land()`` is
+    called: a test decides the moment a copy out lands."""
+
+    def __init__(self) -> None:
+        super().__init__(delay=10**9)
+        self.out: list = []
+
+    def d2h(self, src, dst_host):
+        pending = super().d2h(src, dst_host)
+        self.out.append(pending)
+        return pending
+
+    def land(self) -> None:
+        for pending in self.out:
+            pending.wait()
+
+
+CHAIN_NUMEL = 16 * 1024
+"""Elements of each tensor of ``_tanh_chain`` (64 KiB in fp32)."""
+
+
+def _tanh_chain(x: torch.Tensor, scale: torch.Tensor, depth: int, between_users=None) -> torch.Tensor:
+    """``depth`` times ``x = tanh(x) * scale``: tanh saves its output and mul saves it too, so each
+    storage but the first has two users in backward, mul's first. ``between_users`` runs between
+    the two users of the second newest storage."""
+    for i in range(depth):
+        y = torch.tanh(x)
+        if between_users is not None and i == depth - 2:
+            y.register_hook(lambda grad: between_users() or grad)  # after mul's backward, before tanh's
+        x = y * scale
+    return x
+
+
+def test_a_leaving_tensor_that_backward_reached_is_not_read_back(tmp_path):
+    """Backward reaches a tensor while its copy out is still in flight: its first user is served
+    from the original; the copy then lands before the second user. The original must stay for the
+    second user, not be dropped and read back (``Store._land_out`` keeps it while ``users_left``)."""
+    depth, nbytes = 6, CHAIN_NUMEL * 4
+    x, scale = torch.randn(CHAIN_NUMEL), torch.tensor(0.9, requires_grad=True)
+    _tanh_chain(x, scale, depth).sum().backward()
+    want = scale.grad.clone()
+    scale.grad = None
+    link = _LandsOnCue()
+    # Two tensors: the newest stays, the one before it is still leaving when backward starts.
+    eng = _engine(link, budget_mb=2 * nbytes / MB, prefetch=False, spill_dir=tmp_path)
+    with eng:
+        loss = _tanh_chain(x, scale, depth, between_users=link.land).sum()
+    leaving = [p for p in link.out if p._copy is not None]
+    assert len(leaving) == 1, "one copy out in flight as backward starts (the path under test)"
+    loss.backward()
+    stats = wait_clean(eng, tmp_path)
+    eng.close()
+    assert torch.equal(scale.grad, want)
+    assert stats.reloaded_bytes == (depth - 2) * nbytes, "neither the hot tensor nor the leaving one came back"
+    assert link.h2d_count == depth - 2
+
+
+def test_a_copy_out_keeps_its_source_until_it_lands(tmp_path):
+    """The graph dies while copies out are in flight: their sources stay alive (and counted as
+    resident) until the copies land, never let go under them (See Note: [keep-alive until the copy
+    event]). Read in the test itself, not only by the fixture's check afterwards."""
+    depth, nbytes = 6, CHAIN_NUMEL * 4
+    x, scale = torch.randn(CHAIN_NUMEL), torch.tensor(0.9, requires_grad=True)
+    link = ThreadedLink(delay_s=0.3, reads=Reads.OVER_THE_COPY)
+    eng = _engine(link, budget_mb=2 * nbytes / MB, spill_dir=tmp_path)
+    with eng:
+        loss = _tanh_chain(x, scale, depth).sum()
+    in_flight = eng.stats.resident_bytes - nbytes  # all but the newest tensor: leaving
+    assert in_flight > 0, "copies out in flight as the graph dies (the path under test)"
+    del loss
+    gc.collect()
+    assert eng.stats.resident_bytes >= in_flight, "a source in flight was let go (or stopped counting)"
+    link.synchronize()
+    stats = wait_clean(eng, tmp_path)
+    eng.close()
+    link.close()
+    assert link.sources_gone == 0 and link.sources_changed == 0, "a copy's source went before it landed"
+    assert stats.resident_bytes == 0
