@@ -62,6 +62,7 @@ def _figures(out: Path) -> dict:
             "settings": step.get("settings"),
             "rows": [{key: row.get(key) for key in STEP_KEYS} for row in step.get("results", [])],
             "verdicts": step.get("verdicts"),
+            "failures": step.get("failures"),
         }
     if over := _load(out / "overhead.json"):
         figures["overhead"] = {
@@ -99,8 +100,11 @@ def markdown(summary: dict, out: Path) -> str:
     sections = {"Parts": header + [_row(part[key] for key in PART_KEYS) for part in summary["parts"] if part]}
     if probe := figures["probe"]:
         sections["Probe"] = [f"- {key}: {value}" for key, value in probe.items()]
+    failed = [f"- FAILED {why}" for why in (figures["step"] or {}).get("failures") or []]
     if (step_table := out / "step" / "table.md").exists():  # offload.bench's own, under its own heading
-        sections["Step benchmark"] = [step_table.read_text().strip().removeprefix("# Step benchmark").strip()]
+        sections["Step benchmark"] = failed + [step_table.read_text().strip().removeprefix("# Step benchmark").strip()]
+    elif failed:
+        sections["Step benchmark"] = failed
     if tests := figures["tests"]:
         counts = ", ".join(f"{tests[key]} {key}" for key in ("tests", "failures", "errors", "skipped"))
         sections["CUDA tests"] = [counts] + [f"- FAILED {name}" for name in tests["failed"]]

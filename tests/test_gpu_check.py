@@ -8,6 +8,7 @@ tiny sizes. The GPU machine lacks some optional extras; the suite's collection m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,6 +20,19 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script(name: str):
+    """A script of bench/ (a directory of scripts, not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_summary = _load_script("gpu_summary")
+
 SCRIPT = REPO_ROOT / "bench" / "gpu_check.sh"
 PARTS = ["env", "probe", "step", "tests", "overhead", "layers"]
 ABSENT_ON_THE_GPU_MACHINE = (
@@ -102,3 +116,20 @@ def test_every_part_runs_on_the_cpu_at_tiny_sizes(tmp_path):
     assert step["finished"] and {r["config"] for r in step["rows"]} >= {"none", "checkpoint", "save_on_cpu", "auto-10%"}
     assert summary["figures"]["overhead"]["per_tensor_us"] and summary["figures"]["probe"]
     assert "## Step benchmark" in (out / "summary.md").read_text()
+
+
+def test_a_failed_gradient_check_is_named_in_the_summary(tmp_path):
+    """The step part's failures (offload.bench's summary.json) head its section of summary.md and
+    are kept in summary.json, so a part that failed says why."""
+    out = tmp_path / "out"
+    (out / "step").mkdir(parents=True)
+    why = "offload-25%: first-step gradients: differs 3/40 (norm 1e-03)"
+    (out / "step" / "summary.json").write_text(json.dumps({"finished": True, "results": [], "failures": [why]}))
+    (out / "step" / "table.md").write_text("# Step benchmark\n\nthe table\n")
+    part = {"part": "step", "status": "failed", "rc": 1, "seconds": 9, "limit_s": 110, "output": "step/"}
+    (out / "step.part.json").write_text(json.dumps(part))
+    assert gpu_summary.main([str(out), "9"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["figures"]["step"]["failures"] == [why]
+    markdown = (out / "summary.md").read_text()
+    assert f"## Step benchmark\n\n- FAILED {why}\nthe table" in markdown

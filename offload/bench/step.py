@@ -209,7 +209,8 @@ def _to_parent(record: dict) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run the benchmark; returns 0, or 1 when a configuration failed (2 for bad arguments)."""
+    """Run the benchmark; returns 0, or 1 when a configuration failed or its gradient check did (the
+    payload's ``failures`` say which and why), 2 for bad arguments."""
     args = _parser().parse_args(argv)
     if args.one is not None:  # a child process (``_spawn``): its records go to stdout, one JSON line each
         spec = json.loads(args.one)
@@ -238,5 +239,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     results = collect(run, variants, args.in_process, on_done=reporter.write)
     payload = reporter.write(results, wall_s=time.perf_counter() - started)
     print(reporter.text())
+    for failure in payload["failures"]:
+        print(f"offload.bench: FAILED {failure}", file=sys.stderr)
     print(json.dumps(payload))
-    return 1 if any(r["error"] is not None for r in reporter.rows) else 0
+    return 1 if payload["failures"] else 0
