@@ -203,6 +203,8 @@ def make_tiers(device: torch.device, host_budget_bytes: Optional[int], spill: Sp
     if link is None and device.type == "cuda":
         link = CudaLink(device)
     if link is not None:
-        tiers.append(HostTier(HostArena(host_budget_bytes, pin=device.type == "cuda", settle=link.synchronize), link))
+        shared = link.slabs if isinstance(link, CudaLink) else None  # pinned slabs shared with other engines
+        arena = HostArena(host_budget_bytes, pin=device.type == "cuda", settle=link.synchronize, shared=shared)
+        tiers.append(HostTier(arena, link))
     tiers.append(DiskTier(spill))
     return tiers

@@ -62,11 +62,14 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
 from ._pending import Pending
+
+if TYPE_CHECKING:
+    from ._arena import PinnedSlabs
 
 __all__ = ["CudaLink", "CudaStreams", "Link", "Streams"]
 
@@ -242,11 +245,18 @@ class _Direction:
 
 
 class CudaLink:
-    """Two side streams of one CUDA device (d2h, h2d) and the copies over them."""
+    """Two side streams of one CUDA device (d2h, h2d) and the copies over them.
 
-    def __init__(self, device: torch.device, streams: Optional[Streams] = None) -> None:
+    ``slabs``: pinned slabs the engine's host arena shares with other engines made one after
+    another (``offload._arena.PinnedSlabs``); None: it pins its own and unpins them at close.
+    """
+
+    def __init__(
+        self, device: torch.device, streams: Optional[Streams] = None, slabs: Optional["PinnedSlabs"] = None
+    ) -> None:
         self.device = device
         self.streams: Streams = streams if streams is not None else CudaStreams(device)
+        self.slabs = slabs
         self._d2h = _Direction(self.streams)
         self._h2d = _Direction(self.streams)
         self._batch: Optional[object] = None

@@ -482,8 +482,8 @@ class EmulatedCudaLink(CudaLink):
     """``CudaLink`` itself on the CPU, over ``EmulatedStreams``; a host block the engine gives back
     is overwritten with 0xFF by the host at once (tracked: a copy still reading it races it)."""
 
-    def __init__(self, streams: EmulatedStreams | None = None) -> None:
-        super().__init__(torch.device("cpu"), streams=streams or EmulatedStreams())
+    def __init__(self, streams: EmulatedStreams | None = None, slabs=None) -> None:
+        super().__init__(torch.device("cpu"), streams=streams or EmulatedStreams(), slabs=slabs)
         self.emulated: EmulatedStreams = self.streams  # type: ignore[assignment]  # the one passed above
         self.d2h_count = self.h2d_count = 0
 

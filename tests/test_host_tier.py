@@ -19,8 +19,9 @@ import torch
 import torch.nn as nn
 
 import offload
+import offload._arena
 import offload._spill
-from links import DeferredLink, Reads, ThreadedLink, link_named
+from links import DeferredLink, EmulatedCudaLink, Reads, ThreadedLink, link_named
 from zoo import MB, wait_clean
 
 
@@ -240,3 +241,46 @@ def test_a_copy_out_keeps_its_source_until_it_lands(tmp_path):
     link.close()
     assert link.sources_gone == 0 and link.sources_changed == 0, "a copy's source went before it landed"
     assert stats.resident_bytes == 0
+
+
+class _CountsSlabs:
+    """Stands in for ``torch`` inside ``offload._arena``: counts the slabs allocated ("pinned")."""
+
+    def __init__(self) -> None:
+        self.slabs = 0
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *args, **kwargs):
+        self.slabs += "pin_memory" in kwargs
+        return torch.empty(*args, **kwargs)
+
+
+def test_engines_one_after_another_share_pinned_slabs(monkeypatch):
+    """Engines whose links share a ``PinnedSlabs`` (a benchmark's configurations) pin once: the
+    second takes the slabs the first gave back when it closed, exactly, and the same steps hold
+    the same bytes; ``clear()`` lets them go. Without sharing each engine pins its own."""
+    counts = _CountsSlabs()
+    monkeypatch.setattr(offload._arena, "torch", counts)
+    model, x = _model(), torch.randn(256, 128)
+    want = _grads(model, x)
+    shared = offload._arena.PinnedSlabs()
+    held = []
+    for _ in range(2):
+        link = EmulatedCudaLink(slabs=shared)
+        eng = _engine(link, budget_mb=0)
+        assert all(torch.equal(a, b) for a, b in zip(want, _grads(model, x, eng), strict=True))
+        held.append(wait_clean(eng).host_bytes)
+        eng.close()
+        link.close()
+        assert eng.stats.host_bytes == 0 and shared.idle_bytes == held[-1], "closed: its slabs wait in the pool"
+    assert counts.slabs == 1 and held[0] == held[1] > 0, "the second engine pinned nothing"
+    shared.clear()
+    assert shared.idle_bytes == 0
+    link = EmulatedCudaLink()
+    eng = _engine(link, budget_mb=0)
+    _grads(model, x, eng)
+    eng.close()
+    link.close()
+    assert counts.slabs == 2, "an engine of its own pins its own"
