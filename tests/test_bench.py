@@ -162,6 +162,21 @@ def test_a_failing_configuration_is_tabled_and_the_rest_run(tmp_path, capsys, mo
     assert "FAILED: RuntimeError: injected failure" in out
 
 
+def test_a_time_limit_skips_what_would_not_fit_and_still_reports(tmp_path, capsys):
+    """--time-limit-s: the first configuration runs; one that would end past the limit (judged by
+    the longest so far) is skipped with the rest, tabled as such; the run still writes and reports."""
+    limit_s = step.FINAL_WRITE_S + 0.05  # time for the first configuration to start, not for a second
+    argv = TINY + ["--device", "cpu", "--in-process", "--configs", "none,checkpoint,save_on_cpu"]
+    code = step.main(argv + ["--time-limit-s", str(limit_s), "--out", str(tmp_path)])
+    payload = _last_json(capsys.readouterr().out)
+    assert code == 0 and payload["finished"] and payload["failures"] == []
+    results = {r["config"]: r for r in payload["results"]}
+    assert results["none"]["measured_steps"] > 0 and results["none"]["skipped"] is None
+    for name in ("checkpoint", "save_on_cpu"):
+        assert "time limit" in results[name]["skipped"], results[name]
+    assert json.loads((tmp_path / "summary.json").read_text())["finished"]
+
+
 def test_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         step.main(["--help"])
