@@ -5,8 +5,8 @@ threads, with every tracked access (a copy's read and write, an allocation's fil
 write on a side stream, a host write) checked against the earlier ones by happens-before, so a
 pair of accesses to the same bytes that nothing orders is a race, found whatever the timing, and
 the gradients show it too (the racing op writes 0xFF). Oracle: the model without the engine,
-bitwise. Each test here names the guard it checks; each was run once with that guard removed and
-failed (see the issue-24 note).
+bitwise. Each test here names the guard it checks, and was run once with that guard removed: it
+failed.
 """
 
 from __future__ import annotations
@@ -73,9 +73,8 @@ class TanhChain(nn.Module):
 def test_every_reload_destination_is_allocated_before_its_copy(streams, monkeypatch):
     """Under deterministic algorithms with ``fill_uninitialized_memory`` each new device tensor is
     filled on the current stream. A batch that starts several reloads (a miss, then prefetches)
-    must order each copy after its own destination's fill, not only the first one's: See Note:
-    [fences: a copy starts after what it reads and what it overwrites]. Guard: the re-fence in
-    ``CudaLink.h2d``."""
+    must order each copy after its own destination's fill, not only the first one's (See Note:
+    [fences before a copy]). Guard: the re-fence in ``CudaLink.h2d``."""
     streams.fills_new_memory = True
     per_batch: dict[int, int] = {}
     real_h2d = offload._transfer.CudaLink.h2d
