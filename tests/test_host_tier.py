@@ -166,8 +166,8 @@ class _LandsOnCue(DeferredLink):
     """A DeferredLink whose copies out never land by polling, only when waited on or ``land()`` is
     called: a test decides the moment a copy out lands."""
 
-    def __init__(self) -> None:
-        super().__init__(delay=10**9)
+    def __init__(self, reads: Reads = Reads.AT_COMPLETION) -> None:
+        super().__init__(delay=10**9, reads=reads)
         self.out: list = []
 
     def d2h(self, src, dst_host):
@@ -226,7 +226,7 @@ def test_a_copy_out_keeps_its_source_until_it_lands(tmp_path):
     event]). Read in the test itself, not only by the fixture's check afterwards."""
     depth, nbytes = 6, CHAIN_NUMEL * 4
     x, scale = torch.randn(CHAIN_NUMEL), torch.tensor(0.9, requires_grad=True)
-    link = ThreadedLink(delay_s=0.3, reads=Reads.OVER_THE_COPY)
+    link = _LandsOnCue(reads=Reads.OVER_THE_COPY)  # copies out land when waited on, or on cue
     eng = _engine(link, budget_mb=2 * nbytes / MB, spill_dir=tmp_path)
     with eng:
         loss = _tanh_chain(x, scale, depth).sum()
@@ -235,10 +235,9 @@ def test_a_copy_out_keeps_its_source_until_it_lands(tmp_path):
     del loss
     gc.collect()
     assert eng.stats.resident_bytes >= in_flight, "a source in flight was let go (or stopped counting)"
-    link.synchronize()
+    link.land()
     stats = wait_clean(eng, tmp_path)
     eng.close()
-    link.close()
     assert link.sources_gone == 0 and link.sources_changed == 0, "a copy's source went before it landed"
     assert stats.resident_bytes == 0
 
