@@ -9,9 +9,16 @@
 #   env       15  nvidia-smi, python / torch / CUDA versions, CUDA available?    -> env.json, gpu.csv
 #   probe     15  python -m offload probe --json --refresh                       -> probe.json
 #   step     110  python -m offload.bench --preset h200 (the 7B-class comparison) -> step/
-#   tests     60  python -m pytest -m cuda tests                                  -> tests.xml
+#   tests     60  python -m pytest -m cuda <the test files with cuda tests>        -> tests.xml
 #   overhead  20  python bench/overhead.py --device cuda                          -> overhead.json
 #   layers    20  python bench/layers.py --device cuda (the transfer/recompute fit) -> layers.json
+# Each part is sized to fit its limit whatever the GPU's speed: step and overhead get a time limit of
+# their own a few seconds short of the part's (--time-limit-s: a configuration, or an interleaved round,
+# that would end past it is skipped and the part still reports), their engines share pinned slabs
+# instead of pinning afresh, the tests part collects only the files with CUDA tests, and the probe is
+# measured once (its cache under OUTDIR/cache, keyed by one intra-op thread in every part, the tests'
+# setting). A timeout sends SIGINT first (-s INT), so pytest writes its XML and the scripts write what
+# they measured; SIGKILL follows KILL_AFTER_S later.
 # Each part leaves NAME.log and NAME.part.json (status, rc, seconds, limit) the moment it ends,
 # and after each part summary.json and summary.md are rewritten whole (bench/gpu_summary.py:
 # every part's status and key figures, hardware, versions, date; written to a temporary file and
@@ -22,9 +29,9 @@
 # Otherwise exit 0 when no part failed, 1 when one did.
 #
 # Knobs (environment): PYTHON (default python3), GPU_CHECK_DEVICE (default cuda; cpu runs every part
-# on the CPU), GPU_CHECK_QUICK=1 (tiny sizes: checks the plumbing, e.g. GPU_CHECK_DEVICE=cpu
-# GPU_CHECK_QUICK=1 on a laptop), GPU_CHECK_STEP_ARGS (extra arguments for the step part, e.g.
-# "--configs none,offload-25% --repeats 2").
+# on the CPU, the step part with the CPU demo preset, layers at tiny sizes), GPU_CHECK_QUICK=1 (tiny
+# sizes: checks the plumbing, e.g. GPU_CHECK_DEVICE=cpu GPU_CHECK_QUICK=1 on a laptop),
+# GPU_CHECK_STEP_ARGS (extra arguments for the step part, e.g. "--configs none,offload-25% --repeats 2").
 set -u
 
 OUT=${1:?usage: bash bench/gpu_check.sh OUTDIR}
@@ -38,16 +45,28 @@ QUICK=${GPU_CHECK_QUICK:-0}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}  # strict determinism on CUDA needs it
-KILL_AFTER_S=3  # SIGKILL this long after the SIGTERM of a timeout
-# On the CPU (GPU_CHECK_DEVICE=cpu) one intra-op thread: on a shared host OpenMP threads spin-wait
-# against the other tenants, and the probe alone then outlasts its 15 s (see bench/README.md).
-[ "$DEVICE" = cpu ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+KILL_AFTER_S=5  # SIGKILL this long after the SIGINT of a timeout (pytest writes its XML meanwhile)
+# One intra-op thread in every part: the probe's cache key names the thread count, and the tests run
+# with one (tests/conftest.py), so with one everywhere the probe part's measurement serves the step
+# part and the tests instead of each measuring again. The GPU parts do next to nothing on CPU threads;
+# on the CPU (GPU_CHECK_DEVICE=cpu) one thread also keeps OpenMP from spin-waiting against other tenants.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export XDG_CACHE_HOME="$OUT/cache"  # the probe's cache: this run's own, and it comes back with OUTDIR
+# The parts' own time limits. step's counts from its first configuration, after its start-up
+# (imports, CUDA initialization, the probe's cache read), which the other 15 s of the part cover;
+# overhead's from the script's start, 3 s short of the part's (its exit, a signal's delivery).
+STEP_TIME_LIMIT_S=95
+OVERHEAD_TIME_LIMIT_S=17
 
-STEP_ARGS=(--preset h200)
-OVERHEAD_ARGS=(--device "$DEVICE" --steps 20 --repeats 9)
+STEP_ARGS=(--preset h200 --time-limit-s "$STEP_TIME_LIMIT_S")
+# The CPU cannot train the h200 shapes in a part's time: it runs the CPU demo preset, as much as fits.
+[ "$DEVICE" = cpu ] && STEP_ARGS=(--preset demo --time-limit-s "$STEP_TIME_LIMIT_S")
+OVERHEAD_ARGS=(--device "$DEVICE" --steps 10 --repeats 5 --warmup 1 --time-limit-s "$OVERHEAD_TIME_LIMIT_S")
 LAYER_ARGS=(--device "$DEVICE")
+# Nor the layers part its CPU sizes (about a minute on 2 cores): tiny ones (bench/layers.py has no time limit).
+[ "$DEVICE" = cpu ] && LAYER_ARGS+=(--sizes tiny)
 if [ "$QUICK" = 1 ]; then
-    STEP_ARGS=(--preset tiny --in-process)
+    STEP_ARGS=(--preset tiny --in-process --time-limit-s "$STEP_TIME_LIMIT_S")
     OVERHEAD_ARGS+=(--steps 3 --repeats 3 --warmup 1 --chain 200 --batch 2)
     LAYER_ARGS+=(--sizes tiny)
 fi
@@ -95,7 +114,7 @@ run_part() {
     local name=$1 limit=$2 output=$3 t0=$SECONDS rc status
     shift 4
     echo "[$name] running (limit ${limit}s): $*"
-    timeout -k "$KILL_AFTER_S" "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout -s INT -k "$KILL_AFTER_S" "$limit" "$@" >"$OUT/$name.log" 2>&1
     rc=$?
     case $rc in
         0) status=ok ;;
@@ -135,8 +154,10 @@ fi
 run_part probe 15 probe.json -- \
     sh -c "'$PY' -m offload probe --json --refresh --device '$DEVICE' >'$OUT/probe.json'"
 run_part step 110 step/ -- "$PY" -m offload.bench "${STEP_ARGS[@]}" --out "$OUT/step"
+# Only the files with CUDA tests: collecting all of tests/ imports transformers, lightning and dynamo.
+mapfile -t CUDA_TEST_FILES < <(grep -l 'mark\.cuda' tests/test_*.py)
 run_part tests 60 tests.xml -- \
-    "$PY" -m pytest -q -m cuda tests -p no:cacheprovider --junitxml "$OUT/tests.xml"
+    "$PY" -m pytest -q -m cuda "${CUDA_TEST_FILES[@]}" -p no:cacheprovider --junitxml "$OUT/tests.xml"
 run_part overhead 20 overhead.json -- "$PY" bench/overhead.py "${OVERHEAD_ARGS[@]}" --json-out "$OUT/overhead.json"
 run_part layers 20 layers.json -- "$PY" bench/layers.py "${LAYER_ARGS[@]}" --json-out "$OUT/layers.json"
 

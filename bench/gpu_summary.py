@@ -62,12 +62,15 @@ def _figures(out: Path) -> dict:
             "settings": step.get("settings"),
             "rows": [{key: row.get(key) for key in STEP_KEYS} for row in step.get("results", [])],
             "verdicts": step.get("verdicts"),
+            "failures": step.get("failures"),
         }
-    if over := _load(out / "overhead.json"):
+    if over := _load(out / "overhead.json"):  # a section stopped by the time limit is None
+        per_tensor, step_over = over.get("per_tensor") or {}, over.get("step") or {}
         figures["overhead"] = {
-            "per_tensor_us": {name: v["median_us"] for name, v in over["per_tensor"]["variants"].items()},
-            "step_overhead_budget_none": over["step"]["overhead_budget_none"],
-            "step_model": over["step"]["model"],
+            "finished": over.get("finished", True),
+            "per_tensor_us": {name: v["median_us"] for name, v in per_tensor.get("variants", {}).items()},
+            "step_overhead_budget_none": step_over.get("overhead_budget_none"),
+            "step_model": step_over.get("model"),
         }
     if layers := _load(out / "layers.json"):
         winners = {f"{row['layer']}-{row['size']}": row["winner"] for row in layers["rows"]}
@@ -99,16 +102,22 @@ def markdown(summary: dict, out: Path) -> str:
     sections = {"Parts": header + [_row(part[key] for key in PART_KEYS) for part in summary["parts"] if part]}
     if probe := figures["probe"]:
         sections["Probe"] = [f"- {key}: {value}" for key, value in probe.items()]
+    failed = [f"- FAILED {why}" for why in (figures["step"] or {}).get("failures") or []]
     if (step_table := out / "step" / "table.md").exists():  # offload.bench's own, under its own heading
-        sections["Step benchmark"] = [step_table.read_text().strip().removeprefix("# Step benchmark").strip()]
+        sections["Step benchmark"] = failed + [step_table.read_text().strip().removeprefix("# Step benchmark").strip()]
+    elif failed:
+        sections["Step benchmark"] = failed
     if tests := figures["tests"]:
         counts = ", ".join(f"{tests[key]} {key}" for key in ("tests", "failures", "errors", "skipped"))
         sections["CUDA tests"] = [counts] + [f"- FAILED {name}" for name in tests["failed"]]
     if over := figures["overhead"]:
         per_tensor_us = ", ".join(f"{name} {us}" for name, us in over["per_tensor_us"].items())
+        step_line = "not measured (stopped before the training steps)"
+        if over["step_overhead_budget_none"] is not None:
+            step_line = f"{100 * over['step_overhead_budget_none']:+.2f}% ({over['step_model']})"
         sections["Overhead"] = [
-            f"per saved tensor, pack + unpack, median us: {per_tensor_us}",
-            f"step overhead at budget None: {100 * over['step_overhead_budget_none']:+.2f}% ({over['step_model']})",
+            f"per saved tensor, pack + unpack, median us: {per_tensor_us or 'not measured'}",
+            f"step overhead at budget None: {step_line}",
         ]
     if figures["layers"] and (fit := figures["layers"]["transfer_fit"]):
         winners = ", ".join(f"{case} {winner}" for case, winner in figures["layers"]["winners"].items())

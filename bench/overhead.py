@@ -1,6 +1,6 @@
 """What the engine costs when it has nothing to do, what moving everything costs, and the disk tier.
 
-    python bench/overhead.py [--device cpu|cuda] [--steps N] [--repeats R] [--json-out PATH]
+    python bench/overhead.py [--device cpu|cuda] [--steps N] [--repeats R] [--json-out PATH] [--time-limit-s S]
     python bench/overhead.py --disk [--repeats 7] [--spill-dir DIR] [--json-out PATH]
 
 Per saved tensor (a chain of tiny ``sin`` ops under each kind of hooks, minus no hooks), per
@@ -18,13 +18,20 @@ import json
 import operator
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Optional
 
-import torch
+STARTED_S = time.perf_counter()
+"""When this script started (before torch is imported): ``--time-limit-s`` counts from here."""
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
 import offload  # noqa: E402
+from offload._arena import PinnedSlabs  # noqa: E402
 from offload._pagecache import cached_bytes_under  # noqa: E402
+from offload._transfer import CudaLink  # noqa: E402
 from offload.bench import measure  # noqa: E402
 from offload.bench.config import MB, REFERENCE, RunSettings  # noqa: E402
 from offload.bench.loop import Trainer  # noqa: E402
@@ -42,6 +49,10 @@ DISK_WARMUP = 2
 DISK_GPT_BUDGETS_MB = (0, 2)
 STEP_TARGET_OVERHEAD = 0.03
 """Step-time overhead allowed at budget None (3 %)."""
+PER_TENSOR_SHARE = 0.3
+"""Share of ``--time-limit-s`` the per-tensor chains may use; the training steps take the rest."""
+FINAL_WRITE_S = 3.0
+"""Seconds ``--time-limit-s`` keeps for closing the engines, writing the JSON and exiting."""
 PARTIAL_BUDGET_FRACTION = 0.25
 """The 'partial' variant's budget, as a share of one step's saved bytes."""
 
@@ -81,10 +92,16 @@ def chain(x: torch.Tensor, length: int, make_context) -> None:
         y.sum().backward()
 
 
-def time_chains(x: torch.Tensor, length: int, contexts: dict, *, repeats: int, warmup: int) -> tuple:
-    """(wall ms, CPU ms) per context name, the chains interleaved."""
+def time_chains(x: torch.Tensor, length: int, contexts: dict, *, repeats: int, warmup: int, deadline=None) -> tuple:
+    """(wall ms, CPU ms) per context name, the chains interleaved (fewer rounds if ``deadline`` says so)."""
     fns = {name: (lambda context=context: chain(x, length, context)) for name, context in contexts.items()}
-    return measure.timed(fns, rounds=repeats, warmup=warmup, device=x.device)
+    return measure.timed(fns, rounds=repeats, warmup=warmup, device=x.device, deadline=deadline)
+
+
+def moving_engine(budget_mb: float, device: torch.device, slabs, **kwargs) -> offload.Engine:
+    """An engine that moves tensors; on CUDA its link shares ``slabs`` (pinned memory) with the others."""
+    link = CudaLink(device, slabs=slabs) if device.type == "cuda" else None
+    return offload.engine(budget_mb=budget_mb, device=device, link=link, **kwargs)
 
 
 def chain_stats(x: torch.Tensor, length: int, engine):
@@ -93,10 +110,12 @@ def chain_stats(x: torch.Tensor, length: int, engine):
     return engine.stats
 
 
-def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CHAIN_LENGTH) -> dict:
+def per_tensor(
+    device: torch.device, repeats: int, warmup: int, length: int = CHAIN_LENGTH, deadline=None, slabs=None
+) -> dict:
     x = torch.ones(CHAIN_NUMEL, device=device, requires_grad=True)
     counting = offload.engine(budget_mb=None, min_offload_bytes=0, device=device)
-    moving = offload.engine(budget_mb=0, min_offload_bytes=0, device=device)
+    moving = moving_engine(0, device, slabs, min_offload_bytes=0)
     contexts = {
         "no hooks": contextlib.nullcontext,
         "identity hooks": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
@@ -104,7 +123,7 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
         "engine budget None": lambda: counting,
         "engine budget 0": lambda: moving,
     }
-    times, cpu = time_chains(x, length, contexts, repeats=repeats, warmup=warmup)
+    times, cpu = time_chains(x, length, contexts, repeats=repeats, warmup=warmup, deadline=deadline)
     saved = chain_stats(x, length, counting).saved_tensors
     counting.close()
     moving.close()
@@ -123,7 +142,7 @@ def per_tensor(device: torch.device, repeats: int, warmup: int, length: int = CH
     return {
         "chain_length": length,
         "numel": CHAIN_NUMEL,
-        "repeats": repeats,
+        "repeats": len(base),
         "no_hooks_ms": round(measure.median(base), 3),
         "engine_budget_none_us": variants["engine budget None"]["median_us"],
         "variants": variants,
@@ -152,7 +171,7 @@ def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
     }
 
 
-def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> dict:
+def step_overhead(device: torch.device, steps: int, warmup: int, batch=None, deadline=None, slabs=None) -> dict:
     settings = GPT_PRESETS["cuda" if device.type == "cuda" else "cpu"]
     settings = dataclasses.replace(settings, batch=batch or settings.batch)
     trainer = Trainer(settings, REFERENCE, load_corpus(), device)
@@ -166,13 +185,13 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
     partial_mb = PARTIAL_BUDGET_FRACTION * saved.saved_bytes / MB
     engines = {
         "budget None": counting,
-        f"budget {partial_mb:.1f} MB (25%)": offload.engine(budget_mb=partial_mb, device=device, model=trainer.model),
-        "budget 0": offload.engine(budget_mb=0, device=device, model=trainer.model),
+        f"budget {partial_mb:.1f} MB (25%)": moving_engine(partial_mb, device, slabs, model=trainer.model),
+        "budget 0": moving_engine(0, device, slabs, model=trainer.model),
     }
     for engine in engines.values():
         engine.reset_stats()
     fns = {"no engine": trainer.step} | {name: (lambda e=e: trainer.step(lambda: e)) for name, e in engines.items()}
-    times, cpu = measure.timed(fns, rounds=steps, warmup=warmup, device=device)
+    times, cpu = measure.timed(fns, rounds=steps, warmup=warmup, device=device, deadline=deadline)
     base, base_cpu = times["no engine"], cpu["no engine"]
     variants = {  # overheads are fractions of the no-engine step (bench/README.md)
         name: {
@@ -186,7 +205,7 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
         }
         for name, ms in times.items()
     }
-    calls = warmup + steps
+    calls = warmup + len(base)
     for name, engine in engines.items():
         stats = engine.stats
         variants[name].update(
@@ -201,7 +220,7 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None) -> 
     model = {key: getattr(config, key) for key in ("n_layer", "n_embd", "n_head", "seq_len")}
     return {
         "model": model | {"batch": settings.batch, "dtype": settings.dtype, "params": trainer.model.num_params()},
-        "steps": steps,
+        "steps": len(base),
         "warmup": warmup,
         "saved_bytes_per_step": saved.saved_bytes,
         "saved_tensors_per_step": saved.saved_tensors,
@@ -261,13 +280,17 @@ def disk_tier(repeats: int, spill_parent) -> dict:
     return {"benchmark": "disk_tier", "offload_file": offload.__file__, **chains, "gpt_steps": steps}
 
 
-def print_overhead(tensor: dict, step: dict, env: dict) -> None:
+def print_overhead(tensor: Optional[dict], step: Optional[dict], env: dict) -> None:
+    """The tables of what was measured (a section cut short by the time limit or SIGINT is absent)."""
     print(f"offload overhead on {measure.describe_machine(env)}\n")
-    print(
-        f"per saved tensor: chain of {tensor['chain_length']} sin ops on {CHAIN_NUMEL} floats, "
-        f"no hooks {tensor['no_hooks_ms']:.2f} ms, median of {tensor['repeats']} paired repeats"
-    )
-    print(measure.records_table(TENSOR_COLUMNS, [{"name": name, **v} for name, v in tensor["variants"].items()]))
+    if tensor is not None:
+        print(
+            f"per saved tensor: chain of {tensor['chain_length']} sin ops on {CHAIN_NUMEL} floats, "
+            f"no hooks {tensor['no_hooks_ms']:.2f} ms, median of {tensor['repeats']} paired repeats"
+        )
+        print(measure.records_table(TENSOR_COLUMNS, [{"name": name, **v} for name, v in tensor["variants"].items()]))
+    if step is None:
+        return
     m = step["model"]
     print(
         f"\nper step: MiniGPT n_layer={m['n_layer']} n_embd={m['n_embd']} seq_len={m['seq_len']} batch={m['batch']} "
@@ -281,6 +304,37 @@ def print_overhead(tensor: dict, step: dict, env: dict) -> None:
         f"by CPU time {step['cpu_overhead_budget_none']:+.2%}; "
         f"load average {env['load_avg_1m']} on {env['cpu_cores_logical']} cores"
     )
+
+
+def measure_overhead(args, json_out: Optional[str]) -> dict:
+    """Both sections, the JSON rewritten after each (and on SIGINT), so a part stopped by its time
+    limit keeps what it measured. ``--time-limit-s``: the per-tensor chains may take
+    ``PER_TENSOR_SHARE`` of it, the steps the rest; each stops after a whole interleaved round."""
+    device = measure.resolve_device(args.device)
+    measure.set_threads(args.threads)
+    payload: dict = {"benchmark": "overhead", "env": measure.environment(device), "finished": False}
+    payload |= {"per_tensor": None, "step": None}
+    deadline = per_tensor_deadline = None
+    if args.time_limit_s is not None:  # from the script's start: imports and CUDA's set-up count too
+        deadline = STARTED_S + args.time_limit_s - FINAL_WRITE_S
+        now = time.perf_counter()
+        per_tensor_deadline = now + PER_TENSOR_SHARE * (deadline - now)
+    slabs = PinnedSlabs() if device.type == "cuda" else None  # the engines one after another pin once
+    try:
+        payload["per_tensor"] = per_tensor(
+            device, args.repeats, args.warmup, args.chain, deadline=per_tensor_deadline, slabs=slabs
+        )
+        if json_out:
+            measure.write_json(json_out, payload)
+        payload["step"] = step_overhead(device, args.steps, args.warmup, args.batch, deadline=deadline, slabs=slabs)
+        payload["finished"] = True
+    except KeyboardInterrupt:
+        print("overhead: interrupted; the JSON holds what was measured", file=sys.stderr)
+    finally:
+        if slabs is not None:
+            slabs.clear(settle=torch.cuda.synchronize)
+    print_overhead(payload["per_tensor"], payload["step"], payload["env"])
+    return payload
 
 
 def main(argv=None) -> int:
@@ -297,6 +351,12 @@ def main(argv=None) -> int:
     parser.add_argument("--disk", action="store_true", help="the disk tier's figures instead (CPU)")
     parser.add_argument("--spill-dir", help="--disk: parent of the spill directory (default: the temp dir)")
     parser.add_argument("--json-out", help="also write the JSON object to this file")
+    parser.add_argument(
+        "--time-limit-s",
+        type=float,
+        help="seconds from the script's start to finish in: fewer interleaved rounds when they would not fit "
+        "(default: no limit)",
+    )
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (7 if args.disk else 15)
     for name in ("steps", "repeats", "chain"):
@@ -306,17 +366,11 @@ def main(argv=None) -> int:
         measure.set_threads(args.threads or 1)
         payload = disk_tier(args.repeats, args.spill_dir) | {"env": measure.environment(torch.device("cpu"))}
     else:
-        device = measure.resolve_device(args.device)
-        measure.set_threads(args.threads)
-        tensor = per_tensor(device, args.repeats, args.warmup, args.chain)
-        step = step_overhead(device, args.steps, args.warmup, args.batch)
-        env = measure.environment(device)
-        print_overhead(tensor, step, env)
-        payload = {"benchmark": "overhead", "env": env, "per_tensor": tensor, "step": step}
+        payload = measure_overhead(args, args.json_out)
     if args.json_out:
         print(f"wrote {measure.write_json(args.json_out, payload)}")
     print(json.dumps(payload))
-    return 0
+    return 0 if payload.get("finished", True) else 130
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ available RAM (psutil) minus a reserve, so the arena never pushes the host into 
 killer. When a new slab would break the cap, idle slabs go first; if that is not enough,
 ``acquire`` returns None and the caller makes room (spills older host copies) or keeps the tensor.
 Not thread-safe: the store's lock guards it.
+
+Engines made one after another (a benchmark's configurations) can share their idle slabs through
+``PinnedSlabs``, passed on their links: an arena then hands its idle slabs there instead of
+unpinning them, and takes one of the size it wants from there before it pins a new one.
 """
 
 from __future__ import annotations
@@ -95,14 +99,65 @@ class Block:
     size: int
 
 
+class PinnedSlabs:
+    """Idle pinned slabs that the host arenas of several engines share.
+
+    Pinning costs milliseconds per call and can synchronize the device, so a benchmark that makes
+    one engine per configuration would pin (and unpin) the same gigabytes once per engine. An
+    arena sharing this gives its idle slabs here when it trims or closes, and takes one of the
+    size it wants before it pins a new slab. Whoever made it calls ``clear()`` once no engine
+    needs the slabs: that unpins them, as an arena of its own does at close. Held bytes are
+    counted by the arena holding a slab; idle ones here by ``idle_bytes``. Engines use it one
+    after another (not thread-safe).
+    """
+
+    def __init__(self) -> None:
+        self._idle: list[torch.Tensor] = []
+        self._pinned = False  # whether any slab given was pinned (not so for the CPU tests' arenas)
+
+    @property
+    def idle_bytes(self) -> int:
+        return sum(t.numel() for t in self._idle)
+
+    def take(self, nbytes: int) -> Optional[torch.Tensor]:
+        """An idle slab of exactly ``nbytes`` (a power of two), or None."""
+        for i, tensor in enumerate(self._idle):
+            if tensor.numel() == nbytes:
+                return self._idle.pop(i)
+        return None
+
+    def give(self, tensor: torch.Tensor, pinned: bool) -> None:
+        """An arena is done with this slab (nothing in flight reads or writes it)."""
+        self._idle.append(tensor)
+        self._pinned = self._pinned or pinned
+
+    def clear(self, settle: Callable[[], None] = lambda: None) -> None:
+        """Unpin every idle slab. ``settle`` waits for the streams that used them: the caching host
+        allocator records an event on each such stream when a slab is freed, and frees the slab
+        only once those events have completed (See HostArena.trim)."""
+        self._idle = []
+        if self._pinned:
+            settle()
+            _empty_host_cache()
+        self._pinned = False
+
+
 class HostArena:
     """Pinned (or, for tests on the CPU, plain) host blocks carved from power-of-two slabs."""
 
-    def __init__(self, cap_bytes: Optional[int], pin: bool = True, settle: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        cap_bytes: Optional[int],
+        pin: bool = True,
+        settle: Callable[[], None] = lambda: None,
+        shared: Optional[PinnedSlabs] = None,
+    ) -> None:
         self._cap_bytes = cap_bytes
         self._pin = pin
         self._settle = settle
         """Waits for every copy in flight: a dropped slab is given back only once its copies finished."""
+        self._shared = shared
+        """Where idle slabs go instead of being unpinned, and new ones come from first (or None)."""
         self._slabs: list[_Slab] = []
         self.failed = False
         """True once pinning failed: later requests get None at once (the caller spills or keeps)."""
@@ -149,6 +204,12 @@ class HostArena:
             return None
         wanted = max(SLAB_BYTES, _next_pow2(size))
         smallest = _next_pow2(size)
+        if self._shared is not None:  # already pinned: only the cap limits it
+            for nbytes in (wanted, smallest):
+                fits = self._cap_bytes is None or self.held_bytes + nbytes <= self._cap_bytes
+                tensor = self._shared.take(nbytes) if fits else None
+                if tensor is not None:
+                    return self._add(tensor)
         if self._room_bytes() < wanted:
             self.trim()
         room = self._room_bytes()
@@ -176,6 +237,9 @@ class HostArena:
             )
             self.failed = True
             return None
+        return self._add(tensor)
+
+    def _add(self, tensor: torch.Tensor) -> _Slab:
         slab = _Slab(tensor)
         self._slabs.append(slab)
         return slab
@@ -185,14 +249,17 @@ class HostArena:
         block.slab.ranges.give(block.offset, block.size)
 
     def trim(self) -> None:
-        """Drop every slab with nothing handed out, and give their pinned pages back to the OS."""
+        """Drop every slab with nothing handed out, and give their pinned pages back to the OS (or
+        the idle slabs to the ``PinnedSlabs`` this arena shares)."""
         idle = [s for s in self._slabs if s.used_bytes == 0]
         if not idle:
             return
         self._slabs = [s for s in self._slabs if s.used_bytes != 0]
         for slab in idle:
+            if self._shared is not None and slab.tensor is not None:
+                self._shared.give(slab.tensor, self._pin)
             slab.tensor = None
-        if self._pin:
+        if self._pin and self._shared is None:
             # The caching host allocator frees a block only once the events recorded on it (by the
             # copies that used it) have completed: wait for those copies, or the pages would stay
             # pinned while no longer counted. Rare: only when the arena is at its cap and must

@@ -520,9 +520,13 @@ class Store:
                         f"offload: reading back the saved tensor {e.describe} from the spill file failed: {error}"
                     ) from error
             if device.filled.done():
-                device.state, device.filled = CopyState.READY, FINISHED
+                device.state = (
+                    CopyState.READY
+                )  # the pending stays: See Note: [a reload used on another stream] in _transfer
             if host_waited:
                 self.counters.reload_wait_ms += (time.perf_counter() - start) * 1e3
+        elif not device.original:
+            device.filled.order_compute()  # See Note: [a reload used on another stream] in _transfer
         if device.original:
             assert h.alias is not None  # the original is still here: the handle has not let it go
             view = h.alias

@@ -29,6 +29,7 @@ import torch
 
 from ._arena import Block, HostArena
 from ._entry import Copy, CopyState, Tier
+from ._pending import FINISHED
 from ._spill import SpillFile
 from ._transfer import CudaLink, Link
 
@@ -107,7 +108,7 @@ class DeviceTier(_Tier):
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _release(self, copy: Copy) -> None:
-        copy.data = None
+        copy.data, copy.filled = None, FINISHED  # a reload's pending holds its destination too
 
 
 class HostTier(_Tier):
@@ -202,6 +203,8 @@ def make_tiers(device: torch.device, host_budget_bytes: Optional[int], spill: Sp
     if link is None and device.type == "cuda":
         link = CudaLink(device)
     if link is not None:
-        tiers.append(HostTier(HostArena(host_budget_bytes, pin=device.type == "cuda", settle=link.synchronize), link))
+        shared = link.slabs if isinstance(link, CudaLink) else None  # pinned slabs shared with other engines
+        arena = HostArena(host_budget_bytes, pin=device.type == "cuda", settle=link.synchronize, shared=shared)
+        tiers.append(HostTier(arena, link))
     tiers.append(DiskTier(spill))
     return tiers

@@ -1,12 +1,15 @@
 """Copies between a CUDA device and pinned host memory, on two side streams: the one module that
 touches CUDA streams. Importing it does not initialize CUDA; streams are made on first use.
 
-    compute:  ──fwd k──fence──fwd k+1── ... ──bwd k+1──fence──────────wait(ev)──bwd k──
+    compute:  ──fwd k──fence──fwd k+1── ... ──bwd k+1──alloc──fence──────────wait(ev)──bwd k──
     d2h:               └wait──d2h k──ev_k ...
-    h2d:                                             └wait──h2d k──ev   (one stream per direction,
-                                                                        so backward's first reloads
-                                                                        never queue behind forward's
-                                                                        last copies out)
+    h2d:                                                   └wait──h2d k──ev   (one stream per direction,
+                                                                              so backward's first reloads
+                                                                              never queue behind forward's
+                                                                              last copies out)
+
+``CudaLink`` asks everything of the device through ``Streams`` (``CudaStreams``: torch.cuda's), so
+the tests can run its ordering on the CPU over emulated streams (``tests/links.py``).
 
 Note: [keep-alive until the copy event]
     The source of a copy in flight (a device tensor for d2h, a host block for h2d) is kept by
@@ -15,20 +18,43 @@ Note: [keep-alive until the copy event]
     ``readers``. We do this instead of ``Tensor.record_stream`` so the engine's byte accounting
     stays exact: the bytes count as resident until the event says done.
 
-Note: [one fence per batch]
-    A side stream must not start a copy before the compute stream has finished what came before
-    it: the kernel that produced a d2h source, and every earlier use of the block an h2d writes
-    (allocated from the compute stream's pool, See Note: [reload destination on the compute
-    stream]). One event recorded on the compute stream at the start of a batch (one pack, one
-    unpack) covers every copy the batch starts: all of their sources were produced, and all blocks
-    they reuse were freed, before it, and no compute work is queued inside a batch. So each copy
-    costs one event (its own completion), plus one fence per batch, not a ``wait_stream`` each.
+Note: [fences before a copy]
+    A side stream starts a copy only after waiting for fences: events recorded on the streams
+    whose work the copy depends on, what it reads and what it overwrites. One fence per stream
+    per batch (one pack, one unpack) serves every copy the batch starts; a stream waits for each
+    fence once.
+    - d2h: the source was produced on the stream that saved it (or on one that stream waited for),
+      and the oldest entry is evicted later, maybe while another stream is current (a forward on a
+      side stream, an overlapped block). So the link remembers every stream current at a batch
+      (``_producers``), and a d2h waits for a fence on each: all their work so far, the producer's
+      included. With one stream that is one fence per batch; a stream that did not produce this
+      tensor only delays the copy, never corrupts it. The set stays small: CUDA hands out streams
+      from a fixed pool.
+    - h2d: the destination block comes from the compute stream's pool, so the copy must follow every
+      earlier use of the block there and the block's own allocation. A fence recorded on the compute
+      stream after the destination was allocated covers both. Usually an allocation queues no work,
+      and no compute work is queued inside a batch, so the batch's first fence covers its later
+      copies too. But under ``torch.use_deterministic_algorithms`` with
+      ``torch.utils.deterministic.fill_uninitialized_memory``, ``torch.empty`` queues a fill kernel
+      on the current stream (ATen's ``empty_cuda``): then each destination gets a fence of its own,
+      after its fill, or a later reload of the batch (a miss and then prefetches) would have its
+      landed bytes overwritten by its late fill.
 
 Note: [reload destination on the compute stream]
     A reload destination is allocated while the compute stream is current, so the allocator ties
-    the block to the stream that will use and free it. The h2d stream waits for the batch's fence
-    (the block may have been used there before), writes it, and the compute stream waits on the
-    copy's event at the point of use, never earlier.
+    the block to the stream that will use and free it. The h2d stream waits for a fence recorded
+    after the allocation (See Note: [fences before a copy]), writes it, and the compute stream
+    waits on the copy's event at the point of use, never earlier.
+
+Note: [a reload used on another stream]
+    Autograd runs each backward node on its forward's stream, so a destination allocated on one
+    stream (the unpack that missed it, or the one whose prefetch started it) may be used on
+    another. The caching allocator knows only the allocating stream: freed, the block could go to a
+    new tensor there while the user's kernels still read it. So every use on another stream is
+    recorded on that stream (``record_stream``), ready or not: the store asks at every use
+    (``order_compute``), not only while the copy fills. The allocator then keeps the block until
+    the user's work is done; the engine stops counting its bytes when it drops the copy, that much
+    earlier.
 """
 
 from __future__ import annotations
@@ -36,13 +62,16 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Iterator
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
 from ._pending import Pending
 
-__all__ = ["CudaLink", "Link"]
+if TYPE_CHECKING:
+    from ._arena import PinnedSlabs
+
+__all__ = ["CudaLink", "CudaStreams", "Link", "Streams"]
 
 
 class Link(Protocol):
@@ -65,24 +94,77 @@ class Link(Protocol):
     def busy_ms(self) -> tuple[float, float, float]: ...
 
 
+class Streams(Protocol):
+    """What ``CudaLink`` asks of its device: streams (``wait_event``, ``synchronize``), events
+    (``record``, ``query``, ``synchronize``, ``elapsed_time``), and memory."""
+
+    def current(self) -> Any:
+        """The device's current stream."""
+
+    def new_stream(self) -> Any: ...
+
+    def event(self, timing: bool = False) -> Any: ...
+
+    def using(self, stream: Any) -> contextlib.AbstractContextManager:
+        """Make ``stream`` current inside the block."""
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of uint8 on the device, from the current stream's pool."""
+
+    def allocation_queues_work(self) -> bool:
+        """Whether ``empty`` queues work on the current stream now (a fill, See Note: [fences before a copy])."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue ``dst.copy_(src)`` on the current stream."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
+
+
+class CudaStreams:
+    """``Streams`` of one CUDA device, through torch.cuda."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def current(self) -> "torch.cuda.Stream":
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self) -> "torch.cuda.Stream":
+        return torch.cuda.Stream(self.device)
+
+    def event(self, timing: bool = False) -> "torch.cuda.Event":
+        return torch.cuda.Event(enable_timing=timing)
+
+    def using(self, stream: "torch.cuda.Stream") -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def allocation_queues_work(self) -> bool:
+        # The same two flags ATen's empty_cuda reads before it queues fill_empty_deterministic_.
+        fill: bool = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]  # a module property
+        return fill and torch.are_deterministic_algorithms_enabled()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def record_stream(self, tensor: torch.Tensor, stream: "torch.cuda.Stream") -> None:
+        tensor.record_stream(stream)
+
+
 class _CopyEvent:
     """A copy's completion event, as a pending. ``order_compute`` is the GPU-side wait at use.
 
-    For an h2d it also knows the destination and the stream it was allocated on: a destination
-    used on another stream (a prefetch started by one stream's node, used by another's) is
-    recorded on the user's stream, so the allocator does not hand its block back to the
-    allocating stream while the user's kernels still read it.
+    For an h2d it also knows the destination and the stream it was allocated on, and records any
+    other stream that uses it: See Note: [a reload used on another stream].
     """
 
     __slots__ = ("event", "link", "dst", "alloc_stream")
     blocks_host = False
 
     def __init__(
-        self,
-        event: "torch.cuda.Event",
-        link: "CudaLink",
-        dst: Optional[torch.Tensor] = None,
-        alloc_stream: Optional["torch.cuda.Stream"] = None,
+        self, event: Any, link: "CudaLink", dst: Optional[torch.Tensor] = None, alloc_stream: Any = None
     ) -> None:
         self.event, self.link, self.dst, self.alloc_stream = event, link, dst, alloc_stream
 
@@ -96,45 +178,48 @@ class _CopyEvent:
         return None
 
     def order_compute(self) -> None:
-        self.link.wait_on_compute(self.event)
-        if self.dst is not None:
-            current = torch.cuda.current_stream(self.link.device)
-            if current != self.alloc_stream:
-                self.dst.record_stream(current)
+        current = self.link.wait_on_compute(self.event)
+        if self.dst is not None and current != self.alloc_stream:
+            self.link.streams.record_stream(self.dst, current)
 
 
 class _Direction:
-    """One side stream, the fence it last waited for, and its busy time per batch (CUDA events)."""
+    """One side stream, the fences it waited for in the current batch, and its busy time (events)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream: Optional["torch.cuda.Stream"] = None
-        self.fenced: Optional[object] = None  # the batch whose fence this stream waited for
+    def __init__(self, streams: Streams) -> None:
+        self.streams = streams
+        self.stream: Any = None
+        self.batch: Optional[object] = None  # the batch the fences below belong to
+        self.waited: list = []  # fences this stream waited for in that batch
         self.spans: collections.deque = collections.deque()  # (start, end) events, until folded
         self.busy_ms = 0.0
-        self._start: Optional["torch.cuda.Event"] = None
-        self._last: Optional["torch.cuda.Event"] = None
+        self._start: Any = None
+        self._last: Any = None
 
-    def enter(self, batch: object, fence: "torch.cuda.Event") -> "torch.cuda.Stream":
+    def enter(self, batch: object, fences: list) -> Any:
+        """The side stream, made to wait for every fence of ``fences`` it has not waited for yet."""
         if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)
-        if self.fenced is not batch:
-            self.stream.wait_event(fence)
-            self.fenced = batch
+            self.stream = self.streams.new_stream()
+        if self.batch is not batch:
+            self.batch, self.waited = batch, []
             self._open_span()
         elif self._last is not None and self._last.query():
             # The stream ran dry inside this batch (the host waited between two copies, e.g. for
             # spill writes to make host room): that idle gap is not busy time.
             self._close_span()
             self._open_span()
+        for fence in fences:
+            if not any(fence is waited for waited in self.waited):
+                self.stream.wait_event(fence)
+                self.waited.append(fence)
         return self.stream
 
     def _open_span(self) -> None:
-        self._start = torch.cuda.Event(enable_timing=True)
+        self._start = self.streams.event(timing=True)
         self._start.record(self.stream)
 
-    def finish_copy(self) -> "torch.cuda.Event":
-        event = torch.cuda.Event(enable_timing=True)
+    def finish_copy(self) -> Any:
+        event = self.streams.event(timing=True)
         event.record(self.stream)
         self._last = event
         return event
@@ -146,6 +231,7 @@ class _Direction:
 
     def close_batch(self) -> None:
         self._close_span()
+        self.batch, self.waited = None, []
         self.fold()
 
     def fold(self) -> float:
@@ -159,55 +245,76 @@ class _Direction:
 
 
 class CudaLink:
-    """Two side streams of one CUDA device (d2h, h2d) and the copies over them."""
+    """Two side streams of one CUDA device (d2h, h2d) and the copies over them.
 
-    def __init__(self, device: torch.device) -> None:
+    ``slabs``: pinned slabs the engine's host arena shares with other engines made one after
+    another (``offload._arena.PinnedSlabs``); None: it pins its own and unpins them at close.
+    """
+
+    def __init__(
+        self, device: torch.device, streams: Optional[Streams] = None, slabs: Optional["PinnedSlabs"] = None
+    ) -> None:
         self.device = device
-        self._d2h = _Direction(device)
-        self._h2d = _Direction(device)
+        self.streams: Streams = streams if streams is not None else CudaStreams(device)
+        self.slabs = slabs
+        self._d2h = _Direction(self.streams)
+        self._h2d = _Direction(self.streams)
         self._batch: Optional[object] = None
-        self._fence: Optional["torch.cuda.Event"] = None
+        self._fences: list = []  # (stream, fence) recorded in this batch: See Note: [fences before a copy]
+        self._producers: list = []  # every stream current at a batch so far
         self._stalls: collections.deque = collections.deque()  # (before, after) around waits that had to wait
         self._stall_ms = 0.0
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """One pack or unpack: copies started inside share one fence. See Note: [one fence per batch]."""
+        """One pack or unpack: copies started inside share its fences. See Note: [fences before a copy]."""
         if self._batch is not None:
             raise RuntimeError("offload internal error: link batches do not nest (the store's lock is not re-entrant)")
         self._batch = object()
-        self._fence = None
+        self._fences = []
+        current = self.streams.current()
+        if not any(current == stream for stream in self._producers):
+            self._producers.append(current)
         try:
             yield
         finally:
             self._d2h.close_batch()
             self._h2d.close_batch()
-            self._batch = self._fence = None
+            self._batch, self._fences = None, []
 
-    def _fence_now(self) -> "torch.cuda.Event":
-        if self._fence is None:
-            self._fence = torch.cuda.Event()
-            self._fence.record(torch.cuda.current_stream(self.device))
-        return self._fence
+    def _fence_on(self, stream: Any) -> Any:
+        """This batch's fence on ``stream``: an event recorded there the first time it is asked for."""
+        for fenced, fence in self._fences:
+            if fenced == stream:
+                return fence
+        fence = self.streams.event()
+        fence.record(stream)
+        self._fences.append((stream, fence))
+        return fence
 
-    def _enter(self, direction: _Direction) -> "torch.cuda.Stream":
+    def _refence(self, stream: Any) -> None:
+        """Forget this batch's fence on ``stream``: work was queued there since it was recorded."""
+        self._fences = [(fenced, fence) for fenced, fence in self._fences if fenced != stream]
+
+    def _enter(self, direction: _Direction, streams: list) -> Any:
         if self._batch is None:
             raise RuntimeError("offload internal error: a copy was started outside link.batch()")
-        return direction.enter(self._batch, self._fence_now())
+        return direction.enter(self._batch, [self._fence_on(s) for s in streams])
 
-    def before_copy(self, stream: "torch.cuda.Stream") -> None:
+    def before_copy(self, stream: Any) -> None:
         """Called on the side stream (current) before each copy is queued; nothing by default.
         Race tests override it to delay a side stream (``torch.cuda._sleep``)."""
 
     def d2h(self, src_device: torch.Tensor, dst_host: torch.Tensor) -> _CopyEvent:
-        """Start copying ``src_device`` (uint8) into the front of pinned ``dst_host``.
+        """Start copying ``src_device`` (uint8) into the front of pinned ``dst_host``, after every
+        stream that may have produced it. See Note: [fences before a copy].
 
         See Note: [keep-alive until the copy event]: the caller keeps ``src_device`` until it is done.
         """
-        stream = self._enter(self._d2h)
-        with torch.cuda.stream(stream):
+        stream = self._enter(self._d2h, self._producers)
+        with self.streams.using(stream):
             self.before_copy(stream)
-            dst_host[: src_device.numel()].copy_(src_device, non_blocking=True)
+            self.streams.copy(dst_host[: src_device.numel()], src_device)
         return _CopyEvent(self._d2h.finish_copy(), self)
 
     def h2d(self, src_host: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, _CopyEvent]:
@@ -215,25 +322,29 @@ class CudaLink:
 
         See Note: [reload destination on the compute stream].
         """
-        alloc_stream = torch.cuda.current_stream(self.device)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        stream = self._enter(self._h2d)
-        with torch.cuda.stream(stream):
+        alloc_stream = self.streams.current()
+        if self.streams.allocation_queues_work():
+            self._refence(alloc_stream)  # its fill comes after the batch's fence: See Note: [fences before a copy]
+        dst = self.streams.empty(nbytes)
+        stream = self._enter(self._h2d, [alloc_stream])
+        with self.streams.using(stream):
             self.before_copy(stream)
-            dst.copy_(src_host[:nbytes], non_blocking=True)
+            self.streams.copy(dst, src_host[:nbytes])
         return dst, _CopyEvent(self._h2d.finish_copy(), self, dst=dst, alloc_stream=alloc_stream)
 
-    def wait_on_compute(self, event: "torch.cuda.Event") -> None:
-        """Make the current stream wait for ``event`` (GPU-side); time the stall if there is one."""
-        compute = torch.cuda.current_stream(self.device)
+    def wait_on_compute(self, event: Any) -> Any:
+        """Make the current stream wait for ``event`` (GPU-side); time the stall if there is one.
+        Returns the current stream."""
+        compute = self.streams.current()
         if event.query():
-            return
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            return compute
+        before, after = self.streams.event(timing=True), self.streams.event(timing=True)
         before.record(compute)
         compute.wait_event(event)
         after.record(compute)
         self._stalls.append((before, after))
         self._fold_stalls()
+        return compute
 
     def _fold_stalls(self) -> None:
         while self._stalls and self._stalls[0][1].query():

@@ -162,6 +162,21 @@ def test_a_failing_configuration_is_tabled_and_the_rest_run(tmp_path, capsys, mo
     assert "FAILED: RuntimeError: injected failure" in out
 
 
+def test_a_time_limit_skips_what_would_not_fit_and_still_reports(tmp_path, capsys):
+    """--time-limit-s: the first configuration runs; one that would end past the limit (judged by
+    the longest so far) is skipped with the rest, tabled as such; the run still writes and reports."""
+    limit_s = step.FINAL_WRITE_S + 0.05  # time for the first configuration to start, not for a second
+    argv = TINY + ["--device", "cpu", "--in-process", "--configs", "none,checkpoint,save_on_cpu"]
+    code = step.main(argv + ["--time-limit-s", str(limit_s), "--out", str(tmp_path)])
+    payload = _last_json(capsys.readouterr().out)
+    assert code == 0 and payload["finished"] and payload["failures"] == []
+    results = {r["config"]: r for r in payload["results"]}
+    assert results["none"]["measured_steps"] > 0 and results["none"]["skipped"] is None
+    for name in ("checkpoint", "save_on_cpu"):
+        assert "time limit" in results[name]["skipped"], results[name]
+    assert json.loads((tmp_path / "summary.json").read_text())["finished"]
+
+
 def test_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         step.main(["--help"])
@@ -390,12 +405,39 @@ def test_the_gradient_check_sees_a_wrong_reload(tmp_path, capsys, monkeypatch):
         return (lambda: _both(context(), hooks)), engine
 
     monkeypatch.setattr(loop, "_make_context", corrupting)
-    assert (
-        step.main(TINY + ["--device", "cpu", "--in-process", "--configs", "none,offload-25%", "--out", str(tmp_path)])
-        == 0
+    code = step.main(
+        TINY + ["--device", "cpu", "--in-process", "--configs", "none,offload-25%", "--out", str(tmp_path)]
     )
-    (offloaded,) = [r for r in _last_json(capsys.readouterr().out)["results"] if r["config"] == "offload-25%"]
+    captured = capsys.readouterr()
+    payload = _last_json(captured.out)
+    (offloaded,) = [r for r in payload["results"] if r["config"] == "offload-25%"]
     assert offloaded["grads"].startswith("differs") and offloaded["losses_match"] is False
+    assert code == 1, "a gradient mismatch fails the run"
+    assert payload["failures"] == [f"offload-25%: first-step gradients: {offloaded['grads']}"]
+    assert json.loads((tmp_path / "summary.json").read_text())["failures"] == payload["failures"]
+    assert "FAILED offload-25%: first-step gradients: differs" in captured.err
+
+
+def test_a_gradient_check_that_raised_fails_the_run(tmp_path, capsys, monkeypatch):
+    """A check that raised (strict determinism refusing a kernel, CUDA out of memory) is no pass."""
+    real, calls = loop.grad_checksums, []
+
+    def out_of_memory_after_the_reference(model):
+        calls.append(1)
+        if len(calls) > 1:  # the reference's check ran first
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model)
+
+    monkeypatch.setattr(loop, "grad_checksums", out_of_memory_after_the_reference)
+    code = step.main(
+        TINY + ["--device", "cpu", "--in-process", "--configs", "none,offload-25%", "--out", str(tmp_path)]
+    )
+    payload = _last_json(capsys.readouterr().out)
+    assert code == 1
+    assert payload["failures"] == [
+        "offload-25%: first-step gradients: check failed: OutOfMemoryError: CUDA out of memory. "
+        "Tried to allocate 2.00 GiB"
+    ]
 
 
 @contextlib.contextmanager

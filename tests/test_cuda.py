@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 import offload
+import offload._arena
+import offload._entry
 import offload._transfer
 from offload._transfer import CudaLink
 from zoo import MB, wait_clean
@@ -38,9 +40,15 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-SLEEP_CYCLES = int(1e8)
-"""GPU clock cycles the compute stream spins per delayed layer (~50-100 ms): far longer than any
-copy here, so an unordered copy would certainly run before or after the wrong kernel."""
+SLEEP_CYCLES = int(2e7)
+"""GPU clock cycles the compute stream spins per delayed layer (~10 ms at 2 GHz): a hundred times
+longer than any copy here (2 MiB, ~0.1 ms), so an unordered copy certainly runs before or after
+the wrong kernel; short enough that the race tests fit the gpu_check tests part."""
+
+PINNED_BYTES_KEY = "allocated_bytes.current"
+"""The caching host allocator's count of the pinned bytes it owns, in use or cached (torch 2.11
+and 2.13: ``HostStats`` has allocations, allocated_bytes, active_requests, active_bytes, timings;
+no reserved_bytes). ``tests/test_torch_names.py`` checks the key exists in the torch at hand."""
 
 SCRIBBLES = 4
 """Tensors allocated and NaN-filled after each delay, to take over any block freed too early."""
@@ -203,7 +211,11 @@ def _uninitialized_memory_is_nan():
         torch.use_deterministic_algorithms(deterministic)
 
 
-def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 2) -> None:
+ACT_BYTES = 512 * 1024 * 4
+"""One activation of the race tests' chain (512 x 1024 fp32): every storage it saves is this size."""
+
+
+def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 2, host_budget_mb=None) -> None:
     model = delayed_chain(depth=6, width=1024)
     link = SlowLink(torch.device("cuda", torch.cuda.current_device())) if slow_link else None
     eng = offload.engine(
@@ -213,6 +225,7 @@ def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 2) -> N
         prefetch=prefetch,
         model=model,
         link=link,
+        host_budget_mb=host_budget_mb,
     )
     with _uninitialized_memory_is_nan():
         for i in range(steps):  # the second step reuses the pinned slabs; each step has a new input
@@ -223,54 +236,76 @@ def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 2) -> N
             assert_grads_equal(ref, got, f"budget {budget}, step {i}")
     stats = wait_clean(eng, spill_dir)
     assert stats.offloaded_bytes > 0 and stats.reloaded_bytes > 0
+    if prefetch:  # the path named: reloads started ahead of their use (budget 0 leaves no room for one)
+        assert stats.prefetch_misses < stats.reloaded_bytes // ACT_BYTES, stats
+    if host_budget_mb is not None:
+        assert stats.spilled_bytes > 0, "the host cap sent tensors on to disk"
     eng.close()
 
 
 @pytest.mark.parametrize(
-    "budget, prefetch, slow_link",
-    [(0, True, False), ("some", False, False), (0, False, True), ("some", True, True)],
+    "budget, prefetch, slow_link, host_budget_mb",
+    [
+        ("some", True, False, None),
+        ("some", False, False, None),
+        (0, False, True, None),
+        ("some", True, True, None),
+        ("some", True, True, 4),
+    ],
     ids=[
-        "budget=0-prefetch-compute-delayed",
+        "budget=some-prefetch-compute-delayed",
         "budget=some-no-prefetch-compute-delayed",
         "budget=0-no-prefetch-side-streams-delayed",
         "budget=some-prefetch-side-streams-delayed",
+        "budget=some-prefetch-host-cap-side-streams-delayed",
     ],
 )
-def test_delayed_streams_and_reused_memory(budget, prefetch, slow_link, spill_dir):
+def test_delayed_streams_and_reused_memory(budget, prefetch, slow_link, host_budget_mb, spill_dir):
     """No early free, no early use: with the compute stream or the side streams delayed, freed and
     fresh memory overwritten with NaN, and a new input each step, the gradients are bitwise those
-    of the model without the engine."""
-    _race_run(budget, prefetch, spill_dir, slow_link)
+    of the model without the engine. With a host cap, host blocks are reused for reads back from
+    disk while copies up from them may still be queued on the (delayed) h2d stream."""
+    _race_run(budget, prefetch, spill_dir, slow_link, host_budget_mb=host_budget_mb)
 
 
 def _without_wait_at_use(monkeypatch) -> None:
     """The guard removed: the compute stream does not wait for a reload's event before using it."""
-    monkeypatch.setattr(offload._transfer.CudaLink, "wait_on_compute", lambda self, event: None)
+    monkeypatch.setattr(offload._transfer.CudaLink, "wait_on_compute", lambda self, event: self.streams.current())
 
 
 def _without_fence(monkeypatch) -> None:
-    """The guard removed: side streams start copies without waiting for the compute stream, so a
-    d2h can read its source before the (delayed) kernel producing it has run."""
+    """The guard removed: side streams start copies without waiting for any fence, so a d2h can
+    read its source before the (delayed) kernel producing it has run."""
 
-    def enter(self, batch, fence):
+    def enter(self, batch, fences):
         if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)
+            self.stream = self.streams.new_stream()
         self._start = None
         return self.stream
 
     monkeypatch.setattr(offload._transfer._Direction, "enter", enter)
 
 
+def _without_keep_alive(monkeypatch) -> None:
+    """The guard removed: a copy in flight does not keep its source (See Note: [keep-alive until
+    the copy event]), so a host block can go back to the arena, and be filled by a read back from
+    disk, while the (delayed) h2d copying from it is still queued."""
+    monkeypatch.setattr(offload._entry.Copy, "add_reader", lambda self, pending: None)
+
+
 @pytest.mark.parametrize(
-    "remove, slow_link", [(_without_wait_at_use, True), (_without_fence, False)], ids=["wait-at-use", "fence"]
+    "remove, budget, slow_link, host_budget_mb",
+    [(_without_wait_at_use, 0, True, None), (_without_fence, 0, False, None), (_without_keep_alive, "some", True, 4)],
+    ids=["wait-at-use", "fence", "keep-alive"],
 )
-def test_race_test_fails_with_its_guard_removed(remove, slow_link, spill_dir, monkeypatch):
+def test_race_test_fails_with_its_guard_removed(remove, budget, slow_link, host_budget_mb, spill_dir, monkeypatch):
     """The race test can fail: with a guard removed it must see wrong gradients (else it tests
     nothing). The wait at use matters when the h2d is late (side streams delayed); the fence when
-    the producer is late (compute stream delayed)."""
+    the producer is late (compute stream delayed); the keep-alive when host blocks are reused
+    under a host cap while the h2d is late."""
     remove(monkeypatch)
     with pytest.raises(AssertionError, match="gradient"):
-        _race_run(0, False, spill_dir, slow_link=slow_link, steps=2)
+        _race_run(budget, False, spill_dir, slow_link=slow_link, steps=2, host_budget_mb=host_budget_mb)
 
 
 def test_forward_on_a_side_stream(spill_dir):
@@ -290,24 +325,74 @@ def test_forward_on_a_side_stream(spill_dir):
     eng.close()
 
 
+def _pinned_bytes() -> int:
+    """Pinned bytes the caching host allocator owns now (a missing key is an error, not a 0)."""
+    return torch.cuda.host_memory_stats()[PINNED_BYTES_KEY]
+
+
+class OnStream(nn.Module):
+    """Runs ``inner`` on ``stream``, ordered after the caller's stream and before its next use, as
+    an overlapped block would; autograd runs its backward on that stream too."""
+
+    def __init__(self, inner: nn.Module, stream: "torch.cuda.Stream") -> None:
+        super().__init__()
+        self.inner, self.stream = inner, stream
+
+    def forward(self, x):
+        caller = torch.cuda.current_stream()
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            y = self.inner(x)
+        caller.wait_stream(self.stream)
+        return y
+
+
+def test_forward_on_two_streams_records_reloads_used_on_the_other(spill_dir, monkeypatch):
+    """Layers alternate between the default stream and a user's stream; at a budget with room to
+    prefetch, reloads started by one stream's backward node are used by the other's, so the
+    record_stream branch runs (See Note: [a reload used on another stream]); the gradients are
+    bitwise those without the engine."""
+    recorded = []
+    real = offload._transfer.CudaStreams.record_stream
+    monkeypatch.setattr(
+        offload._transfer.CudaStreams, "record_stream", lambda self, t, s: recorded.append(s) or real(self, t, s)
+    )
+    torch.manual_seed(0)
+    user = torch.cuda.Stream()
+    layers = []
+    for i in range(6):
+        block = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), Delayed())
+        layers.append(OnStream(block, user) if i % 2 else block)
+    model = nn.Sequential(*layers, nn.Linear(1024, 1)).cuda()
+    x = torch.randn(512, 1024, device="cuda")
+    ref = step(copy.deepcopy(model), x)
+    eng = offload.engine(budget_mb_for(model, x, "some"), min_offload_bytes=0, spill_dir=spill_dir, model=model)
+    got = step(model, x, eng)
+    assert_grads_equal(ref, got, "layers on two streams")
+    stats = wait_clean(eng, spill_dir)
+    assert stats.reloaded_bytes > 0 and stats.prefetch_misses < stats.reloaded_bytes // ACT_BYTES, stats
+    assert recorded, "a reload was used on a stream other than the one it was allocated on"
+    eng.close()
+
+
 def test_pinned_bytes_held_are_the_bytes_counted(spill_dir):
     """host_bytes is what is really pinned (the caching host allocator's own count agrees), it
-    never passes host_budget_mb, and close() gives it back."""
+    never passes host_budget_mb, and close() gives exactly that back."""
     torch.cuda.synchronize()
-    before = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0)
+    offload._arena._empty_host_cache()  # what other tests left cached is not counted against us
+    before = _pinned_bytes()
     model = chain(depth=8, width=1024)
     x = torch.randn(1024, 1024, device="cuda")
     cap_mb = 64
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host_budget_mb=cap_mb, model=model)
     step(model, x, eng)
     stats = wait_clean(eng, spill_dir)
-    pinned = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0) - before
+    pinned = _pinned_bytes() - before
     assert 0 < stats.host_bytes <= cap_mb * MB
     assert pinned == stats.host_bytes, f"pinned {pinned} bytes, counted {stats.host_bytes}"
     eng.close()
     assert eng.stats.host_bytes == 0
-    after = torch.cuda.host_memory_stats().get("reserved_bytes.current", 0)
-    assert after <= before, "close() gave the pinned slabs back"
+    assert _pinned_bytes() == before, f"close() gave back {before + pinned - _pinned_bytes()} of {pinned} bytes"
 
 
 def test_host_tier_full_spills_to_disk_with_delays(spill_dir):

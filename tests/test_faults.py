@@ -37,7 +37,7 @@ from torch import nn
 import offload
 import offload._arena
 import offload._spill
-from links import link_named
+from links import DeferredLink, link_named
 from zoo import MB, assert_same, files_under, run_step, wait_clean
 
 SIZE = 16 * 1024
@@ -569,10 +569,12 @@ ACT_MB = ACT_BYTES / MB
 """One saved activation of the host-tier MLP, in MB (budgets below count in these)."""
 
 
-@pytest.fixture(params=["deferred", "threaded"])
+@pytest.fixture(params=["deferred", "threaded", "threaded-start", "emulated"])
 def link(request):
-    """Both stand-ins for the CUDA side streams; a threaded run must never have copied from a
-    source the engine had already let go."""
+    """The stand-ins for the CUDA side streams (the threaded one also reading each source over
+    its copy, as a stream does) and CudaLink over emulated streams; a run must never have copied
+    from a source the engine had already let go, or one that changed while the copy ran, nor
+    raced."""
     with link_named("deferred-2" if request.param == "deferred" else request.param) as made:
         yield made
 
@@ -647,6 +649,50 @@ def test_host_tier_read_error_raises_offload_error(link, faulty, spill_dir):
     stats = _host_clean(eng, spill_dir)
     assert stats.spilled_bytes > 0 and 0 < stats.reloaded_bytes <= stats.offloaded_bytes
     eng.close()
+    assert list(spill_dir.iterdir()) == []
+
+
+class _WritesFailWhenLetGo:
+    """Replaces the spill file's write: every write waits for ``gate``, then fails with ENOSPC."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gate = threading.Event()
+        self.started = 0
+        failing = self
+
+        def write(file, extent, data):  # a plain function: the class binds ``file`` as self
+            failing.started += 1
+            failing.gate.wait(GATE_TIMEOUT_S)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(offload._spill._File, "write", write)
+
+
+def test_a_demotion_failing_after_its_tensor_died_is_not_counted(monkeypatch, spill_dir):
+    """A host copy is being written to disk (demoted) when its tensor dies; the write then fails.
+    It wrote nothing, so once the engine has settled it (close() waits for it) spilled_bytes does not
+    count it: the store keeps the write as an orphan (``Store._release``) to learn how it ended.
+
+    Driven through the store itself: a demotion starts in ``_make_host_room_for``, which waits for
+    it to land before pack returns, so from one thread the tensor can only die with its demotion
+    in flight if another thread (a second one using the engine) frees its graph meanwhile."""
+    writes = _WritesFailWhenLetGo(monkeypatch)
+    model = _mlp()
+    link = DeferredLink(1)
+    eng = _host_engine(link, 0, spill_dir=spill_dir)
+    with eng:
+        loss = model(_mlp_input()).square().mean()
+    store = eng._session.store
+    with store._lock:
+        store._poll()
+        entry = next(iter(store._host_lru.values()))
+        store._free_host_copy_or_demote(entry)  # as _make_host_room_for starts a demotion
+    assert writes.started == 1 and eng.stats.spilled_bytes == ACT_BYTES, "the demotion is in flight, counted"
+    del loss  # the tensor dies with its write in flight
+    gc.collect()
+    writes.gate.set()  # ... and then the write fails
+    eng.close()
+    assert eng.stats.spilled_bytes == 0, "a write that failed is not counted as spilled"
     assert list(spill_dir.iterdir()) == []
 
 
@@ -843,7 +889,7 @@ def _assert_reset(eng, spill_dir):
     assert eng.stats.saved_tensors == saved, "the hooks are off after the exception"
 
 
-@pytest.fixture(params=["disk", "deferred", "threaded"])
+@pytest.fixture(params=["disk", "deferred", "threaded", "threaded-start", "emulated"])
 def tier(request):
     """Below the device: the disk alone, or a host tier (with a cap, then disk) over either link."""
     with link_named("deferred-3" if request.param == "deferred" else request.param) as made:

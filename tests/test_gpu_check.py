@@ -8,8 +8,11 @@ tiny sizes. The GPU machine lacks some optional extras; the suite's collection m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +22,19 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script(name: str):
+    """A script of bench/ (a directory of scripts, not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_summary = _load_script("gpu_summary")
+
 SCRIPT = REPO_ROOT / "bench" / "gpu_check.sh"
 PARTS = ["env", "probe", "step", "tests", "overhead", "layers"]
 ABSENT_ON_THE_GPU_MACHINE = (
@@ -90,6 +106,31 @@ sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "tests"]
     assert "error" not in proc.stdout.lower().split("\n")[-2], proc.stdout[-2000:]
 
 
+def _collected_cuda_tests(paths: list[str]) -> list[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider", *paths],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return sorted(line for line in proc.stdout.splitlines() if "::" in line)
+
+
+def test_the_tests_part_collects_every_cuda_test_and_only_their_files():
+    """The tests part collects only the files the script's grep finds (collecting all of tests/
+    imports transformers, lightning and dynamo): those must hold every cuda-marked test."""
+    script = SCRIPT.read_text()
+    grep = re.search(r"mapfile -t CUDA_TEST_FILES < <\((grep [^)]*)\)", script)
+    assert grep is not None, "the tests part's file list"
+    files = subprocess.run(["bash", "-c", grep.group(1)], capture_output=True, text=True, cwd=REPO_ROOT, check=True)
+    paths = files.stdout.split()
+    assert "tests/test_cuda.py" in paths and len(paths) < len(list((REPO_ROOT / "tests").glob("test_*.py"))) / 4
+    assert _collected_cuda_tests(paths) == _collected_cuda_tests(["tests"])
+
+
 @pytest.mark.slow
 def test_every_part_runs_on_the_cpu_at_tiny_sizes(tmp_path):
     proc = _run(tmp_path / "out", timeout=600, GPU_CHECK_DEVICE="cpu", GPU_CHECK_QUICK="1", OMP_NUM_THREADS="1")
@@ -102,3 +143,69 @@ def test_every_part_runs_on_the_cpu_at_tiny_sizes(tmp_path):
     assert step["finished"] and {r["config"] for r in step["rows"]} >= {"none", "checkpoint", "save_on_cpu", "auto-10%"}
     assert summary["figures"]["overhead"]["per_tensor_us"] and summary["figures"]["probe"]
     assert "## Step benchmark" in (out / "summary.md").read_text()
+    cache = json.loads((out / "cache" / "offload" / "probe.json").read_text())
+    assert len(cache["link"]) == len(cache["disk"]) == 1, "the probe part measured; the step part read its figures"
+
+
+def test_a_failed_gradient_check_is_named_in_the_summary(tmp_path):
+    """The step part's failures (offload.bench's summary.json) head its section of summary.md and
+    are kept in summary.json, so a part that failed says why."""
+    out = tmp_path / "out"
+    (out / "step").mkdir(parents=True)
+    why = "offload-25%: first-step gradients: differs 3/40 (norm 1e-03)"
+    (out / "step" / "summary.json").write_text(json.dumps({"finished": True, "results": [], "failures": [why]}))
+    (out / "step" / "table.md").write_text("# Step benchmark\n\nthe table\n")
+    part = {"part": "step", "status": "failed", "rc": 1, "seconds": 9, "limit_s": 110, "output": "step/"}
+    (out / "step.part.json").write_text(json.dumps(part))
+    assert gpu_summary.main([str(out), "9"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["figures"]["step"]["failures"] == [why]
+    markdown = (out / "summary.md").read_text()
+    assert f"## Step benchmark\n\n- FAILED {why}\nthe table" in markdown
+
+
+def _interrupt_once(command: list[str], ready, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """Run ``command`` from the checkout, send it SIGINT (what a part's ``timeout -s INT`` sends)
+    once ``ready()`` is true, and wait for it to end."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        deadline = time.monotonic() + timeout_s
+        while not ready() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def test_an_interrupted_overhead_run_keeps_what_it_measured(tmp_path):
+    out = tmp_path / "overhead.json"
+    command = [sys.executable, "bench/overhead.py", "--steps", "100000", "--repeats", "2", "--warmup", "1"]
+    command += ["--chain", "100", "--batch", "2", "--json-out", str(out)]
+    proc = _interrupt_once(command, out.exists)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert payload["finished"] is False and payload["per_tensor"]["variants"], "the per-tensor section it measured"
+    summary_dir = tmp_path / "summary"
+    summary_dir.mkdir()
+    (summary_dir / "overhead.json").write_text(out.read_text())
+    assert gpu_summary.main([str(summary_dir)]) == 0  # a section stopped short is no error for the summary
+    assert "not measured" in (summary_dir / "summary.md").read_text()
+
+
+def test_an_interrupted_step_run_keeps_every_finished_configuration(tmp_path):
+    summary = tmp_path / "step" / "summary.json"
+
+    def one_finished() -> bool:
+        try:
+            return any(r["measured_steps"] for r in json.loads(summary.read_text())["results"])
+        except (OSError, ValueError, KeyError):
+            return False
+
+    command = [sys.executable, "-m", "offload.bench", "--preset", "tiny", "--in-process", "--device", "cpu"]
+    proc = _interrupt_once(command + ["--steps", "50", "--out", str(tmp_path / "step")], one_finished)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    payload = json.loads(summary.read_text())
+    assert payload["finished"] is False
+    assert payload["results"][0]["config"] == "none" and payload["results"][0]["measured_steps"] == 50

@@ -2,21 +2,26 @@
 
 No GPU here, so the engine gets a stand-in link through ``offload.engine(link=...)`` (tests/links.py):
 ``DeferredLink`` lands a copy only when its completion is polled or waited on; ``ThreadedLink``
-lands it on a background thread after a delay, reading its source only then, and poisons a host
-block the moment the engine gives it back. A store that used a destination before its copy landed,
-or let a copy's source go before the copy finished, reads 0xFF and the gradients differ.
+lands it on a background thread after a delay; both poison a host block the moment the engine
+gives it back, and read each source either when the copy completes or, with "-start", over the
+copy as a stream does (taken at the start, still alive and unchanged at the end). A store that
+used a destination before its copy landed, let a copy's source go before the copy finished, or
+started a copy from a source not yet filled, reads 0xFF and the gradients differ.
 """
 
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
 import torch.nn as nn
 
 import offload
-from links import ThreadedLink, link_named
+import offload._arena
+import offload._spill
+from links import DeferredLink, EmulatedCudaLink, Reads, ThreadedLink, link_named
 from zoo import MB, wait_clean
 
 
@@ -42,7 +47,7 @@ def _engine(link, **kwargs):
     return offload.engine(device="cpu", min_offload_bytes=0, link=link, **kwargs)
 
 
-@pytest.fixture(params=["deferred-1", "deferred-4", "threaded"])
+@pytest.fixture(params=["deferred-1", "deferred-4", "threaded", "deferred-4-start", "threaded-start", "emulated"])
 def link(request):
     with link_named(request.param) as made:
         yield made
@@ -120,3 +125,161 @@ def test_fresh_inputs_every_step_under_a_slow_link(tmp_path):
     eng.close()
     link.close()
     assert link.sources_gone == 0
+
+
+class _SlowReads:
+    """Every spill-file read first sleeps ``delay_s`` on its worker thread, so a read back into a
+    host block is still in flight when the next unpack polls; counts the reads."""
+
+    def __init__(self, monkeypatch, delay_s: float) -> None:
+        real, self.reads = offload._spill._File.read, 0
+        slow = self
+
+        def read(file, extent, out):  # a plain function: the class binds ``file`` as self
+            slow.reads += 1
+            time.sleep(delay_s)
+            return real(file, extent, out)
+
+        monkeypatch.setattr(offload._spill._File, "read", read)
+
+
+def test_a_climb_from_disk_starts_its_copy_up_only_once_the_read_landed(tmp_path, monkeypatch):
+    """disk -> host -> device: the copy up from the host block starts only after the disk read into
+    it has landed. Reads are slow and the link reads each source over its copy, as a stream does,
+    so a copy started on a block still being filled gets garbage (the climb's ``filled.done()``
+    condition in ``Store._poll`` is what prevents it; with it removed this test fails)."""
+    reads = _SlowReads(monkeypatch, delay_s=0.05)
+    model, x = _model(), torch.randn(256, 128)
+    want = _grads(model, x)
+    link = ThreadedLink(delay_s=0.001, reads=Reads.OVER_THE_COPY)
+    eng = _engine(link, budget_mb=0.5, host_budget_mb=0.25, spill_dir=tmp_path)
+    got = _grads(model, x, eng)
+    stats = wait_clean(eng, tmp_path)
+    eng.close()
+    link.close()
+    assert stats.spilled_bytes > 0 and reads.reads > 0, "tensors went to disk and were read back"
+    assert link.sources_changed == 0, "a copy up started from a host block still being read into"
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+class _LandsOnCue(DeferredLink):
+    """A DeferredLink whose copies out never land by polling, only when waited on or ``land()`` is
+    called: a test decides the moment a copy out lands."""
+
+    def __init__(self, reads: Reads = Reads.AT_COMPLETION) -> None:
+        super().__init__(delay=10**9, reads=reads)
+        self.out: list = []
+
+    def d2h(self, src, dst_host):
+        pending = super().d2h(src, dst_host)
+        self.out.append(pending)
+        return pending
+
+    def land(self) -> None:
+        for pending in self.out:
+            pending.wait()
+
+
+CHAIN_NUMEL = 16 * 1024
+"""Elements of each tensor of ``_tanh_chain`` (64 KiB in fp32)."""
+
+
+def _tanh_chain(x: torch.Tensor, scale: torch.Tensor, depth: int, between_users=None) -> torch.Tensor:
+    """``depth`` times ``x = tanh(x) * scale``: tanh saves its output and mul saves it too, so each
+    storage but the first has two users in backward, mul's first. ``between_users`` runs between
+    the two users of the second newest storage."""
+    for i in range(depth):
+        y = torch.tanh(x)
+        if between_users is not None and i == depth - 2:
+            y.register_hook(lambda grad: between_users() or grad)  # after mul's backward, before tanh's
+        x = y * scale
+    return x
+
+
+def test_a_leaving_tensor_that_backward_reached_is_not_read_back(tmp_path):
+    """Backward reaches a tensor while its copy out is still in flight: its first user is served
+    from the original; the copy then lands before the second user. The original must stay for the
+    second user, not be dropped and read back (``Store._land_out`` keeps it while ``users_left``)."""
+    depth, nbytes = 6, CHAIN_NUMEL * 4
+    x, scale = torch.randn(CHAIN_NUMEL), torch.tensor(0.9, requires_grad=True)
+    _tanh_chain(x, scale, depth).sum().backward()
+    want = scale.grad.clone()
+    scale.grad = None
+    link = _LandsOnCue()
+    # Two tensors: the newest stays, the one before it is still leaving when backward starts.
+    eng = _engine(link, budget_mb=2 * nbytes / MB, prefetch=False, spill_dir=tmp_path)
+    with eng:
+        loss = _tanh_chain(x, scale, depth, between_users=link.land).sum()
+    leaving = [p for p in link.out if p._copy is not None]
+    assert len(leaving) == 1, "one copy out in flight as backward starts (the path under test)"
+    loss.backward()
+    stats = wait_clean(eng, tmp_path)
+    eng.close()
+    assert torch.equal(scale.grad, want)
+    assert stats.reloaded_bytes == (depth - 2) * nbytes, "neither the hot tensor nor the leaving one came back"
+    assert link.h2d_count == depth - 2
+
+
+def test_a_copy_out_keeps_its_source_until_it_lands(tmp_path):
+    """The graph dies while copies out are in flight: their sources stay alive (and counted as
+    resident) until the copies land, never let go under them (See Note: [keep-alive until the copy
+    event]). Read in the test itself, not only by the fixture's check afterwards."""
+    depth, nbytes = 6, CHAIN_NUMEL * 4
+    x, scale = torch.randn(CHAIN_NUMEL), torch.tensor(0.9, requires_grad=True)
+    link = _LandsOnCue(reads=Reads.OVER_THE_COPY)  # copies out land when waited on, or on cue
+    eng = _engine(link, budget_mb=2 * nbytes / MB, spill_dir=tmp_path)
+    with eng:
+        loss = _tanh_chain(x, scale, depth).sum()
+    in_flight = eng.stats.resident_bytes - nbytes  # all but the newest tensor: leaving
+    assert in_flight > 0, "copies out in flight as the graph dies (the path under test)"
+    del loss
+    gc.collect()
+    assert eng.stats.resident_bytes >= in_flight, "a source in flight was let go (or stopped counting)"
+    link.land()
+    stats = wait_clean(eng, tmp_path)
+    eng.close()
+    assert link.sources_gone == 0 and link.sources_changed == 0, "a copy's source went before it landed"
+    assert stats.resident_bytes == 0
+
+
+class _CountsSlabs:
+    """Stands in for ``torch`` inside ``offload._arena``: counts the slabs allocated ("pinned")."""
+
+    def __init__(self) -> None:
+        self.slabs = 0
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *args, **kwargs):
+        self.slabs += "pin_memory" in kwargs
+        return torch.empty(*args, **kwargs)
+
+
+def test_engines_one_after_another_share_pinned_slabs(monkeypatch):
+    """Engines whose links share a ``PinnedSlabs`` (a benchmark's configurations) pin once: the
+    second takes the slabs the first gave back when it closed, exactly, and the same steps hold
+    the same bytes; ``clear()`` lets them go. Without sharing each engine pins its own."""
+    counts = _CountsSlabs()
+    monkeypatch.setattr(offload._arena, "torch", counts)
+    model, x = _model(), torch.randn(256, 128)
+    want = _grads(model, x)
+    shared = offload._arena.PinnedSlabs()
+    held = []
+    for _ in range(2):
+        link = EmulatedCudaLink(slabs=shared)
+        eng = _engine(link, budget_mb=0)
+        assert all(torch.equal(a, b) for a, b in zip(want, _grads(model, x, eng), strict=True))
+        held.append(wait_clean(eng).host_bytes)
+        eng.close()
+        link.close()
+        assert eng.stats.host_bytes == 0 and shared.idle_bytes == held[-1], "closed: its slabs wait in the pool"
+    assert counts.slabs == 1 and held[0] == held[1] > 0, "the second engine pinned nothing"
+    shared.clear()
+    assert shared.idle_bytes == 0
+    link = EmulatedCudaLink()
+    eng = _engine(link, budget_mb=0)
+    _grads(model, x, eng)
+    eng.close()
+    link.close()
+    assert counts.slabs == 2, "an engine of its own pins its own"

@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -53,15 +54,28 @@ def calls(monkeypatch):
     return counts
 
 
-def test_cpu_probe_measures_disk_and_has_no_link(tmp_path):
+def test_cpu_probe_measures_disk_and_has_no_link(tmp_path, monkeypatch):
+    """On the CPU the tier behind the device is the disk: no link is measured, and the per-tensor
+    overhead is what moving tensors through the spill file costs beyond the disk's byte time."""
     spill = tmp_path / "spill"
     spill.mkdir()
+    seen = []
+    real = _probe._measure_per_tensor_overhead_us
+
+    def overhead(device, spill_dir, repeats, out_gb_per_s, back_gb_per_s):
+        seen.append((out_gb_per_s, back_gb_per_s, real(device, spill_dir, repeats, out_gb_per_s, back_gb_per_s)))
+        return seen[-1][2]
+
+    monkeypatch.setattr(_probe, "_measure_per_tensor_overhead_us", overhead)
     profile = probe("cpu", spill_dir=spill, cache_path=tmp_path / "probe.json", size_mb=SIZE_MB, repeats=1)
     assert isinstance(profile, MachineProfile)
     assert profile.device_type == "cpu" and profile.device_name
     assert profile.disk_write_gb_per_s > 0 and profile.disk_read_gb_per_s > 0
     assert profile.d2h_gb_per_s == 0.0 and profile.h2d_gb_per_s == 0.0
-    assert profile.per_tensor_overhead_us >= 0.0
+    assert seen == [(profile.disk_write_gb_per_s, profile.disk_read_gb_per_s, profile.per_tensor_overhead_us)], (
+        "measured once, charging the disk's byte time, and reported as measured"
+    )
+    assert math.isfinite(profile.per_tensor_overhead_us)
     assert profile.offload_gb_per_s() == (profile.disk_write_gb_per_s, profile.disk_read_gb_per_s)
     assert list(spill.iterdir()) == [], "the probe file must be removed"
 

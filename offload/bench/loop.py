@@ -33,6 +33,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import offload
+from offload._arena import PinnedSlabs
+from offload._transfer import CudaLink
 from offload.bench.config import DTYPES, MB, PROBED_POLICIES, Kind, RunSettings, Variant
 from offload.bench.measure import Memory, resolve_device, window
 from offload.models import MiniGPT, batches
@@ -221,9 +223,14 @@ def _determinism(strict: bool) -> Iterator[None]:
 
 
 def _make_context(
-    trainer: Trainer, budget_mb: Optional[float], engine_kwargs: dict, machine: Optional[offload.MachineProfile]
+    trainer: Trainer,
+    budget_mb: Optional[float],
+    engine_kwargs: dict,
+    machine: Optional[offload.MachineProfile],
+    slabs: Optional[PinnedSlabs] = None,
 ) -> tuple[Context, Optional[offload.Engine]]:
-    """(context factory, engine or None) for the trainer's configuration."""
+    """(context factory, engine or None) for the trainer's configuration; an engine on CUDA gets a
+    link of its own that shares ``slabs`` (pinned memory) with the engines before and after it."""
     kind, model = trainer.variant.kind, trainer.model
     if kind is Kind.SAVE_ON_CPU:
         return functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=trainer.device.type == "cuda"), None
@@ -232,8 +239,15 @@ def _make_context(
         return (lambda: hooks), None
     if kind is not Kind.ENGINE:
         return contextlib.nullcontext, None
+    link = CudaLink(trainer.device, slabs=slabs) if slabs is not None and trainer.device.type == "cuda" else None
     engine = offload.engine(
-        budget_mb, policy=trainer.variant.policy, regions=model.blocks, model=model, machine=machine, **engine_kwargs
+        budget_mb,
+        policy=trainer.variant.policy,
+        regions=model.blocks,
+        model=model,
+        machine=machine,
+        link=link,
+        **engine_kwargs,
     )
     return (lambda: engine), engine
 
@@ -245,10 +259,12 @@ def run_one(
     *,
     activation_bytes: Optional[int] = None,
     emit: Callable[[dict], None] = lambda record: None,
+    slabs: Optional[PinnedSlabs] = None,
 ) -> dict:
     """Train ``run.total_steps`` steps of ``variant`` here, passing each step's record to ``emit``;
     return the summary record. ``activation_bytes`` (the reference's saved bytes) sizes budgets;
-    measured here when a budget needs it and it is None."""
+    measured here when a budget needs it and it is None. ``slabs``: pinned memory the engines
+    share with other configurations' (CUDA; see ``offload._arena.PinnedSlabs``)."""
     device = resolve_device(run.device)
     if variant.kind is Kind.TORCHTUNE and _torchtune_offload() and device.type != "cuda":
         raise Skipped("torchtune's OffloadActivations needs CUDA streams")
@@ -270,8 +286,9 @@ def run_one(
         if run.check_grads and not variant.compiled:
             # A shorter check batch saves proportionally less: its budget shrinks alike, so it moves what a step would.
             scale = (run.check_seq or run.seq) / run.seq
-            summary["grad_check"] = _grad_check(trainer, budget_mb and budget_mb * scale, engine_kwargs, machine)
-        context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine)
+            check_mb = budget_mb and budget_mb * scale
+            summary["grad_check"] = _grad_check(trainer, check_mb, engine_kwargs, machine, slabs)
+        context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine, slabs)
         if hooks is not None:
             hooks.timing = variant.kind is Kind.NONE
         with _determinism(strict=False) if run.deterministic else contextlib.nullcontext():
@@ -314,11 +331,15 @@ def run_one(
 
 
 def _grad_check(
-    trainer: Trainer, budget_mb: Optional[float], engine_kwargs: dict, machine: Optional[offload.MachineProfile]
+    trainer: Trainer,
+    budget_mb: Optional[float],
+    engine_kwargs: dict,
+    machine: Optional[offload.MachineProfile],
+    slabs: Optional[PinnedSlabs] = None,
 ) -> dict:
     """One step on the initial weights under strict determinism, through its own context (an
     engine of its own); the gradients' checksums, or the error strict determinism raised."""
-    context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine)
+    context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine, slabs)
     run = trainer.run  # a batch of its own: the timed steps see the same batches whether or not a check ran
     generator = torch.Generator().manual_seed(run.seed + CHECK_SEED_OFFSET)
     x, y = (t.to(trainer.device) for t in next(batches(trainer.data, run.batch, run.check_seq or run.seq, generator)))

@@ -166,18 +166,33 @@ def window(device: torch.device, memory: Optional[Memory] = None) -> Iterator[di
 Times = dict[str, list[float]]  # per name, one figure per call
 
 
-def timed(fns: dict[str, Callable[[], None]], *, rounds: int, warmup: int, device: torch.device) -> tuple[Times, Times]:
+def timed(
+    fns: dict[str, Callable[[], None]],
+    *,
+    rounds: int,
+    warmup: int,
+    device: torch.device,
+    deadline: Optional[float] = None,
+) -> tuple[Times, Times]:
     """Time each function ``rounds`` times, interleaved (A B C A B C ...), after ``warmup`` rounds,
-    each call a ``window``: (wall ms, process CPU ms) per call, per name."""
+    each call a ``window``: (wall ms, process CPU ms) per call, per name. ``deadline``
+    (``time.perf_counter()`` seconds): after the first timed round, stop before a round that would
+    end past it (judged by the one before), so every name has the same number of rounds."""
     wall: Times = {name: [] for name in fns}
     cpu: Times = {name: [] for name in fns}
+    round_s = 0.0
     for round_index in range(warmup + rounds):
+        measured = round_index > warmup  # at least one timed round, whatever the deadline
+        if deadline is not None and measured and time.perf_counter() + round_s > deadline:
+            break
+        started = time.perf_counter()
         for name, fn in fns.items():
             with window(device) as figures:
                 fn()
             if round_index >= warmup:
                 wall[name].append(figures["ms"])
                 cpu[name].append(figures["cpu_ms"])
+        round_s = time.perf_counter() - started
     return wall, cpu
 
 

@@ -20,7 +20,7 @@ from offload import MachineProfile
 from offload.bench.config import MB, REFERENCE, Kind, RunSettings, Variant
 from offload.bench.measure import Column, describe_machine, median, records_table, write_json, write_text
 
-__all__ = ["CSV_COLUMNS", "Report", "pareto_front", "plot", "summarize", "verdicts"]
+__all__ = ["CSV_COLUMNS", "Report", "failures", "pareto_front", "plot", "summarize", "verdicts"]
 
 AUTO_SLOWER_LIMIT = 1.05  # auto may be at most 5% slower than the best fixed policy that holds the budget
 PREDICTION_TOLERANCE = 0.15  # the planner's predicted step time should be within 15% of the measured one
@@ -86,6 +86,27 @@ def _grads_verdict(check: Optional[dict], reference: Optional[dict]) -> str:
     return f"differs {len(differ)}/{len(theirs)} (norm {worst:.1g})"
 
 
+def _reference_grads(check: Optional[dict]) -> str:
+    return f"check failed: {check['error']}" if check is not None and "error" in check else "ref"
+
+
+GRADS_PASSED = ("ref", "equal", "-")
+"""Gradient verdicts that pass: the reference's own, equal to it, or not checked (compiled, or the
+configuration did not run: its row says why)."""
+
+
+def failures(rows: list[dict]) -> list[str]:
+    """Why a run must not read as passed, one line per configuration: it raised, or its first-step
+    gradient check failed (differs, raised, CUDA out of memory included, or its reference did)."""
+    out = []
+    for r in rows:
+        if r["error"]:
+            out.append(f"{r['config']}: {r['error'].splitlines()[0][:200]}")
+        elif r["grads"] not in GRADS_PASSED:
+            out.append(f"{r['config']}: first-step gradients: {r['grads']}")
+    return out
+
+
 def summarize(
     run: RunSettings, variants: list[Variant], results: dict[str, list[dict]], machine: Optional[MachineProfile]
 ) -> list[dict]:
@@ -135,7 +156,9 @@ def summarize(
                 **{f.replace("_bytes", "_mb"): _mb(x) if f.endswith("_bytes") else x for f, x in stats.items()},
                 "losses_match": losses == reference if compared else None,
                 "max_loss_diff": None if v.kind is Kind.NONE else max(loss_diffs, default=None),
-                "grads": "ref" if v == REFERENCE else _grads_verdict(summary.get("grad_check"), ref_grads),
+                "grads": _reference_grads(ref_grads)
+                if v == REFERENCE
+                else _grads_verdict(summary.get("grad_check"), ref_grads),
                 "runs_predicted_ms": runs_predicted_ms,
                 "predicted_ms": median(runs_predicted_ms),
                 "decisions": "".join(region["decision"][0].upper() for region in regions) or None,
@@ -375,6 +398,7 @@ class Report:
             "wall_s": None if wall_s is None else round(wall_s, 1),
             "results": self.rows,
             "verdicts": self.checked,
+            "failures": failures(self.rows),
             "csv": str(self.out / "metrics.csv"),
             "plot": None if plot_path is None else str(plot_path),
         }

@@ -8,6 +8,9 @@ peak resident set is its own; on CUDA (or ``--in-process``) all run here, one af
 
     python -m offload.bench --demo | --preset h200|tiny|sweep [--out DIR] [--configs A,B] [--compile]
 
+``--time-limit-s S`` skips the configurations that would not end within S seconds (judged by the
+longest so far); SIGINT stops it with every finished configuration written.
+
 Outputs in ``--out``, rewritten as each configuration finishes (a timeout keeps what ran):
 ``metrics.csv``, ``summary.json``, ``table.md``, ``step.png`` (with matplotlib); a table on
 stdout and, last, one line of JSON.
@@ -31,6 +34,7 @@ from typing import Any, Optional, get_args, get_type_hints
 import torch
 
 import offload
+from offload._arena import PinnedSlabs
 from offload.bench import loop, report
 from offload.bench.config import DTYPES, PRESETS, REFERENCE, RunSettings, Variant, parse_variant
 from offload.bench.measure import environment
@@ -46,6 +50,9 @@ MALLOC_MMAP_THRESHOLD_BYTES = 128 * 1024
 glibc's default raises the threshold after each large free (up to 32 MiB), after which freed
 activations stay in the heap and RSS stops tracking live memory. 128 KiB is glibc's own start."""
 
+FINAL_WRITE_S = 5.0
+"""Seconds ``--time-limit-s`` keeps for writing the outputs (the plot) after the last configuration."""
+
 _JSON_PREFIX = "@offload-bench "  # marks a child's result lines: stray prints from libraries are never parsed
 _STDERR_TAIL_CHARS = 4000  # how much of a crashed child's stderr its configuration's error keeps
 
@@ -56,13 +63,25 @@ Emit = Callable[[dict], None]
 ``error``, each tagged with its job's ``config`` and ``repeat``."""
 
 
-def _run_job(run: RunSettings, job: Job, data: torch.Tensor, activation_bytes: Optional[int], emit: Emit) -> None:
-    """Run one job in this process."""
+def _run_job(
+    run: RunSettings,
+    job: Job,
+    data: torch.Tensor,
+    activation_bytes: Optional[int],
+    emit: Emit,
+    slabs: Optional[PinnedSlabs] = None,
+) -> None:
+    """Run one job in this process (its engines' pinned memory shared through ``slabs``)."""
     name, repeat = job
     tag = {"config": name, "repeat": repeat}
     try:
         summary = loop.run_one(
-            run, parse_variant(name), data, activation_bytes=activation_bytes, emit=lambda record: emit(record | tag)
+            run,
+            parse_variant(name),
+            data,
+            activation_bytes=activation_bytes,
+            emit=lambda record: emit(record | tag),
+            slabs=slabs,
         )
     except loop.Skipped as reason:
         emit({"type": "skipped", "skipped": str(reason)} | tag)
@@ -95,10 +114,13 @@ def collect(
     variants: list[Variant],
     in_process: bool,
     on_done: Callable[[dict[str, list[dict]]], object] = lambda results: None,
+    deadline: Optional[float] = None,
 ) -> dict[str, list[dict]]:
     """Run every configuration ``run.repeats`` times; per name, one record set per repeat:
     ``{"steps": [...], "summary", "error", "skipped"}``. ``on_done`` sees the results so far
-    each time a configuration finishes."""
+    each time a configuration finishes. ``deadline`` (``time.perf_counter()`` seconds): a job that
+    would end after it, judged by the longest job so far, is skipped, and so is every one after it
+    (a part with a time limit measures what fits instead of being cut off mid-job)."""
     names = [v.name for v in variants]
     results: dict[str, list[dict[str, Any]]] = {
         n: [{"steps": [], "summary": None, "error": None, "skipped": None} for _ in range(run.repeats)] for n in names
@@ -122,13 +144,42 @@ def collect(
         print(f"bench: {record['config']} (repeat {record['repeat'] + 1}/{run.repeats}) {kind}", file=sys.stderr)
         on_done(results)
 
+    longest_s = 0.0
+
+    def fits() -> bool:
+        return deadline is None or time.perf_counter() + longest_s <= deadline
+
+    def skip_the_rest(index: int, why: str) -> None:
+        for name, repeat in jobs[index:]:
+            results[name][repeat]["skipped"] = why
+        on_done(results)
+
     if in_process or run.device != "cpu":
         data = load_corpus()
-        for job in jobs:
-            _run_job(run, job, data, activation_bytes, emit)
+        # One pool of pinned slabs for every engine here: each configuration takes the slabs the
+        # one before it pinned instead of pinning (and unpinning) them again.
+        slabs = PinnedSlabs() if run.device == "cuda" else None
+        try:
+            for index, job in enumerate(jobs):
+                if not fits():
+                    skip_the_rest(index, f"not run: it would pass the time limit (longest job {longest_s:.0f} s)")
+                    break
+                started = time.perf_counter()
+                _run_job(run, job, data, activation_bytes, emit, slabs)
+                longest_s = max(longest_s, time.perf_counter() - started)
+        finally:
+            if slabs is not None:
+                slabs.clear(settle=torch.cuda.synchronize)
         return results
-    for name, repeat in jobs:  # CPU: a fresh process per configuration (peak RSS must not inherit another's heap)
+    for index, (name, repeat) in enumerate(
+        jobs
+    ):  # CPU: a fresh process per configuration (peak RSS must not inherit another's heap)
+        if not fits():
+            skip_the_rest(index, f"not run: it would pass the time limit (longest job {longest_s:.0f} s)")
+            break
+        started = time.perf_counter()
         code, stderr = _spawn(run, (name, repeat), activation_bytes, emit)
+        longest_s = max(longest_s, time.perf_counter() - started)
         result = results[name][repeat]
         if all(result[k] is None for k in ("summary", "error", "skipped")):
             tail = stderr.strip()[-_STDERR_TAIL_CHARS:]
@@ -176,6 +227,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"comma-separated configuration names, e.g. {examples} (default: the preset's)".replace("%", "%%"),
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
+    p.add_argument(
+        "--time-limit-s",
+        type=float,
+        help="seconds from the first configuration on: one that would end later (by the longest so far) "
+        "is skipped, and the rest with it, and the run still reports (default: no limit)",
+    )
     p.add_argument("--one", metavar="SPEC", help=argparse.SUPPRESS)  # internal: a child process
     return p
 
@@ -209,7 +266,8 @@ def _to_parent(record: dict) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run the benchmark; returns 0, or 1 when a configuration failed (2 for bad arguments)."""
+    """Run the benchmark; returns 0, or 1 when a configuration failed or its gradient check did (the
+    payload's ``failures`` say which and why), 2 for bad arguments."""
     args = _parser().parse_args(argv)
     if args.one is not None:  # a child process (``_spawn``): its records go to stdout, one JSON line each
         spec = json.loads(args.one)
@@ -235,8 +293,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     machine = offload.probe(device)  # measured once, cached on disk: children read the cache
     reporter = report.Report(args.out, run, variants, environment(device), machine)
     print(f"offload.bench: {reporter.title()}; configurations: {', '.join(v.name for v in variants)}", file=sys.stderr)
-    results = collect(run, variants, args.in_process, on_done=reporter.write)
+    # The margin: writing the plot and the files after the last job.
+    deadline = None if args.time_limit_s is None else time.perf_counter() + args.time_limit_s - FINAL_WRITE_S
+    try:
+        results = collect(run, variants, args.in_process, on_done=reporter.write, deadline=deadline)
+    except KeyboardInterrupt:  # a part's timeout (SIGINT): the files hold every job that finished
+        print(f"offload.bench: interrupted; {args.out} holds every configuration that finished", file=sys.stderr)
+        return 130
     payload = reporter.write(results, wall_s=time.perf_counter() - started)
     print(reporter.text())
+    for failure in payload["failures"]:
+        print(f"offload.bench: FAILED {failure}", file=sys.stderr)
     print(json.dumps(payload))
-    return 1 if any(r["error"] is not None for r in reporter.rows) else 0
+    return 1 if payload["failures"] else 0

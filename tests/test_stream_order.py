@@ -1,0 +1,240 @@
+"""CudaLink's ordering on the CPU: the real link over emulated streams (``tests/links.py``).
+
+No GPU here, so ``CudaLink`` runs over ``EmulatedStreams``: CUDA's stream and event semantics on
+threads, with every tracked access (a copy's read and write, an allocation's fill, a producer's
+write on a side stream, a host write) checked against the earlier ones by happens-before, so a
+pair of accesses to the same bytes that nothing orders is a race, found whatever the timing, and
+the gradients show it too (the racing op writes 0xFF). Oracle: the model without the engine,
+bitwise. Each test here names the guard it checks, and was run once with that guard removed: it
+failed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+import offload._transfer
+from links import EmulatedCudaLink, EmulatedStreams
+from zoo import MB, wait_clean
+
+SIZE = 16 * 1024
+"""Elements per saved tensor (64 KiB in fp32)."""
+NBYTES = SIZE * 4
+
+
+def _engine(link, budget_mb, **options):
+    return offload.engine(budget_mb, device="cpu", min_offload_bytes=0, link=link, **options)
+
+
+def _grads(model: nn.Module, x: torch.Tensor, eng=None) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    if eng is None:
+        loss = model(x).square().sum()
+    else:
+        with eng:
+            loss = model(x).square().sum()
+    loss.backward()
+    return [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_equal(want, got, what: str) -> None:
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(a, b), f"{what}: gradient {i} differs"
+
+
+@pytest.fixture
+def streams():
+    made = EmulatedStreams(side_delay_s=0.001)
+    yield made
+    made.close()
+
+
+class TanhChain(nn.Module):
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.depth = depth
+        self.scale = nn.Parameter(torch.tensor(0.9))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.depth):
+            x = torch.tanh(x) * self.scale  # tanh saves its output; mul saves it too: two users
+        return x
+
+
+# ---------------------------------------------------------------------------------- item 2
+
+
+def test_every_reload_destination_is_allocated_before_its_copy(streams, monkeypatch):
+    """Under deterministic algorithms with ``fill_uninitialized_memory`` each new device tensor is
+    filled on the current stream. A batch that starts several reloads (a miss, then prefetches)
+    must order each copy after its own destination's fill, not only the first one's (See Note:
+    [fences before a copy]). Guard: the re-fence in ``CudaLink.h2d``."""
+    streams.fills_new_memory = True
+    per_batch: dict[int, int] = {}
+    real_h2d = offload._transfer.CudaLink.h2d
+
+    def h2d(self, src_host, nbytes):
+        per_batch[id(self._batch)] = per_batch.get(id(self._batch), 0) + 1
+        return real_h2d(self, src_host, nbytes)
+
+    monkeypatch.setattr(offload._transfer.CudaLink, "h2d", h2d)
+    model, x = TanhChain(12), torch.randn(SIZE)
+    want = _grads(copy.deepcopy(model), x)
+    link = EmulatedCudaLink(streams)
+    eng = _engine(link, 4 * NBYTES / MB)
+    got = _grads(model, x, eng)
+    stats = wait_clean(eng)
+    eng.close()
+    assert max(per_batch.values()) >= 2, "a batch started several reloads (the path under test)"
+    assert stats.prefetch_misses < stats.reloaded_bytes // NBYTES, "prefetch started reloads ahead of use"
+    assert streams.races == [], streams.races[:3]
+    _assert_equal(want, got, "every destination filled before its copy")
+
+
+# ---------------------------------------------------------------------------------- item 4
+
+
+class ProducedOn(torch.autograd.Function):
+    """sin(x), its output written on the stream current at the forward (tracked, late: the
+    stream waits ``delay_s`` first), as a kernel on a side stream would write it. Saves it."""
+
+    @staticmethod
+    def forward(ctx, x, streams: EmulatedStreams):
+        out = torch.full_like(x, float("nan"))
+        values, raw = x.sin(), out.data  # ``.data``: a kernel's write bumps no version counter
+        streams.write_on(streams.current(), raw, lambda: raw.copy_(values), "the producer's write")
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * (1 - out.square()).sqrt(), None  # cos(x) from sin(x), for x in (-pi/2, pi/2)
+
+
+def test_a_copy_out_waits_for_the_stream_that_produced_its_source(streams):
+    """A tensor saved on a side stream is evicted later, while another stream is current: its copy
+    out must wait for the side stream's work (its producer), not only for the current stream's.
+    Guard: ``CudaLink`` fencing every stream it saw at a batch (``_producers``) in ``d2h``."""
+    side = streams.new_stream()
+    side.delay_s = 0.05  # the producer's write lands well after the engine moves on
+    x = torch.rand(SIZE) - 0.5  # within (-pi/2, pi/2)
+
+    def step(eng=None):
+        xi = x.clone().requires_grad_(True)
+        with eng if eng is not None else torch.enable_grad():
+            with streams.using(side):
+                y = ProducedOn.apply(xi, streams)  # saved on the side stream
+            z = torch.tanh(xi * 2)  # saves on the compute stream: the budget evicts y now
+            w = torch.tanh(z * 3)
+            streams.compute.wait_stream(side)  # the program orders its use of y after the side stream
+            loss = (y * w).sum()
+        loss.backward()
+        return xi.grad.clone()
+
+    want = step()
+    link = EmulatedCudaLink(streams)
+    eng = _engine(link, 2 * NBYTES / MB)  # one tensor hot, one leaving: y leaves at the next save
+    got = step(eng)
+    stats = wait_clean(eng)
+    eng.close()
+    assert stats.offloaded_bytes >= NBYTES and stats.reloaded_bytes >= NBYTES, "y went out and came back"
+    assert streams.races == [], streams.races[:3]
+    assert torch.equal(want, got), "the copy out read y before its producer had written it"
+
+
+# ---------------------------------------------------------------------------------- item 3
+
+
+class TanhOn(torch.autograd.Function):
+    """tanh(x) with its forward and backward on ``stream``, as autograd runs a backward node on
+    its forward's stream; the backward tells ``use`` which saved tensor it used, on which stream."""
+
+    @staticmethod
+    def forward(ctx, x, stream, streams: EmulatedStreams, use):
+        with streams.using(stream):
+            y = torch.tanh(x)
+            ctx.save_for_backward(y)
+        ctx.stream, ctx.streams, ctx.use = stream, streams, use
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        with ctx.streams.using(ctx.stream):
+            (y,) = ctx.saved_tensors
+            ctx.use(y, ctx.stream)
+            return grad * (1 - y * y), None, None, None
+
+
+class Mul(torch.autograd.Function):
+    """x * y with its backward on ``stream``: saves both, so a tanh output it takes is used twice."""
+
+    @staticmethod
+    def forward(ctx, x, y, stream, streams: EmulatedStreams, use):
+        with streams.using(stream):
+            ctx.save_for_backward(x, y)
+        ctx.stream, ctx.streams, ctx.use = stream, streams, use
+        return x * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        with ctx.streams.using(ctx.stream):
+            x, y = ctx.saved_tensors
+            ctx.use(x, ctx.stream)
+            return grad * y, grad * x, None, None, None
+
+
+def test_a_reload_used_on_another_stream_is_recorded_there_ready_or_not(streams):
+    """Each tanh output is used in backward by the Mul after it (on the other stream) and by its
+    own node: the first use reloads it (no prefetch), so its destination belongs to that stream;
+    the second use, on the other stream, finds the copy landed. (The budget lets each tanh output
+    stay until the Mul has saved it too, so both saves are one entry.) Every use on a stream other
+    than the allocating one must be recorded there (See Note: [a reload used on another stream]).
+    Guard: ``Store._serve`` ordering a ready reload at each use, not only while it fills."""
+    side = streams.new_stream()
+    allocated: dict[int, tuple] = {}  # data_ptr -> (its stream, records before it) of the latest destination there
+    real_empty = streams.empty
+
+    def empty(nbytes):
+        dst = real_empty(nbytes)
+        allocated[dst.data_ptr()] = (streams.current(), len(streams.recorded))
+        return dst
+
+    streams.empty = empty  # type: ignore[method-assign]  # logs the allocating stream
+    foreign: list = []  # per use of a reload on another stream than its own: was it recorded there?
+
+    def use(tensor, stream):
+        ptr = tensor.data_ptr()
+        if ptr in allocated and allocated[ptr][0] is not stream:
+            foreign.append((ptr, stream) in streams.recorded[allocated[ptr][1] :])
+
+    x = torch.randn(SIZE)
+    weights = [torch.full((SIZE,), 0.5 + 0.1 * i) for i in range(4)]
+
+    def step(eng=None):
+        xi = x.clone().requires_grad_(True)
+        with eng if eng is not None else torch.enable_grad():
+            h = xi * 1.0
+            for i, weight in enumerate(weights):
+                first, second = (streams.compute, side) if i % 2 == 0 else (side, streams.compute)
+                h = Mul.apply(TanhOn.apply(h, first, streams, use), weight, second, streams, use)
+            loss = h.sum()
+        loss.backward()
+        return xi.grad.clone()
+
+    want = step()
+    link = EmulatedCudaLink(streams)
+    eng = _engine(link, 2 * NBYTES / MB, prefetch=False)
+    got = step(eng)
+    stats = wait_clean(eng)
+    eng.close()
+    assert torch.equal(want, got)
+    assert stats.reloaded_bytes >= 3 * NBYTES and streams.races == []
+    assert len(foreign) >= 3, "reloads were used on a stream other than their own (the path under test)"
+    assert all(foreign), f"{foreign.count(False)} of {len(foreign)} uses on another stream were not recorded there"
