@@ -41,7 +41,7 @@ from ._profiler import PROFILED_POLICIES, Measured, Profiler, ShapePlan, Stage
 from ._selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
 from ._session import Session
 
-__all__ = ["AUTO", "ProfiledStep", "Regions", "RegionsArg", "resolve_regions"]
+__all__ = ["AUTO", "CACHE_ARGUMENTS", "ProfiledStep", "Regions", "RegionsArg", "resolve_regions", "without_cache"]
 
 COMPILED_NOTE = "compiled (torch.compile): one autograd Function that cannot be split; recomputed whole instead"
 """The note ``explain()`` shows for a compiled region a selective plan recomputes whole."""
@@ -112,6 +112,38 @@ def _cuda_device(args: tuple, kwargs: dict) -> Optional[torch.device]:
     return next(
         (a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.is_cuda), None
     )
+
+
+_RERUNS = (Decision.RECOMPUTE, Decision.SELECTIVE, Decision.SELECTIVE_OFFLOAD)
+"""Decisions whose region is re-run in backward."""
+
+# Note: [a re-run region takes no cache]
+#     A region that is re-run in backward must see, the second time, what it saw the first. A
+#     cache object passed to it (a KV cache, T5's encoder-decoder cache) is filled by the first
+#     run, so the re-run reads the cross-attention keys it stored instead of computing them: it
+#     saves fewer tensors than the forward did (T5's decoder blocks: 52 against 56) and the
+#     recompute raises. Hugging Face's own checkpointed layers (``GradientCheckpointingLayer``)
+#     meet the same problem by running such a layer with ``use_cache=False`` and its cache
+#     arguments set to None, unless the layer declares ``_can_checkpoint_with_cache`` (it only
+#     reads the cache); a re-run region here does the same, for its forward and its re-run alike.
+#     In training the outputs are those with the cache: a block computes the same keys and
+#     values either way.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""Keyword arguments that carry a cache object, by the names Hugging Face's layers use."""
+
+
+def without_cache(module: torch.nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` for a region that will be re-run: See Note: [a re-run region takes no cache]."""
+    if not kwargs:
+        return kwargs
+    changed = dict(kwargs)
+    if changed.get("use_cache"):
+        changed["use_cache"] = False
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for name in CACHE_ARGUMENTS:
+            if changed.get(name) is not None:
+                changed[name] = None
+    return changed
 
 
 _SIZES_SEEN = (Decision.KEEP, Decision.OFFLOAD)
@@ -276,6 +308,8 @@ class Regions:
         module: torch.nn.Module,
     ) -> Any:
         """Carry one region's decision out."""
+        if decision in _RERUNS:
+            kwargs = without_cache(module, kwargs)
         if decision is Decision.RECOMPUTE:
             return self._recompute(forward, args, kwargs, name, selective=False)
         if decision is Decision.SELECTIVE:
@@ -393,7 +427,7 @@ class Regions:
             out, run = profiled_checkpoint(
                 forward,
                 args,
-                kwargs,
+                without_cache(module, kwargs),
                 name,
                 split=not compiled,
                 on_recompute=on_recompute,
