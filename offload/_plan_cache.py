@@ -64,7 +64,8 @@ log = logging.getLogger(__name__)
 FORMAT = "offload-plan-cache"
 """The marker a plan cache file carries; a JSON file without it is someone else's."""
 VERSION = 3
-"""Layout version; a file with another is ignored (and rewritten). 2: one entry per input family, with its fit; 3: the saves outside the regions, as profiles and plan rows."""
+"""Layout version; a file with another is ignored (and rewritten). 2: one entry per input family,
+with its fit; 3: the saves outside the regions, as profiles and plan rows."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
