@@ -48,7 +48,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -140,7 +140,9 @@ class PlanCache:
 
     # ------------------------------------------------------------------ reading
 
-    def lookup(self, family: tuple, regions: list[tuple[str, torch.nn.Module]]) -> Optional[CachedPlan]:
+    def lookup(
+        self, family: tuple, regions: list[tuple[str, torch.nn.Module]], profile_names: Sequence[str]
+    ) -> Optional[CachedPlan]:
         """What was saved for this input family and these regions, or None (with at most one warning per engine)."""
         first, self._looked_up = not self._looked_up, True
         entries = self._read_entries(warn=first)
@@ -156,7 +158,7 @@ class PlanCache:
             if entry.get("key") != key:
                 raise ValueError("the entry's key does not match its digest")
             names = [name for name, _ in regions]
-            cached = _decode(entry, names)
+            cached = _decode(entry, names, profile_names)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
             self._warn(f"its plan for these inputs is unusable ({error}); profiling again")
             return None
@@ -328,7 +330,7 @@ def _number(value: object, what: str) -> float:
     return float(value)
 
 
-def _decode(entry: dict, names: list[str]) -> CachedPlan:
+def _decode(entry: dict, names: list[str], profile_names: Sequence[str]) -> CachedPlan:
     link_scale = entry["link_scale"]
     if link_scale is not None and not (isinstance(link_scale, float) and math.isfinite(link_scale) and link_scale > 0):
         raise ValueError(f"link_scale {link_scale!r} is not a positive number")
@@ -336,7 +338,8 @@ def _decode(entry: dict, names: list[str]) -> CachedPlan:
     for stored in entry["plans"]:
         plan = _decode_plan(stored["plan"])
         profiles = tuple(_decode_profile(p) for p in stored["profiles"])
-        if [r.name for r in plan.regions] != names or [p.name for p in profiles] != names:
+        if [r.name for r in plan.regions] != names or [p.name for p in profiles] != list(profile_names):
             raise ValueError("its regions are not this engine's")
         plans.append((str(stored["inputs"]), plan, profiles, _number(stored["other_ms"], "other_ms")))
-    return CachedPlan(fit=ProfileFit.from_dict(entry["fit"], names), plans=tuple(plans), link_scale=link_scale)
+    fit = ProfileFit.from_dict(entry["fit"], profile_names)
+    return CachedPlan(fit=fit, plans=tuple(plans), link_scale=link_scale)

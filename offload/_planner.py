@@ -281,6 +281,13 @@ class Plan:
             )
         lines.append("-" * len(header))
         lines.extend(f"note: {r.name}: {r.note}" for r in self.regions if r.note)
+        after = next((r for r in self.outside if r.scope is Scope.AFTER), None)
+        if after is not None and self.regions and after.saved_bytes > max(r.saved_bytes for r in self.regions):
+            lines.append(
+                f"note: {after.name}: the step saves more after its last region than any region does "
+                f"(an LM head's logits and their loss: batch x sequence x vocabulary); a loss computed in chunks "
+                f"of tokens, each under offload.checkpoint, saves one chunk's logits at a time"
+            )
         percent = 100.0 * self.predicted_overhead_ms / self.baseline_step_ms if self.baseline_step_ms > 0 else 0.0
         lines.append(
             f"predicted overhead: {self.predicted_overhead_ms:.3f} ms "
@@ -480,7 +487,7 @@ def calibrate_link(
     if not regions or not link_usable(machine):
         return machine, 1.0
     keep_ms = _run_timeline(regions, (Decision.KEEP,) * len(regions), machine).step_ms
-    offload_all = (Decision.OFFLOAD,) * len(regions)
+    offload_all = coerce(regions, (Decision.OFFLOAD,) * len(regions))
 
     def exposed_ms(scale: float) -> float:
         return _run_timeline(regions, offload_all, scale_link(machine, scale)).step_ms - keep_ms

@@ -47,6 +47,8 @@ from ._policy import make_plan
 from ._session import Session
 
 __all__ = [
+    "AFTER_NAME",
+    "BEFORE_NAME",
     "CALIBRATION_TRIES",
     "EXTRAPOLATION_LIMIT",
     "MAX_MEASURED_SHAPES",
@@ -103,12 +105,19 @@ alone). Wider than sizes: CPU timings drift 10-20 % from step to step, and every
 #     disturbed: a scale outside ``PLAUSIBLE_LINK_SCALE`` is not planned on. The trial is run
 #     again (``CALIBRATION_TRIES`` in all); if every one is implausible, the probe's own figures
 #     are used, and a warning says so.
-PLAUSIBLE_LINK_SCALE = (0.5, 20.0)
-"""A calibrated transfer cost may be at least half, at most 20 times, the probe's: moving bytes
-within a step is not faster than the probe's link alone by more than timing noise, and a step
-spent mostly waiting on copies is not worth planning on."""
+PLAUSIBLE_LINK_SCALE = (0.5, 100.0)
+"""A calibrated transfer cost may be at least half, at most 100 times, the probe's: moving bytes
+within a step is not faster than the probe's link alone by more than timing noise; it can be many
+times slower (small tensors pay fixed costs the probe's one large buffer does not, and copies
+share a CPU's cores with compute), but not by orders of magnitude short of a disturbed step."""
 CALIBRATION_TRIES = 2
 """Offload trials at most whose calibration is implausible before the probe's figures are used."""
+
+
+BEFORE_NAME = "(before the regions)"
+AFTER_NAME = "(after the regions)"
+"""The names of the profiles of the saves outside the regions (``_cost.Scope``): every profile list
+here is [before, *regions, after]."""
 
 
 class Stage(enum.Enum):
@@ -224,7 +233,8 @@ class Profiler:
 
     def __init__(self, regions: list[tuple[str, torch.nn.Module]], policy: str, session: Session) -> None:
         self.regions = regions
-        self.names = tuple(name for name, _ in regions)
+        self.names = (BEFORE_NAME, *(name for name, _ in regions), AFTER_NAME)
+        """The profiles' names, in their order: the saves before the regions, each region, the saves after."""
         self.policy = policy
         self._session = session
         self._families: collections.OrderedDict[tuple, _Family] = collections.OrderedDict()
@@ -503,7 +513,7 @@ class Profiler:
         cache = self._session.plan_cache
         if cache is None:
             return
-        cached = cache.lookup(family, self.regions)
+        cached = cache.lookup(family, self.regions, self.names)
         if cached is None:
             return
         fam.fit = cached.fit
