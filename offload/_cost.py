@@ -12,8 +12,9 @@ into decisions). Nothing here touches a device; every field carries its unit.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
-__all__ = ["MB", "MachineProfile", "RegionProfile"]
+__all__ = ["MB", "MachineProfile", "RegionProfile", "Scope"]
 
 MB = 1 << 20
 """Bytes in one MB as the API counts it (MiB, like ``torch.cuda.memory_allocated`` tables): ``budget_mb``,
@@ -48,6 +49,19 @@ class MachineProfile:
         if self.device_type == "cuda":
             return self.d2h_gb_per_s, self.h2d_gb_per_s
         return self.disk_write_gb_per_s, self.disk_read_gb_per_s
+
+
+class Scope(enum.Enum):
+    """Which saves a profile is of: a region the engine wraps, or what the step saves outside them."""
+
+    REGION = "region"
+    """A module the engine wraps: any decision."""
+    BEFORE = "before"
+    """The saves before the first region and between regions (an embedding's, a residual's): the
+    engine cannot act on them as a unit, so they are kept, and counted."""
+    AFTER = "after"
+    """The saves after the last region until backward (an LM head's logits and its loss): kept or
+    moved as they are saved; there is no module to re-run."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,6 +100,9 @@ class RegionProfile:
     or the region cannot be split (``note`` says why): the planner then never runs it selectively."""
     note: str = ""
     """Why the region cannot run selectively ("" where it can or nobody tried), for ``explain()``."""
+    scope: Scope = Scope.REGION
+    """A region, or the saves outside the regions (``Scope``); those have sizes only, their time
+    is in the step's rest (``other_ms``)."""
 
     def selective_measured(self) -> bool:
         """Whether a selective run of this region was measured (only then may a plan choose one)."""

@@ -37,7 +37,7 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
-from ._cost import RegionProfile
+from ._cost import RegionProfile, Scope
 
 __all__ = [
     "BYTE_TOLERANCE",
@@ -222,6 +222,7 @@ class _RegionFit:
     def __init__(self, name: str) -> None:
         self.name = name
         self.note = ""
+        self.scope = Scope.REGION
         self.fields = {
             f: FieldFit(BYTE_TOLERANCE, COUNT_BASES if f in _COUNT_FIELDS else BYTE_BASES) for f in _BYTE_FIELDS
         }
@@ -253,6 +254,7 @@ class _RegionFit:
                 self.ratios[field] = (kept + [(shape, value / primary)])[-MAX_POINTS:]
         if profile.note:
             self.note = profile.note
+        self.scope = profile.scope
 
     def add_sizes(self, shape: Shape, saved_bytes: int, num_tensors: int) -> None:
         self.fields["saved_bytes"].add(shape, saved_bytes)
@@ -273,6 +275,7 @@ class _RegionFit:
         return RegionProfile(
             name=self.name,
             note=self.note,
+            scope=self.scope,
             saved_bytes=round(value("saved_bytes", shape)),
             input_bytes=round(value("input_bytes", shape)),
             num_tensors=round(value("num_tensors", shape)),
@@ -382,6 +385,7 @@ class ProfileFit:
                 {
                     "name": r.name,
                     "note": r.note,
+                    "scope": r.scope.value,
                     "fields": {f: _points_to_json(fit.points) for f, fit in r.fields.items()},
                     "ratios": {f: _points_to_json(points) for f, points in r.ratios.items()},
                 }
@@ -401,6 +405,7 @@ class ProfileFit:
         fit = ProfileFit(names)
         for region, stored in zip(fit._regions, stored_regions, strict=True):
             region.note = str(stored["note"])
+            region.scope = Scope(stored["scope"])
             for field, points in stored["fields"].items():
                 target = region.fields[field]  # KeyError for a field this version does not know
                 for item in points:

@@ -48,11 +48,11 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ._cost import RegionProfile
+from ._cost import RegionProfile, Scope
 from ._fit import ProfileFit
 from ._planner import Decision, Plan, RegionPlan
 from ._version import __version__ as OFFLOAD_VERSION
@@ -63,8 +63,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = "offload-plan-cache"
 """The marker a plan cache file carries; a JSON file without it is someone else's."""
-VERSION = 2
-"""Layout version; a file with another is ignored (and rewritten). 2: one entry per input family, with its fit."""
+VERSION = 3
+"""Layout version; a file with another is ignored (and rewritten). 2: one entry per input family,
+with its fit; 3: the saves outside the regions, as profiles and plan rows."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,7 +140,9 @@ class PlanCache:
 
     # ------------------------------------------------------------------ reading
 
-    def lookup(self, family: tuple, regions: list[tuple[str, torch.nn.Module]]) -> Optional[CachedPlan]:
+    def lookup(
+        self, family: tuple, regions: list[tuple[str, torch.nn.Module]], profile_names: Sequence[str]
+    ) -> Optional[CachedPlan]:
         """What was saved for this input family and these regions, or None (with at most one warning per engine)."""
         first, self._looked_up = not self._looked_up, True
         entries = self._read_entries(warn=first)
@@ -155,7 +158,7 @@ class PlanCache:
             if entry.get("key") != key:
                 raise ValueError("the entry's key does not match its digest")
             names = [name for name, _ in regions]
-            cached = _decode(entry, names)
+            cached = _decode(entry, names, profile_names)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
             self._warn(f"its plan for these inputs is unusable ({error}); profiling again")
             return None
@@ -218,7 +221,7 @@ class PlanCache:
                 {
                     "inputs": repr(signature),
                     "plan": _encode_plan(plan),
-                    "profiles": [dataclasses.asdict(p) for p in profiles],
+                    "profiles": [_encode_profile(p) for p in profiles],
                     "other_ms": other_ms,
                 }
                 for signature, plan, profiles, other_ms in plans
@@ -288,18 +291,36 @@ def _nearest_difference(key: dict, entries: dict) -> str:
     return "no readable entry" if best is None else f"the saved plans differ in: {', '.join(best)}"
 
 
+def _encode_profile(profile: RegionProfile) -> dict:
+    return dataclasses.asdict(profile) | {"scope": profile.scope.value}
+
+
+def _decode_profile(stored: dict) -> RegionProfile:
+    return RegionProfile(**{**stored, "scope": Scope(stored["scope"])})
+
+
+def _encode_region(r: RegionPlan) -> dict:
+    return {f.name: getattr(r, f.name) for f in dataclasses.fields(r)} | {
+        "decision": r.decision.value,
+        "scope": r.scope.value,
+    }
+
+
+def _decode_region(stored: dict) -> RegionPlan:
+    return RegionPlan(**{**stored, "decision": Decision(stored["decision"]), "scope": Scope(stored["scope"])})
+
+
 def _encode_plan(plan: Plan) -> dict:
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
-    fields["regions"] = [
-        {f.name: getattr(r, f.name) for f in dataclasses.fields(r)} | {"decision": r.decision.value}
-        for r in plan.regions
-    ]
+    fields["regions"] = [_encode_region(r) for r in plan.regions]
+    fields["outside"] = [_encode_region(r) for r in plan.outside]
     return fields
 
 
 def _decode_plan(stored: dict) -> Plan:
     plan = dict(stored)
-    plan["regions"] = tuple(RegionPlan(**{**r, "decision": Decision(r["decision"])}) for r in plan["regions"])
+    plan["regions"] = tuple(_decode_region(r) for r in plan["regions"])
+    plan["outside"] = tuple(_decode_region(r) for r in plan["outside"])
     return Plan(**plan)
 
 
@@ -309,15 +330,16 @@ def _number(value: object, what: str) -> float:
     return float(value)
 
 
-def _decode(entry: dict, names: list[str]) -> CachedPlan:
+def _decode(entry: dict, names: list[str], profile_names: Sequence[str]) -> CachedPlan:
     link_scale = entry["link_scale"]
     if link_scale is not None and not (isinstance(link_scale, float) and math.isfinite(link_scale) and link_scale > 0):
         raise ValueError(f"link_scale {link_scale!r} is not a positive number")
     plans = []
     for stored in entry["plans"]:
         plan = _decode_plan(stored["plan"])
-        profiles = tuple(RegionProfile(**p) for p in stored["profiles"])
-        if [r.name for r in plan.regions] != names or [p.name for p in profiles] != names:
+        profiles = tuple(_decode_profile(p) for p in stored["profiles"])
+        if [r.name for r in plan.regions] != names or [p.name for p in profiles] != list(profile_names):
             raise ValueError("its regions are not this engine's")
         plans.append((str(stored["inputs"]), plan, profiles, _number(stored["other_ms"], "other_ms")))
-    return CachedPlan(fit=ProfileFit.from_dict(entry["fit"], names), plans=tuple(plans), link_scale=link_scale)
+    fit = ProfileFit.from_dict(entry["fit"], profile_names)
+    return CachedPlan(fit=fit, plans=tuple(plans), link_scale=link_scale)

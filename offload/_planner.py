@@ -83,10 +83,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ._cost import MB, MachineProfile, RegionProfile
+from ._cost import MB, MachineProfile, RegionProfile, Scope
 
 __all__ = [
     "MOVES_BYTES",
+    "allowed",
+    "coerce",
     "SELECTIVE_DECISIONS",
     "Decision",
     "Footprint",
@@ -128,6 +130,23 @@ MOVES_BYTES = (Decision.OFFLOAD, Decision.SELECTIVE_OFFLOAD)
 """Decisions that copy bytes out over the link (and so need a usable one)."""
 SELECTIVE_DECISIONS = (Decision.SELECTIVE, Decision.SELECTIVE_OFFLOAD)
 """Decisions that run a region selectively (only for regions whose selective run was measured)."""
+
+
+def allowed(region: RegionProfile, decision: Decision) -> bool:
+    """Whether ``region`` may take ``decision``: the selective ones only where a selective run was
+    measured; the saves outside the regions are never re-run, and those before or between the
+    regions are always kept (see ``Scope``)."""
+    if region.scope is Scope.BEFORE:
+        return decision is Decision.KEEP
+    if region.scope is Scope.AFTER:
+        return decision in (Decision.KEEP, Decision.OFFLOAD)
+    return decision not in SELECTIVE_DECISIONS or region.selective_measured()
+
+
+def coerce(regions: Sequence[RegionProfile], decisions: Sequence[Decision]) -> tuple[Decision, ...]:
+    """``decisions`` with every one a region may not take (``allowed``) made KEEP: a fixed policy's
+    rule (recompute everything, offload a prefix) applied to the saves outside the regions."""
+    return tuple(d if allowed(r, d) else Decision.KEEP for r, d in zip(regions, decisions, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +203,8 @@ class RegionPlan:
     ops' for the selective decisions, none otherwise."""
     note: str = ""
     """Why the region was not offered the selective decisions, where it was not (from its profile)."""
+    scope: Scope = Scope.REGION
+    """A region, or the saves outside the regions (``Scope``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -208,6 +229,13 @@ class Plan:
     origin: str = ""
     """Where the regions' profiles come from, for ``explain()``: "measured" at these inputs, or
     "derived, ..." from a fit over other shapes (``_fit``), naming them; "" for a plan made by hand."""
+    outside: tuple[RegionPlan, ...] = ()
+    """The saves outside the regions (``Scope.BEFORE`` and ``Scope.AFTER``), planned with them:
+    in the predicted peak, transfer and step like any region. Empty where none was measured."""
+
+    def decision_after(self) -> Decision:
+        """What happens to the saves after the last region (KEEP where none were planned)."""
+        return next((r.decision for r in self.outside if r.scope is Scope.AFTER), Decision.KEEP)
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
@@ -228,24 +256,13 @@ class Plan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "fits_budget": self.fits_budget,
             "origin": self.origin,
-            "regions": [
-                {
-                    "name": r.name,
-                    "decision": r.decision.value,
-                    "saved_bytes": r.saved_bytes,
-                    "forward_ms": finite(r.forward_ms),
-                    "transfer_ms": finite(r.transfer_ms),
-                    "exposed_ms": finite(r.exposed_ms),
-                    "resident_bytes": r.resident_bytes,
-                    "dropped_bytes": r.dropped_bytes,
-                    "note": r.note,
-                }
-                for r in self.regions
-            ],
+            "regions": [_region_dict(r, finite) for r in self.regions],
+            "outside": [_region_dict(r, finite) | {"scope": r.scope.value} for r in self.outside],
         }
 
     def __str__(self) -> str:
-        name_width = max([len("region")] + [len(r.name) for r in self.regions])
+        shown = [r for r in self.outside if r.saved_bytes > 0]  # nothing outside: no row
+        name_width = max([len("region")] + [len(r.name) for r in (*self.regions, *shown)])
         header = (
             f"{'region':<{name_width}}  {'MB':>10}  {'fwd ms':>9}  {'transfer ms':>11}"
             f"  {'decision':<17}  {'exposed ms':>10}  {'drops MB':>10}"
@@ -257,8 +274,20 @@ class Plan:
                 f"{r.name:<{name_width}}  {_mb(r.saved_bytes):>10}  {r.forward_ms:>9.3f}"
                 f"  {r.transfer_ms:>11.3f}  {r.decision.value:<17}  {r.exposed_ms:>10.3f}  {_mb(r.dropped_bytes):>10}"
             )
+        for r in shown:  # their time is the step's rest, not a region's forward
+            lines.append(
+                f"{r.name:<{name_width}}  {_mb(r.saved_bytes):>10}  {'-':>9}"
+                f"  {r.transfer_ms:>11.3f}  {r.decision.value:<17}  {r.exposed_ms:>10.3f}  {_mb(r.dropped_bytes):>10}"
+            )
         lines.append("-" * len(header))
         lines.extend(f"note: {r.name}: {r.note}" for r in self.regions if r.note)
+        after = next((r for r in self.outside if r.scope is Scope.AFTER), None)
+        if after is not None and self.regions and after.saved_bytes > max(r.saved_bytes for r in self.regions):
+            lines.append(
+                f"note: {after.name}: the step saves more after its last region than any region does "
+                f"(an LM head's logits and their loss: batch x sequence x vocabulary); a loss computed in chunks "
+                f"of tokens, each under offload.checkpoint, saves one chunk's logits at a time"
+            )
         percent = 100.0 * self.predicted_overhead_ms / self.baseline_step_ms if self.baseline_step_ms > 0 else 0.0
         lines.append(
             f"predicted overhead: {self.predicted_overhead_ms:.3f} ms "
@@ -273,6 +302,20 @@ class Plan:
 
 def _mb(nbytes: int) -> str:
     return f"{nbytes / MB:,.1f}"
+
+
+def _region_dict(r: RegionPlan, finite: Any) -> dict[str, Any]:
+    return {
+        "name": r.name,
+        "decision": r.decision.value,
+        "saved_bytes": r.saved_bytes,
+        "forward_ms": finite(r.forward_ms),
+        "transfer_ms": finite(r.transfer_ms),
+        "exposed_ms": finite(r.exposed_ms),
+        "resident_bytes": r.resident_bytes,
+        "dropped_bytes": r.dropped_bytes,
+        "note": r.note,
+    }
 
 
 # -- cost model ------------------------------------------------------------------------------
@@ -302,6 +345,10 @@ def region_transfer_ms(region: RegionProfile, machine: MachineProfile) -> tuple[
     return _link_ms(region.saved_bytes, out_gb_per_s), _link_ms(region.saved_bytes, back_gb_per_s)
 
 
+_FREE, _ALLOCATE, _FREE_AFTER = 0, 1, 2
+"""The order of a timeline's events at one instant (see ``_run_timeline``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Timeline:
     step_ms: float
@@ -326,9 +373,17 @@ def _run_timeline(
                 f"region {region.name!r} cannot be {decision.value}: no selective run of it was measured "
                 f"(selective_ms is 0{'; ' + region.note if region.note else ''}); use RECOMPUTE"
             )
+        if not allowed(region, decision):
+            raise ValueError(
+                f"{region.name!r} ({region.scope.value} the regions) cannot be {decision.value}: the saves outside "
+                f"the regions are never re-run, and those before or between them are kept"
+            )
     overhead_ms_per_tensor = machine.per_tensor_overhead_us * _MS_PER_US
     serial = copies_share_compute(machine)
-    events: list[tuple[float, bool, int]] = []  # (time_ms, is_allocation, +/- bytes): frees sort first
+    # (time_ms, order, +/- bytes): at one instant a region's free goes first, then allocations, then
+    # the free of the saves after the last region: their backward (the head's, the loss's) takes
+    # no time here (it is in the step's rest), yet they are resident when the forward ends.
+    events: list[tuple[float, int, int]] = []
     exposed_ms = [0.0] * len(regions)
     copy_landed_ms = [0.0] * len(regions)
 
@@ -352,7 +407,7 @@ def _run_timeline(
                 copy_start_ms = max(now_ms, out_link_free_ms)
                 out_link_free_ms = copy_landed_ms[i] = copy_start_ms + out_ms
         if decision is not Decision.OFFLOAD:
-            events.append((now_ms, True, fp.resident_bytes))
+            events.append((now_ms, _ALLOCATE, fp.resident_bytes))
 
     # Backward: reverse order; an offloaded region waits for its reload (see the docstring).
     prefetch_floor_ms = now_ms
@@ -370,7 +425,8 @@ def _run_timeline(
         exposed_ms[i] += fp.rerun_ms
         now_ms = start_ms + fp.rerun_ms + region.backward_or_estimate_ms(BACKWARD_TO_FORWARD)
         if decision is not Decision.OFFLOAD:
-            events.append((now_ms, False, -fp.resident_bytes))
+            order = _FREE_AFTER if region.scope is Scope.AFTER else _FREE
+            events.append((now_ms, order, -fp.resident_bytes))
 
     resident_bytes = peak_bytes = 0
     for _, _, delta_bytes in sorted(events):
@@ -431,7 +487,7 @@ def calibrate_link(
     if not regions or not link_usable(machine):
         return machine, 1.0
     keep_ms = _run_timeline(regions, (Decision.KEEP,) * len(regions), machine).step_ms
-    offload_all = (Decision.OFFLOAD,) * len(regions)
+    offload_all = coerce(regions, (Decision.OFFLOAD,) * len(regions))
 
     def exposed_ms(scale: float) -> float:
         return _run_timeline(regions, offload_all, scale_link(machine, scale)).step_ms - keep_ms
@@ -501,11 +557,14 @@ def build_plan(
                 resident_bytes=fp.resident_bytes,
                 dropped_bytes=fp.dropped_bytes,
                 note=region.note,
+                scope=region.scope,
             )
         )
+    outside = tuple(r for r in region_plans if r.scope is not Scope.REGION)
     baseline_step_ms = other_ms + sum(r.forward_ms + r.backward_or_estimate_ms(BACKWARD_TO_FORWARD) for r in regions)
     return Plan(
-        regions=tuple(region_plans),
+        regions=tuple(r for r in region_plans if r.scope is Scope.REGION),
+        outside=outside,
         policy=policy_name,
         budget_bytes=budget_bytes,
         baseline_step_ms=baseline_step_ms,

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from ._cost import MachineProfile, RegionProfile
-from ._planner import SELECTIVE_DECISIONS, Decision, Plan, build_plan, check_inputs, link_usable, simulate
+from ._planner import Decision, Plan, allowed, build_plan, check_inputs, coerce, link_usable, simulate
 
 __all__ = ["AutoPolicy", "Policy", "SelectivePolicy", "get_policy", "make_plan", "policy_names", "register_policy"]
 
@@ -116,7 +116,9 @@ class OffloadPolicy(Policy):
                 f"policy 'offload' needs a link, but this machine moves {out_gb_per_s} GB/s out and "
                 f"{back_gb_per_s} GB/s back; use policy 'recompute' or 'auto'"
             )
-        candidates = [(Decision.OFFLOAD,) * (n - num_kept) + (Decision.KEEP,) * num_kept for num_kept in range(n)]
+        candidates = [
+            coerce(regions, (Decision.OFFLOAD,) * (n - num_kept) + (Decision.KEEP,) * num_kept) for num_kept in range(n)
+        ]
         peaks = [simulate(regions, decisions, machine)[1] for decisions in candidates]
         fitting = [decisions for decisions, peak in zip(candidates, peaks, strict=True) if peak <= budget_bytes]
         if fitting:
@@ -131,7 +133,7 @@ class RecomputePolicy(Policy):
     name = "recompute"
 
     def plan(self, regions, machine, budget_bytes):
-        return (Decision.RECOMPUTE,) * len(regions)
+        return coerce(regions, (Decision.RECOMPUTE,) * len(regions))
 
 
 @register_policy
@@ -148,7 +150,7 @@ class SelectivePolicy(Policy):
 
 
 def _selective_or_recompute(regions: Sequence[RegionProfile]) -> tuple[Decision, ...]:
-    return tuple(Decision.SELECTIVE if r.selective_measured() else Decision.RECOMPUTE for r in regions)
+    return coerce(regions, tuple(Decision.SELECTIVE if r.selective_measured() else Decision.RECOMPUTE for r in regions))
 
 
 @register_policy
@@ -180,6 +182,11 @@ class AutoPolicy(Policy):
        SELECTIVE_OFFLOAD (SELECTIVE without a link) and keep the better result.
     5. Nothing fits: search again from all-OFFLOAD and all-RECOMPUTE and return the least peak
        found (a local search: the least peak it finds, not a proven minimum).
+    6. Stability: among every plan the search priced that fits, those within ``stable_margin`` of
+       the best predicted step are equal, and the first of them in a fixed order is returned:
+       fewest regions moved, then decisions region by region in the order KEEP, OFFLOAD,
+       SELECTIVE, SELECTIVE_OFFLOAD, RECOMPUTE. Two runs of one setup measure costs a few percent
+       apart; without this, two near-equal plans would swap between them.
 
     Every prediction comes from ``_planner.simulate``; see its module for the cost model.
     Planning is pure Python: a few dozen regions take well under a second, ~80 a few seconds.
@@ -191,10 +198,17 @@ class AutoPolicy(Policy):
     neighbours (n regions); more moves can only improve the plan, at planning time's expense.
     0 returns the greedy plan (or the best fixed policy's, where that ranks better)."""
 
+    stable_margin: float = 0.03
+    """Rule 6: plans whose predicted steps lie within this fraction of the best are taken as equal.
+    Larger holds plans steadier across runs, at up to this much predicted step time; 0 turns it off."""
+
     def __post_init__(self):
         moves = self.max_search_moves
         if isinstance(moves, bool) or not isinstance(moves, int) or moves < 0:
             raise ValueError(f"max_search_moves must be an int >= 0, got {moves!r}; 0 keeps the greedy plan")
+        margin = self.stable_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ValueError(f"stable_margin must be a number in [0, 1), got {margin!r}; 0 turns rule 6 off")
 
     def plan(self, regions, machine, budget_bytes):
         n = len(regions)
@@ -208,7 +222,7 @@ class AutoPolicy(Policy):
         actions: tuple[Decision, ...] = (Decision.OFFLOAD, Decision.RECOMPUTE) if can_offload else (Decision.RECOMPUTE,)
         if any(r.selective_measured() for r in regions):
             actions += (Decision.SELECTIVE, Decision.SELECTIVE_OFFLOAD) if can_offload else (Decision.SELECTIVE,)
-        fixed = [keep_all, (Decision.RECOMPUTE,) * n]
+        fixed = [keep_all, coerce(regions, (Decision.RECOMPUTE,) * n)]
         if Decision.SELECTIVE in actions:
             fixed.append(_selective_or_recompute(regions))
         if can_offload:
@@ -221,14 +235,20 @@ class AutoPolicy(Policy):
             # The greedy path takes regions off one at a time and rarely reaches "every stash moved":
             # from a plan of offloads and recomputes, one region alone gains nothing by switching.
             most = Decision.SELECTIVE_OFFLOAD if Decision.SELECTIVE_OFFLOAD in actions else Decision.SELECTIVE
-            start = tuple(most if search.allowed(i, most) else Decision.RECOMPUTE for i in range(n))
+            start = coerce(regions, tuple(most if search.allowed(i, most) else Decision.RECOMPUTE for i in range(n)))
             best = min(best, search.improve(start, actions, self.max_search_moves), key=search.rank)
         if not search.fits(best):
             for action in actions:
-                start = tuple(action if search.allowed(i, action) else Decision.RECOMPUTE for i in range(n))
+                start = coerce(
+                    regions, tuple(action if search.allowed(i, action) else Decision.RECOMPUTE for i in range(n))
+                )
                 other = search.improve(start, actions, self.max_search_moves)
                 best = min(best, other, key=search.rank)
-        return best
+        return search.stable(best, self.stable_margin)
+
+
+_PREFERENCE = (Decision.KEEP, Decision.OFFLOAD, Decision.SELECTIVE, Decision.SELECTIVE_OFFLOAD, Decision.RECOMPUTE)
+"""Rule 6's order among near-equal plans: what touches a region least first."""
 
 
 class _Search:
@@ -241,8 +261,8 @@ class _Search:
         self._costs: dict[tuple[Decision, ...], tuple[float, int]] = {}
 
     def allowed(self, i: int, decision: Decision) -> bool:
-        """Region i may take ``decision``: the selective ones only where a selective run was measured."""
-        return decision not in SELECTIVE_DECISIONS or self._regions[i].selective_measured()
+        """Region i may take ``decision`` (``_planner.allowed``)."""
+        return allowed(self._regions[i], decision)
 
     def cost(self, decisions: tuple[Decision, ...]) -> tuple[float, int]:
         """(step_ms, peak_bytes), simulated once per distinct assignment."""
@@ -260,6 +280,15 @@ class _Search:
         over_bytes = max(0, peak_bytes - self._budget_bytes)
         moved = sum(d is not Decision.KEEP for d in decisions)
         return (over_bytes, round(step_ms, _STEP_DIGITS), -moved if over_bytes else moved, peak_bytes)
+
+    def stable(self, best: tuple[Decision, ...], margin: float) -> tuple[Decision, ...]:
+        """Rule 6 of ``AutoPolicy``: the first, in a fixed order, of the priced plans that fit
+        within ``margin`` of ``best``'s step (``best`` itself where it does not fit)."""
+        if not self.fits(best) or margin == 0:
+            return best
+        limit_ms = self.cost(best)[0] * (1 + margin)
+        near = [d for d, (step_ms, peak) in self._costs.items() if peak <= self._budget_bytes and step_ms <= limit_ms]
+        return min(near, key=lambda d: (sum(x is not Decision.KEEP for x in d), [_PREFERENCE.index(x) for x in d]))
 
     def greedy(self, actions: tuple[Decision, ...]) -> tuple[Decision, ...]:
         """Rule 2 of ``AutoPolicy``: move regions off, least ms per freed byte first, until it fits."""
@@ -341,6 +370,8 @@ def make_plan(
     check_inputs(regions, machine, budget_bytes)
     chosen = get_policy(policy) if isinstance(policy, str) else policy
     decisions = tuple(chosen.plan(regions, machine, budget_bytes))
+    if len(decisions) == len(regions) and all(isinstance(d, Decision) for d in decisions):
+        decisions = coerce(regions, decisions)  # a user's policy need not know the saves outside the regions
     if len(decisions) != len(regions) or not all(isinstance(d, Decision) for d in decisions):
         raise ValueError(
             f"policy {chosen.name!r} returned {decisions!r}; it must return one Decision per region ({len(regions)})"

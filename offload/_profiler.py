@@ -47,9 +47,13 @@ from ._policy import make_plan
 from ._session import Session
 
 __all__ = [
+    "AFTER_NAME",
+    "BEFORE_NAME",
+    "CALIBRATION_TRIES",
     "EXTRAPOLATION_LIMIT",
     "MAX_MEASURED_SHAPES",
     "MAX_PLANS",
+    "PLAUSIBLE_LINK_SCALE",
     "SECOND_SHAPE_SPREAD",
     "SIZE_TOLERANCE",
     "TIME_CHECK_TOLERANCE",
@@ -89,6 +93,31 @@ sizes seen are added to the fit and the family's derived plans are made again.""
 TIME_CHECK_TOLERANCE = 0.3
 """The same for a region's forward time (where the step's forward moved nothing: its compute
 alone). Wider than sizes: CPU timings drift 10-20 % from step to step, and every miss re-plans."""
+
+
+# Note: [a calibration that cannot lie]
+#     The probe times one large buffer with nothing else running; an "offload" trial step scales
+#     all transfer costs by what moving every region really cost it (``calibrate_link``). That
+#     figure comes from the difference of two noisy step times, and it has read absurd: a trial no
+#     slower than its reference gave x0.001, a 9 MB region moved in 0.013 ms (690 GB/s, over a disk
+#     that does well under 1 GB/s), and plans flipped between builds. A transfer cannot be much
+#     faster than the probe measured the link alone, and one many times slower says the step was
+#     disturbed: a scale outside ``PLAUSIBLE_LINK_SCALE`` is not planned on. The trial is run
+#     again (``CALIBRATION_TRIES`` in all); if every one is implausible, the probe's own figures
+#     are used, and a warning says so.
+PLAUSIBLE_LINK_SCALE = (0.5, 100.0)
+"""A calibrated transfer cost may be at least half, at most 100 times, the probe's: moving bytes
+within a step is not faster than the probe's link alone by more than timing noise; it can be many
+times slower (small tensors pay fixed costs the probe's one large buffer does not, and copies
+share a CPU's cores with compute), but not by orders of magnitude short of a disturbed step."""
+CALIBRATION_TRIES = 2
+"""Offload trials at most whose calibration is implausible before the probe's figures are used."""
+
+
+BEFORE_NAME = "(before the regions)"
+AFTER_NAME = "(after the regions)"
+"""The names of the profiles of the saves outside the regions (``_cost.Scope``): every profile list
+here is [before, *regions, after]."""
 
 
 class Stage(enum.Enum):
@@ -204,12 +233,17 @@ class Profiler:
 
     def __init__(self, regions: list[tuple[str, torch.nn.Module]], policy: str, session: Session) -> None:
         self.regions = regions
-        self.names = tuple(name for name, _ in regions)
+        self.names = (BEFORE_NAME, *(name for name, _ in regions), AFTER_NAME)
+        """The profiles' names, in their order: the saves before the regions, each region, the saves after."""
         self.policy = policy
         self._session = session
         self._families: collections.OrderedDict[tuple, _Family] = collections.OrderedDict()
         self._link_scale: Optional[float] = None
         """The calibration of the probe's transfer costs (from the first "offload" trial), or None."""
+        self.calibrations: list[float] = []
+        """Link scales accepted (see Note: [a calibration that cannot lie])."""
+        self.rejected_calibrations: list[float] = []
+        """Link scales measured and discarded as implausible."""
         self.misses = 0
         """Derived plans whose sizes or times missed what their step saw (each added it to the fit)."""
 
@@ -388,9 +422,37 @@ class Profiler:
             keep_span_ms = trial.span_ms - sum(r.recompute_ms for r in trial.profiles)
             keep_span_ms *= _regions_ms(timed) / max(_regions_ms(trial.profiles), 1e-9)
             _, scale = calibrate_link(timed, self._machine(), measured.span_ms - keep_span_ms)
-            self._link_scale = (self._link_scale or 1.0) * scale
-            log.info("offload: transfer costs calibrated x%.3g by a step that offloaded every region", scale)
+            self._accept_calibration(fam, scale)
         return self._entry(timed, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
+
+    def _accept_calibration(self, fam: _Family, scale: float) -> None:
+        """See Note: [a calibration that cannot lie]."""
+        low, high = PLAUSIBLE_LINK_SCALE
+        if low <= scale <= high:
+            self._link_scale = (self._link_scale or 1.0) * scale
+            self.calibrations.append(scale)
+            log.info("offload: transfer costs calibrated x%.3g by a step that offloaded every region", scale)
+            return
+        self.rejected_calibrations.append(scale)
+        if len(self.rejected_calibrations) < CALIBRATION_TRIES:
+            fam.queue.insert(0, Stage.OFFLOAD_TRIAL)
+            log.warning(
+                "offload: a step that offloaded every region implied transfer costs x%.3g the probe's, outside "
+                "the plausible x%g..x%g; measuring it again",
+                scale,
+                low,
+                high,
+            )
+            return
+        self._link_scale = 1.0
+        log.warning(
+            "offload: %d offload steps implied transfer costs x%s the probe's, all outside x%g..x%g; planning on "
+            "the probe's own figures (offload.probe(refresh=True) measures the machine again)",
+            len(self.rejected_calibrations),
+            ", x".join(f"{s:.3g}" for s in self.rejected_calibrations),
+            low,
+            high,
+        )
 
     def rerun(self, key: tuple, stage: Stage) -> None:
         """A profiling step that never reached its last region: run its stage again next time."""
@@ -451,7 +513,7 @@ class Profiler:
         cache = self._session.plan_cache
         if cache is None:
             return
-        cached = cache.lookup(family, self.regions)
+        cached = cache.lookup(family, self.regions, self.names)
         if cached is None:
             return
         fam.fit = cached.fit

@@ -118,6 +118,8 @@ class _Frame:
         self.dropped_bytes = 0
         """Bytes of distinct storages the region saved and this frame dropped (set when forward returns):
         not its inputs, not parameters or leaves that require grad (or their views), nothing kept otherwise."""
+        self.changed: list[str] = []
+        """Arguments (other than tensors) the forward changed: See Note: [arguments a forward changed]."""
         self.gen = 0
         self.live = 0  # slots autograd still holds
         self.pending = 0  # live slots not yet unpacked in this pass
@@ -144,6 +146,7 @@ class _Frame:
         arg_template = tuple(template(a) for a in self.args)
         kw_template = {k: template(v) for k, v in self.kwargs.items()}
         guards = self._guard_inputs()
+        before = _fingerprints(self.args, self.kwargs)  # See Note: [arguments a forward changed]
         self.forward_values = []  # See Note: [saved values live while the forward runs]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_placeholder, self._unpack_placeholder):
@@ -153,6 +156,8 @@ class _Frame:
                 _storage_id(a) for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)
             }
             self._forward_done(inputs)
+            after = _fingerprints(self.args, self.kwargs)
+            self.changed = [name for name, fingerprint in before.items() if after.get(name) != fingerprint]
             kept = inputs | self._kept_storages()
             self.dropped_bytes = sum(n for key, n in self.dropped_storages.items() if key not in kept)
         except BaseException:
@@ -261,6 +266,16 @@ class _Frame:
                 self.values = None
         return value
 
+    def changed_note(self) -> str:
+        """The end of a mismatch error: which arguments the forward changed, if any."""
+        if not self.changed:
+            return ""
+        return (
+            f". Its forward changed {', '.join(self.changed)}, and the re-run is given the same object as it is now: "
+            f"pass a fresh one to each call, leave it out when training (use_cache=False), or keep this region "
+            f"out of regions= (or use policy='offload', which never re-runs)"
+        )
+
     def slot_dead(self, slot: _Slot) -> None:
         self.live -= 1
         if slot.seen_gen != self.gen and self.values is not None:
@@ -354,10 +369,56 @@ class _Frame:
                 f"offload: recomputing region {self.name!r} saved {len(got)} tensors {got[:4]}... but its forward "
                 f"saved {len(want)} tensors {want[:4]}...; the region's forward must be deterministic in what it "
                 f"saves (no data-dependent branches on mutable state); exclude it from regions or fix the branch"
+                + self.changed_note()
             )
         self.values = values
         self.gen += 1
         self.pending = self.live
+
+
+# Note: [arguments a forward changed]
+#     The re-run of a region is given the arguments of its first run: the same tensors (checked
+#     for in-place writes by their versions) and the same other objects. An object the forward
+#     changes (a cache it fills, a list it appends to, a counter it bumps) is seen changed by the
+#     re-run, which then may take another path and save other tensors. Such objects are
+#     fingerprinted before and after the forward (their type, length, attributes and the ids and
+#     shapes of the tensors they hold, ``_FINGERPRINT_DEPTH`` levels down), and a recompute that
+#     then saves something else names them in its error. The cache arguments Hugging Face's
+#     layers take are kept from a re-run region altogether (Note: [a re-run region takes no cache]
+#     in ``_regions``).
+_FINGERPRINT_DEPTH = 3
+"""Levels of nested objects fingerprinted (a cache holding per-layer lists of tensors is three)."""
+_FINGERPRINT_ITEMS = 64
+"""Items of one list, tuple or dict fingerprinted; the length is always."""
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _fingerprint(value: Any, depth: int = _FINGERPRINT_DEPTH) -> Any:
+    if isinstance(value, _IMMUTABLE):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), tuple(value.shape))
+    if depth == 0:
+        return ("object", id(value))
+    if isinstance(value, (list, tuple)):
+        return (type(value), len(value), tuple(_fingerprint(v, depth - 1) for v in value[:_FINGERPRINT_ITEMS]))
+    if isinstance(value, dict):
+        items = list(value.items())[:_FINGERPRINT_ITEMS]
+        return (dict, len(value), tuple((repr(k), _fingerprint(v, depth - 1)) for k, v in items))
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict) and not isinstance(value, torch.nn.Module):
+        return (type(value), _fingerprint(attributes, depth - 1))
+    return ("object", id(value))
+
+
+def _fingerprints(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Fingerprint of each argument that is not a tensor or an immutable value, by its name."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    return {
+        f"{name} ({type(value).__name__})": _fingerprint(value)
+        for name, value in named
+        if not isinstance(value, (torch.Tensor, *_IMMUTABLE))
+    }
 
 
 class _StopRecompute(Exception):

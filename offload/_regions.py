@@ -35,13 +35,14 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ._blocks import Found, find_blocks
+from ._cost import RegionProfile, Scope
 from ._measurement import ForwardClock, Measurement, finish_after_backward, span_ms
 from ._planner import Decision, Plan
-from ._profiler import PROFILED_POLICIES, Measured, Profiler, ShapePlan, Stage
+from ._profiler import AFTER_NAME, BEFORE_NAME, PROFILED_POLICIES, Measured, Profiler, ShapePlan, Stage
 from ._selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
-from ._session import Session
+from ._session import ForwardMarks, Session
 
-__all__ = ["AUTO", "ProfiledStep", "Regions", "RegionsArg", "resolve_regions"]
+__all__ = ["AUTO", "CACHE_ARGUMENTS", "ProfiledStep", "Regions", "RegionsArg", "resolve_regions", "without_cache"]
 
 COMPILED_NOTE = "compiled (torch.compile): one autograd Function that cannot be split; recomputed whole instead"
 """The note ``explain()`` shows for a compiled region a selective plan recomputes whole."""
@@ -114,6 +115,38 @@ def _cuda_device(args: tuple, kwargs: dict) -> Optional[torch.device]:
     )
 
 
+_RERUNS = (Decision.RECOMPUTE, Decision.SELECTIVE, Decision.SELECTIVE_OFFLOAD)
+"""Decisions whose region is re-run in backward."""
+
+# Note: [a re-run region takes no cache]
+#     A region that is re-run in backward must see, the second time, what it saw the first. A
+#     cache object passed to it (a KV cache, T5's encoder-decoder cache) is filled by the first
+#     run, so the re-run reads the cross-attention keys it stored instead of computing them: it
+#     saves fewer tensors than the forward did (T5's decoder blocks: 52 against 56) and the
+#     recompute raises. Hugging Face's own checkpointed layers (``GradientCheckpointingLayer``)
+#     meet the same problem by running such a layer with ``use_cache=False`` and its cache
+#     arguments set to None, unless the layer declares ``_can_checkpoint_with_cache`` (it only
+#     reads the cache); a re-run region here does the same, for its forward and its re-run alike.
+#     In training the outputs are those with the cache: a block computes the same keys and
+#     values either way.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""Keyword arguments that carry a cache object, by the names Hugging Face's layers use."""
+
+
+def without_cache(module: torch.nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` for a region that will be re-run: See Note: [a re-run region takes no cache]."""
+    if not kwargs:
+        return kwargs
+    changed = dict(kwargs)
+    if changed.get("use_cache"):
+        changed["use_cache"] = False
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for name in CACHE_ARGUMENTS:
+            if changed.get(name) is not None:
+                changed[name] = None
+    return changed
+
+
 _SIZES_SEEN = (Decision.KEEP, Decision.OFFLOAD)
 """Decisions under which a region's every save goes through the store, so a step sees its sizes."""
 _TIMES_SEEN = (Decision.KEEP, Decision.RECOMPUTE, Decision.SELECTIVE)
@@ -153,6 +186,45 @@ class _Step:
     counted: dict = dataclasses.field(default_factory=dict)
     """A "recompute" trial's storages counted so far: id -> a weak reference to a tensor on it
     (Note: [sizes a recompute trial counts])."""
+    marks: Optional[ForwardMarks] = None
+    """The engine's marks of the forward this step is part of (what was saved when it was entered,
+    and when it closed): with the marks below, what the step saves outside its regions."""
+    first_start: Optional[tuple[int, int]] = None
+    last_end: tuple[int, int] = (0, 0)
+    between: tuple[int, int] = (0, 0)
+    """(bytes, tensors) saved when the first region began, when the latest one ended, and in the
+    gaps between regions so far."""
+
+    def region_starts(self, index: int, saved: tuple[int, int]) -> None:
+        if self.first_start is None:
+            self.first_start = saved
+        elif index > 0:
+            gap = (saved[0] - self.last_end[0], saved[1] - self.last_end[1])
+            self.between = (self.between[0] + gap[0], self.between[1] + gap[1])
+
+    def region_ends(self, saved: tuple[int, int]) -> None:
+        self.last_end = saved
+
+    def outside(self, now: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(bytes, tensors) saved before and between the regions, and after the last one until the
+        engine was left, or until ``now`` (what is saved so far) where it was not left yet: a
+        backward run inside ``with eng:`` saves nothing more, as a rule."""
+        marks = self.marks
+        if marks is None or self.first_start is None:
+            return (0, 0), (0, 0)
+        before = (
+            self.first_start[0] - marks.entered[0] + self.between[0],
+            self.first_start[1] - marks.entered[1] + self.between[1],
+        )
+        closed = now if marks.closed is None else marks.closed
+        return before, (closed[0] - self.last_end[0], closed[1] - self.last_end[1])
+
+    def outside_profiles(self, now: tuple[int, int]) -> tuple[RegionProfile, RegionProfile]:
+        (before_bytes, before_tensors), (after_bytes, after_tensors) = self.outside(now)
+        return (
+            RegionProfile(name=BEFORE_NAME, scope=Scope.BEFORE, saved_bytes=before_bytes, num_tensors=before_tensors),
+            RegionProfile(name=AFTER_NAME, scope=Scope.AFTER, saved_bytes=after_bytes, num_tensors=after_tensors),
+        )
 
     # Note: [sizes a recompute trial counts]
     #     A recomputed region hands only its inputs to the store, so what it would save had it run
@@ -246,25 +318,47 @@ class Regions:
             if index == 0:
                 self._begin_step(args, kwargs)
             step = self._step
-            if step is not None and step.stage is not None:
-                return self._measure(step, index, name, module, forward, args, kwargs)
-            decision = self._decision(index)
-            if step is None or step.entry is None:
-                return self._run(decision, forward, args, kwargs, name, module)
-            clock = ForwardClock(_cuda_device(args, kwargs)) if decision in _TIMES_SEEN else None
-            saved_before = self._session.saved()
-            out = self._run(decision, forward, args, kwargs, name, module)
-            saved_after = self._session.saved()
-            if clock is not None:
-                clock.stop()
-            sizes = (saved_after[0] - saved_before[0], saved_after[1] - saved_before[1])
-            step.seen[index] = _Seen(sizes if decision in _SIZES_SEEN else None, clock)
+            if step is None:
+                return self._run(self._decision(index), forward, args, kwargs, name, module)
+            step.region_starts(index, self._session.saved())
+            if step.stage is not None:
+                out = self._measure(step, index, name, module, forward, args, kwargs)
+            else:
+                out = self._planned(step, index, name, module, forward, args, kwargs)
+            step.region_ends(self._session.saved())
             if index == len(self.regions) - 1:
                 step.moved_in_forward = self._session.moved_bytes() - step.moved_at_start
+                after = Decision.KEEP if step.entry is None else step.entry.plan.decision_after()
+                if step.stage is Stage.OFFLOAD_TRIAL or (step.stage is None and after is Decision.OFFLOAD):
+                    self._session.eagerly_to_end()  # the head's and the loss's saves leave as they are made
             return out
 
         region_forward.__wrapped__ = forward  # type: ignore[attr-defined]  # functions take attributes; Callable does not say so
         return region_forward
+
+    def _planned(
+        self,
+        step: _Step,
+        index: int,
+        name: str,
+        module: torch.nn.Module,
+        forward: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+    ) -> Any:
+        """A region on a step under a plan: its decision, and what the step sees of it."""
+        decision = self._decision(index)
+        if step.entry is None:
+            return self._run(decision, forward, args, kwargs, name, module)
+        clock = ForwardClock(_cuda_device(args, kwargs)) if decision in _TIMES_SEEN else None
+        saved_before = self._session.saved()
+        out = self._run(decision, forward, args, kwargs, name, module)
+        saved_after = self._session.saved()
+        if clock is not None:
+            clock.stop()
+        sizes = (saved_after[0] - saved_before[0], saved_after[1] - saved_before[1])
+        step.seen[index] = _Seen(sizes if decision in _SIZES_SEEN else None, clock)
+        return out
 
     def _run(
         self,
@@ -276,6 +370,8 @@ class Regions:
         module: torch.nn.Module,
     ) -> Any:
         """Carry one region's decision out."""
+        if decision in _RERUNS:
+            kwargs = without_cache(module, kwargs)
         if decision is Decision.RECOMPUTE:
             return self._recompute(forward, args, kwargs, name, selective=False)
         if decision is Decision.SELECTIVE:
@@ -311,7 +407,14 @@ class Regions:
             self._end_step(last, now)
         key = _signature(args, kwargs)
         stage, entry = self._profiler.begin(key)
-        step = _Step(key=key, stage=stage, entry=entry, start=now, moved_at_start=self._session.moved_bytes())
+        step = _Step(
+            key=key,
+            stage=stage,
+            entry=entry,
+            start=now,
+            moved_at_start=self._session.moved_bytes(),
+            marks=self._session.marks,
+        )
         self._step = step
         self.recent_stages.append(None if stage is None else stage.value)
         # A plan in force already keeps its regions within the budget, so the store need not
@@ -328,11 +431,13 @@ class Regions:
         """What the step before this one leaves for the profiler."""
         if step.stage is None:
             if step.seen:
+                before, after = step.outside(self._session.saved())
                 sizes = [None if i not in step.seen else step.seen[i].sizes for i in range(len(self.regions))]
                 # Forward times count where nothing moved meanwhile: a copy shares the CPU's cores.
                 clean = step.moved_in_forward == 0
                 clocks = [step.seen[i].clock if i in step.seen and clean else None for i in range(len(self.regions))]
-                self._profiler.observe(step.key, sizes, [None if c is None else c.ms() for c in clocks])
+                forward_ms = [None if c is None else c.ms() for c in clocks]
+                self._profiler.observe(step.key, [before, *sizes, after], [None, *forward_ms, None])
             return
         if len(step.measurements) < len(self.regions):
             # It never reached its last region (its forward raised, or skipped regions): run that
@@ -359,12 +464,19 @@ class Regions:
             span -= sum(
                 m.profiling_ms() for m in step.measurements
             )  # less the re-runs that only measured selective costs
-        profiles = tuple(m.profile() for m in step.measurements)
+        before, after = step.outside_profiles(self._session.saved())
+        profiles = (before, *(m.profile() for m in step.measurements), after)
         clean = step.moved_in_forward == 0
         measured = Measured(stage=step.stage, key=step.key, profiles=profiles, span_ms=span, clean=clean)
         entry = self._profiler.finish(measured)
         self.profiled.append(
-            ProfiledStep(stage=step.stage.value, inputs=step.key, regions=entry.profiles, span_ms=span)
+            ProfiledStep(
+                stage=step.stage.value,
+                inputs=step.key,
+                regions=entry.profiles[1:-1],
+                outside=(entry.profiles[0], entry.profiles[-1]),
+                span_ms=span,
+            )
         )
 
     # ------------------------------------------------------------------ a profiling step
@@ -393,7 +505,7 @@ class Regions:
             out, run = profiled_checkpoint(
                 forward,
                 args,
-                kwargs,
+                without_cache(module, kwargs),
                 name,
                 split=not compiled,
                 on_recompute=on_recompute,
@@ -417,7 +529,6 @@ class Regions:
         m.time_backward(args, kwargs, out, cuda)
         step.measurements.append(m)
         if index == len(self.regions) - 1:
-            step.moved_in_forward = self._session.moved_bytes() - step.moved_at_start
             self._awaiting_backward = step
             finish_after_backward(out, self.finish_pending)
         return out
@@ -462,3 +573,5 @@ class ProfiledStep:
     inputs: tuple
     regions: tuple
     span_ms: Optional[float]
+    outside: tuple = ()
+    """The profiles of what the step saved before or between the regions, and after the last."""

@@ -268,9 +268,9 @@ def _map_tensors(fn: Callable, value: Any) -> Any:
 class _ReplayMode(_Mode):
     """The re-run's mode: cheap ops run; the k-th expensive op returns the k-th stashed outputs."""
 
-    def __init__(self, name: str, stashed: list, unpack: Callable) -> None:
+    def __init__(self, name: str, stashed: list, unpack: Callable, note: Callable[[], str]) -> None:
         super().__init__()
-        self.name, self.stashed, self.unpack = name, stashed, unpack
+        self.name, self.stashed, self.unpack, self.note = name, stashed, unpack, note
         self.index = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -287,7 +287,7 @@ class _ReplayMode(_Mode):
                 f"offload: the selective recompute of region {self.name!r} ran expensive op {index}, {got[0]} on "
                 f"{list(got[1])}, but its forward ran {expected}; the region's forward must run the same ops on "
                 f"the same shapes when re-run (no data-dependent branches on mutable state); exclude it from "
-                f"regions=, fix the branch, or use policy='recompute'"
+                f"regions=, fix the branch, or use policy='recompute'" + self.note()
             )
         out = tree_map(lambda leaf: self.unpack(leaf, index), want.outputs, is_leaf=_is_packed)
         if want.rng_after is not None:  # See Note: [expensive ops that draw random numbers]
@@ -348,7 +348,7 @@ class _SelectiveFrame(_Frame):
     def _rerun_mode(self):
         if not self.splittable:
             return super()._rerun_mode()
-        return _ReplayMode(self.name, self.stashed, self._unpack_stashed)
+        return _ReplayMode(self.name, self.stashed, self._unpack_stashed, self.changed_note)
 
     def _pack_placeholder(self, t: torch.Tensor) -> Any:
         self.needed = len(self.stashed)

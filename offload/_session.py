@@ -4,8 +4,8 @@ The engine (``_engine``) owns the lifecycle a user sees; this object is what run
 the one thing ``Regions`` and the probe talk to:
 
     hooks ──pack/unpack──▶ Session ──▶ Store (made on the first saved tensor, for its device)
-    Regions ──active? / eagerly() / set_planned() / saved() / moved_bytes() / count_recompute()
-              / machine() / budget_in_force() / plan_cache──▶ Session
+    Regions ──active? / eagerly() / eagerly_to_end() / marks / set_planned() / saved() / moved_bytes()
+              / count_recompute() / machine() / budget_in_force() / plan_cache──▶ Session
 
 State per thread (the hook stack, eager mode) is thread-local: one engine can serve a training
 thread and an evaluation thread at once.
@@ -14,6 +14,7 @@ thread and an evaluation thread at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Callable, Optional
 
@@ -30,7 +31,16 @@ from ._stats import Counters
 from ._store import Store
 from ._transfer import Link
 
-__all__ = ["Session"]
+__all__ = ["ForwardMarks", "Session"]
+
+
+@dataclasses.dataclass
+class ForwardMarks:
+    """(bytes, tensors) saved through the engine when it was entered (outermost, on one thread) and
+    when it was left (None until then). Regions measure what is saved outside them by these."""
+
+    entered: tuple[int, int]
+    closed: Optional[tuple[int, int]] = None
 
 
 class Session:
@@ -59,6 +69,8 @@ class Session:
         self._local = threading.local()
         self.observers = Observers()
         """Told of step boundaries and recomputes (``offload._observe``); empty: nothing is called."""
+        self.marks: Optional[ForwardMarks] = None
+        """What had been saved when the engine was last entered, and when that forward closed."""
         self.hooks = make_hooks(self.eligible, self._pack, self._unpack, self._passthrough)
         """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
 
@@ -79,7 +91,7 @@ class Session:
 
     def _pack(self, t: torch.Tensor) -> Handle:
         store = self._store or self._open_store(t.device)
-        return store.pack(t, getattr(self._local, "eager", False))
+        return store.pack(t, getattr(self._local, "eager", False) or getattr(self._local, "eager_to_end", False))
 
     def _unpack(self, handle: Handle) -> torch.Tensor:
         if self.observers.awaiting_backward:
@@ -101,12 +113,19 @@ class Session:
         if stack is None:
             stack = self._local.stack = []
         stack.append(ctx)
+        if len(stack) == 1:
+            self.marks = ForwardMarks(entered=self.saved())
         if self.observers and len(stack) == 1:
             self.observers.entered()
 
     def exit(self, *exc: Any) -> None:
         stack = self._local.stack
         stack.pop().__exit__(*exc)
+        if not stack:
+            self._local.eager_to_end = False
+            marks = self.marks
+            if marks is not None and marks.closed is None:
+                marks.closed = self.saved()
         if self.observers and not stack:
             self.observers.exited()
 
@@ -125,6 +144,11 @@ class Session:
             yield
         finally:
             self._local.eager = previous
+
+    def eagerly_to_end(self) -> None:
+        """Saves from now until this thread leaves the engine start their copy out at once (the
+        saves after the last region, planned OFFLOAD)."""
+        self._local.eager_to_end = True
 
     def set_planned(self, planned: bool) -> None:
         """A plan is in force this step (True) or the regions are being measured (False)."""

@@ -151,7 +151,9 @@ def test_hf_model_equal_no_engine(name, checkpointing, spill_dir):
 )
 def test_llama_layers_as_regions(policy, machine, spill_dir):
     base = llama()
-    steps = 4  # up to three profiling steps ("auto": measure, recompute, offload), then the plan
+    # Up to four profiling steps ("auto": measure, recompute, offload, and the offload once more
+    # when its calibration was implausible, as SLOW_DISK's 0.5 MB/s is beside this disk), then the plan.
+    steps = 5
     reference = train(copy.deepcopy(base), steps=steps)
 
     model = copy.deepcopy(base)

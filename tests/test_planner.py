@@ -16,7 +16,7 @@ import pytest
 from offload import _policy
 from offload._cost import MachineProfile, RegionProfile
 from offload._planner import Decision, Plan, calibrate_link, scale_link, simulate
-from offload._policy import Policy, get_policy, make_plan, policy_names, register_policy
+from offload._policy import AutoPolicy, Policy, get_policy, make_plan, policy_names, register_policy
 
 KEEP, OFFLOAD, RECOMPUTE = Decision.KEEP, Decision.OFFLOAD, Decision.RECOMPUTE
 MB = 10**6
@@ -283,7 +283,8 @@ def test_auto_is_never_worse_than_a_fixed_policy():
     rng = np.random.default_rng(2024)
     for _ in range(80):
         regions, machine, budget_bytes = random_problem(rng, max_regions=8)
-        auto = make_plan(regions, machine, budget_bytes)
+        auto = make_plan(regions, machine, budget_bytes, AutoPolicy(stable_margin=0))  # the search alone
+        default = make_plan(regions, machine, budget_bytes)  # and with rule 6, stable within its margin
         keep_step_ms, keep_peak_bytes = simulate(regions, (KEEP,) * len(regions), machine)
         fixed = [(keep_step_ms, keep_peak_bytes)]
         for name in ("offload", "recompute"):
@@ -295,6 +296,8 @@ def test_auto_is_never_worse_than_a_fixed_policy():
         if fitting_steps:
             assert auto.fits_budget and auto.predicted_peak_bytes <= budget_bytes
             assert auto.predicted_step_ms <= min(fitting_steps) + TIME_TOL_MS
+            assert default.fits_budget
+            assert default.predicted_step_ms <= auto.predicted_step_ms * (1 + AutoPolicy.stable_margin) + TIME_TOL_MS
         else:
             assert auto.predicted_peak_bytes <= min(peak_bytes for _, peak_bytes in fixed)
 
@@ -419,3 +422,31 @@ def test_calibration_can_turn_auto_from_offload_to_recompute():
     calibrated, _ = calibrate_link(regions, machine, 4 * 20.0)  # measured: 20 ms per block moved
     plan = make_plan(regions, calibrated, budget_bytes, policy="auto")
     assert set(plan.decisions) == {RECOMPUTE}, str(plan)
+
+
+def test_near_equal_plans_do_not_swap_with_measurement_noise():
+    """Rule 6: the same problem measured again, a few percent apart, plans the same. Two regions
+    whose offload and recompute cost nearly the same: without the rule the winner follows the
+    noise; with it, the fixed order decides."""
+    rng = np.random.default_rng(5)
+    machine = MachineProfile(device_type="cuda", d2h_gb_per_s=2.0, h2d_gb_per_s=2.0)
+    base = [
+        RegionProfile(name=f"r{i}", saved_bytes=100 * MB, input_bytes=MB, forward_ms=10.5, backward_ms=21.0)
+        for i in range(4)
+    ]
+
+    def noisy() -> list[RegionProfile]:
+        return [
+            dataclasses.replace(r, forward_ms=r.forward_ms * rng.uniform(0.99, 1.01), saved_bytes=r.saved_bytes)
+            for r in base
+        ]
+
+    plain = {make_plan(noisy(), machine, 250 * MB, AutoPolicy(stable_margin=0)).decisions for _ in range(20)}
+    stable = {make_plan(noisy(), machine, 250 * MB).decisions for _ in range(20)}
+    assert len(plain) > 1, f"the premise: near-equal choices swap with 1 % noise ({plain})"
+    assert len(stable) == 1, stable
+
+
+def test_stable_margin_is_checked():
+    with pytest.raises(ValueError, match="stable_margin must be a number in \\[0, 1\\)"):
+        AutoPolicy(stable_margin=1.5)

@@ -15,7 +15,7 @@ import pytest
 
 from offload._cost import MachineProfile, RegionProfile
 from offload._planner import Decision, simulate
-from offload._policy import make_plan
+from offload._policy import AutoPolicy, make_plan
 
 KEEP, OFFLOAD, RECOMPUTE = Decision.KEEP, Decision.OFFLOAD, Decision.RECOMPUTE
 SELECTIVE, SELECTIVE_OFFLOAD = Decision.SELECTIVE, Decision.SELECTIVE_OFFLOAD
@@ -178,7 +178,8 @@ def test_auto_finds_the_fastest_assignment_that_fits_three_regions(gb_per_s, bud
     ]
     machine = cuda(gb_per_s)
     budget = budget_mb * MB
-    plan = make_plan(profiles, machine, budget, "auto")
+    plan = make_plan(profiles, machine, budget, AutoPolicy(stable_margin=0))  # the search alone
+    default = make_plan(profiles, machine, budget, "auto")  # rule 6: within its margin of the fastest
     fitting = [
         simulate(profiles, d, machine)[0]
         for d in itertools.product(ALL, repeat=3)
@@ -187,6 +188,7 @@ def test_auto_finds_the_fastest_assignment_that_fits_three_regions(gb_per_s, bud
     assert fitting, "every budget here fits something (the test's premise)"
     assert plan.fits_budget, str(plan)
     assert plan.predicted_step_ms == pytest.approx(min(fitting)), str(plan)
+    assert default.fits_budget and default.predicted_step_ms <= min(fitting) * (1 + AutoPolicy.stable_margin) + 1e-9
 
 
 def test_to_dict_carries_dropped_bytes_and_notes():

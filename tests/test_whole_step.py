@@ -1,0 +1,136 @@
+"""The plan covers the whole step: what is saved outside the regions is measured, shown, counted
+and decided with them.
+
+A language model saves its largest tensors after its last block: the LM head's logits and the
+loss's log-softmax, batch x sequence x vocabulary. Oracle for the sizes: the store's own count of
+the step, split at the blocks' boundaries by forward hooks; for the decisions: the budget held
+(the engine's peak against it) and the gradients of the model without the engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload
+from offload._cost import Scope
+from offload.models.gpt import GPTConfig, MiniGPT
+from test_regions import MACHINE, assert_same_history
+
+CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=64, dropout=0.1, vocab_size=4096, attention="math")
+BATCH = 4
+
+
+def make_model() -> MiniGPT:
+    torch.manual_seed(0)
+    return MiniGPT(CONFIG)
+
+
+def train(model, eng=None, steps: int = 5):
+    history = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        idx = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1), generator=g)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1234 + step)
+        if eng is None:
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+        else:
+            with eng:
+                _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        history.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    return history
+
+
+def split_of_one_step() -> tuple[int, list[int], int]:
+    """(before, per block, after) bytes as the store counts them, split at the blocks by hooks."""
+    model = make_model()
+    eng = offload.engine(None, model=model, min_offload_bytes=0)
+    marks, per_block = [], []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda m, a: marks.append(eng.stats.saved_bytes))
+        block.register_forward_hook(lambda m, a, o: per_block.append(eng.stats.saved_bytes - marks[-1]))
+    idx = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1))
+    with eng:
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        before = marks[0]
+        last_end = marks[-1] + per_block[-1]
+    total = eng.stats.saved_bytes
+    del loss
+    eng.close()
+    return before, per_block, total - last_end
+
+
+def engine(model, budget_mb, spill_dir, policy="auto"):
+    return offload.engine(
+        budget_mb,
+        regions=model.blocks,
+        model=model,
+        policy=policy,
+        machine=MACHINE,
+        spill_dir=spill_dir,
+        min_offload_bytes=0,
+    )
+
+
+def test_the_saves_outside_the_regions_are_measured_and_shown(spill_dir):
+    before, per_block, after = split_of_one_step()
+    assert after > max(per_block), "the premise: the head's and the loss's saves are the largest"
+    model = make_model()
+    eng = engine(model, None, spill_dir, policy="offload")
+    train(model, eng, steps=2)
+    plan = eng.plan
+    outside = {r.scope: r for r in plan.outside}
+    assert outside[Scope.BEFORE].saved_bytes == before
+    assert outside[Scope.AFTER].saved_bytes == after
+    assert [r.saved_bytes for r in plan.regions] == per_block
+    text = offload.explain(eng)
+    assert "(after the regions)" in text and "(before the regions)" in text
+    assert "a loss computed in chunks" in text
+    keep_peak = plan.predicted_peak_bytes
+    assert keep_peak == before + sum(per_block) + after, "a plan that keeps everything counts everything"
+    eng.close()
+
+
+@pytest.mark.parametrize("policy", ["auto", "offload"])
+def test_a_budget_below_the_heads_saves_moves_them_and_holds(policy, spill_dir):
+    """A budget smaller than what the step saves after its last block: the plan moves those saves
+    (the only way to fit), the engine copies them out as they are made, and the step holds the
+    budget with the gradients of the model without the engine."""
+    _, per_block, after = split_of_one_step()
+    budget_mb = 0.8 * after / 2**20
+    reference = train(make_model())
+    model = make_model()
+    eng = engine(model, budget_mb, spill_dir, policy=policy)
+    history = []
+    peaks = []
+    for step in range(5):
+        eng.reset_stats()
+        history += train_one(model, eng, step)
+        peaks.append(eng.stats.peak_resident_bytes)
+    assert_same_history(history, reference, f"{policy} with the head's saves moved")
+    plan = eng.plan
+    assert plan.decision_after() is offload.Decision.OFFLOAD, str(plan)
+    assert plan.fits_budget, str(plan)
+    assert eng.recent_stages[-1] is None
+    assert peaks[-1] <= budget_mb * 2**20, (peaks, str(plan))
+    eng.close()
+
+
+def train_one(model, eng, step):
+    g = torch.Generator().manual_seed(100 + step)
+    idx = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1), generator=g)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234 + step)
+    with eng:
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    out = [(loss.detach(), [p.grad.clone() for p in model.parameters()])]
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    return out
