@@ -229,6 +229,7 @@ def part_soak(args: argparse.Namespace) -> dict:
                 record.update(
                     stage=eng.recent_stages[-1] if eng.recent_stages else None,
                     peak=stats.peak_resident_bytes,
+                    over=stats.peak_over_budget_bytes,
                     budget=stats.budget_bytes,
                 )
                 eng.reset_stats()  # the peak per step; the callback logs its figures from differences
@@ -276,7 +277,7 @@ def part_soak(args: argparse.Namespace) -> dict:
         }
         if name != "none":
             stages = [s["stage"] for s in result["steps"]]
-            over = [s for s in result["steps"] if s["budget"] is not None and s["peak"] > s["budget"]]
+            over = [s for s in result["steps"] if s["over"] > 0]  # against the budget in force at each instant
             record.update(
                 profiling_steps=sum(s is not None for s in stages),
                 steps_over_budget=len(over),

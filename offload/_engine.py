@@ -176,6 +176,7 @@ class Engine:
         return session.counters.snapshot(
             resident_bytes=store.resident_bytes,
             peak_resident_bytes=store.peak_resident_bytes,
+            peak_over_budget_bytes=store.peak_over_budget_bytes,
             host_bytes=store.host_bytes,
             host_in_use_bytes=store.host_in_use_bytes,
             spill_bytes=store.spill_bytes,

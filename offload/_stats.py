@@ -44,6 +44,10 @@ class Stats:
     """Engine-managed activation bytes on the compute device now, copies in flight included (a gauge)."""
     peak_resident_bytes: int = 0
     """The most ``resident_bytes`` has been since the engine was made or ``reset_stats()``."""
+    peak_over_budget_bytes: int = 0
+    """The most ``resident_bytes`` exceeded the budget in force at that instant (0: the budget held
+    throughout). With ``budget_mb="auto"`` the budget moves within a step, so this, not
+    ``budget_bytes`` at the end, says whether every instant kept to it."""
     host_bytes: int = 0
     """Host memory the host tier holds now (CUDA: pinned slabs, in use or idle; a gauge)."""
     host_in_use_bytes: int = 0
@@ -85,6 +89,7 @@ class Stats:
 _GAUGES = (
     "resident_bytes",
     "peak_resident_bytes",
+    "peak_over_budget_bytes",
     "host_bytes",
     "host_in_use_bytes",
     "spill_bytes",

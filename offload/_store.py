@@ -113,6 +113,7 @@ class Store:
         self._loaded_bytes = 0
         self._resident_bytes = 0
         self.peak_resident_bytes = 0
+        self.peak_over_budget_bytes = 0
         self._write_failed = False
         self._kept_warned = False
         self.set_planned(False)
@@ -190,6 +191,7 @@ class Store:
 
     def reset_peak(self) -> None:
         self.peak_resident_bytes = self.resident_bytes
+        self.peak_over_budget_bytes = 0
 
     def _note_peak(self) -> None:
         """Record the peak where the budget holds: after pack and after unpack.
@@ -204,6 +206,8 @@ class Store:
             resident -= self._held.nbytes
         if resident > self.peak_resident_bytes:
             self.peak_resident_bytes = resident
+        if self.budget is not None and resident - self.budget > self.peak_over_budget_bytes:
+            self.peak_over_budget_bytes = resident - self.budget  # the budget in force at this instant
 
     def _batch(self):
         return self.link.batch() if self.link is not None else contextlib.nullcontext()

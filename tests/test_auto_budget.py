@@ -414,3 +414,33 @@ def test_cuda_real_machine_each_way(reserve_mb, moves):
     assert stats.saved_bytes > 0
     assert stats.offloaded_bytes == (stats.saved_bytes if moves else 0)
     eng.close()
+
+
+def test_peak_over_budget_counts_against_the_budget_in_force(spill_dir):
+    """``Stats.peak_over_budget_bytes`` compares each instant with the budget in force then, so it
+    says whether a budget that moves within a step (free memory falling as the step goes) was
+    held at every instant: it must read 0 (and reads the excess with the store's eviction
+    removed: shown once, by hand)."""
+    free = {"bytes": 2 * MB}
+    eng = offload.engine(
+        "auto",
+        reserve_mb=1,
+        memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0),
+        min_offload_bytes=0,
+        spill_dir=spill_dir,
+    )
+    x = torch.randn(256, 256, requires_grad=True)
+    budgets = []
+    for step in range(4):
+        eng.reset_stats()
+        with eng:
+            h = x
+            for _ in range(8):
+                h = torch.tanh(h * 1.01)  # 256 KiB saved each
+                free["bytes"] = max(0, free["bytes"] - 256 * 1024)  # someone else takes the device meanwhile
+        h.sum().backward()
+        budgets.append(eng.stats.budget_bytes)
+        assert eng.stats.peak_over_budget_bytes == 0, f"step {step}: over the budget in force"
+        assert eng.stats.offloaded_bytes > 0, "the premise: the budget fell below what the step saves"
+        free["bytes"] = 2 * MB
+    eng.close()
