@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import enum
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -111,6 +112,16 @@ that moved everything was no slower than the one that kept it (``calibrate_link`
 floor, 1e-3), which the bytes it moved rule out, a timing fluke, not a link. A scale well under 1
 is plausible (the probe charges each small tensor a disk round trip that a step's spill threads
 overlap: x0.17-x0.4 measured on GPT-2 here); one above 100 says the step was disturbed."""
+SCALE_GRID = 2**0.5
+"""A calibrated scale is planned as the nearest power of this (x0.71, x1, x1.41, x2, ...): two
+builds of one setup measure it up to ~30 % apart (five MiniGPT builds here: 1.8 to 3.5 GB/s), and
+a plan should not follow that noise (see also ``AutoPolicy.stable_margin``)."""
+
+
+def _on_grid(scale: float) -> float:
+    return SCALE_GRID ** round(math.log(scale, SCALE_GRID))
+
+
 CALIBRATION_TRIES = 2
 """Offload trials at most whose calibration is implausible before the probe's figures are used."""
 
@@ -430,9 +441,13 @@ class Profiler:
         """See Note: [a calibration that cannot lie]."""
         low, high = PLAUSIBLE_LINK_SCALE
         if low <= scale <= high:
-            self._link_scale = (self._link_scale or 1.0) * scale
+            self._link_scale = _on_grid((self._link_scale or 1.0) * scale)
             self.calibrations.append(scale)
-            log.info("offload: transfer costs calibrated x%.3g by a step that offloaded every region", scale)
+            log.info(
+                "offload: transfer costs calibrated x%.3g (planned as x%.3g) by a step that offloaded every region",
+                scale,
+                self._link_scale,
+            )
             return
         self.rejected_calibrations.append(scale)
         if len(self.rejected_calibrations) < CALIBRATION_TRIES:
