@@ -193,17 +193,21 @@ class Store:
         self.peak_resident_bytes = self.resident_bytes
         self.peak_over_budget_bytes = 0
 
-    def _note_peak(self) -> None:
+    def _note_peak(self, in_use: Optional[Entry] = None) -> None:
         """Record the peak where the budget holds: after pack and after unpack.
 
         Inside pack the new tensor is briefly counted before eviction reacts; it exists on the
         device with or without the engine, so that instant is not the engine's residency. After
-        an unpack, a copy held for its next user over the budget is the tensor autograd is using
-        now (See Note: [held for the next user]); it is not counted either.
+        an unpack, the tensor autograd is using now is not counted either: a copy held for its
+        next user over the budget (See Note: [held for the next user]), or ``in_use``, a leaving
+        entry whose original served the unpack while its copy out is still on its way (the
+        budget fell after its pack: under ``budget_mb="auto"`` someone else took the memory).
         """
         resident = self._resident_bytes
         if self._held is not None:
             resident -= self._held.nbytes
+        if in_use is not None and in_use is not self._held:
+            resident -= in_use.nbytes
         if resident > self.peak_resident_bytes:
             self.peak_resident_bytes = resident
         if self.budget is not None and resident - self.budget > self.peak_over_budget_bytes:
@@ -469,7 +473,7 @@ class Store:
                     self._prefetch(e.seq)
                 view = self._serve(e, h)
                 self._drain_dead()
-            self._note_peak()
+            self._note_peak(in_use=e if e.residence is Residence.LEAVING else None)
             return view
 
     def _load(self, e: Entry) -> None:

@@ -148,6 +148,24 @@ class DeferredLink:
         return 0.0, 0.0, 0.0
 
 
+class LandsOnCue(DeferredLink):
+    """A DeferredLink whose copies out never land by polling, only when waited on or ``land()`` is
+    called: a test decides the moment a copy out lands."""
+
+    def __init__(self, reads: Reads = Reads.AT_COMPLETION) -> None:
+        super().__init__(delay=10**9, reads=reads)
+        self.out: list = []
+
+    def d2h(self, src, dst_host):
+        pending = super().d2h(src, dst_host)
+        self.out.append(pending)
+        return pending
+
+    def land(self) -> None:
+        for pending in self.out:
+            pending.wait()
+
+
 class _Threaded:
     """Completes on the link's thread; ``wait`` blocks until then."""
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 import offload
 import offload._arena
 import offload._spill
-from links import DeferredLink, EmulatedCudaLink, Reads, ThreadedLink, link_named
+from links import EmulatedCudaLink, LandsOnCue, Reads, ThreadedLink, link_named
 from zoo import MB, wait_clean
 
 
@@ -162,24 +162,6 @@ def test_a_climb_from_disk_starts_its_copy_up_only_once_the_read_landed(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
-class _LandsOnCue(DeferredLink):
-    """A DeferredLink whose copies out never land by polling, only when waited on or ``land()`` is
-    called: a test decides the moment a copy out lands."""
-
-    def __init__(self, reads: Reads = Reads.AT_COMPLETION) -> None:
-        super().__init__(delay=10**9, reads=reads)
-        self.out: list = []
-
-    def d2h(self, src, dst_host):
-        pending = super().d2h(src, dst_host)
-        self.out.append(pending)
-        return pending
-
-    def land(self) -> None:
-        for pending in self.out:
-            pending.wait()
-
-
 CHAIN_NUMEL = 16 * 1024
 """Elements of each tensor of ``_tanh_chain`` (64 KiB in fp32)."""
 
@@ -205,7 +187,7 @@ def test_a_leaving_tensor_that_backward_reached_is_not_read_back(tmp_path):
     _tanh_chain(x, scale, depth).sum().backward()
     want = scale.grad.clone()
     scale.grad = None
-    link = _LandsOnCue()
+    link = LandsOnCue()
     # Two tensors: the newest stays, the one before it is still leaving when backward starts.
     eng = _engine(link, budget_mb=2 * nbytes / MB, prefetch=False, spill_dir=tmp_path)
     with eng:
@@ -226,7 +208,7 @@ def test_a_copy_out_keeps_its_source_until_it_lands(tmp_path):
     event]). Read in the test itself, not only by the fixture's check afterwards."""
     depth, nbytes = 6, CHAIN_NUMEL * 4
     x, scale = torch.randn(CHAIN_NUMEL), torch.tensor(0.9, requires_grad=True)
-    link = _LandsOnCue(reads=Reads.OVER_THE_COPY)  # copies out land when waited on, or on cue
+    link = LandsOnCue(reads=Reads.OVER_THE_COPY)  # copies out land when waited on, or on cue
     eng = _engine(link, budget_mb=2 * nbytes / MB, spill_dir=tmp_path)
     with eng:
         loss = _tanh_chain(x, scale, depth).sum()
