@@ -148,6 +148,7 @@ class _Shard:
         "state",
         "buffer",
         "work",
+        "sending",
         "gathers",
         "refs",
         "unserved",
@@ -168,6 +169,7 @@ class _Shard:
         self.state = ShardState.SLICED
         self.buffer: Optional[torch.Tensor] = None  # GATHERING, GATHERED: world x slice_bytes uint8
         self.work: Any = None  # GATHERING: the all-gather's work handle
+        self.sending: Optional[torch.Tensor] = None  # GATHERING: this rank's slice, kept until the gather is done
         self.gathers = 0
         self.refs = 0  # live handles
         self.unserved = 0  # GATHERED: handles without their view of this gather yet
@@ -293,6 +295,7 @@ class SharedSaves:
         buffer = torch.empty(sharding.world * shard.slice_bytes, dtype=torch.uint8, device=piece.device)
         parts = list(buffer.view(sharding.world, shard.slice_bytes).unbind(0))
         shard.work = torch.distributed.all_gather(parts, piece, group=sharding.group, async_op=True)
+        shard.sending = piece  # the backend may read it until the gather is done
         shard.buffer = buffer
         shard.state = ShardState.GATHERING
         shard.gathers += 1
@@ -303,6 +306,7 @@ class SharedSaves:
         shard.work.wait()  # CUDA: the current stream waits for the gather; gloo: the host does
         self.counters.gather_wait_ms += (time.perf_counter() - start) * 1e3
         shard.work = None
+        shard.sending = None
         shard.state = ShardState.GATHERED
         shard.unserved = shard.refs
 

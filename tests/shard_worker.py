@@ -179,6 +179,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--budgets", default="none,0,small")
     parser.add_argument("--steps", type=int, default=len(SEQS))
+    parser.add_argument("--min-offload-bytes", type=int, default=0, help="the engines' min_offload_bytes")
+    parser.add_argument("--no-verify", dest="verify", action="store_false", help="time the saves without checksums")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -196,7 +198,7 @@ def main() -> int:
                 else:
                     budget = None if budget_name == "none" else float(budget_name)
                 group = dist.group.WORLD
-                options: dict = {"min_offload_bytes": 0}
+                options: dict = {"min_offload_bytes": args.min_offload_bytes}
                 if mode == "recompute":
                     options.update(regions=model.blocks, policy="recompute", model=model)
                     if shared:
@@ -204,7 +206,7 @@ def main() -> int:
                     declare = None
                 else:
                     options["model"] = model
-                    declare = (lambda g=group: offload.sharded(g, verify=True)) if shared else None
+                    declare = (lambda g=group: offload.sharded(g, verify=args.verify)) if shared else None
                 eng = offload.engine(budget, **options)
                 got = run(model, args.width, eng, declare, args.steps)
                 stats = eng.stats
