@@ -18,6 +18,7 @@ from ._policy import Policy, register_policy
 from ._policy import policy_names as policies
 from ._probe import probe
 from ._recompute import checkpoint
+from ._sharded import sharded
 from ._stats import Stats
 from ._version import __version__ as __version__
 
@@ -37,4 +38,5 @@ __all__ = [
     "policies",
     "probe",
     "register_policy",
+    "sharded",
 ]

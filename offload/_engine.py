@@ -30,6 +30,7 @@ from ._planner import Plan
 from ._probe import machine_key, probe
 from ._regions import AUTO, Regions, RegionsArg, resolve_regions
 from ._session import Session
+from ._sharded import Sharding, sharding_for
 from ._stats import Stats
 from ._transfer import Link
 
@@ -55,8 +56,10 @@ class Engine:
         machine: Optional[MachineProfile] = None,
         link: Optional[Link] = None,
         memory: Optional[FreeMemory] = None,
+        shared_inputs: Optional[Sharding] = None,
     ) -> None:
         self.config = config
+        self._shared_inputs = shared_inputs
         self._machine = machine
         plan_cache = None
         if config.plan_cache is not None:
@@ -69,7 +72,7 @@ class Engine:
         self._regions: Optional[Regions] = None
         self._regions_to_find = regions == AUTO and model is None  # found in the first model watched
         if regions is not None and not self._regions_to_find:
-            self._regions = Regions(resolve_regions(regions, model), config.policy, self._session)
+            self._regions = Regions(resolve_regions(regions, model), config.policy, self._session, shared_inputs)
         if model is not None:
             self.watch(model)
 
@@ -82,7 +85,9 @@ class Engine:
             raise TypeError(f"watch() takes an nn.Module, got {type(module).__name__}")
         self._models.append(module)
         if self._regions_to_find:
-            self._regions = Regions(resolve_regions(AUTO, module), self.config.policy, self._session)
+            self._regions = Regions(
+                resolve_regions(AUTO, module), self.config.policy, self._session, self._shared_inputs
+            )
             self._regions_to_find = False
         return self
 
@@ -228,6 +233,7 @@ def engine(
     machine: Optional[MachineProfile] = None,
     link: Optional[Link] = None,
     memory: Optional[FreeMemory] = None,
+    shared_inputs: Any = None,
     **options: Any,
 ) -> Engine:
     """Make an engine that keeps at most ``budget_mb`` MB of saved activations on the device.
@@ -253,6 +259,10 @@ def engine(
         memory: with ``budget_mb="auto"``, how free memory is read: a callable returning the
             free bytes of the compute device, or an ``offload._budget.FreeMemory`` with its own
             re-read rule. None: the device's own reading (CUDA allocator and driver, psutil).
+        shared_inputs: a ``torch.distributed`` process group whose ranks all run these regions
+            on the same inputs (tensor parallelism without sequence parallelism): the inputs of
+            the regions run as recompute keep 1/N of their bytes per rank and are all-gathered
+            in backward (``offload.sharded`` declares any other saves; see ``offload._sharded``).
         **options: the engine's settings, each documented on ``offload._config.Config``:
             ``reserve_mb`` (with ``budget_mb="auto"``: MB to keep free on the device),
             ``spill_dir`` (where the spill file goes; None: a private temporary directory),
@@ -277,7 +287,22 @@ def engine(
             f"memory= reads free memory for budget_mb='auto', but budget_mb={budget_mb!r}; "
             f"pass budget_mb='auto' or drop memory="
         )
-    return Engine(config, model=model, regions=regions, machine=machine, link=link, memory=memory)
+    sharding = None
+    if shared_inputs is not None:
+        if regions is None:
+            raise ValueError(
+                "shared_inputs= declares the inputs of regions run as recompute; pass regions= (and a policy "
+                "that recomputes), or declare the saves themselves with `with offload.sharded(group):`"
+            )
+        if isinstance(shared_inputs, (bool, str, int)):
+            raise TypeError(
+                f"shared_inputs must be a torch.distributed process group, got {shared_inputs!r}; "
+                "pass torch.distributed.group.WORLD for every rank"
+            )
+        sharding = sharding_for(shared_inputs, what="offload.engine(shared_inputs=...)")
+    return Engine(
+        config, model=model, regions=regions, machine=machine, link=link, memory=memory, shared_inputs=sharding
+    )
 
 
 def explain(what: Union[Engine, Plan, None]) -> str:

@@ -37,7 +37,7 @@ import torch
 
 from ._pending import FINISHED, AllOf, Pending
 
-__all__ = ["Copy", "CopyState", "Entry", "Handle", "Residence", "Tier"]
+__all__ = ["Copy", "CopyState", "Entry", "Handle", "Residence", "Tier", "version_watch"]
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,23 @@ class Entry:
         return self.copies.get(Tier.DEVICE)
 
 
+def version_watch(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """A tensor on ``t``'s version counter that holds no memory (See Note: [version watch]), or None
+    where this torch or this tensor allows none (the in-place check is then off for it)."""
+    if _set_version is None:
+        return None
+    now = t._version
+    try:
+        watch = t.detach()
+        with torch.no_grad():
+            watch.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage(), 0, (0,), (1,))
+        _set_version((watch,), (now,))
+    except RuntimeError:  # a tensor that refuses set_: drop the watch rather than hold the storage
+        log.debug("offload: cannot keep a version watch on %s %s; its in-place check is off", tuple(t.shape), t.dtype)
+        return None
+    return watch
+
+
 class HandleOwner(Protocol):
     """What a handle needs of the store that made it (the store imports this module, not back)."""
 
@@ -224,16 +241,7 @@ class Handle:
         self.layout = (a.dtype, a.size(), a.stride(), a.storage_offset())
         if _set_version is None:
             return  # an old torch: the alias keeps the storage; still correct, only less memory is freed
-        now = a._version
-        try:
-            watch = a.detach()
-            with torch.no_grad():
-                watch.set_(torch.empty(0, dtype=a.dtype, device=a.device).untyped_storage(), 0, (0,), (1,))
-            _set_version((watch,), (now,))
-        except RuntimeError:  # a tensor that refuses set_: drop the watch rather than hold the storage
-            log.debug("offload: cannot keep a version watch on %s; its in-place check is off", self.entry.describe)
-            watch = None
-        self.alias = watch
+        self.alias = version_watch(a)
 
     def modified(self) -> bool:
         """True if the saved tensor was modified in place after it was saved."""

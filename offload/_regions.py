@@ -41,6 +41,7 @@ from ._planner import Decision, Plan
 from ._profiler import AFTER_NAME, BEFORE_NAME, PROFILED_POLICIES, Measured, Profiler, ShapePlan, Stage
 from ._selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
 from ._session import ForwardMarks, Session
+from ._sharded import Sharding, declaring
 
 __all__ = ["AUTO", "CACHE_ARGUMENTS", "ProfiledStep", "Regions", "RegionsArg", "resolve_regions", "without_cache"]
 
@@ -250,8 +251,10 @@ class _Step:
 class Regions:
     """The regions of one engine: wrapped forwards, a step record, and the profiler."""
 
-    def __init__(self, found: Found, policy: str, session: Session) -> None:
+    def __init__(self, found: Found, policy: str, session: Session, shared_inputs: Optional[Sharding] = None) -> None:
         self.regions = found.regions
+        self._shared_inputs = shared_inputs
+        """Declares the inputs of regions run as recompute shared by a process group (``offload._sharded``)."""
         self.why = found.why
         """How the regions were chosen (``explain()`` prints it)."""
         self.policy = policy
@@ -373,6 +376,9 @@ class Regions:
         if decision in _RERUNS:
             kwargs = without_cache(module, kwargs)
         if decision is Decision.RECOMPUTE:
+            if self._shared_inputs is not None:  # a plain recompute keeps only its inputs: they are what is declared
+                with declaring(self._shared_inputs.at(name)):
+                    return self._recompute(forward, args, kwargs, name, selective=False)
             return self._recompute(forward, args, kwargs, name, selective=False)
         if decision is Decision.SELECTIVE:
             return self._recompute(forward, args, kwargs, name, selective=not is_compiled(module))

@@ -4,6 +4,7 @@ The engine (``_engine``) owns the lifecycle a user sees; this object is what run
 the one thing ``Regions`` and the probe talk to:
 
     hooks ──pack/unpack──▶ Session ──▶ Store (made on the first saved tensor, for its device)
+                              └─ saves declared shared ──▶ SharedSaves ──this rank's slice──▶ Store
     Regions ──active? / eagerly() / eagerly_to_end() / marks / set_planned() / saved() / moved_bytes()
               / count_recompute() / machine() / budget_in_force() / plan_cache──▶ Session
 
@@ -27,6 +28,7 @@ from ._entry import Handle
 from ._hooks import Eligibility, make_hooks
 from ._observe import Observers
 from ._plan_cache import PlanCache
+from ._sharded import ShardedHandle, SharedSaves, declared
 from ._stats import Counters
 from ._store import Store
 from ._transfer import Link
@@ -71,6 +73,8 @@ class Session:
         """Told of step boundaries and recomputes (``offload._observe``); empty: nothing is called."""
         self.marks: Optional[ForwardMarks] = None
         """What had been saved when the engine was last entered, and when that forward closed."""
+        self.shared = SharedSaves(self.counters, config.prefetch)
+        """Saves declared identical across a process group (``offload._sharded``)."""
         self.hooks = make_hooks(self.eligible, self._pack, self._unpack, self._passthrough)
         """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
 
@@ -89,13 +93,19 @@ class Session:
                 self._store = store
         return self._store
 
-    def _pack(self, t: torch.Tensor) -> Handle:
+    def _pack(self, t: torch.Tensor) -> Handle | ShardedHandle:
         store = self._store or self._open_store(t.device)
-        return store.pack(t, getattr(self._local, "eager", False) or getattr(self._local, "eager_to_end", False))
+        eager = getattr(self._local, "eager", False) or getattr(self._local, "eager_to_end", False)
+        sharding = declared()
+        if sharding is not None:
+            return self.shared.pack(t, sharding, lambda kept: store.pack(kept, eager))
+        return store.pack(t, eager)
 
-    def _unpack(self, handle: Handle) -> torch.Tensor:
+    def _unpack(self, handle: Handle | ShardedHandle) -> torch.Tensor:
         if self.observers.awaiting_backward:
             self.observers.unpacked()
+        if isinstance(handle, ShardedHandle):
+            return self.shared.unpack(handle)
         return handle.store.unpack(handle)
 
     def _passthrough(self) -> None:

@@ -80,6 +80,16 @@ class Stats:
     """Bytes of saved tensors dropped in forward and regenerated in backward instead of kept or moved
     (distinct storages, not the regions' inputs or parameters; a selective region's stash is saved,
     not counted here)."""
+    shared_bytes: int = 0
+    """Bytes of distinct storages saved as shared by a process group (``offload.sharded``,
+    ``shared_inputs=``): what this rank would have saved whole."""
+    shared_kept_bytes: int = 0
+    """Of those, the bytes this rank keeps (its slice of each: about ``shared_bytes`` / N, padded);
+    they are in ``saved_bytes`` and move under the budget like any save."""
+    gathered_bytes: int = 0
+    """Bytes all-gathered in backward to rebuild shared saves (every rank's slice, padding included)."""
+    gather_wait_ms: float = 0.0
+    """Host time unpacks waited for those gathers (gloo: the gather itself; CUDA: the stream wait)."""
 
     def to_dict(self) -> dict:
         """The fields as a plain dict, for CSV or JSON writers."""
@@ -119,6 +129,10 @@ class Counters:
     evict_wait_ms: float
     recomputed_regions: int
     recomputed_bytes: int
+    shared_bytes: int
+    shared_kept_bytes: int
+    gathered_bytes: int
+    gather_wait_ms: float
 
     def __init__(self) -> None:
         self.reset()

@@ -1,0 +1,329 @@
+"""Saves that every rank of a process group makes alike, stored once across the group.
+
+Under tensor parallelism without sequence parallelism every rank of the group saves the same
+activations: a block's input, a norm's output, the input of a column-parallel linear. Declared
+shared, such a save keeps 1/N of its storage on each of the N ranks, and backward gathers it::
+
+    pack:   the storage's bytes ──rank r's slice of N (padded to equal slices)──▶ the store, as
+            any save (kept, moved to host or disk under the budget: 1/N of the bytes move too)
+            verify=True: a checksum of the save all-gathered; ranks that differ raise
+    unpack: the slice back from the store ──all_gather──▶ N slices in one buffer ──▶ the saved
+            tensor's exact view (size, stride, offset, dtype); views of one storage share it;
+            then the gather of the shard saved just before this one starts (async, ahead of it)
+
+Two ways to declare: ``with offload.sharded(group):`` around the code whose saves are shared
+(inside an engine), or ``engine(shared_inputs=group)``, which declares the inputs of the regions
+planned recompute (the tensors DeepSpeed's ``partition_activations`` and Megatron's
+``distribute_saved_activations`` split); their other saves are not kept, so nothing else is declared.
+
+Note: [collectives in one order on every rank]
+    Every rank must call the same collectives in the same order, or gathers pair up the wrong
+    slices (or hang). So each decision here depends only on what is the same on every rank: the
+    order of saves and unpacks, the declaration, the ``prefetch`` setting. Nothing depends on the
+    budget or free memory, which differ between ranks: the gather ahead (one shard, the one saved
+    just before the shard being unpacked) starts whether or not the budget has room for it, and
+    the gathered tensors are held outside the store's budget, as the tensors in use are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import enum
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+import torch
+
+from ._entry import Handle, version_watch
+from ._errors import OffloadError, inplace_error
+from ._stats import Counters
+
+__all__ = ["ShardedHandle", "SharedSaves", "Sharding", "declared", "declaring", "sharded", "sharding_for"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """A declaration: saves identical on every rank of ``group`` (``world`` ranks, this one ``rank``)."""
+
+    group: Any
+    world: int
+    rank: int
+    verify: bool = False
+    where: str = ""
+    """Where the saves come from, for messages (a region's name)."""
+
+    def at(self, where: str) -> Sharding:
+        return dataclasses.replace(self, where=where)
+
+
+_DECLARED: contextvars.ContextVar[Optional[Sharding]] = contextvars.ContextVar("offload_sharded", default=None)
+
+
+def sharding_for(group: Any = None, *, verify: bool = False, what: str = "offload.sharded()") -> Optional[Sharding]:
+    """The declaration for ``group`` (None: the default group), or None for a group of one rank
+    (nothing to split: saves go to the store whole). Raises where there is no group to split over."""
+    dist = torch.distributed
+    if not dist.is_available():
+        raise OffloadError(f"{what}: this build of torch has no torch.distributed; saves cannot be shared across ranks")
+    if not dist.is_initialized():
+        raise OffloadError(
+            f"{what}: torch.distributed is not initialized; call torch.distributed.init_process_group() first "
+            "(torchrun sets up its environment), or leave these saves undeclared"
+        )
+    if not isinstance(verify, bool):
+        raise TypeError(f"{what}: verify must be True or False, got {verify!r}")
+    if group is None:
+        group = dist.group.WORLD
+    try:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+    except (RuntimeError, ValueError, TypeError) as error:
+        raise OffloadError(f"{what}: {group!r} is not a process group of torch.distributed ({error})") from error
+    if rank < 0:
+        raise OffloadError(f"{what}: this process is not a member of the group {group!r}; pass a group it belongs to")
+    if world == 1:
+        return None
+    return Sharding(group, world, rank, verify)
+
+
+@contextlib.contextmanager
+def sharded(group: Any = None, *, verify: bool = False) -> Iterator[None]:
+    """Declare the saves made inside this block identical on every rank of ``group``.
+
+    Inside an engine, each such save keeps only this rank's 1/N slice (which the engine keeps or
+    moves like any save) and backward all-gathers the slices back into the exact tensor. Every
+    rank of the group must run the same saves in the same order (as tensor-parallel ranks do).
+    ``group``: a ``torch.distributed`` process group (None: the default one); a group of one
+    rank splits nothing. ``verify=True``: each save's checksum is compared across the group at
+    once (one small collective per save) and a save that differs raises ``OffloadError`` naming
+    it; for tests and first runs. Outside an engine nothing is saved through it, so nothing changes.
+    """
+    sharding = sharding_for(group, verify=verify)
+    token = _DECLARED.set(sharding)
+    try:
+        yield
+    finally:
+        _DECLARED.reset(token)
+
+
+@contextlib.contextmanager
+def declaring(sharding: Optional[Sharding]) -> Iterator[None]:
+    """The engine's own declaration (the inputs of a region planned recompute)."""
+    token = _DECLARED.set(sharding)
+    try:
+        yield
+    finally:
+        _DECLARED.reset(token)
+
+
+def declared() -> Optional[Sharding]:
+    """The declaration in force on this thread (None: saves are this rank's own)."""
+    return _DECLARED.get()
+
+
+class ShardState(enum.Enum):
+    SLICED = "sliced"
+    """Only this rank's slice is held (in the store)."""
+    GATHERING = "gathering"
+    """An all-gather of every rank's slice is on its way."""
+    GATHERED = "gathered"
+    """The whole storage is here, until every handle of this backward has its view."""
+
+
+class _Shard:
+    """One declared storage: this rank's slice in the store and, while backward uses it, the whole."""
+
+    __slots__ = (
+        "piece",
+        "nbytes",
+        "slice_bytes",
+        "sharding",
+        "owner",
+        "version",
+        "describe",
+        "before",
+        "state",
+        "buffer",
+        "work",
+        "sending",
+        "gathers",
+        "refs",
+        "unserved",
+        "__weakref__",
+    )
+
+    def __init__(self, piece: Handle, t: torch.Tensor, sharding: Sharding, before: Optional[_Shard]) -> None:
+        self.piece = piece
+        self.nbytes = t.untyped_storage().nbytes()
+        self.slice_bytes = piece.entry.nbytes
+        self.sharding = sharding
+        self.owner = weakref.ref(t if t._base is None else t._base)
+        self.version = t._version
+        where = f" in {sharding.where!r}" if sharding.where else ""
+        self.describe = f"{tuple(t.shape)} {t.dtype}{where}"
+        self.before = None if before is None else weakref.ref(before)
+        """The shard saved just before this one: gathered ahead when this one is unpacked."""
+        self.state = ShardState.SLICED
+        self.buffer: Optional[torch.Tensor] = None  # GATHERING, GATHERED: world x slice_bytes uint8
+        self.work: Any = None  # GATHERING: the all-gather's work handle
+        self.sending: Optional[torch.Tensor] = None  # GATHERING: this rank's slice, kept until the gather is done
+        self.gathers = 0
+        self.refs = 0  # live handles
+        self.unserved = 0  # GATHERED: handles without their view of this gather yet
+
+    def holds(self, t: torch.Tensor, sharding: Sharding) -> bool:
+        """Whether a new save of ``t``'s storage is this shard (same owner, version and group)."""
+        owner = t if t._base is None else t._base
+        return self.owner() is owner and self.version == t._version and self.sharding.group is sharding.group
+
+
+class ShardedHandle:
+    """What pack returns to autograd for a declared save: its view onto a shard."""
+
+    __slots__ = ("shard", "layout", "version", "watch", "served", "saves", "__weakref__")
+
+    def __init__(self, saves: SharedSaves, shard: _Shard, t: torch.Tensor) -> None:
+        self.saves, self.shard = saves, shard
+        self.layout = (t.dtype, t.size(), t.stride(), t.storage_offset())
+        self.version = t._version
+        self.watch = version_watch(t)  # the storage itself is not kept: See Note: [version watch]
+        self.served = -1  # the shard's gather this handle last had its view of
+        shard.refs += 1
+
+    def __del__(self) -> None:
+        self.saves.handle_dead(self)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage of ``t`` as a flat uint8 tensor (no copy)."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _checksum(data: torch.Tensor) -> torch.Tensor:
+    """Two sums of the bytes, plain and weighted by position (float64: exact for any storage that
+    fits a device), so that equal sums with the bytes moved around still differ."""
+    values = data.to(torch.float64)
+    weights = torch.arange(data.numel(), device=data.device, dtype=torch.float64).remainder_(1021).add_(1)
+    return torch.stack([values.sum(), (values * weights).sum(), torch.tensor(float(data.numel()), device=data.device)])
+
+
+class SharedSaves:
+    """The declared saves of one engine: slices into the store, gathers out of it."""
+
+    def __init__(self, counters: Counters, prefetch: bool) -> None:
+        self.counters = counters
+        self.prefetch = prefetch
+        self._live: weakref.WeakValueDictionary[int, _Shard] = weakref.WeakValueDictionary()
+        self._last: Optional[weakref.ref] = None  # the latest shard made (the next one's ``before``)
+
+    # ------------------------------------------------------------------ forward
+
+    def pack(self, t: torch.Tensor, sharding: Sharding, keep: Callable[[torch.Tensor], Handle]) -> Any:
+        """This rank's slice of ``t``'s storage to ``keep`` (the store), or ``t`` itself to it where
+        the storage is smaller than the group (nothing to split)."""
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes < sharding.world:
+            return keep(t)
+        if sharding.verify:
+            self._verify(t, sharding)
+        key = storage._cdata
+        shard = self._live.get(key)
+        if shard is None or not shard.holds(t, sharding):
+            slice_bytes = -(-nbytes // sharding.world)
+            lo = min(nbytes, sharding.rank * slice_bytes)
+            hi = min(nbytes, lo + slice_bytes)
+            piece = torch.zeros(slice_bytes, dtype=torch.uint8, device=t.device)
+            piece[: hi - lo].copy_(_bytes_of(t)[lo:hi])
+            before = None if self._last is None else self._last()
+            shard = _Shard(keep(piece), t, sharding, before)
+            self._live[key] = shard
+            self._last = weakref.ref(shard)
+            self.counters.shared_bytes += nbytes
+            self.counters.shared_kept_bytes += slice_bytes
+        return ShardedHandle(self, shard, t)
+
+    def _verify(self, t: torch.Tensor, sharding: Sharding) -> None:
+        """Raise naming ``t`` where a rank of the group saved something else (one small all-gather)."""
+        mine = _checksum(_bytes_of(t))
+        every = [torch.empty_like(mine) for _ in range(sharding.world)]
+        torch.distributed.all_gather(every, mine, group=sharding.group)
+        differ = [r for r, theirs in enumerate(every) if not torch.equal(theirs, every[0])]
+        if differ:
+            where = f" in region {sharding.where!r}" if sharding.where else ""
+            raise OffloadError(
+                f"offload: the saved tensor {tuple(t.shape)} {t.dtype}{where} was declared shared "
+                f"(identical on every rank of the group), but ranks {differ} saved other values than rank 0; "
+                "declare only saves every rank computes alike (replicated inputs, norms before a "
+                "column-parallel linear), or move this one out of offload.sharded()"
+            )
+
+    # ------------------------------------------------------------------ backward
+
+    def unpack(self, h: ShardedHandle) -> torch.Tensor:
+        if h.watch is not None and h.watch._version != h.version:
+            dtype, size, _, _ = h.layout
+            raise inplace_error(h.watch.type(), tuple(size), h.watch._version, h.version)
+        shard = h.shard
+        if shard.state is ShardState.SLICED:
+            self._start(shard)
+        if shard.state is ShardState.GATHERING:
+            self._finish(shard)
+        assert shard.buffer is not None  # GATHERED
+        dtype, size, stride, offset = h.layout
+        view = torch.empty(0, dtype=dtype, device=shard.buffer.device).set_(
+            shard.buffer.untyped_storage(), offset, size, stride
+        )
+        if h.served != shard.gathers:
+            h.served = shard.gathers
+            shard.unserved -= 1
+            if shard.unserved <= 0:
+                self._done(shard)
+        if self.prefetch:
+            self._ahead(shard)
+        return view
+
+    def _start(self, shard: _Shard) -> None:
+        """Start the all-gather of every rank's slice of ``shard`` (See Note: [collectives in one order
+        on every rank])."""
+        piece = shard.piece.store.unpack(shard.piece)  # from whichever tier holds it
+        sharding = shard.sharding
+        buffer = torch.empty(sharding.world * shard.slice_bytes, dtype=torch.uint8, device=piece.device)
+        parts = list(buffer.view(sharding.world, shard.slice_bytes).unbind(0))
+        shard.work = torch.distributed.all_gather(parts, piece, group=sharding.group, async_op=True)
+        shard.sending = piece  # the backend may read it until the gather is done
+        shard.buffer = buffer
+        shard.state = ShardState.GATHERING
+        shard.gathers += 1
+        self.counters.gathered_bytes += buffer.numel()
+
+    def _finish(self, shard: _Shard) -> None:
+        start = time.perf_counter()
+        shard.work.wait()  # CUDA: the current stream waits for the gather; gloo: the host does
+        self.counters.gather_wait_ms += (time.perf_counter() - start) * 1e3
+        shard.work = None
+        shard.sending = None
+        shard.state = ShardState.GATHERED
+        shard.unserved = shard.refs
+
+    def _done(self, shard: _Shard) -> None:
+        """Every live handle has its view: the views keep the memory while autograd uses them."""
+        shard.buffer = None
+        shard.state = ShardState.SLICED
+
+    def _ahead(self, shard: _Shard) -> None:
+        before = None if shard.before is None else shard.before()
+        if before is not None and before.state is ShardState.SLICED and before.gathers == 0:
+            self._start(before)
+
+    def handle_dead(self, h: ShardedHandle) -> None:
+        shard = h.shard
+        shard.refs -= 1
+        if shard.state is ShardState.GATHERED and h.served != shard.gathers:
+            shard.unserved -= 1
+            if shard.unserved <= 0:
+                self._done(shard)
