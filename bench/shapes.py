@@ -5,6 +5,7 @@ against measured profiles, and auto against the best fixed policy in the same lo
     python bench/shapes.py soak    [--steps 500]
     python bench/shapes.py derive  [--shapes 12]
     python bench/shapes.py pair    [--rounds 5]
+    python bench/shapes.py fixed   [--rounds 5]
     python bench/shapes.py all
 
 leak    MiniGPT 8 x 256, batch 4, budget 20 MB, policy "auto" over its blocks: four steps at each
@@ -23,6 +24,11 @@ pair    The dynamic-padding loop on MiniGPT under "auto" and under each fixed po
         budget, after their profiling, interleaved round by round (A B C D, A B C D, ...): step time
         of auto over the best fixed policy, the median of per-round ratios.
 
+fixed   MiniGPT 8 x 256, batch 4, one sequence length (256), budget 40 MB: the process's peak
+        resident set over its rest without the engine, under "offload" and under "auto" (each in
+        its own process, rounds interleaved), over the first 8 steps (profiling included) and
+        over 3 steps under the plan.
+
 Each part prints a table and ends with one JSON line; the JSON goes to
 ``$OFFLOAD_BENCH_OUT/shapes-<part>.json`` (default ``out/bench``).
 """
@@ -37,6 +43,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -465,12 +472,73 @@ def part_pair(args: argparse.Namespace) -> dict:
     )
 
 
-PARTS = {"leak": part_leak, "soak": part_soak, "derive": part_derive, "pair": part_pair}
+# ---------------------------------------------------------------------------------------- fixed
+
+
+def _peak_rss() -> int:
+    """The resident set's high-water mark since the last ``_reset_peak`` (VmHWM)."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the resident set now (Linux >= 4.0)
+
+
+def _fixed_child(policy: str, budget_mb: float, steps: int) -> dict:
+    """One process: ``steps`` steps (profiling included), then 3 more, each span's RSS peak over rest."""
+    model = minigpt()
+    eng = None if policy == "none" else offload.engine(budget_mb, policy=policy, regions=model.blocks, model=model)
+    rest = rest_rss()
+    _reset_peak()
+    for i in range(steps):
+        gpt_step(model, 256, 4, i, eng)
+    first = _peak_rss() - rest
+    rest_after = rest_rss()
+    _reset_peak()
+    for i in range(3):
+        gpt_step(model, 256, 4, steps + i, eng)
+    steady = _peak_rss() - rest_after
+    stages = [] if eng is None else list(eng.recent_stages)
+    return {"policy": policy, "peak_first_mb": first / MB, "peak_steady_mb": steady / MB, "stages": stages}
+
+
+def part_fixed(args: argparse.Namespace) -> dict:
+    """At one fixed shape (MiniGPT 8 x 256, batch 4, sequence 256), budget 40 MB: each policy in
+    its own process (a high-water mark never comes down), rounds interleaved."""
+    budget_mb = 40.0
+    runs: dict[str, list[dict]] = {"none": [], "offload": [], "auto": []}
+    for _ in range(args.rounds):
+        for policy in runs:
+            cmd = [sys.executable, __file__, "fixed-child", f"--policy={policy}", f"--budget-mb={budget_mb}"]
+            if args.threads:
+                cmd.append(f"--threads={args.threads}")
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            runs[policy].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    rows, summary = [], {}
+    for policy, results in runs.items():
+        first = median([r["peak_first_mb"] for r in results])
+        steady = median([r["peak_steady_mb"] for r in results])
+        summary[policy] = {"peak_first_mb": first, "peak_steady_mb": steady}
+        rows.append([policy, f"+{first:.1f}", f"+{steady:.1f}", " ".join(s or "-" for s in results[0]["stages"])])
+    ratio_first = summary["auto"]["peak_first_mb"] / summary["offload"]["peak_first_mb"]
+    ratio_steady = summary["auto"]["peak_steady_mb"] / summary["offload"]["peak_steady_mb"]
+    text = table(["policy", "peak RSS over rest, MB: first 8 steps", "next 3 steps", "stages"], rows)
+    text += f"\nauto / offload peak growth at {budget_mb:.0f} MB: {ratio_first:.3f} over the first 8 steps (profiling "
+    text += f"included), {ratio_steady:.3f} under the plan (medians of {args.rounds} interleaved rounds)"
+    payload = {"budget_mb": budget_mb, "runs": runs, "summary": summary}
+    return emit("fixed", text, {**payload, "auto_over_offload_first": ratio_first, "auto_over_offload": ratio_steady})
+
+
+PARTS = {"leak": part_leak, "soak": part_soak, "derive": part_derive, "pair": part_pair, "fixed": part_fixed}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=[*PARTS, "all"])
+    parser.add_argument("part", choices=[*PARTS, "all", "fixed-child"])
+    parser.add_argument("--policy", default="auto", help=argparse.SUPPRESS)  # fixed-child
+    parser.add_argument("--budget-mb", type=float, default=40.0, help=argparse.SUPPRESS)  # fixed-child
     parser.add_argument("--steps-per-shape", type=int, default=4)
     parser.add_argument("--steps", type=int, default=500, help="soak: optimizer steps")
     parser.add_argument("--shapes", type=int, default=12, help="derive: lengths never measured")
@@ -480,6 +548,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.part == "fixed-child":
+        print(json.dumps(_fixed_child(args.policy, args.budget_mb, steps=8)))
+        return 0
     for name in PARTS if args.part == "all" else [args.part]:
         PARTS[name](args)
     return 0
