@@ -56,3 +56,198 @@ def test_a_probe_becomes_a_machine_with_measured_figures():
     assert back.per_tensor_overhead_us == 7
     with pytest.raises(ValueError, match="unusable link"):
         from_probe(MachineProfile(device_type="cuda"), flops=1, memory_gb_per_s=1, memory_bytes=1, op_overhead_us=0)
+
+
+# -- predictions on meta tensors ----------------------------------------------------------------
+
+import resource  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+import offload  # noqa: E402
+from offload._cost import Scope  # noqa: E402
+from offload._errors import OffloadError  # noqa: E402
+from offload._predict import POLICIES, Attention, predict  # noqa: E402
+from offload.models import GPTConfig, MiniGPT  # noqa: E402
+
+CPU = from_probe(
+    MachineProfile(device_type="cpu", device_name="test", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0),
+    flops=50e9,
+    memory_gb_per_s=10.0,
+    memory_bytes=8 * 10**9,
+    op_overhead_us=5.0,
+)
+"""A made-up CPU: the figures below that depend on it are computed from these numbers alone."""
+
+
+def _tiny(attention: str = "sdpa", longest: int = 128) -> tuple[MiniGPT, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = MiniGPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, seq_len=longest, attention=attention))
+    idx = torch.randint(0, 256, (2, 129))
+    return model, idx[:, :-1], idx[:, 1:]
+
+
+def _measured_profiles(model, x, y) -> tuple:
+    """What the engine measures on this CPU: the profiles of its last profiling step (every stage
+    ran: "measure", "recompute" with the selective split, "offload")."""
+    eng = offload.engine(budget_mb=0.01, policy="auto", regions=model.blocks, model=model)
+    for _ in range(4):
+        with eng:
+            _, loss = model(x, y)
+        loss.backward()
+    step = eng.profiled_steps[-1]
+    eng.close()
+    return step.outside[:1] + step.regions + step.outside[1:]
+
+
+def test_saved_bytes_per_region_equal_a_measured_cpu_run():
+    model, x, y = _tiny()
+    predicted = predict(model, x, y, machine=CPU, regions=model.blocks)
+    measured = _measured_profiles(model, x, y)
+    assert [r.name for r in predicted.regions] == [m.name for m in measured]
+    for p, m in zip(predicted.regions, measured, strict=True):
+        assert (p.saved_bytes, p.num_tensors) == (m.saved_bytes, m.num_tensors), p.name
+        if p.scope is Scope.REGION:
+            assert p.input_bytes == m.input_bytes
+            assert (p.cheap_bytes, p.expensive_bytes, p.expensive_tensors) == (
+                m.cheap_bytes,
+                m.expensive_bytes,
+                m.expensive_tensors,
+            )
+    assert predicted.regions[1].saved_bytes > 0
+
+
+def test_flops_are_those_flop_counter_mode_counts_on_a_real_step():
+    model, x, y = _tiny(attention="math")
+    predicted = predict(model, x, y, machine=CPU, regions=model.blocks)
+    with FlopCounterMode(display=False) as counter:
+        _, loss = model(x, y)
+        loss.backward()
+    assert predicted.forward_flops + predicted.backward_flops == counter.get_total_flops()
+    assert predicted.forward_flops > 0 and predicted.backward_flops > predicted.forward_flops
+    for block in predicted.regions[1:-1]:  # backward ops are charged to the region whose saves they unpack
+        assert 1.5 * block.forward_flops <= block.backward_flops <= 2.5 * block.forward_flops, block.name
+
+
+def test_times_are_the_roofline_of_the_counted_ops():
+    model, x, y = _tiny()
+    slow = predict(model, x, y, machine=CPU, regions=model.blocks)
+    fast = predict(model, x, y, machine=CPU.with_assumptions(op_overhead_us=0.0), regions=model.blocks)
+    block = slow.regions[1]
+    # every op pays the fixed cost once: removing it removes exactly ops x 5 us
+    assert block.forward_ms - fast.regions[1].forward_ms == pytest.approx(block.forward_ops * 5e-3)
+    # and without it an op costs at least its FLOPs at 50 GFLOP/s and its bytes at 10 GB/s
+    assert fast.regions[1].forward_ms >= block.forward_flops / 50e9 * 1e3
+    assert fast.regions[1].forward_ms >= block.forward_bytes / 10e9 * 1e3
+
+
+def test_the_plan_and_every_policy_come_from_the_planner():
+    model, x, y = _tiny()
+    keep_peak = predict(model, x, y, machine=CPU, regions=model.blocks).plan.predicted_peak_bytes
+    budget_mb = keep_peak / 2 / (1 << 20)
+    p = predict(model, x, y, machine=CPU, regions=model.blocks, budget_mb=budget_mb, policy="auto")
+    assert p.plan.fits_budget and p.plan.predicted_peak_bytes <= keep_peak / 2
+    assert p.plan.predicted_step_ms > p.plan.baseline_step_ms  # moving bytes on a CPU is never free
+    assert {q.policy for q in p.points} == set(POLICIES)
+    at_10 = {q.policy: q for q in p.points if q.budget_fraction == 0.1}
+    assert at_10["none"].peak_bytes == keep_peak and not at_10["none"].fits
+    assert at_10["recompute"].peak_bytes < keep_peak
+    assert at_10["checkpoint"].peak_bytes == at_10["recompute"].peak_bytes
+    assert at_10["auto"].step_ms <= min(q.step_ms for q in at_10.values() if q.fits) + 1e-9
+
+
+def test_prediction_never_touches_the_model_parameters():
+    model, x, y = _tiny()
+    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+    predict(model, x, y, machine=CPU, regions=model.blocks)
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == before[name][0] and torch.equal(p, before[name][1]), name
+        assert p.grad is None, name
+
+
+def test_a_model_built_on_meta_predicts_without_its_memory():
+    config = GPTConfig(n_layer=4, n_embd=2048, n_head=16, seq_len=2048)
+    with torch.device("meta"):
+        model = MiniGPT(config)  # 200+ M parameters, never allocated
+    ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    p = predict(model, ids, ids, machine="h100-sxm")
+    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+    assert p.parameter_bytes == sum(q.numel() * 4 for q in model.parameters())
+    assert growth < p.parameter_bytes / 4  # not the parameters, nor the ~GBs of activations
+    assert p.regions[1].saved_bytes > 100 * (1 << 20)
+
+
+def test_fused_attention_saves_no_sequence_squared_scores():
+    model, x, y = _tiny()
+    fused = predict(model, x, y, machine="h100-sxm", regions=model.blocks)
+    written = predict(model, x, y, machine="h100-sxm", regions=model.blocks, attention=Attention.AS_WRITTEN)
+    scores = 2 * 4 * 128 * 128 * 4  # batch x heads x seq x seq, fp32: the math path saves its probabilities
+    # flash saves its output and log-sum-exp instead, and the two paths save q, k, v differently (scaled,
+    # transposed), so the difference is not exactly the scores; at this shape they dominate it
+    assert written.regions[1].saved_bytes - fused.regions[1].saved_bytes > scores / 2
+
+
+@torch.library.custom_op("offload_test_predict::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+class _Opaque(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = _opaque(block(x))
+        return x.sum()
+
+
+def test_an_op_without_a_meta_kernel_is_named():
+    with pytest.raises(OffloadError, match="op offload_test_predict.opaque.default failed on the meta device"):
+        predict(_Opaque(), torch.randn(4, 8), machine=CPU)
+
+
+class _ReadsItem(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        if x.mean().item() > 0:  # a float read: there is no value to read on meta
+            x = x * 2
+        return x.sum()
+
+
+def test_a_data_dependent_read_is_an_error_naming_it_and_a_bool_branch_is_assumed():
+    with pytest.raises(OffloadError, match="_local_scalar_dense"):
+        predict(_ReadsItem(), torch.randn(4, 8), machine=CPU)
+
+    class Branches(_ReadsItem):
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            if (x > -1e9).all():
+                x = x * 2
+            return x.sum()
+
+    p = predict(Branches(), torch.randn(4, 8), machine=CPU, min_offload_bytes=0)
+    assert len(p.assumed) == 1 and "test_predict.py" in p.assumed[0]
+
+
+def test_longest_sequence_grows_as_a_policy_keeps_less():
+    model, x, y = _tiny(longest=1024)  # the fake steps run at 256, 512 and 1024; the search goes on from their fit
+
+    def inputs_at(seq: int):
+        ids = torch.zeros(2, seq, dtype=torch.long)
+        return (ids, ids), {}
+
+    p = predict(model, x, y, machine=CPU, regions=model.blocks, longest_in=inputs_at, memory_bytes=64 << 20)
+    longest = {x.policy: x.sequence for x in p.longest}
+    assert 0 < longest["none"] < longest["recompute"]
+    assert longest["checkpoint"] == longest["recompute"]
+    assert longest["auto"] >= longest["offload"] >= longest["none"]
