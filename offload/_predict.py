@@ -56,7 +56,7 @@ from ._fit import ProfileFit, Shape
 from ._hooks import Eligibility
 from ._machines import Machine, from_probe, get_machine
 from ._planner import Plan
-from ._policy import make_plan
+from ._policy import AutoPolicy, make_plan
 from ._probe import probe
 from ._profiler import AFTER_NAME, BEFORE_NAME
 from ._regions import RegionsArg, resolve_regions
@@ -185,11 +185,15 @@ class PolicyPoint:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Longest:
-    """The longest sequence that fits ``memory_bytes`` under one policy (0: not even the shortest)."""
+    """The longest sequence whose parameters, gradients, optimizer state, activation peak and working
+    set fit the device memory under one policy (0: not even one token). Searched up to ``_LONGEST_CAP``."""
 
     policy: str
     sequence: int
     peak_bytes: int
+    """The plan's predicted activation peak at that length."""
+    working_bytes: int
+    """The running region's own saves on top of it (``_working_bytes``)."""
     step_ms: float
 
 
@@ -258,7 +262,9 @@ class Prediction:
         if self.longest:
             lines += ["", f"longest sequence within {self.longest_memory_bytes / _GB:,.1f} GB of device memory:"]
             lines += [
-                f"  {x.policy:<11} {x.sequence:>8,}  (activations {x.peak_bytes / MB:,.0f} MB)" for x in self.longest
+                f"  {x.policy:<11} {x.sequence:>9,}  (activations {x.peak_bytes / MB:,.0f} MB + "
+                f"working set {x.working_bytes / MB:,.0f} MB, step {x.step_ms:,.1f} ms)"
+                for x in self.longest
             ]
         return "\n".join(lines)
 
@@ -619,10 +625,21 @@ def _decisions(plan: Plan) -> str:
 
 
 def _plan(
-    profiles: Sequence[RegionProfile], link: MachineProfile, policy: str, budget: Optional[int], other_ms: float
+    profiles: Sequence[RegionProfile],
+    link: MachineProfile,
+    policy: str,
+    budget: Optional[int],
+    other_ms: float,
+    *,
+    quick: bool = False,
 ) -> Plan:
-    """The plan of ``policy`` ("checkpoint" is "recompute"; "none" takes no budget)."""
-    engine_policy = "recompute" if policy == "checkpoint" else policy
+    """The plan of ``policy`` ("checkpoint" is "recompute"; "none" takes no budget). ``quick``:
+    "auto" without its local search (``max_search_moves=0``), which fits whenever the full search
+    does (it starts from the same fixed plans, all-offload and all-recompute among them): what a
+    search over lengths asks."""
+    engine_policy: Union[str, AutoPolicy] = "recompute" if policy == "checkpoint" else policy
+    if quick and policy == "auto":
+        engine_policy = AutoPolicy(max_search_moves=0)
     if engine_policy in ("none", "recompute", "selective"):
         plan = make_plan(profiles, link, None, engine_policy, other_ms=other_ms)
         fits = budget is None or plan.predicted_peak_bytes <= budget
@@ -724,9 +741,11 @@ def predict(
     longest: tuple[Longest, ...] = ()
     memory = target.memory_bytes if memory_bytes is None else int(memory_bytes)
     if longest_in is not None:
+        base_seq = next((c.input_dims[-2] for c in counts if c.scope is Scope.REGION and len(c.input_dims) >= 3), 2)
         longest = _longest(
             model,
             longest_in,
+            base_seq,
             target,
             regions,
             attention,
@@ -754,58 +773,71 @@ def predict(
 def _longest(
     model: torch.nn.Module,
     inputs_at: Callable[[int], tuple[tuple, dict]],
+    base_seq: int,
     machine: Machine,
     regions: RegionsArg,
     attention: Attention,
     loss_fn: Optional[Callable[[Any], torch.Tensor]],
     min_offload_bytes: int,
-    activation_bytes: int,
+    free_bytes: int,
 ) -> tuple[Longest, ...]:
-    """Per policy, the longest sequence whose predicted activation peak fits ``activation_bytes``,
-    searched over profiles fitted (``_fit``) to fake steps at a few lengths."""
-    base = 1024
+    """Per policy, the longest sequence whose predicted activation peak plus working set fits
+    ``free_bytes`` (device memory less parameters, gradients and optimizer state), searched over
+    profiles fitted (``_fit``) to fake steps at ``base_seq`` and fractions of it."""
     fit: Optional[ProfileFit] = None
     dims: tuple[int, ...] = ()
     for divisor in _FIT_LENGTHS:
-        seq = max(2, base // divisor)
-        args, kwargs = inputs_at(seq)
+        args, kwargs = inputs_at(max(2, base_seq // divisor))
         run = _fake_step(model, args, kwargs, machine, regions, attention, loss_fn, min_offload_bytes)
-        region_dims = next((c.input_dims for c in run.counts if c.scope is Scope.REGION and len(c.input_dims) >= 3), ())
-        if not region_dims:
+        dims = next((c.input_dims for c in run.counts if c.scope is Scope.REGION and len(c.input_dims) >= 3), ())
+        if not dims:
             raise ValueError(
-                "longest: the regions' first input is not (batch, sequence, width); cannot vary the sequence"
+                "longest_in=: the regions' first input is not (batch, sequence, width), so its sequence cannot be "
+                "varied; pass regions whose first input is"
             )
-        dims = region_dims
         if fit is None:
             fit = ProfileFit([c.name for c in run.counts])
-        shape = Shape.of(region_dims)
+        shape = Shape.of(dims)
         fit.add(shape, [c.profile() for c in run.counts])
         fit.add_other(shape, sum(c.forward_ms + c.backward_ms for c in run.counts if c.scope is not Scope.REGION))
     assert fit is not None  # _FIT_LENGTHS is not empty
     link = machine.machine_profile()
 
-    def plan_at(policy: str, seq: int) -> Plan:
-        shape = Shape.of((*dims[:-2], seq, dims[-1]))
-        profiles, other_ms = fit.derive(shape)
-        return _plan(profiles, link, policy, max(0, activation_bytes), other_ms)
+    def plan_at(policy: str, seq: int, quick: bool) -> tuple[Plan, int]:
+        profiles, other_ms = fit.derive(Shape.of((*dims[:-2], seq, dims[-1])))
+        working = _working_bytes(profiles)
+        return _plan(profiles, link, policy, max(0, free_bytes - working), other_ms, quick=quick), working
+
+    def fits(policy: str, seq: int) -> bool:
+        plan, working = plan_at(policy, seq, quick=True)
+        return working <= free_bytes and plan.fits_budget
 
     results = []
     for policy in POLICIES:
         low, high = 0, 1
-        while high <= _LONGEST_CAP and plan_at(policy, high).fits_budget:
+        while high <= _LONGEST_CAP and fits(policy, high):
             low, high = high, high * 2
         high = min(high, _LONGEST_CAP + 1)
         while high - low > 1:
             middle = (low + high) // 2
-            if plan_at(policy, middle).fits_budget:
-                low = middle
-            else:
-                high = middle
-        plan = plan_at(policy, max(1, low))
+            low, high = (middle, high) if fits(policy, middle) else (low, middle)
+        plan, working = plan_at(policy, max(1, low), quick=False)
         results.append(
-            Longest(policy=policy, sequence=low, peak_bytes=plan.predicted_peak_bytes, step_ms=plan.predicted_step_ms)
+            Longest(
+                policy=policy,
+                sequence=low,
+                peak_bytes=plan.predicted_peak_bytes,
+                working_bytes=working,
+                step_ms=plan.predicted_step_ms,
+            )
         )
     return tuple(results)
+
+
+def _working_bytes(profiles: Sequence[RegionProfile]) -> int:
+    """The running region's own saves, which the planner's peak leaves out (they exist with or
+    without the engine): the most any region, or the step after the regions, saves."""
+    return max((p.saved_bytes for p in profiles), default=0)
 
 
 # -- this machine, measured ------------------------------------------------------------------------

@@ -251,3 +251,44 @@ def test_longest_sequence_grows_as_a_policy_keeps_less():
     assert 0 < longest["none"] < longest["recompute"]
     assert longest["checkpoint"] == longest["recompute"]
     assert longest["auto"] >= longest["offload"] >= longest["none"]
+
+
+# -- the command -------------------------------------------------------------------------------
+
+import json  # noqa: E402
+
+from offload.__main__ import main  # noqa: E402
+
+
+def test_predict_command_prints_the_table_and_writes_json(tmp_path, capsys):
+    argv = ["predict", "--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "64"]
+    assert main(argv + ["--machine", "gh200", "--dtype", "fp32", "--out", str(tmp_path), "--longest"]) == 0
+    out = capsys.readouterr().out
+    assert "prediction for gh200" in out and "selective" in out and "longest sequence within 96.0 GB" in out
+    written = json.loads((tmp_path / "prediction.json").read_text())
+    assert written["machine"]["name"] == "gh200"
+    assert {p["policy"] for p in written["points"]} == set(POLICIES)
+    assert [p["budget_fraction"] for p in written["points"][:4]] == [1.0, 0.5, 0.25, 0.1]
+
+
+def test_predict_command_reads_a_hugging_face_config_file(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 256,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    argv = ["predict", "--hf-config", str(path), "--seq", "128", "--machine", "h200", "--out", str(tmp_path)]
+    assert main(argv + ["--budgets", "50", "--budget-mb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0" in out and "prediction for h200" in out  # the plan at 1 MB is printed in full
+    assert main(["predict", "--hf-config", str(tmp_path / "missing.json")]) == 2
+    assert main(["predict", "--machine", "h300", "--layers", "2", "--width", "64", "--heads", "4"]) == 2
+    assert "named machines are" in capsys.readouterr().err
