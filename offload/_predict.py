@@ -55,7 +55,7 @@ from ._errors import OffloadError
 from ._fit import ProfileFit, Shape
 from ._hooks import Eligibility
 from ._machines import Machine, from_probe, get_machine
-from ._planner import Plan
+from ._planner import MOVES_BYTES, Plan
 from ._policy import AutoPolicy, make_plan
 from ._probe import probe
 from ._profiler import AFTER_NAME, BEFORE_NAME
@@ -70,6 +70,7 @@ __all__ = [
     "Prediction",
     "PolicyPoint",
     "RegionCount",
+    "held_bytes",
     "measure_machine",
     "predict",
     "write_plot",
@@ -177,6 +178,10 @@ class PolicyPoint:
     """The budget as a fraction of the peak without the engine; None: no budget."""
     budget_bytes: Optional[int]
     peak_bytes: int
+    """The plan's predicted activation peak: what it needs on the device (``Plan.predicted_peak_bytes``)."""
+    held_bytes: int
+    """What the engine will hold at most carrying it out (``held_bytes``): more than ``peak_bytes``
+    where the plan moves bytes, since the store prefetches into any room left under the budget."""
     step_ms: float
     fits: bool
     decisions: str
@@ -234,13 +239,17 @@ class Prediction:
 
     def table(self) -> str:
         """The policy table: one row per policy and budget."""
-        header = f"{'policy':<11} {'budget':>8} {'budget MB':>11} {'peak MB':>11} {'step ms':>11}  {'fits':<4}  plan"
+        header = (
+            f"{'policy':<11} {'budget':>8} {'budget MB':>11} {'peak MB':>11} {'held MB':>11} {'step ms':>11}  "
+            f"{'fits':<4}  plan"
+        )
         lines = [header, "-" * len(header)]
         for p in self.points:
             fraction = "-" if p.budget_fraction is None else f"{p.budget_fraction:.0%}"
             budget = "-" if p.budget_bytes is None else f"{p.budget_bytes / MB:,.1f}"
             lines.append(
-                f"{p.policy:<11} {fraction:>8} {budget:>11} {p.peak_bytes / MB:>11,.1f} {p.step_ms:>11.2f}  "
+                f"{p.policy:<11} {fraction:>8} {budget:>11} {p.peak_bytes / MB:>11,.1f} {p.held_bytes / MB:>11,.1f} "
+                f"{p.step_ms:>11.2f}  "
                 f"{'yes' if p.fits else 'NO':<4}  {p.decisions}"
             )
         return "\n".join(lines)
@@ -647,6 +656,16 @@ def _plan(
     return dataclasses.replace(make_plan(profiles, link, budget, engine_policy, other_ms=other_ms), policy=policy)
 
 
+def held_bytes(plan: Plan, keep_peak_bytes: int) -> int:
+    """The most the engine holds carrying ``plan`` out: its predicted peak, or where it moves bytes
+    over the link and has a budget, up to that budget (the store prefetches moved entries back into
+    the room left under it, and holds no more than the step saves: ``keep_peak_bytes``)."""
+    moves = any(r.decision in MOVES_BYTES for r in (*plan.regions, *plan.outside))
+    if not moves or plan.budget_bytes is None:
+        return plan.predicted_peak_bytes
+    return max(plan.predicted_peak_bytes, min(plan.budget_bytes, keep_peak_bytes))
+
+
 def _points(
     profiles: Sequence[RegionProfile], link: MachineProfile, other_ms: float, fractions: Sequence[float]
 ) -> tuple[PolicyPoint, ...]:
@@ -662,6 +681,7 @@ def _points(
                     budget_fraction=fraction,
                     budget_bytes=budget,
                     peak_bytes=plan.predicted_peak_bytes,
+                    held_bytes=held_bytes(plan, keep_peak),
                     step_ms=plan.predicted_step_ms,
                     fits=plan.fits_budget,
                     decisions=_decisions(plan),

@@ -292,3 +292,18 @@ def test_predict_command_reads_a_hugging_face_config_file(tmp_path, capsys):
     assert main(["predict", "--hf-config", str(tmp_path / "missing.json")]) == 2
     assert main(["predict", "--machine", "h300", "--layers", "2", "--width", "64", "--heads", "4"]) == 2
     assert "named machines are" in capsys.readouterr().err
+
+
+def test_a_plan_that_moves_bytes_is_held_up_to_its_budget():
+    from offload._policy import make_plan
+    from offload._predict import held_bytes
+
+    regions = [offload.RegionProfile(name=f"r{i}", saved_bytes=100 << 20, forward_ms=10.0) for i in range(4)]
+    link = MachineProfile(device_type="cuda", d2h_gb_per_s=20.0, h2d_gb_per_s=20.0)
+    keep = make_plan(regions, link, None, "none")
+    moving = make_plan(regions, link, 150 << 20, "offload")
+    assert moving.predicted_peak_bytes == 100 << 20  # one region kept hot: what the plan needs
+    assert held_bytes(moving, keep.predicted_peak_bytes) == 150 << 20  # the store prefetches into the room left
+    assert held_bytes(keep, keep.predicted_peak_bytes) == keep.predicted_peak_bytes
+    recompute = make_plan(regions, link, 150 << 20, "recompute")
+    assert held_bytes(recompute, keep.predicted_peak_bytes) == recompute.predicted_peak_bytes
