@@ -868,10 +868,25 @@ _TINY_OPS = 2000
 _REPEATS = 5
 
 
+class _CountOps(TorchDispatchMode):
+    """Counts the ops dispatched (what ``_Step.op`` charges a fixed cost for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket not in (torch.ops.aten.detach, torch.ops.aten.lift_fresh):
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 def measure_machine(profile: Optional[MachineProfile] = None, *, dtype: torch.dtype = torch.float32) -> Machine:
     """This CPU as a ``Machine``: ``profile`` (default ``offload.probe("cpu")``) for the link and
-    per-tensor cost; a timed ``_MATMUL_SIZE``² matmul in ``dtype``, a timed 64 MiB copy and a timed
-    tiny op for the rest (best of ``_REPEATS``). CUDA machines are measured on CUDA by the
+    per-tensor cost; a timed ``_MATMUL_SIZE``² matmul in ``dtype``, a timed 64 MiB copy, and for
+    the cost of one op a chain of ``_TINY_OPS`` one-element ops run forward and backward under
+    autograd, over the ops it dispatched (a training step's op pays autograd's bookkeeping too;
+    best of ``_REPEATS``). CUDA machines are measured on CUDA by the
     probe's link only: use a named machine for their compute."""
     profile = probe("cpu") if profile is None else profile
     if profile.device_type != "cpu":
@@ -884,7 +899,17 @@ def measure_machine(profile: Optional[MachineProfile] = None, *, dtype: torch.dt
     a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE, dtype=dtype)
     src = torch.empty(_COPY_BYTES // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    tiny = torch.ones(1)
+    tiny = torch.ones(1, requires_grad=True)
+
+    def chain() -> None:  # a training step's worth of tiny ops: under autograd, forward and backward
+        y = tiny
+        for _ in range(_TINY_OPS):
+            y = y * 1.0
+        y.backward()
+
+    counter = _CountOps()
+    with counter:
+        chain()
 
     def best_s(fn: Callable[[], Any]) -> float:
         fn()
@@ -897,13 +922,13 @@ def measure_machine(profile: Optional[MachineProfile] = None, *, dtype: torch.dt
 
     matmul_s = best_s(lambda: a @ a)
     copy_s = best_s(lambda: dst.copy_(src))
-    tiny_s = best_s(lambda: [tiny.add(tiny) for _ in range(_TINY_OPS)])
+    tiny_s = best_s(chain)
     return from_probe(
         profile,
         flops=2 * _MATMUL_SIZE**3 / matmul_s,
         memory_gb_per_s=2 * _COPY_BYTES / copy_s / _GB,
         memory_bytes=int(psutil.virtual_memory().total),
-        op_overhead_us=tiny_s / _TINY_OPS * 1e6,
+        op_overhead_us=tiny_s / max(1, counter.ops) * 1e6,
     )
 
 
