@@ -579,15 +579,19 @@ def _fake_step(
 ) -> _Run:
     fake = _meta_copy(model)
     fake.train(model.training)
-    if not isinstance(regions, str) and not callable(regions) and not isinstance(regions, torch.nn.Module):
+    listed = isinstance(regions, (torch.nn.ModuleList, torch.nn.Sequential)) or not (
+        isinstance(regions, (str, torch.nn.Module)) or callable(regions)
+    )
+    if listed:  # the model's own modules: the copy's of the same names
         names = {id(m): name for name, m in model.named_modules()}
-        chosen = list(regions)
+        chosen = list(regions)  # type: ignore[arg-type]  # an iterable of modules, by the test above
         missing = [type(m).__name__ for m in chosen if id(m) not in names]
         if missing:
-            raise ValueError(f"regions= lists modules that are not in the model ({missing}); pass the model's own")
+            raise ValueError(
+                f"regions= lists modules that are not in the model ({', '.join(missing)}); pass modules of the "
+                "model being predicted, e.g. regions=model.blocks, or regions='auto'"
+            )
         regions = [fake.get_submodule(names[id(m)]) for m in chosen]
-    elif isinstance(regions, (torch.nn.ModuleList, torch.nn.Sequential)):
-        regions = fake.get_submodule(next(n for n, m in model.named_modules() if m is regions))
     found = resolve_regions(regions, fake)
     eligible = Eligibility(torch.device("meta"), min_offload_bytes)
     eligible.skip_modules([fake])

@@ -307,3 +307,12 @@ def test_a_plan_that_moves_bytes_is_held_up_to_its_budget():
     assert held_bytes(keep, keep.predicted_peak_bytes) == keep.predicted_peak_bytes
     recompute = make_plan(regions, link, 150 << 20, "recompute")
     assert held_bytes(recompute, keep.predicted_peak_bytes) == recompute.predicted_peak_bytes
+
+
+def test_regions_of_another_model_are_refused_by_name():
+    model, x, y = _tiny()
+    other, _, _ = _tiny()
+    with pytest.raises(ValueError, match=r"regions= lists modules that are not in the model \(Block, Block"):
+        predict(model, x, y, machine=CPU, regions=other.blocks)
+    listed = predict(model, x, y, machine=CPU, regions=[model.blocks[0], model.blocks[2]])
+    assert [r.name for r in listed.regions[1:-1]] == ["blocks.0", "blocks.2"]
