@@ -255,6 +255,7 @@ def test_longest_sequence_grows_as_a_policy_keeps_less():
 
 # -- the command -------------------------------------------------------------------------------
 
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 
 from offload.__main__ import main  # noqa: E402
@@ -269,6 +270,8 @@ def test_predict_command_prints_the_table_and_writes_json(tmp_path, capsys):
     assert written["machine"]["name"] == "gh200"
     assert {p["policy"] for p in written["points"]} == set(POLICIES)
     assert [p["budget_fraction"] for p in written["points"][:4]] == [1.0, 0.5, 0.25, 0.1]
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot is optional, like matplotlib
+        assert (tmp_path / "pareto.png").stat().st_size > 0
 
 
 def test_predict_command_reads_a_hugging_face_config_file(tmp_path, capsys):
