@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device checks in one command, for a machine with one CUDA GPU (sized for an H200: at most 240 s
+# Device checks in one command, for a machine with one CUDA GPU (sized for an H200: at most 260 s
 # of parts, so the whole fits a 5-minute call with start-up to spare):
 #
 #   bash bench/gpu_check.sh OUTDIR          # from anywhere; no install, no internet needed
@@ -9,6 +9,8 @@
 #   env       15  nvidia-smi, python / torch / CUDA versions, CUDA available?    -> env.json, gpu.csv
 #   probe     15  python -m offload probe --json --refresh                       -> probe.json
 #   step     110  python -m offload.bench --preset h200 (the 7B-class comparison) -> step/
+#   predict   20  python bench/predict.py --part step: offload.predict of the step part's model and
+#                 configurations (a named machine, the probe's link), beside what step measured -> predict.json
 #   tests     60  python -m pytest -m cuda <the test files with cuda tests>        -> tests.xml
 #   overhead  20  python bench/overhead.py --device cuda                          -> overhead.json
 #   layers    20  python bench/layers.py --device cuda (the transfer/recompute fit) -> layers.json
@@ -145,7 +147,7 @@ print(json.dumps(env))
 if grep -q '"cuda": true' "$OUT/env.json" 2>/dev/null; then CUDA_OK=1; fi
 
 if [ "$DEVICE" = cuda ] && [ -z "${CUDA_OK:-}" ]; then
-    for part in probe step tests overhead layers; do skip_part "$part" "no CUDA device here (torch.cuda.is_available() is False)"; done
+    for part in probe step predict tests overhead layers; do skip_part "$part" "no CUDA device here (torch.cuda.is_available() is False)"; done
     echo "summary: $OUT/summary.md (no CUDA: GPU parts skipped, $((SECONDS - START_S))s)"
     exit "$FAILED"  # 0 unless the env part itself failed (python or torch broken)
 fi
@@ -154,6 +156,7 @@ fi
 run_part probe 15 probe.json -- \
     sh -c "'$PY' -m offload probe --json --refresh --device '$DEVICE' >'$OUT/probe.json'"
 run_part step 110 step/ -- "$PY" -m offload.bench "${STEP_ARGS[@]}" --out "$OUT/step"
+run_part predict 20 predict.json -- "$PY" bench/predict.py --part step --step-dir "$OUT/step" --out "$OUT"
 # Only the files with CUDA tests: collecting all of tests/ imports transformers, lightning and dynamo.
 mapfile -t CUDA_TEST_FILES < <(grep -l 'mark\.cuda' tests/test_*.py)
 run_part tests 60 tests.xml -- \

@@ -15,7 +15,7 @@ import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-PART_ORDER = ("env", "probe", "step", "tests", "overhead", "layers")
+PART_ORDER = ("env", "probe", "step", "predict", "tests", "overhead", "layers")
 PART_KEYS = ("part", "status", "rc", "seconds", "limit_s", "output")  # of NAME.part.json; the parts table's columns
 STEP_KEYS = (
     "config step_ms ratio act_peak_mb act_ratio opt_peak_mb offloaded_mb d2h_gb_per_s h2d_gb_per_s exposed_wait_ms "
@@ -55,7 +55,9 @@ def _tests(path: Path):
 def _figures(out: Path) -> dict:
     """Each part's key figures; None for a part that left no readable output."""
     figures = dict.fromkeys(PART_ORDER[1:])  # every part but env, which the summary holds whole
-    figures.update(probe=_load(out / "probe.json"), tests=_tests(out / "tests.xml"))
+    figures.update(
+        probe=_load(out / "probe.json"), tests=_tests(out / "tests.xml"), predict=_load(out / "predict.json")
+    )
     if step := _load(out / "step" / "summary.json"):
         figures["step"] = {
             "finished": step.get("finished"),
@@ -92,6 +94,10 @@ def summarize(out: Path, seconds) -> dict:
     }
 
 
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _row(cells) -> str:
     return "| " + " | ".join(map(str, cells)) + " |"
 
@@ -107,6 +113,34 @@ def markdown(summary: dict, out: Path) -> str:
         sections["Step benchmark"] = failed + [step_table.read_text().strip().removeprefix("# Step benchmark").strip()]
     elif failed:
         sections["Step benchmark"] = failed
+    if predicted := figures["predict"]:
+        sections["Predicted beside measured"] = [
+            f"offload.predict on {predicted['machine']} (bench/predict.py --part step), the step part's configs:",
+            "",
+            _row(
+                [
+                    "config",
+                    "predicted plan",
+                    "step ms pred",
+                    "step - optimizer ms meas",
+                    "held MB pred",
+                    "act peak MB meas",
+                ]
+            ),
+            "|---|---|---|---|---|---|",
+        ] + [
+            _row(
+                [
+                    r["config"],
+                    r["predicted_plan"],
+                    _fmt(r["predicted_step_ms"]),
+                    _fmt(r["measured_fwd_bwd_ms"]),
+                    _fmt(r["predicted_held_mb"]),
+                    _fmt(r["measured_act_peak_mb"]),
+                ]
+            )
+            for r in predicted.get("rows", [])
+        ]
     if tests := figures["tests"]:
         counts = ", ".join(f"{tests[key]} {key}" for key in ("tests", "failures", "errors", "skipped"))
         sections["CUDA tests"] = [counts] + [f"- FAILED {name}" for name in tests["failed"]]

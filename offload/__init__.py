@@ -16,6 +16,7 @@ from ._hooks import no_offload
 from ._planner import Decision, Plan
 from ._policy import Policy, register_policy
 from ._policy import policy_names as policies
+from ._predict import Prediction, predict
 from ._probe import probe
 from ._recompute import checkpoint
 from ._sharded import sharded
@@ -29,6 +30,7 @@ __all__ = [
     "OffloadError",
     "Plan",
     "Policy",
+    "Prediction",
     "RegionProfile",
     "Stats",
     "checkpoint",
@@ -36,6 +38,7 @@ __all__ = [
     "explain",
     "no_offload",
     "policies",
+    "predict",
     "probe",
     "register_policy",
     "sharded",

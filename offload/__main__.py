@@ -1,6 +1,8 @@
 """Command line: ``python -m offload <command> ...``.
 
     python -m offload probe [--device D] [--spill-dir P] [--refresh] [--json]
+    python -m offload predict [--model minigpt | --hf-config config.json] [--machine h100-sxm | probe]
+                              [--seq 4096] [--batch 1] [--dtype bf16] [--budgets 100,50,25,10] [--longest]
 
 Each command is one entry in ``_COMMANDS``: a help line, a function that adds its arguments to
 its sub-parser, and a function that runs it and returns the exit code. Bad input exits with 2.
@@ -13,9 +15,17 @@ import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
+import torch
+
+from ._cost import MB
+from ._errors import OffloadError
+from ._machines import machine_names
+from ._predict import POLICIES, Prediction, predict, write_plot
 from ._probe import default_cache_path, probe
+from .models import GPTConfig, MiniGPT
 
 _EXIT_OK = 0
 _EXIT_USAGE = 2
@@ -69,8 +79,120 @@ def _run_probe(args: argparse.Namespace) -> int:
     return _EXIT_OK
 
 
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DEFAULT_OUT = Path("out") / "predict"
+
+
+def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", default="minigpt", choices=["minigpt"], help="built-in model (offload.models)")
+    model.add_argument("--hf-config", default=None, help="a Hugging Face config.json (local file; nothing downloaded)")
+    parser.add_argument("--layers", type=int, default=32, help="minigpt: blocks (default: 32)")
+    parser.add_argument("--width", type=int, default=4096, help="minigpt: hidden width (default: 4096)")
+    parser.add_argument("--heads", type=int, default=32, help="minigpt: attention heads (default: 32)")
+    parser.add_argument("--vocab", type=int, default=32000, help="minigpt: vocabulary (default: 32000)")
+    parser.add_argument(
+        "--machine", default="h100-sxm", help=f"one of {', '.join(machine_names())}, or 'probe' for this one"
+    )
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length (default: 4096)")
+    parser.add_argument("--batch", type=int, default=1, help="batch size (default: 1)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="parameter dtype (default: bf16)")
+    parser.add_argument(
+        "--budgets", default="100,50,25,10", help="budgets, %% of the peak without the engine (default: 100,50,25,10)"
+    )
+    parser.add_argument("--budget-mb", type=float, default=None, help="the budget of the plan printed in full")
+    parser.add_argument("--policy", default="auto", choices=POLICIES, help="the policy of that plan (default: auto)")
+    parser.add_argument("--longest", action="store_true", help="search the longest sequence fitting device memory")
+    parser.add_argument(
+        "--memory-gb", type=float, default=None, help="device memory for --longest (default: the machine's)"
+    )
+    parser.add_argument(
+        "--out",
+        default=str(_DEFAULT_OUT),
+        help=f"directory for prediction.json and pareto.png (default: {_DEFAULT_OUT})",
+    )
+
+
+def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
+    """The model on meta, and ``inputs_at(seq) -> (args, kwargs)``."""
+    dtype = _DTYPES[args.dtype]
+    if args.hf_config is None:
+        config = GPTConfig(
+            n_layer=args.layers,
+            n_embd=args.width,
+            n_head=args.heads,
+            vocab_size=args.vocab,
+            seq_len=max(args.seq, 1024),
+        )
+        with torch.device("meta"):
+            model: torch.nn.Module = MiniGPT(config).to(dtype)
+
+        def gpt_inputs(seq: int) -> tuple[tuple, dict]:
+            ids = torch.zeros(args.batch, seq, dtype=torch.long, device="meta")
+            return (ids, ids), {}
+
+        return model, gpt_inputs
+    path = Path(args.hf_config)
+    if not path.is_file():
+        raise ValueError(f"--hf-config {path}: no such file; pass a local config.json (nothing is downloaded)")
+    import transformers  # optional: needed only for --hf-config
+
+    config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
+
+    def hf_inputs(seq: int) -> tuple[tuple, dict]:
+        ids = torch.zeros(args.batch, seq, dtype=torch.long, device="meta")
+        return (), {"input_ids": ids, "labels": ids}
+
+    return model, hf_inputs
+
+
+def _run_predict(args: argparse.Namespace) -> int:
+    try:
+        budgets = tuple(float(b) / 100 for b in args.budgets.split(",") if b.strip())
+        for name in ("seq", "batch"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+        machine: Any = probe("cpu") if args.machine == "probe" else args.machine
+        model, inputs_at = _build(args)
+        example_args, example_kwargs = inputs_at(args.seq)
+        prediction: Prediction = predict(
+            model,
+            *example_args,
+            example_kwargs=example_kwargs,
+            machine=machine,
+            budget_mb=args.budget_mb,
+            policy=args.policy,
+            budgets=budgets,
+            longest_in=inputs_at if args.longest else None,
+            memory_bytes=None if args.memory_gb is None else int(args.memory_gb * 1e9),
+        )
+    except (ValueError, TypeError, OffloadError) as e:
+        print(f"offload predict: error: {e}", file=sys.stderr)
+        return _EXIT_USAGE
+    print(prediction)
+    if args.budget_mb is not None:
+        print()
+        print(prediction.plan)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prediction.json").write_text(json.dumps(prediction.to_dict(), indent=1, default=str))
+    plot = write_plot(prediction, out / "pareto.png")
+    print(f"\nwritten: {out / 'prediction.json'}" + (f", {plot}" if plot is not None else " (no matplotlib: no plot)"))
+    keep_mb = prediction.points[0].peak_bytes / MB
+    print(f"predicted in {prediction.wall_s:.1f} s; activation peak without the engine {keep_mb:,.0f} MB")
+    return _EXIT_OK
+
+
 _COMMANDS: dict[str, _Command] = {
     "probe": _Command("measure link, disk and per-tensor costs on this machine", _add_probe_arguments, _run_probe),
+    "predict": _Command(
+        "predict activation peak and step time of every policy on a named machine, from the model alone",
+        _add_predict_arguments,
+        _run_predict,
+    ),
 }
 
 

@@ -36,7 +36,7 @@ def _load_script(name: str):
 gpu_summary = _load_script("gpu_summary")
 
 SCRIPT = REPO_ROOT / "bench" / "gpu_check.sh"
-PARTS = ["env", "probe", "step", "tests", "overhead", "layers"]
+PARTS = ["env", "probe", "step", "predict", "tests", "overhead", "layers"]
 ABSENT_ON_THE_GPU_MACHINE = (
     "matplotlib",
     "hypothesis",
@@ -143,6 +143,10 @@ def test_every_part_runs_on_the_cpu_at_tiny_sizes(tmp_path):
     assert step["finished"] and {r["config"] for r in step["rows"]} >= {"none", "checkpoint", "save_on_cpu", "auto-10%"}
     assert summary["figures"]["overhead"]["per_tensor_us"] and summary["figures"]["probe"]
     assert "## Step benchmark" in (out / "summary.md").read_text()
+    predicted = summary["figures"]["predict"]  # offload.predict beside the step part's measurements
+    assert {r["config"] for r in predicted["rows"]} >= {"none", "checkpoint", "auto-10%"}
+    assert all(r["predicted_step_ms"] > 0 and r["measured_fwd_bwd_ms"] for r in predicted["rows"])
+    assert "## Predicted beside measured" in (out / "summary.md").read_text()
     cache = json.loads((out / "cache" / "offload" / "probe.json").read_text())
     assert len(cache["link"]) == len(cache["disk"]) == 1, "the probe part measured; the step part read its figures"
 

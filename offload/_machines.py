@@ -1,0 +1,287 @@
+"""Named machines, as plain numbers: what a prediction for a GPU needs to know of it without one.
+
+A ``Machine`` holds the vendor's peak figures (dense bf16 FLOP/s, HBM bandwidth, device memory,
+host link bandwidth per direction and both directions at once) and the ``Assumptions`` a
+prediction makes of them: which fraction of each peak a training step achieves, and the fixed
+cost of one op. Peaks are facts with a source (the datasheet named in ``source``); fractions
+are assumptions, named as such and overridable (``with_assumptions``), never measured here.
+
+    Machine ──achieved_flops(), achieved_memory_gb_per_s()──▶ roofline per op (_predict)
+            └─machine_profile()──▶ MachineProfile ──▶ planner (the link's achieved bandwidth)
+
+The machine at hand comes from measurements instead (``from_probe``): ``offload.probe()``'s link
+figures plus a measured matmul rate and copy bandwidth, with every fraction 1 (they are already
+what was achieved). Nothing here touches torch or a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ._cost import MachineProfile
+
+__all__ = ["MACHINES", "Assumptions", "Machine", "from_probe", "get_machine", "machine_names"]
+
+_GB = 1e9
+"""Bandwidths count GB of 1e9 bytes (as ``MachineProfile`` does); device memory too, as datasheets do."""
+_TFLOPS = 1e12
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Assumptions:
+    """What a prediction assumes of a machine beyond its datasheet. Defaults are round figures for
+    large transformer layers, not measurements; pass your own to ``Machine.with_assumptions``."""
+
+    flops_fraction: float = 0.6
+    """Fraction of peak dense FLOP/s a large matmul achieves in a training step (model FLOPs
+    utilization of well-tuned dense training is commonly reported at 40-60 %)."""
+    memory_fraction: float = 0.8
+    """Fraction of peak HBM bandwidth a memory-bound op (elementwise, norm, softmax) achieves."""
+    link_fraction: float = 0.8
+    """Fraction of the host link's peak per direction that a pinned copy achieves."""
+    op_overhead_us: float = 4.0
+    """Fixed cost of one op (kernel launch and dispatch), microseconds: what a tiny op costs."""
+    per_tensor_overhead_us: float = 10.0
+    """The engine's fixed cost per saved tensor it moves (pack, unpack, pool lookup, event), us;
+    the planner's ``MachineProfile.per_tensor_overhead_us``."""
+
+    def __post_init__(self) -> None:
+        for name in ("flops_fraction", "memory_fraction", "link_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"Assumptions.{name} must be a number in (0, 1], got {value!r}; 1 means the peak")
+        for name in ("op_overhead_us", "per_tensor_overhead_us"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value >= 0)
+            ):
+                raise ValueError(f"Assumptions.{name} must be a finite number >= 0 (microseconds), got {value!r}")
+
+
+MEASURED = Assumptions(flops_fraction=1.0, memory_fraction=1.0, link_fraction=1.0)
+"""The fractions of a machine whose figures were measured (``from_probe``): already achieved."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Machine:
+    """One machine's figures (see the module docstring). Bandwidths in GB/s of 1e9 bytes."""
+
+    name: str
+    device_type: str
+    """``"cuda"`` or ``"cpu"``: what sits behind the link (pinned host memory, or the spill disk)."""
+    peak_flops: float
+    """Peak dense bf16 FLOP/s (without structured sparsity)."""
+    memory_gb_per_s: float
+    """Peak device memory (HBM) bandwidth."""
+    memory_bytes: int
+    """Device memory."""
+    link_out_gb_per_s: float
+    """Host link, device to host, one direction alone (CPU: the spill disk's write)."""
+    link_back_gb_per_s: float
+    """Host link, host to device, one direction alone (CPU: the spill disk's read)."""
+    link_both_gb_per_s: float
+    """Host link, both directions at once, summed (the datasheet's "bidirectional" figure)."""
+    link: str
+    """What the link is: "PCIe Gen5 x16", "NVLink-C2C", "spill disk"."""
+    source: str
+    """Where the figures come from: datasheet name and URL, or "measured here"."""
+    assumptions: Assumptions = Assumptions()
+
+    def __post_init__(self) -> None:
+        if self.device_type not in ("cuda", "cpu"):
+            raise ValueError(f"Machine.device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
+        for name in ("peak_flops", "memory_gb_per_s", "link_out_gb_per_s", "link_back_gb_per_s", "link_both_gb_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Machine {self.name!r}: {name} must be a finite number > 0, got {value!r}")
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
+            raise ValueError(f"Machine {self.name!r}: memory_bytes must be an int > 0, got {self.memory_bytes!r}")
+
+    def achieved_flops(self) -> float:
+        """FLOP/s a matmul achieves: peak x ``flops_fraction``."""
+        return self.peak_flops * self.assumptions.flops_fraction
+
+    def achieved_memory_gb_per_s(self) -> float:
+        """Bandwidth a memory-bound op achieves: peak x ``memory_fraction``."""
+        return self.memory_gb_per_s * self.assumptions.memory_fraction
+
+    def achieved_link_gb_per_s(self) -> tuple[float, float, float]:
+        """(out alone, back alone, each direction while both run), GB/s, the engine's copies achieve."""
+        fraction = self.assumptions.link_fraction
+        return (
+            self.link_out_gb_per_s * fraction,
+            self.link_back_gb_per_s * fraction,
+            self.link_both_gb_per_s / 2 * fraction,
+        )
+
+    def machine_profile(self) -> MachineProfile:
+        """What the planner reads: the link's achieved bandwidth each way and the per-tensor cost.
+        The planner's timeline runs copies out in the forward and reloads in the backward, each
+        direction mostly alone, so it gets the one-direction figures."""
+        out_gb_per_s, back_gb_per_s, _ = self.achieved_link_gb_per_s()
+        per_tensor_us = self.assumptions.per_tensor_overhead_us
+        if self.device_type == "cpu":
+            return MachineProfile(
+                device_type="cpu",
+                device_name=self.name,
+                disk_write_gb_per_s=out_gb_per_s,
+                disk_read_gb_per_s=back_gb_per_s,
+                per_tensor_overhead_us=per_tensor_us,
+            )
+        return MachineProfile(
+            device_type="cuda",
+            device_name=self.name,
+            d2h_gb_per_s=out_gb_per_s,
+            h2d_gb_per_s=back_gb_per_s,
+            per_tensor_overhead_us=per_tensor_us,
+        )
+
+    def with_assumptions(self, **changes: float) -> Machine:
+        """This machine with some assumptions replaced, e.g. ``flops_fraction=0.45``."""
+        names = [f.name for f in dataclasses.fields(Assumptions)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise ValueError(f"unknown assumptions {unknown}; valid ones are: {', '.join(names)}")
+        return dataclasses.replace(self, assumptions=dataclasses.replace(self.assumptions, **changes))
+
+
+_A100_SOURCE = (
+    "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column): BF16 312 TFLOPS dense, HBM2e 2,039 GB/s, "
+    "80 GB; PCIe Gen4 x16 64 GB/s bidirectional; https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
+    "a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
+)
+_H100_SOURCE = (
+    "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 (SXM) / 1,513 (PCIe) TFLOPS with sparsity, half that "
+    "dense; HBM3 3.35 TB/s (SXM), HBM2e 2 TB/s (PCIe); 80 GB; PCIe Gen5 128 GB/s bidirectional; "
+    "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
+)
+_H200_SOURCE = (
+    "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): BF16 1,979 TFLOPS with sparsity (989 dense), HBM3e "
+    "4.8 TB/s, 141 GB; PCIe Gen5 128 GB/s bidirectional; https://www.nvidia.com/en-us/data-center/h200/"
+)
+_GH200_SOURCE = (
+    "NVIDIA GH200 Grace Hopper Superchip datasheet (96 GB HBM3 version): H100 GPU, BF16 1,979 TFLOPS with "
+    "sparsity (989 dense), HBM3 4 TB/s; NVLink-C2C 900 GB/s bidirectional to the Grace CPU's LPDDR5X; "
+    "https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip"
+)
+
+MACHINES: dict[str, Machine] = {
+    m.name: m
+    for m in (
+        Machine(
+            name="a100-80gb-sxm",
+            device_type="cuda",
+            peak_flops=312 * _TFLOPS,
+            memory_gb_per_s=2039,
+            memory_bytes=80 * 10**9,
+            link_out_gb_per_s=32,
+            link_back_gb_per_s=32,
+            link_both_gb_per_s=64,
+            link="PCIe Gen4 x16",
+            source=_A100_SOURCE,
+        ),
+        Machine(
+            name="h100-sxm",
+            device_type="cuda",
+            peak_flops=989 * _TFLOPS,
+            memory_gb_per_s=3350,
+            memory_bytes=80 * 10**9,
+            link_out_gb_per_s=64,
+            link_back_gb_per_s=64,
+            link_both_gb_per_s=128,
+            link="PCIe Gen5 x16",
+            source=_H100_SOURCE,
+        ),
+        Machine(
+            name="h100-pcie",
+            device_type="cuda",
+            peak_flops=756 * _TFLOPS,
+            memory_gb_per_s=2000,
+            memory_bytes=80 * 10**9,
+            link_out_gb_per_s=64,
+            link_back_gb_per_s=64,
+            link_both_gb_per_s=128,
+            link="PCIe Gen5 x16",
+            source=_H100_SOURCE,
+        ),
+        Machine(
+            name="h200",
+            device_type="cuda",
+            peak_flops=989 * _TFLOPS,
+            memory_gb_per_s=4800,
+            memory_bytes=141 * 10**9,
+            link_out_gb_per_s=64,
+            link_back_gb_per_s=64,
+            link_both_gb_per_s=128,
+            link="PCIe Gen5 x16",
+            source=_H200_SOURCE,
+        ),
+        Machine(
+            name="gh200",
+            device_type="cuda",
+            peak_flops=989 * _TFLOPS,
+            memory_gb_per_s=4000,
+            memory_bytes=96 * 10**9,
+            link_out_gb_per_s=450,
+            link_back_gb_per_s=450,
+            link_both_gb_per_s=900,
+            link="NVLink-C2C",
+            source=_GH200_SOURCE,
+        ),
+    )
+}
+"""The named machines, by ``Machine.name``. Read-only by convention: ``with_assumptions`` makes a changed copy."""
+
+
+def machine_names() -> tuple[str, ...]:
+    """Names ``get_machine`` takes, sorted."""
+    return tuple(sorted(MACHINES))
+
+
+def get_machine(name: str) -> Machine:
+    """The named machine; a ``ValueError`` lists the names where ``name`` is none of them."""
+    if name not in MACHINES:
+        raise ValueError(
+            f"unknown machine {name!r}; named machines are: {', '.join(machine_names())} "
+            "(or pass machine=offload.probe() for this one)"
+        )
+    return MACHINES[name]
+
+
+def from_probe(
+    profile: MachineProfile,
+    *,
+    flops: float,
+    memory_gb_per_s: float,
+    memory_bytes: int,
+    op_overhead_us: float,
+) -> Machine:
+    """The machine ``profile`` (from ``offload.probe()``) was measured on, as a ``Machine``: its
+    link (device <-> host on CUDA, the spill disk on the CPU) and per-tensor cost from the probe,
+    with the matmul rate ``flops`` (FLOP/s), copy bandwidth and per-op cost measured beside it.
+    Every fraction is 1: the figures are what was achieved. Both directions at once were not
+    measured: twice the slower one stands for it (the planner does not read it)."""
+    out_gb_per_s, back_gb_per_s = profile.offload_gb_per_s()
+    if not (out_gb_per_s > 0 and back_gb_per_s > 0):
+        raise ValueError(
+            f"the probe measured an unusable link ({out_gb_per_s} GB/s out, {back_gb_per_s} GB/s back); "
+            "run offload.probe(refresh=True), or pass a named machine"
+        )
+    return Machine(
+        name=f"probe:{profile.device_type}:{profile.device_name}" if profile.device_name else "probe",
+        device_type=profile.device_type,
+        peak_flops=flops,
+        memory_gb_per_s=memory_gb_per_s,
+        memory_bytes=memory_bytes,
+        link_out_gb_per_s=out_gb_per_s,
+        link_back_gb_per_s=back_gb_per_s,
+        link_both_gb_per_s=2 * min(out_gb_per_s, back_gb_per_s),
+        link="spill disk" if profile.device_type == "cpu" else "device <-> pinned host",
+        source="measured here: offload.probe() for the link, a timed matmul, copy and tiny op for the rest",
+        assumptions=dataclasses.replace(
+            MEASURED, op_overhead_us=op_overhead_us, per_tensor_overhead_us=profile.per_tensor_overhead_us
+        ),
+    )

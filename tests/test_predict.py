@@ -1,0 +1,321 @@
+"""offload.predict: named machines, predictions on meta tensors, and the predict command."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload import MachineProfile
+from offload._machines import MACHINES, Assumptions, from_probe, get_machine, machine_names
+
+# -- machines: plain numbers ------------------------------------------------------------------
+
+
+def test_named_machines_carry_their_datasheet_figures():
+    h100 = get_machine("h100-sxm")
+    assert h100.peak_flops == 989e12
+    assert h100.memory_gb_per_s == 3350
+    assert h100.memory_bytes == 80 * 10**9
+    assert (h100.link_out_gb_per_s, h100.link_back_gb_per_s, h100.link_both_gb_per_s) == (64, 64, 128)
+    assert get_machine("gh200").link_out_gb_per_s == 450
+    assert get_machine("h200").memory_bytes == 141 * 10**9
+    assert get_machine("a100-80gb-sxm").peak_flops == 312e12
+    assert set(machine_names()) == {"a100-80gb-sxm", "h100-sxm", "h100-pcie", "h200", "gh200"}
+    for machine in MACHINES.values():
+        assert "http" in machine.source  # every figure names where it comes from
+
+
+def test_achieved_figures_are_peak_times_the_named_assumptions():
+    h200 = get_machine("h200").with_assumptions(flops_fraction=0.5, memory_fraction=0.75, link_fraction=0.25)
+    assert h200.achieved_flops() == 989e12 * 0.5
+    assert h200.achieved_memory_gb_per_s() == 4800 * 0.75
+    assert h200.achieved_link_gb_per_s() == (16.0, 16.0, 16.0)
+    profile = h200.machine_profile()
+    assert (profile.device_type, profile.d2h_gb_per_s, profile.h2d_gb_per_s) == ("cuda", 16.0, 16.0)
+    assert get_machine("h200").assumptions == Assumptions()  # the named record is unchanged
+
+
+def test_bad_assumptions_name_the_value_and_the_choices():
+    with pytest.raises(ValueError, match="flops_fraction must be a number in"):
+        get_machine("h100-sxm").with_assumptions(flops_fraction=1.5)
+    with pytest.raises(ValueError, match="valid ones are: flops_fraction"):
+        get_machine("h100-sxm").with_assumptions(flop_fraction=0.5)
+    with pytest.raises(ValueError, match="named machines are: a100-80gb-sxm"):
+        get_machine("h300")
+
+
+def test_a_probe_becomes_a_machine_with_measured_figures():
+    profile = MachineProfile(
+        device_type="cpu", device_name="x", disk_write_gb_per_s=0.5, disk_read_gb_per_s=2.0, per_tensor_overhead_us=7
+    )
+    machine = from_probe(profile, flops=1e11, memory_gb_per_s=5.0, memory_bytes=24 * 10**9, op_overhead_us=3.0)
+    assert machine.achieved_flops() == 1e11  # measured: fractions are 1
+    assert machine.achieved_memory_gb_per_s() == 5.0
+    assert machine.assumptions.op_overhead_us == 3.0
+    back = machine.machine_profile()
+    assert (back.device_type, back.disk_write_gb_per_s, back.disk_read_gb_per_s) == ("cpu", 0.5, 2.0)
+    assert back.per_tensor_overhead_us == 7
+    with pytest.raises(ValueError, match="unusable link"):
+        from_probe(MachineProfile(device_type="cuda"), flops=1, memory_gb_per_s=1, memory_bytes=1, op_overhead_us=0)
+
+
+# -- predictions on meta tensors ----------------------------------------------------------------
+
+import resource  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+import offload  # noqa: E402
+from offload._cost import Scope  # noqa: E402
+from offload._errors import OffloadError  # noqa: E402
+from offload._predict import POLICIES, Attention, predict  # noqa: E402
+from offload.models import GPTConfig, MiniGPT  # noqa: E402
+
+CPU = from_probe(
+    MachineProfile(device_type="cpu", device_name="test", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0),
+    flops=50e9,
+    memory_gb_per_s=10.0,
+    memory_bytes=8 * 10**9,
+    op_overhead_us=5.0,
+)
+"""A made-up CPU: the figures below that depend on it are computed from these numbers alone."""
+
+
+def _tiny(attention: str = "sdpa", longest: int = 128) -> tuple[MiniGPT, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = MiniGPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, seq_len=longest, attention=attention))
+    idx = torch.randint(0, 256, (2, 129))
+    return model, idx[:, :-1], idx[:, 1:]
+
+
+def _measured_profiles(model, x, y) -> tuple:
+    """What the engine measures on this CPU: the profiles of its last profiling step (every stage
+    ran: "measure", "recompute" with the selective split, "offload")."""
+    eng = offload.engine(budget_mb=0.01, policy="auto", regions=model.blocks, model=model)
+    for _ in range(4):
+        with eng:
+            _, loss = model(x, y)
+        loss.backward()
+    step = eng.profiled_steps[-1]
+    eng.close()
+    return step.outside[:1] + step.regions + step.outside[1:]
+
+
+def test_saved_bytes_per_region_equal_a_measured_cpu_run():
+    model, x, y = _tiny()
+    predicted = predict(model, x, y, machine=CPU, regions=model.blocks)
+    measured = _measured_profiles(model, x, y)
+    assert [r.name for r in predicted.regions] == [m.name for m in measured]
+    for p, m in zip(predicted.regions, measured, strict=True):
+        assert (p.saved_bytes, p.num_tensors) == (m.saved_bytes, m.num_tensors), p.name
+        if p.scope is Scope.REGION:
+            assert p.input_bytes == m.input_bytes
+            assert (p.cheap_bytes, p.expensive_bytes, p.expensive_tensors) == (
+                m.cheap_bytes,
+                m.expensive_bytes,
+                m.expensive_tensors,
+            )
+    assert predicted.regions[1].saved_bytes > 0
+
+
+def test_flops_are_those_flop_counter_mode_counts_on_a_real_step():
+    model, x, y = _tiny(attention="math")
+    predicted = predict(model, x, y, machine=CPU, regions=model.blocks)
+    with FlopCounterMode(display=False) as counter:
+        _, loss = model(x, y)
+        loss.backward()
+    assert predicted.forward_flops + predicted.backward_flops == counter.get_total_flops()
+    assert predicted.forward_flops > 0 and predicted.backward_flops > predicted.forward_flops
+    for block in predicted.regions[1:-1]:  # backward ops are charged to the region whose saves they unpack
+        assert 1.5 * block.forward_flops <= block.backward_flops <= 2.5 * block.forward_flops, block.name
+
+
+def test_times_are_the_roofline_of_the_counted_ops():
+    model, x, y = _tiny()
+    slow = predict(model, x, y, machine=CPU, regions=model.blocks)
+    fast = predict(model, x, y, machine=CPU.with_assumptions(op_overhead_us=0.0), regions=model.blocks)
+    block = slow.regions[1]
+    # every op pays the fixed cost once: removing it removes exactly ops x 5 us
+    assert block.forward_ms - fast.regions[1].forward_ms == pytest.approx(block.forward_ops * 5e-3)
+    # and without it an op costs at least its FLOPs at 50 GFLOP/s and its bytes at 10 GB/s
+    assert fast.regions[1].forward_ms >= block.forward_flops / 50e9 * 1e3
+    assert fast.regions[1].forward_ms >= block.forward_bytes / 10e9 * 1e3
+
+
+def test_the_plan_and_every_policy_come_from_the_planner():
+    model, x, y = _tiny()
+    keep_peak = predict(model, x, y, machine=CPU, regions=model.blocks).plan.predicted_peak_bytes
+    budget_mb = keep_peak / 2 / (1 << 20)
+    p = predict(model, x, y, machine=CPU, regions=model.blocks, budget_mb=budget_mb, policy="auto")
+    assert p.plan.fits_budget and p.plan.predicted_peak_bytes <= keep_peak / 2
+    assert p.plan.predicted_step_ms > p.plan.baseline_step_ms  # moving bytes on a CPU is never free
+    assert {q.policy for q in p.points} == set(POLICIES)
+    at_10 = {q.policy: q for q in p.points if q.budget_fraction == 0.1}
+    assert at_10["none"].peak_bytes == keep_peak and not at_10["none"].fits
+    assert at_10["recompute"].peak_bytes < keep_peak
+    assert at_10["checkpoint"].peak_bytes == at_10["recompute"].peak_bytes
+    assert at_10["auto"].step_ms <= min(q.step_ms for q in at_10.values() if q.fits) + 1e-9
+
+
+def test_prediction_never_touches_the_model_parameters():
+    model, x, y = _tiny()
+    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+    predict(model, x, y, machine=CPU, regions=model.blocks)
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == before[name][0] and torch.equal(p, before[name][1]), name
+        assert p.grad is None, name
+
+
+def test_a_model_built_on_meta_predicts_without_its_memory():
+    config = GPTConfig(n_layer=4, n_embd=2048, n_head=16, seq_len=2048)
+    with torch.device("meta"):
+        model = MiniGPT(config)  # 200+ M parameters, never allocated
+    ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    p = predict(model, ids, ids, machine="h100-sxm")
+    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+    assert p.parameter_bytes == sum(q.numel() * 4 for q in model.parameters())
+    assert growth < p.parameter_bytes / 4  # not the parameters, nor the ~GBs of activations
+    assert p.regions[1].saved_bytes > 100 * (1 << 20)
+
+
+def test_fused_attention_saves_no_sequence_squared_scores():
+    model, x, y = _tiny()
+    fused = predict(model, x, y, machine="h100-sxm", regions=model.blocks)
+    written = predict(model, x, y, machine="h100-sxm", regions=model.blocks, attention=Attention.AS_WRITTEN)
+    scores = 2 * 4 * 128 * 128 * 4  # batch x heads x seq x seq, fp32: the math path saves its probabilities
+    # flash saves its output and log-sum-exp instead, and the two paths save q, k, v differently (scaled,
+    # transposed), so the difference is not exactly the scores; at this shape they dominate it
+    assert written.regions[1].saved_bytes - fused.regions[1].saved_bytes > scores / 2
+
+
+@torch.library.custom_op("offload_test_predict::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+class _Opaque(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = _opaque(block(x))
+        return x.sum()
+
+
+def test_an_op_without_a_meta_kernel_is_named():
+    with pytest.raises(OffloadError, match="op offload_test_predict.opaque.default failed on the meta device"):
+        predict(_Opaque(), torch.randn(4, 8), machine=CPU)
+
+
+class _ReadsItem(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        if x.mean().item() > 0:  # a float read: there is no value to read on meta
+            x = x * 2
+        return x.sum()
+
+
+def test_a_data_dependent_read_is_an_error_naming_it_and_a_bool_branch_is_assumed():
+    with pytest.raises(OffloadError, match="_local_scalar_dense"):
+        predict(_ReadsItem(), torch.randn(4, 8), machine=CPU)
+
+    class Branches(_ReadsItem):
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            if (x > -1e9).all():
+                x = x * 2
+            return x.sum()
+
+    p = predict(Branches(), torch.randn(4, 8), machine=CPU, min_offload_bytes=0)
+    assert len(p.assumed) == 1 and "test_predict.py" in p.assumed[0]
+
+
+def test_longest_sequence_grows_as_a_policy_keeps_less():
+    model, x, y = _tiny(longest=1024)  # the fake steps run at 256, 512 and 1024; the search goes on from their fit
+
+    def inputs_at(seq: int):
+        ids = torch.zeros(2, seq, dtype=torch.long)
+        return (ids, ids), {}
+
+    p = predict(model, x, y, machine=CPU, regions=model.blocks, longest_in=inputs_at, memory_bytes=64 << 20)
+    longest = {x.policy: x.sequence for x in p.longest}
+    assert 0 < longest["none"] < longest["recompute"]
+    assert longest["checkpoint"] == longest["recompute"]
+    assert longest["auto"] >= longest["offload"] >= longest["none"]
+
+
+# -- the command -------------------------------------------------------------------------------
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+
+from offload.__main__ import main  # noqa: E402
+
+
+def test_predict_command_prints_the_table_and_writes_json(tmp_path, capsys):
+    argv = ["predict", "--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "64"]
+    assert main(argv + ["--machine", "gh200", "--dtype", "fp32", "--out", str(tmp_path), "--longest"]) == 0
+    out = capsys.readouterr().out
+    assert "prediction for gh200" in out and "selective" in out and "longest sequence within 96.0 GB" in out
+    written = json.loads((tmp_path / "prediction.json").read_text())
+    assert written["machine"]["name"] == "gh200"
+    assert {p["policy"] for p in written["points"]} == set(POLICIES)
+    assert [p["budget_fraction"] for p in written["points"][:4]] == [1.0, 0.5, 0.25, 0.1]
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot is optional, like matplotlib
+        assert (tmp_path / "pareto.png").stat().st_size > 0
+
+
+def test_predict_command_reads_a_hugging_face_config_file(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 256,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    argv = ["predict", "--hf-config", str(path), "--seq", "128", "--machine", "h200", "--out", str(tmp_path)]
+    assert main(argv + ["--budgets", "50", "--budget-mb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0" in out and "prediction for h200" in out  # the plan at 1 MB is printed in full
+    assert main(["predict", "--hf-config", str(tmp_path / "missing.json")]) == 2
+    assert main(["predict", "--machine", "h300", "--layers", "2", "--width", "64", "--heads", "4"]) == 2
+    assert "named machines are" in capsys.readouterr().err
+
+
+def test_a_plan_that_moves_bytes_is_held_up_to_its_budget():
+    from offload._policy import make_plan
+    from offload._predict import held_bytes
+
+    regions = [offload.RegionProfile(name=f"r{i}", saved_bytes=100 << 20, forward_ms=10.0) for i in range(4)]
+    link = MachineProfile(device_type="cuda", d2h_gb_per_s=20.0, h2d_gb_per_s=20.0)
+    keep = make_plan(regions, link, None, "none")
+    moving = make_plan(regions, link, 150 << 20, "offload")
+    assert moving.predicted_peak_bytes == 100 << 20  # one region kept hot: what the plan needs
+    assert held_bytes(moving, keep.predicted_peak_bytes) == 150 << 20  # the store prefetches into the room left
+    assert held_bytes(keep, keep.predicted_peak_bytes) == keep.predicted_peak_bytes
+    recompute = make_plan(regions, link, 150 << 20, "recompute")
+    assert held_bytes(recompute, keep.predicted_peak_bytes) == recompute.predicted_peak_bytes
+
+
+def test_regions_of_another_model_are_refused_by_name():
+    model, x, y = _tiny()
+    other, _, _ = _tiny()
+    with pytest.raises(ValueError, match=r"regions= lists modules that are not in the model \(Block, Block"):
+        predict(model, x, y, machine=CPU, regions=other.blocks)
+    listed = predict(model, x, y, machine=CPU, regions=[model.blocks[0], model.blocks[2]])
+    assert [r.name for r in listed.regions[1:-1]] == ["blocks.0", "blocks.2"]
