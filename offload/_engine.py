@@ -260,9 +260,9 @@ def engine(
             free bytes of the compute device, or an ``offload._budget.FreeMemory`` with its own
             re-read rule. None: the device's own reading (CUDA allocator and driver, psutil).
         shared_inputs: a ``torch.distributed`` process group whose ranks all run these regions
-            on the same inputs (tensor parallelism without sequence parallelism): the inputs of
-            the regions run as recompute keep 1/N of their bytes per rank and are all-gathered
-            in backward (``offload.sharded`` declares any other saves; see ``offload._sharded``).
+            on the same inputs (tensor parallelism without sequence parallelism), with
+            ``policy="recompute"``: the regions' inputs keep 1/N of their bytes per rank and are
+            all-gathered in backward (``offload.sharded`` declares any other saves; see ``offload._sharded``).
         **options: the engine's settings, each documented on ``offload._config.Config``:
             ``reserve_mb`` (with ``budget_mb="auto"``: MB to keep free on the device),
             ``spill_dir`` (where the spill file goes; None: a private temporary directory),
@@ -293,6 +293,12 @@ def engine(
             raise ValueError(
                 "shared_inputs= declares the inputs of regions run as recompute; pass regions= (and a policy "
                 "that recomputes), or declare the saves themselves with `with offload.sharded(group):`"
+            )
+        if config.policy != "recompute":
+            raise ValueError(
+                f"shared_inputs= needs policy='recompute', got policy={config.policy!r}: the inputs are declared "
+                "where a region is recomputed, and every rank must recompute the same regions (a profiled policy "
+                "plans each rank apart); pass policy='recompute'"
             )
         if isinstance(shared_inputs, (bool, str, int)):
             raise TypeError(

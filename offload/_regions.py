@@ -318,6 +318,12 @@ class Regions:
         def region_forward(*args: Any, **kwargs: Any) -> Any:
             if not (self._session.active() and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
+            if self.policy == "auto":
+                with self._session.planned_per_rank():
+                    return region_step(*args, **kwargs)
+            return region_step(*args, **kwargs)
+
+        def region_step(*args: Any, **kwargs: Any) -> Any:
             if index == 0:
                 self._begin_step(args, kwargs)
             step = self._step

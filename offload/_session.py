@@ -25,6 +25,7 @@ from ._budget import FreeMemory
 from ._config import Config
 from ._cost import MachineProfile
 from ._entry import Handle
+from ._errors import OffloadError
 from ._hooks import Eligibility, make_hooks
 from ._observe import Observers
 from ._plan_cache import PlanCache
@@ -98,6 +99,14 @@ class Session:
         eager = getattr(self._local, "eager", False) or getattr(self._local, "eager_to_end", False)
         sharding = declared()
         if sharding is not None:
+            if getattr(self._local, "planned_per_rank", False):
+                raise OffloadError(
+                    f"offload: a save declared shared (offload.sharded) inside a region under policy='auto': each "
+                    "rank plans its regions from its own measurements, so ranks may keep one region and recompute "
+                    "it on another, and the gathers would pair up the wrong tensors; declare outside the regions, "
+                    "or pass policy='recompute', 'offload' or 'selective' "
+                    f"(the saved tensor: {tuple(t.shape)} {t.dtype})"
+                )
             return self.shared.pack(t, sharding, lambda kept: store.pack(kept, eager))
         return store.pack(t, eager)
 
@@ -125,6 +134,7 @@ class Session:
         stack.append(ctx)
         if len(stack) == 1:
             self.marks = ForwardMarks(entered=self.saved())
+            self.shared.new_forward()
         if self.observers and len(stack) == 1:
             self.observers.entered()
 
@@ -144,6 +154,17 @@ class Session:
     def active(self) -> bool:
         """True while this thread is inside the engine (its hooks may be shadowed by inner ones)."""
         return bool(getattr(self._local, "stack", None))
+
+    @contextlib.contextmanager
+    def planned_per_rank(self):
+        """A region runs under a decision each rank made from its own measurements (policy "auto"):
+        a save declared shared in it is refused (See Note: [collectives in one order on every rank])."""
+        previous = getattr(self._local, "planned_per_rank", False)
+        self._local.planned_per_rank = True
+        try:
+            yield
+        finally:
+            self._local.planned_per_rank = previous
 
     @contextlib.contextmanager
     def eagerly(self):

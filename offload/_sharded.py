@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import dataclasses
 import enum
+import logging
 import time
 import weakref
 from collections.abc import Iterator
@@ -43,6 +44,8 @@ from ._errors import OffloadError, inplace_error
 from ._stats import Counters
 
 __all__ = ["ShardedHandle", "SharedSaves", "Sharding", "declared", "declaring", "sharded", "sharding_for"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,8 @@ _DECLARED: contextvars.ContextVar[Optional[Sharding]] = contextvars.ContextVar("
 def sharding_for(group: Any = None, *, verify: bool = False, what: str = "offload.sharded()") -> Optional[Sharding]:
     """The declaration for ``group`` (None: the default group), or None for a group of one rank
     (nothing to split: saves go to the store whole). Raises where there is no group to split over."""
+    if not isinstance(verify, bool):
+        raise TypeError(f"{what}: verify must be True or False, got {verify!r}")
     dist = torch.distributed
     if not dist.is_available():
         raise OffloadError(f"{what}: this build of torch has no torch.distributed; saves cannot be shared across ranks")
@@ -74,14 +79,15 @@ def sharding_for(group: Any = None, *, verify: bool = False, what: str = "offloa
             f"{what}: torch.distributed is not initialized; call torch.distributed.init_process_group() first "
             "(torchrun sets up its environment), or leave these saves undeclared"
         )
-    if not isinstance(verify, bool):
-        raise TypeError(f"{what}: verify must be True or False, got {verify!r}")
     if group is None:
         group = dist.group.WORLD
     try:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-    except (RuntimeError, ValueError, TypeError) as error:
-        raise OffloadError(f"{what}: {group!r} is not a process group of torch.distributed ({error})") from error
+    except (RuntimeError, ValueError, TypeError, AttributeError) as error:
+        raise OffloadError(
+            f"{what}: {group!r} is not a torch.distributed process group ({type(error).__name__}: {error}); pass one "
+            "from torch.distributed.new_group(), or None for the default group"
+        ) from error
     if rank < 0:
         raise OffloadError(f"{what}: this process is not a member of the group {group!r}; pass a group it belongs to")
     if world == 1:
@@ -99,7 +105,9 @@ def sharded(group: Any = None, *, verify: bool = False) -> Iterator[None]:
     ``group``: a ``torch.distributed`` process group (None: the default one); a group of one
     rank splits nothing. ``verify=True``: each save's checksum is compared across the group at
     once (one small collective per save) and a save that differs raises ``OffloadError`` naming
-    it; for tests and first runs. Outside an engine nothing is saved through it, so nothing changes.
+    it; for tests and first runs. Outside an engine nothing is saved through it, so nothing changes
+    (torch.distributed must still be initialized). Inside regions it needs a policy that decides
+    alike on every rank (not "auto", which plans each rank from its own measurements).
     """
     sharding = sharding_for(group, verify=verify)
     token = _DECLARED.set(sharding)
@@ -152,11 +160,18 @@ class _Shard:
         "gathers",
         "refs",
         "unserved",
+        "forward",
+        "stream",
         "__weakref__",
     )
 
-    def __init__(self, piece: Handle, t: torch.Tensor, sharding: Sharding, before: Optional[_Shard]) -> None:
+    def __init__(
+        self, piece: Handle, t: torch.Tensor, sharding: Sharding, before: Optional[_Shard], forward: int
+    ) -> None:
         self.piece = piece
+        self.forward = forward
+        """Which forward (outermost entry of the engine) saved it: gathers ahead stay within one."""
+        self.stream: Any = None  # GATHERING on CUDA: the stream current when the gather started
         self.nbytes = t.untyped_storage().nbytes()
         self.slice_bytes = piece.entry.nbytes
         self.sharding = sharding
@@ -194,7 +209,30 @@ class ShardedHandle:
         shard.refs += 1
 
     def __del__(self) -> None:
-        self.saves.handle_dead(self)
+        try:
+            self.saves.handle_dead(self)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            log.exception("offload: releasing a shared saved tensor failed")
+
+
+def _all_gather_into(buffer: torch.Tensor, piece: torch.Tensor, group: Any) -> Any:
+    """Every rank's ``piece`` into ``buffer`` (rank order), async: straight into one flat buffer
+    where the backend can (NCCL's list form gathers into a flat copy of its own, then copies out)."""
+    dist = torch.distributed
+    single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    try:
+        return single(buffer, piece, group=group, async_op=True)
+    except (RuntimeError, NotImplementedError):  # a backend without the flat form
+        parts = list(buffer.view(-1, piece.numel()).unbind(0))
+        return dist.all_gather(parts, piece, group=group, async_op=True)
+
+
+# Note: [a gather finished on another stream]
+#     A gather ahead starts in one node's unpack and is waited on in another's, and autograd runs
+#     each node on the stream its forward ran on. ``work.wait()`` orders only the stream current
+#     then after the gather. The slice sent and the buffer were allocated on the starting stream,
+#     so that stream is made to wait for the current one (reuse of their blocks there comes after
+#     the gather and the first use), and the buffer is recorded on the current stream, which reads it.
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -203,12 +241,23 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
+CHECKSUM_CHUNK = 1 << 22
+"""Bytes summed at a time by ``_checksum`` (its temporaries are ~24 bytes per byte of a chunk)."""
+
+
 def _checksum(data: torch.Tensor) -> torch.Tensor:
-    """Two sums of the bytes, plain and weighted by position (float64: exact for any storage that
-    fits a device), so that equal sums with the bytes moved around still differ."""
-    values = data.to(torch.float64)
-    weights = torch.arange(data.numel(), device=data.device, dtype=torch.float64).remainder_(1021).add_(1)
-    return torch.stack([values.sum(), (values * weights).sum(), torch.tensor(float(data.numel()), device=data.device)])
+    """The byte count and two sums of the bytes, plain and weighted by position within each chunk
+    and by the chunk's index (float64: exact for any storage that fits a device), so that equal sums
+    with the bytes moved around still differ (bytes 1021 apart within a chunk swapped do not)."""
+    total = torch.zeros(3, dtype=torch.float64, device=data.device)
+    total[0] = data.numel()
+    weights = torch.arange(min(CHECKSUM_CHUNK, data.numel()), device=data.device, dtype=torch.float64)
+    weights.remainder_(1021).add_(1)
+    for index, start in enumerate(range(0, data.numel(), CHECKSUM_CHUNK)):
+        values = data[start : start + CHECKSUM_CHUNK].to(torch.float64)
+        total[1] += values.sum()
+        total[2] += (values * weights[: values.numel()]).sum() * (index % 1019 + 1)
+    return total
 
 
 class SharedSaves:
@@ -219,6 +268,14 @@ class SharedSaves:
         self.prefetch = prefetch
         self._live: weakref.WeakValueDictionary[int, _Shard] = weakref.WeakValueDictionary()
         self._last: Optional[weakref.ref] = None  # the latest shard made (the next one's ``before``)
+        self._forward = 0
+        self._gathered: weakref.WeakSet[_Shard] = weakref.WeakSet()  # GATHERING or GATHERED
+        self._cleanup_queued = False
+
+    def new_forward(self) -> None:
+        """The engine was entered (outermost): shards saved from now on belong to a new forward."""
+        self._forward += 1
+        self._last = None
 
     # ------------------------------------------------------------------ forward
 
@@ -240,7 +297,7 @@ class SharedSaves:
             piece = torch.zeros(slice_bytes, dtype=torch.uint8, device=t.device)
             piece[: hi - lo].copy_(_bytes_of(t)[lo:hi])
             before = None if self._last is None else self._last()
-            shard = _Shard(keep(piece), t, sharding, before)
+            shard = _Shard(keep(piece), t, sharding, before, self._forward)
             self._live[key] = shard
             self._last = weakref.ref(shard)
             self.counters.shared_bytes += nbytes
@@ -257,7 +314,8 @@ class SharedSaves:
             where = f" in region {sharding.where!r}" if sharding.where else ""
             raise OffloadError(
                 f"offload: the saved tensor {tuple(t.shape)} {t.dtype}{where} was declared shared "
-                f"(identical on every rank of the group), but ranks {differ} saved other values than rank 0; "
+                f"(identical on every rank of the group), but group ranks {differ} saved other values than group "
+                "rank 0; "
                 "declare only saves every rank computes alike (replicated inputs, norms before a "
                 "column-parallel linear), or move this one out of offload.sharded()"
             )
@@ -273,11 +331,10 @@ class SharedSaves:
             self._start(shard)
         if shard.state is ShardState.GATHERING:
             self._finish(shard)
-        assert shard.buffer is not None  # GATHERED
+        buffer = shard.buffer  # held here: a handle dying while this runs may drop the shard's
+        assert buffer is not None  # GATHERED
         dtype, size, stride, offset = h.layout
-        view = torch.empty(0, dtype=dtype, device=shard.buffer.device).set_(
-            shard.buffer.untyped_storage(), offset, size, stride
-        )
+        view = torch.empty(0, dtype=dtype, device=buffer.device).set_(buffer.untyped_storage(), offset, size, stride)
         if h.served != shard.gathers:
             h.served = shard.gathers
             shard.unserved -= 1
@@ -293,9 +350,11 @@ class SharedSaves:
         piece = shard.piece.store.unpack(shard.piece)  # from whichever tier holds it
         sharding = shard.sharding
         buffer = torch.empty(sharding.world * shard.slice_bytes, dtype=torch.uint8, device=piece.device)
-        parts = list(buffer.view(sharding.world, shard.slice_bytes).unbind(0))
-        shard.work = torch.distributed.all_gather(parts, piece, group=sharding.group, async_op=True)
+        shard.work = _all_gather_into(buffer, piece, sharding.group)
         shard.sending = piece  # the backend may read it until the gather is done
+        shard.stream = torch.cuda.current_stream(piece.device) if piece.is_cuda else None
+        self._gathered.add(shard)
+        self._queue_cleanup()
         shard.buffer = buffer
         shard.state = ShardState.GATHERING
         shard.gathers += 1
@@ -305,6 +364,13 @@ class SharedSaves:
         start = time.perf_counter()
         shard.work.wait()  # CUDA: the current stream waits for the gather; gloo: the host does
         self.counters.gather_wait_ms += (time.perf_counter() - start) * 1e3
+        if shard.stream is not None:  # See Note: [a gather finished on another stream]
+            current = torch.cuda.current_stream(shard.stream.device)
+            if current != shard.stream:
+                shard.stream.wait_stream(current)
+                assert shard.buffer is not None  # GATHERING
+                shard.buffer.record_stream(current)
+            shard.stream = None
         shard.work = None
         shard.sending = None
         shard.state = ShardState.GATHERED
@@ -314,11 +380,36 @@ class SharedSaves:
         """Every live handle has its view: the views keep the memory while autograd uses them."""
         shard.buffer = None
         shard.state = ShardState.SLICED
+        self._gathered.discard(shard)
 
     def _ahead(self, shard: _Shard) -> None:
         before = None if shard.before is None else shard.before()
-        if before is not None and before.state is ShardState.SLICED and before.gathers == 0:
+        if (
+            before is not None
+            and before.forward == shard.forward
+            and before.state is ShardState.SLICED
+            and before.gathers == 0
+        ):
             self._start(before)
+
+    def _queue_cleanup(self) -> None:
+        """At the end of this backward, drop every gathered buffer still held: a handle this
+        backward never reached (``autograd.grad(inputs=...)``) or a gather ahead it never used. No
+        collective is started there, so every rank may do it whenever its backward ends."""
+        if self._cleanup_queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        except RuntimeError:  # not inside a backward (a gather started from a plain call): nothing to queue
+            return
+        self._cleanup_queued = True
+
+    def _end_of_backward(self) -> None:
+        self._cleanup_queued = False
+        for shard in list(self._gathered):
+            if shard.state is ShardState.GATHERING:
+                self._finish(shard)
+            self._done(shard)
 
     def handle_dead(self, h: ShardedHandle) -> None:
         shard = h.shard

@@ -134,6 +134,18 @@ def extras(width: int) -> dict:
             out["mismatch"] = str(error)
     eng.close()
 
+    auto = Stack(width, 2, dist.get_world_size(), dist.get_rank())
+    for block in auto.blocks:
+        block.declare = lambda: offload.sharded(world)
+    eng = offload.engine(1, regions=auto.blocks, policy="auto", model=auto, min_offload_bytes=0)
+    try:
+        with eng:
+            auto(x.detach())
+        out["under_auto"] = "no error"
+    except offload.OffloadError as error:
+        out["under_auto"] = str(error)
+    eng.close()
+
     m = torch.ones(1, requires_grad=True)
     eng = offload.engine(None, min_offload_bytes=0)
     with eng, offload.sharded(world):

@@ -120,6 +120,7 @@ def test_the_edges_of_a_shared_save(ranks):
         assert views["shared_bytes"] == views["storage_bytes"], "two views of one storage: one shard"
         assert views["gathered_bytes"] == views["storage_bytes"], "two views of one storage: gathered once"
         assert "modified by an inplace operation" in res["inplace"], res["inplace"]
+        assert "policy='auto'" in res["under_auto"], "a declared save where ranks plan apart is refused on every rank"
 
 
 # ---------------------------------------------------------------------------- in this process
@@ -131,13 +132,18 @@ def test_without_torch_distributed_initialized_the_error_names_the_fix():
     with pytest.raises(offload.OffloadError, match="init_process_group"):
         with offload.sharded():
             pass
+    with pytest.raises(TypeError, match="verify must be True or False"):
+        with offload.sharded(verify="yes"):
+            pass
 
 
 def test_shared_inputs_needs_regions_and_a_group():
     with pytest.raises(ValueError, match="regions="):
         offload.engine(None, shared_inputs=object())
     with pytest.raises(TypeError, match="group.WORLD"):
-        offload.engine(None, regions=[torch.nn.Linear(2, 2)], shared_inputs=True)
+        offload.engine(None, regions=[torch.nn.Linear(2, 2)], policy="recompute", shared_inputs=True)
+    with pytest.raises(ValueError, match="policy='recompute'"):  # a profiled policy plans each rank apart
+        offload.engine(None, regions=[torch.nn.Linear(2, 2)], shared_inputs=object())
 
 
 @needs_gloo
