@@ -15,6 +15,7 @@ manager or decorator), the regions, stats and cleanup. What runs underneath is t
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 from typing import Any, Callable, Optional, TypeVar, Union, cast
@@ -33,7 +34,7 @@ from ._session import Session
 from ._stats import Stats
 from ._transfer import Link
 
-__all__ = ["Engine", "engine", "explain"]
+__all__ = ["Engine", "check_keywords", "engine", "engine_keywords", "explain"]
 
 _Decorated = TypeVar("_Decorated", bound=Callable[..., Any])
 """A function or an nn.Module: ``Engine.__call__`` returns what it was given, wrapped."""
@@ -216,8 +217,26 @@ class Engine:
         return self._machine
 
 
-def _option_names() -> list[str]:
-    return [name for name in inspect.signature(Config.from_user).parameters if name not in ("budget_mb", "has_regions")]
+def engine_keywords() -> tuple[str, ...]:
+    """Every keyword ``offload.engine()`` takes, read from its signature and ``Config.from_user``'s
+    (its ``**options``), so a keyword added to either is listed without editing a list."""
+    own = [p.name for p in inspect.signature(engine).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    options = [name for name in inspect.signature(Config.from_user).parameters if name not in ("has_regions", *own)]
+    return (*own, *options)
+
+
+def check_keywords(given: Any, *, where: str = "offload.engine()", extra: tuple[str, ...] = ()) -> None:
+    """Raise ``TypeError`` for a keyword in ``given`` that ``where`` does not take: the error names it,
+    the closest valid keyword and every valid one (the engine's, plus ``extra`` of the caller's own)."""
+    valid = (*engine_keywords(), *extra)
+    unknown = [name for name in given if name not in valid]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1)
+        hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    raise TypeError(f"{where} got unknown keyword(s) {', '.join(hints)}; valid keywords: {', '.join(valid)}")
 
 
 def engine(
@@ -265,9 +284,7 @@ def engine(
             ``plan_cache`` (with regions: a JSON file keeping final plans across restarts, so a
             restarted job does not profile again; see ``offload._plan_cache``).
     """
-    unknown = sorted(set(options) - set(_option_names()))
-    if unknown:
-        raise TypeError(f"offload.engine() got unknown option(s) {unknown}; valid options: {_option_names()}")
+    check_keywords(options)
     config = Config.from_user(budget_mb, has_regions=regions is not None, **options)
     if machine is not None and not isinstance(machine, MachineProfile):
         raise TypeError(f"machine must be an offload MachineProfile (from offload.probe()), got {machine!r}")

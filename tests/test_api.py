@@ -326,3 +326,31 @@ def test_making_and_using_a_cpu_engine_does_not_initialize_cuda():
     done = _python(code)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.strip()) > 0
+
+
+def test_unknown_keyword_lists_every_valid_one_and_the_closest():
+    """The list is every keyword engine() takes, its own (budget_mb, model, regions, machine, link,
+    memory) and Config's options, read from the signatures; the closest match is named."""
+    import inspect
+
+    from offload._config import Config
+
+    with pytest.raises(TypeError) as info:
+        offload.engine(budget_mb=1, regoins="auto")
+    message = str(info.value)
+    assert "'regoins' (did you mean 'regions'?)" in message
+    expected = [n for n in inspect.signature(offload.engine).parameters if n != "options"]
+    expected += [n for n in inspect.signature(Config.from_user).parameters if n not in ("has_regions", "budget_mb")]
+    assert {"budget_mb", "model", "regions", "machine", "link", "memory", "policy", "reserve_mb"} <= set(expected)
+    listed = message.split("valid keywords: ", 1)[1].split(", ")
+    assert sorted(listed) == sorted(expected)
+
+
+def test_unknown_keyword_to_the_decorator_form_names_the_closest():
+    with pytest.raises(TypeError, match=r"'min_offload_byte' \(did you mean 'min_offload_bytes'\?\)"):
+        offload.engine(budget_mb=1, min_offload_byte=0)(torch.nn.Linear(2, 2))
+
+
+def test_unknown_keyword_far_from_any_names_none():
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) 'zzz'; valid keywords: budget_mb, "):
+        offload.engine(zzz=1)

@@ -184,8 +184,12 @@ def test_bad_engine_arguments_raise_at_construction():
         OffloadCallback(budget_mb=-1)
     with pytest.raises(ValueError, match="policy"):
         OffloadCallback(policy="fastest")
-    with pytest.raises(TypeError, match="budgte_mb"):
+    with pytest.raises(
+        TypeError, match=r"OffloadCallback\(\) got unknown keyword\(s\) 'budgte_mb' \(did you mean 'budget_mb'\?\)"
+    ):
         OffloadCallback(budgte_mb=1)
+    with pytest.raises(TypeError, match="valid keywords: budget_mb, model, regions, "):
+        OffloadCallback(regoins="auto")
 
 
 def test_regions_through_the_callback(tmp_path, spill_dir):

@@ -201,8 +201,10 @@ def test_epoch_cut_short_leaves_the_engine(spill_dir):
 def test_bad_engine_arguments_raise_at_construction():
     with pytest.raises(ValueError, match="budget_mb"):
         OffloadCallback(budget_mb=float("nan"))
-    with pytest.raises(TypeError, match="budgte_mb"):
+    with pytest.raises(TypeError, match=r"'budgte_mb' \(did you mean 'budget_mb'\?\)"):
         OffloadCallback(budgte_mb=1)
+    with pytest.raises(TypeError, match=r"'log_figure' \(did you mean 'log_figures'\?\).*, log_figures$"):
+        OffloadCallback(log_figure=False)
 
 
 def test_regions_auto_from_the_module_it_holds(spill_dir):
