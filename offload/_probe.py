@@ -175,16 +175,8 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = parse_device(device)
     assert resolved is not None  # parse_device keeps only None as None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: CUDA is not available on this machine; pass device='cpu'")
-        count = torch.cuda.device_count()
-        index = resolved.index if resolved.index is not None else torch.cuda.current_device()
-        if index >= count:
-            raise ValueError(
-                f"device={device!r}: this machine has {count} CUDA device(s); pass cuda:0..cuda:{count - 1}"
-            )
-        resolved = torch.device("cuda", index)
+    if resolved.type == "cuda" and resolved.index is None:  # parse_device checked it is here
+        resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
 
 

@@ -354,3 +354,31 @@ def test_unknown_keyword_to_the_decorator_form_names_the_closest():
 def test_unknown_keyword_far_from_any_names_none():
     with pytest.raises(TypeError, match=r"unknown keyword\(s\) 'zzz'; valid keywords: budget_mb, "):
         offload.engine(zzz=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when CUDA is missing")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)])
+def test_cuda_on_a_machine_without_it_is_refused(device):
+    """Not an engine that passes every save through and manages nothing: the error names what is
+    here and the fix."""
+    with pytest.raises(
+        ValueError, match=r"no CUDA device .*this machine has cpu: pass one of them \(e\.g\. device='cpu'\)"
+    ):
+        offload.engine(0, device=device)
+    assert not torch.cuda.is_initialized()
+
+
+def test_a_cuda_index_past_the_last_device_is_refused(monkeypatch):
+    """cuda:3 on a one-GPU machine (the driver's count stood in for on this CPU box)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(
+        ValueError, match=r"device='cuda:3': there is no CUDA device 3; this machine has cpu, cuda:0: pass"
+    ):
+        offload.engine(0, device="cuda:3")
+    offload.engine(0, device="cuda:0").close()  # the one that is there is taken
+
+
+def test_an_unsupported_device_type_names_what_is_here():
+    with pytest.raises(ValueError, match=r"device='mps': type 'mps' is not supported.*this machine has cpu"):
+        offload.engine(0, device="mps")
