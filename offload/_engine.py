@@ -105,11 +105,21 @@ class Engine:
         self._session.exit(*exc)
 
     def __call__(self, fn: _Decorated) -> _Decorated:
-        """Decorate a function, or a module (its ``forward``), so each call runs under the engine."""
+        """Decorate a function, or a module (its ``forward``), so each call runs under the engine.
+
+        What it returns carries the engine as ``offload_engine`` (the module, and the wrapped
+        function), so the decorator form can read stats and close it::
+
+            model = offload.engine(budget_mb=512)(model)
+            ...
+            print(model.offload_engine.stats)
+            model.offload_engine.close()
+        """
         if isinstance(fn, torch.nn.Module):
             module = fn
             self.watch(module)
             module.forward = self(module.forward)
+            object.__setattr__(module, "offload_engine", self)  # a plain attribute, not a submodule
             return module
         if not callable(fn):
             raise TypeError(f"an offload engine decorates a function or an nn.Module, got {fn!r}")
@@ -119,7 +129,13 @@ class Engine:
             with self:
                 return fn(*args, **kwargs)
 
+        wrapper.offload_engine = self  # type: ignore[attr-defined]  # a function attribute
         return cast(_Decorated, wrapper)  # functools.wraps: it reads as fn, called as fn
+
+    def __deepcopy__(self, memo: dict) -> "Engine":
+        """Not copied: a copy of a decorated model shares its engine, as its copied ``forward``
+        (a closure over the engine, which deepcopy does not copy) always did."""
+        return self
 
     @property
     def plan(self) -> Optional[Plan]:

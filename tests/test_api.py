@@ -192,6 +192,37 @@ def test_decorated_forward_method(spill_dir):
     eng.close()
 
 
+def test_the_decorator_form_gives_the_engine_back(spill_dir):
+    """``model = offload.engine(...)(model)`` leaves no name for the engine: the module (and the
+    wrapped function) carry it as ``offload_engine``, to read its stats and close it."""
+    model = mlp()
+    ref = run_step(copy.deepcopy(model), x_input, loss_fn=torch.sum)
+    model = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)(model)
+    eng = model.offload_engine
+    assert isinstance(eng, offload.Engine)
+    assert model.forward.offload_engine is eng
+    got = run_step(model, x_input, loss_fn=torch.sum)
+    assert_same(ref, got)
+    assert eng.stats.offloaded_bytes > 0 and eng.stats.saved_tensors > 0
+    assert copy.deepcopy(model).offload_engine is eng  # a copy shares it, as its copied forward does
+    assert "offload_engine" not in model.state_dict() and "offload_engine" not in dict(model.named_modules())
+    eng.close()
+    assert files_under(spill_dir) == []
+    with pytest.raises(RuntimeError, match="closed"):
+        model(x_input())
+
+
+def test_a_decorated_function_gives_the_engine_back():
+    eng = offload.engine(0)
+
+    @eng
+    def step(x):
+        return x * 2
+
+    assert step.offload_engine is eng
+    eng.close()
+
+
 def test_decorating_something_else_is_refused():
     eng = offload.engine(0)
     with pytest.raises(TypeError, match="offload engine"):
