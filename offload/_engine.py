@@ -15,9 +15,11 @@ manager or decorator), the regions, stats and cleanup. What runs underneath is t
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import inspect
+import warnings
 from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import torch
@@ -35,6 +37,20 @@ from ._stats import Stats
 from ._transfer import Link
 
 __all__ = ["Engine", "check_keywords", "engine", "engine_keywords", "explain"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepSaves:
+    """What one step (an outermost enter to its exit, on one thread) saved through the hooks."""
+
+    managed: int
+    """Tensors the engine took."""
+    small: int
+    """Tensors passed through only for being under ``min_offload_bytes``."""
+
+    def all_small(self) -> bool:
+        return self.managed == 0 and self.small > 0
+
 
 _Decorated = TypeVar("_Decorated", bound=Callable[..., Any])
 """A function or an nn.Module: ``Engine.__call__`` returns what it was given, wrapped."""
@@ -69,6 +85,10 @@ class Engine:
         self._link_base = (0.0, 0.0, 0.0)  # link readings at the last reset_stats()
         self._regions: Optional[Regions] = None
         self._regions_to_find = regions == AUTO and model is None  # found in the first model watched
+        self._step_start = _StepSaves(0, 0)  # the counts when the latest step began
+        self._last_step = _StepSaves(0, 0)
+        """What the latest finished step saved (its tensors managed, and those under min_offload_bytes)."""
+        self._warned_all_small = False
         if regions is not None and not self._regions_to_find:
             self._regions = Regions(resolve_regions(regions, model), config.policy, self._session)
         if model is not None:
@@ -98,11 +118,30 @@ class Engine:
         self._session.eligible.skip_modules(self._models)  # storages can change between steps (to(), load_state_dict)
         if self._regions is not None:
             self._regions.rewrap_compiled()  # a block.compile() since the last step
+        outermost = not self._session.active()
         self._session.enter()
+        if outermost:
+            self._step_start = self._saves_so_far()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._session.exit(*exc)
+        if not self._session.active():
+            now, start = self._saves_so_far(), self._step_start
+            self._last_step = _StepSaves(now.managed - start.managed, now.small - start.small)
+            if self._last_step.all_small() and not self._warned_all_small:
+                self._warned_all_small = True
+                warnings.warn(f"offload: {self._all_small_note()}", UserWarning, stacklevel=2)
+
+    def _saves_so_far(self) -> _StepSaves:
+        return _StepSaves(self._session.counters.saved_tensors, self._session.eligible.small_saves)
+
+    def _all_small_note(self) -> str:
+        return (
+            f"the latest step saved {self._last_step.small} tensor(s), every one under min_offload_bytes="
+            f"{self.config.min_offload_bytes} bytes, so the engine managed none of them (they stayed on the "
+            f"device); to manage them pass a smaller min_offload_bytes, e.g. offload.engine(..., min_offload_bytes=0)"
+        )
 
     def __call__(self, fn: _Decorated) -> _Decorated:
         """Decorate a function, or a module (its ``forward``), so each call runs under the engine.
@@ -316,14 +355,15 @@ def engine(
 def explain(what: Union[Engine, Plan, None]) -> str:
     """The plan table of an engine (its latest plan) or of a ``Plan``, as text."""
     plan = what.plan if isinstance(what, Engine) else what
+    small = f"\n{what._all_small_note()}" if isinstance(what, Engine) and what._last_step.all_small() else ""
     if plan is None:
         return (
             "no plan yet: an engine plans with regions= and a policy that measures ('auto', 'offload' or "
-            "'selective'), after its profiling steps; 'recompute' and 'none' make no plan"
+            f"'selective'), after its profiling steps; 'recompute' and 'none' make no plan{small}"
         )
     if not isinstance(plan, Plan):
         raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")
-    text = str(plan)
+    text = str(plan) + small
     if isinstance(what, Engine) and what._regions is not None:
         text = f"{text}\nregions: {what._regions.why}"
     if isinstance(what, Engine) and what.profiling:

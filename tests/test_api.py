@@ -413,3 +413,34 @@ def test_a_cuda_index_past_the_last_device_is_refused(monkeypatch):
 def test_an_unsupported_device_type_names_what_is_here():
     with pytest.raises(ValueError, match=r"device='mps': type 'mps' is not supported.*this machine has cpu"):
         offload.engine(0, device="mps")
+
+
+def test_a_step_whose_saves_are_all_small_says_so_once(spill_dir):
+    """Every save under min_offload_bytes (64 KiB by default): the engine manages nothing; a
+    warning names the option once per engine, and explain() says so while it holds."""
+    import warnings
+
+    model = mlp(width=16)
+    ref = run_step(copy.deepcopy(model), lambda: torch.randn(4, 16))
+    eng = offload.engine(0, spill_dir=spill_dir)
+    with pytest.warns(UserWarning, match=r"every one under min_offload_bytes=65536 bytes.*min_offload_bytes=0"):
+        got = run_step(model, lambda: torch.randn(4, 16), eng)
+    assert_same(ref, got)
+    assert eng.stats.saved_tensors == 0
+    assert "under min_offload_bytes=65536" in offload.explain(eng)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_step(model, lambda: torch.randn(4, 16), eng)  # once per engine: no second warning
+    eng.close()
+
+
+def test_a_step_with_managed_saves_does_not_warn(spill_dir):
+    import warnings
+
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_step(mlp(width=16), lambda: torch.randn(4, 16), eng)
+    assert eng.stats.saved_tensors > 0
+    assert "min_offload_bytes" not in offload.explain(eng)
+    eng.close()
