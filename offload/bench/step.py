@@ -11,7 +11,9 @@ peak resident set is its own; on CUDA (or ``--in-process``) all run here, one af
 ``--time-limit-s S`` skips the configurations that would not end within S seconds (judged by the
 longest so far); SIGINT stops it with every finished configuration written.
 
-Outputs in ``--out``, rewritten as each configuration finishes (a timeout keeps what ran):
+Outputs in ``--out`` (default ``$OFFLOAD_BENCH_OUT``, else ``out/bench``; never the committed
+``bench/results/`` without ``--overwrite-results``), rewritten as each configuration finishes (a
+timeout keeps what ran):
 ``metrics.csv``, ``summary.json``, ``table.md``, ``step.png`` (with matplotlib); a table on
 stdout and, last, one line of JSON.
 """
@@ -35,15 +37,13 @@ import torch
 
 import offload
 from offload._arena import PinnedSlabs
-from offload.bench import loop, report
+from offload.bench import loop, measure, report
 from offload.bench.config import DTYPES, PRESETS, REFERENCE, RunSettings, Variant, parse_variant
 from offload.bench.measure import environment
 from offload.models import load_corpus
 
 __all__ = ["main"]
 
-DEFAULT_OUT = Path("out") / "bench"
-"""Where outputs go without ``--out``, relative to the working directory."""
 
 MALLOC_MMAP_THRESHOLD_BYTES = 128 * 1024
 """CPU children: glibc serves allocations at least this large with mmap and unmaps them on free.
@@ -226,7 +226,10 @@ def _parser() -> argparse.ArgumentParser:
         "--configs",
         help=f"comma-separated configuration names, e.g. {examples} (default: the preset's)".replace("%", "%%"),
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
+    p.add_argument(
+        "--out", type=Path, help=f"output directory (default: ${measure.OUT_ENV}, else {measure.DEFAULT_OUT})"
+    )
+    p.add_argument("--overwrite-results", action="store_true", help="let --out write into the committed bench/results/")
     p.add_argument(
         "--time-limit-s",
         type=float,
@@ -276,6 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     try:
         run, variants = _settings(args)
+        args.out = measure.check_out(args.out or measure.out_dir(), args.overwrite_results)
     except ValueError as error:
         print(f"offload.bench: error: {error}", file=sys.stderr)
         return 2
