@@ -213,6 +213,8 @@ def test_regions_through_the_callback(tmp_path, spill_dir):
     assert losses(trainer) == losses(reference)
     assert_same_weights(reference.model, model, "regions recompute")
     assert callback.engine.stats.recomputed_regions == len(layers) * len(losses(reference))
+    # Named from the model the Trainer hands the callback (no model= given), not "region0", ...
+    assert [name for name, _ in callback.engine.regions] == [f"model.layers.{i}" for i in range(len(layers))]
     assert all("forward" not in layer.__dict__ for layer in layers)
     assert files_under(spill_dir) == []
 

@@ -207,6 +207,18 @@ def test_bad_engine_arguments_raise_at_construction():
         OffloadCallback(log_figure=False)
 
 
+def test_regions_named_from_the_module_it_holds(spill_dir):
+    """regions= given as modules, without model=: the names come from the LightningModule the
+    callback is handed, as explain() and the plan cache show them, not "region0", ..."""
+    module = MLP()
+    callback = OffloadCallback(
+        budget_mb=0, regions=module.blocks, policy="recompute", min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir
+    )
+    fit(module, [callback])
+    assert [name for name, _ in callback.engine.regions] == [f"blocks.{i}" for i in range(DEPTH)]
+    assert callback.engine.stats.recomputed_regions == DEPTH * SAMPLES // BATCH
+
+
 def test_regions_auto_from_the_module_it_holds(spill_dir):
     """regions="auto" needs nothing model-specific: the callback searches the LightningModule it
     is handed (its ``blocks``), names the regions from it, and the fit is exact."""
