@@ -148,6 +148,26 @@ def test_trainer_equal_with_callback(accumulation, checkpointing, tmp_path, spil
     entries = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert all(set(FIGURES) <= entry.keys() for entry in entries)
     assert sum(entry["offload_moved_mb"] for entry in entries) == pytest.approx(stats.offloaded_bytes / 2**20)
+    assert all(entry["offload_budget_mb"] == 0 for entry in entries)  # the budget in force, fixed here
+
+
+def test_logs_show_the_budget_in_force_under_auto(tmp_path, spill_dir):
+    """budget_mb="auto": the budget follows free memory (read through memory=, 10 MiB free, no
+    reserve), and each log entry carries the one in force: resident + free - reserve."""
+    free_bytes = 10 * 2**20
+    callback = OffloadCallback(
+        budget_mb="auto",
+        reserve_mb=0,
+        memory=lambda: free_bytes,
+        min_offload_bytes=MIN_OFFLOAD_BYTES,
+        spill_dir=spill_dir,
+    )
+    trainer = train(llama(), arguments(tmp_path), [callback])
+    entries = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(entries) == SAMPLES // BATCH
+    assert all(entry["offload_budget_mb"] >= 10 for entry in entries), entries
+    # The last entry follows the last step: the budget then is the engine's latest reading.
+    assert entries[-1]["offload_budget_mb"] == callback.engine.stats.budget_bytes / 2**20
 
 
 def test_evaluation_and_generation_left_alone(tmp_path, spill_dir):

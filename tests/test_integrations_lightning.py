@@ -134,6 +134,7 @@ def test_fit_equal_with_callback(variant, spill_dir):
     assert stats.peak_resident_bytes == 0
     assert files_under(spill_dir) == []  # closed at train end: no spill file left
     assert trainer.callback_metrics["offload_moved_mb"] > 0  # the last batch's figures were logged
+    assert trainer.callback_metrics["offload_budget_mb"] == 0  # the budget in force
 
 
 def test_every_closure_call_is_managed():
