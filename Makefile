@@ -2,7 +2,7 @@
 #   make test       create .venv, install torch and the package, run the tests
 #   make lint       ruff check, ruff format --check, mypy offload (installs the lint extra)
 #   make demo       run the built-in demo (offload.bench --demo)
-#   make bench      run the benchmarks in bench/
+#   make bench      run the benchmarks in bench/, JSON under out/bench ($OFFLOAD_BENCH_OUT), never bench/results
 #   make gpu-check  run the device checks, results under out/gpu
 # Pick another torch with: make test TORCH_SPEC='torch==2.5.1'
 

@@ -36,8 +36,6 @@ from offload.bench import measure  # noqa: E402
 from offload.bench.config import MB  # noqa: E402
 from offload.models.gpt import Block, CausalSelfAttention, GPTConfig, SwiGLU  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-OUT_ENV = "OFFLOAD_BENCH_OUT"  # path of the JSON (default results/layers-<device>.json)
 DEVICE_ENV = "OFFLOAD_BENCH_DEVICE"  # default: cuda when available, else cpu
 SIZES_ENV = "OFFLOAD_BENCH_SIZES"  # a SIZE_PRESETS name (default: the device's type)
 
@@ -288,10 +286,16 @@ COLUMNS: list[measure.Column] = [
 ]
 
 
-def report(results: dict[Case, dict], device: torch.device, runner: str, say: Callable[[str], None]) -> dict:
-    """Table the results and the fit through ``say``, and write the JSON: to ``$OFFLOAD_BENCH_OUT``
-    when set, else to results/layers-<device>.json when every case and kind of the device's own sizes
-    was measured (a partial run, or one at other sizes, cannot clobber it)."""
+def report(
+    results: dict[Case, dict],
+    device: torch.device,
+    runner: str,
+    say: Callable[[str], None],
+    json_out: Optional[Path] = None,
+) -> dict:
+    """Table the results and the fit through ``say``, and write the JSON to ``json_out``, by default
+    ``layers-<device>.json`` under ``$OFFLOAD_BENCH_OUT`` (else ``out/bench``), never into the
+    committed bench/results/ unless ``json_out`` was checked with ``--overwrite-results``."""
     rows = [layer_row(case, device, result) for case, result in results.items()]
     warmup, rounds = layer_rounds(device)
     fit = transfer_fit(rows)
@@ -321,15 +325,8 @@ def report(results: dict[Case, dict], device: torch.device, runner: str, say: Ca
             f"(round trip {fit['round_trip_gb_per_s']} GB/s, {1e3 * fit['ms_per_tensor']:.0f} us per tensor; "
             f"median error {fit['median_abs_error_ms']} ms)"
         )
-    measured = [row[f"{kind}_ms"] for row in rows for kind in KINDS]
-    # results/ holds the device's own sizes: a run at other sizes (--sizes tiny) or of fewer cases leaves it be.
-    complete = size_preset(device) == device.type and set(cases(device)) <= set(results)
-    complete = complete and not any(map(math.isnan, measured))
-    out = os.environ.get(OUT_ENV) or (RESULTS_DIR / f"layers-{device.type}.json" if complete else None)
-    if out:
-        say(f"wrote {measure.write_json(out, payload)}")
-    else:
-        say(f"partial run: results not written (set {OUT_ENV}=PATH to keep them)")
+    out = json_out or measure.check_out(measure.out_dir() / f"layers-{device.type}.json")
+    say(f"wrote {measure.write_json(out, payload)}")
     return payload
 
 
@@ -339,12 +336,21 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", help=f"size preset: {', '.join(SIZE_PRESETS)}")
     parser.add_argument("--only", help="comma-separated layer names to run")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--json-out", help="where to write the JSON (default: results/layers-<device>.json)")
+    parser.add_argument(
+        "--json-out",
+        type=Path,
+        help=f"where to write the JSON (default: ${measure.OUT_ENV}/layers-<device>.json, else out/bench/...)",
+    )
+    parser.add_argument(
+        "--overwrite-results", action="store_true", help="let --json-out replace a committed file in bench/results/"
+    )
     args = parser.parse_args(argv)
+    try:
+        json_out = None if args.json_out is None else measure.check_out(args.json_out, args.overwrite_results)
+    except ValueError as error:
+        parser.error(str(error))
     if args.sizes:
         os.environ[SIZES_ENV] = args.sizes
-    if args.json_out:
-        os.environ[OUT_ENV] = args.json_out
     device = parse_device(args.device)
     measure.set_threads(args.threads)
     only = set(args.only.split(",")) if args.only else None
@@ -356,7 +362,7 @@ def main(argv=None) -> int:
         print(f"  {case.id}: " + ", ".join(f"{k} {results[case][k]:.2f} ms" for k in KINDS), file=sys.stderr)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(json.dumps(report(results, device, "bench/layers.py", say=print)))
+    print(json.dumps(report(results, device, "bench/layers.py", say=print, json_out=json_out)))
     return 0
 
 

@@ -352,6 +352,9 @@ def main(argv=None) -> int:
     parser.add_argument("--spill-dir", help="--disk: parent of the spill directory (default: the temp dir)")
     parser.add_argument("--json-out", help="also write the JSON object to this file")
     parser.add_argument(
+        "--overwrite-results", action="store_true", help="let --json-out replace a committed file in bench/results/"
+    )
+    parser.add_argument(
         "--time-limit-s",
         type=float,
         help="seconds from the script's start to finish in: fewer interleaved rounds when they would not fit "
@@ -359,6 +362,11 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (7 if args.disk else 15)
+    if args.json_out:
+        try:
+            measure.check_out(args.json_out, args.overwrite_results)
+        except ValueError as error:
+            parser.error(str(error))
     for name in ("steps", "repeats", "chain"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")

@@ -57,7 +57,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import offload  # noqa: E402
-from offload.bench.measure import environment, median, table, write_json  # noqa: E402
+from offload.bench.measure import check_out, environment, median, out_dir, table, write_json  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402
 
 MB = 1 << 20
@@ -65,7 +65,6 @@ STEPS_UNDER_PLAN = 5
 """derive: steps timed under each derived plan (the first, which allocates the new shape, left out)."""
 FRESH_ENGINES = 3
 """derive: fresh engines that measure each shape (a profiling step is one sample of a noisy clock)."""
-OUT = Path(os.environ.get("OFFLOAD_BENCH_OUT", "out/bench"))
 
 
 def rest_rss() -> int:
@@ -106,7 +105,7 @@ def gpt_step(model: MiniGPT, seq: int, batch: int, step: int, eng: Optional[offl
 def emit(part: str, rows_text: str, payload: dict) -> dict:
     payload = {"part": part, "env": environment(torch.device("cpu")), **payload}
     print(rows_text)
-    path = write_json(OUT / f"shapes-{part}.json", payload)
+    path = write_json(check_out(out_dir() / f"shapes-{part}.json"), payload)
     print(f"(written to {path})")
     print(json.dumps(payload, default=str))
     return payload

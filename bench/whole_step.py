@@ -36,16 +36,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import offload  # noqa: E402
-from offload.bench.measure import environment, table, write_json  # noqa: E402
+from offload.bench.measure import check_out, environment, out_dir, table, write_json  # noqa: E402
 
 MB = 1 << 20
-OUT = Path(os.environ.get("OFFLOAD_BENCH_OUT", "out/bench"))
 
 
 def emit(part: str, text: str, payload: dict) -> dict:
     payload = {"part": part, "env": environment(torch.device("cpu")), **payload}
     print(text)
-    print(f"(written to {write_json(OUT / f'whole-step-{part}.json', payload)})")
+    print(f"(written to {write_json(check_out(out_dir() / f'whole-step-{part}.json'), payload)})")
     print(json.dumps(payload, default=str))
     return payload
 

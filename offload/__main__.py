@@ -24,7 +24,7 @@ from ._cost import MB
 from ._errors import OffloadError
 from ._machines import machine_names
 from ._predict import POLICIES, Prediction, predict, write_plot
-from ._probe import default_cache_path, probe
+from ._probe import Figures, Source, probe, probe_report
 from .models import GPTConfig, MiniGPT
 
 _EXIT_OK = 0
@@ -51,14 +51,18 @@ def _add_probe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_probe(args: argparse.Namespace) -> int:
     try:
-        profile = probe(
+        report = probe_report(
             args.device, spill_dir=args.spill_dir, refresh=args.refresh, size_mb=args.size_mb, repeats=args.repeats
         )
     except ValueError as e:
         print(f"offload probe: error: {e}", file=sys.stderr)
         return _EXIT_USAGE
-    if args.json:
+    profile = report.profile
+    provenance = [("link, per tensor", _provenance(report.link)), ("disk", _provenance(report.disk))]
+    if args.json:  # stdout stays one JSON object of the figures; where they came from goes to stderr
         print(json.dumps(dataclasses.asdict(profile)))
+        for name, text in provenance:
+            print(f"offload probe: {name}: {text}", file=sys.stderr)
         return _EXIT_OK
 
     def gb_per_s(value: float) -> str:
@@ -68,10 +72,11 @@ def _run_probe(args: argparse.Namespace) -> int:
         ("device", f"{profile.device_type} ({profile.device_name})"),
         ("device -> host", gb_per_s(profile.d2h_gb_per_s)),
         ("host -> device", gb_per_s(profile.h2d_gb_per_s)),
-        ("disk write", gb_per_s(profile.disk_write_gb_per_s) + "  (buffered, no fsync)"),
-        ("disk read", gb_per_s(profile.disk_read_gb_per_s) + "  (page cache)"),
+        ("disk write", gb_per_s(profile.disk_write_gb_per_s) + f"  (spill file, {_io(report.disk)})"),
+        ("disk read", gb_per_s(profile.disk_read_gb_per_s) + f"  (spill file, {_io(report.disk)})"),
         ("per tensor", f"{profile.per_tensor_overhead_us:8.2f} us"),
-        ("cache", str(default_cache_path())),
+        *provenance,
+        ("cache", str(report.cache_file)),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
@@ -184,6 +189,16 @@ def _run_predict(args: argparse.Namespace) -> int:
     keep_mb = prediction.points[0].peak_bytes / MB
     print(f"predicted in {prediction.wall_s:.1f} s; activation peak without the engine {keep_mb:,.0f} MB")
     return _EXIT_OK
+
+
+def _io(disk: Figures) -> str:
+    return "direct I/O, as the spill tier does it" if disk.disk_io == "direct" else disk.disk_io
+
+
+def _provenance(figures: Figures) -> str:
+    if figures.source is Source.MEASURED:
+        return f"measured now ({figures.measured_at})"
+    return f"cached, measured {figures.measured_at} (--refresh measures again)"
 
 
 _COMMANDS: dict[str, _Command] = {

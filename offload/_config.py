@@ -19,7 +19,7 @@ from ._budget import DEFAULT_RESERVE_MB
 from ._cost import MB
 from ._policy import get_policy, policy_names
 
-__all__ = ["Config", "parse_device"]
+__all__ = ["Config", "devices_here", "parse_device"]
 
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 * 1024
@@ -87,19 +87,40 @@ def _check_budget(budget_mb: object, reserve_mb: object) -> tuple[Optional[float
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
 
+def devices_here() -> list[str]:
+    """The devices an engine can run on here, for messages: "cpu", then "cuda:0".."cuda:N-1".
+    ``is_available()`` and ``device_count()`` ask the driver; neither initializes CUDA."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["cpu", *(f"cuda:{i}" for i in range(count))]
+
+
 def parse_device(device: Union[str, int, torch.device, None]) -> Optional[torch.device]:
-    """A ``torch.device`` of a supported type from what a user passed (None stays None)."""
+    """A ``torch.device`` of a supported type that this machine has, from what a user passed (None
+    stays None). An absent one is an error: an engine on a device nothing is saved on would pass
+    every tensor through and manage nothing, without a word."""
     if device is None:
         return None
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device={device!r} is not a torch device; pass e.g. 'cuda', 'cuda:1' or 'cpu'") from e
+    here = devices_here()
+    example = here[1] if len(here) > 1 else here[0]
+    fix = (
+        f"this machine has {', '.join(here)}: pass one of them (e.g. device={example!r}), "
+        f"or device=None (the device of the first tensor saved)"
+    )
     if parsed.type not in SUPPORTED_DEVICE_TYPES:
         raise ValueError(
             f"device={device!r}: type {parsed.type!r} is not supported; valid device types are "
-            f"{', '.join(repr(t) for t in SUPPORTED_DEVICE_TYPES)}"
+            f"{', '.join(repr(t) for t in SUPPORTED_DEVICE_TYPES)}; {fix}"
         )
+    if parsed.type == "cuda":
+        count = len(here) - 1
+        if count == 0:
+            raise ValueError(f"device={device!r}: this machine has no CUDA device (torch {torch.__version__}); {fix}")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"device={device!r}: there is no CUDA device {parsed.index}; {fix}")
     return parsed
 
 

@@ -15,8 +15,11 @@ manager or decorator), the regions, stats and cleanup. What runs underneath is t
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
 import inspect
+import warnings
 from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import torch
@@ -34,7 +37,21 @@ from ._sharded import Sharding, sharding_for
 from ._stats import Stats
 from ._transfer import Link
 
-__all__ = ["Engine", "engine", "explain"]
+__all__ = ["Engine", "check_keywords", "engine", "engine_keywords", "explain"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepSaves:
+    """What one step (an outermost enter to its exit, on one thread) saved through the hooks."""
+
+    managed: int
+    """Tensors the engine took."""
+    small: int
+    """Tensors passed through only for being under ``min_offload_bytes``."""
+
+    def all_small(self) -> bool:
+        return self.managed == 0 and self.small > 0
+
 
 _Decorated = TypeVar("_Decorated", bound=Callable[..., Any])
 """A function or an nn.Module: ``Engine.__call__`` returns what it was given, wrapped."""
@@ -71,6 +88,10 @@ class Engine:
         self._link_base = (0.0, 0.0, 0.0)  # link readings at the last reset_stats()
         self._regions: Optional[Regions] = None
         self._regions_to_find = regions == AUTO and model is None  # found in the first model watched
+        self._step_start = _StepSaves(0, 0)  # the counts when the latest step began
+        self._last_step = _StepSaves(0, 0)
+        """What the latest finished step saved (its tensors managed, and those under min_offload_bytes)."""
+        self._warned_all_small = False
         if regions is not None and not self._regions_to_find:
             self._regions = Regions(resolve_regions(regions, model), config.policy, self._session, shared_inputs)
         if model is not None:
@@ -102,18 +123,47 @@ class Engine:
         self._session.eligible.skip_modules(self._models)  # storages can change between steps (to(), load_state_dict)
         if self._regions is not None:
             self._regions.rewrap_compiled()  # a block.compile() since the last step
+        outermost = not self._session.active()
         self._session.enter()
+        if outermost:
+            self._step_start = self._saves_so_far()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._session.exit(*exc)
+        if not self._session.active():
+            now, start = self._saves_so_far(), self._step_start
+            self._last_step = _StepSaves(now.managed - start.managed, now.small - start.small)
+            if self._last_step.all_small() and not self._warned_all_small:
+                self._warned_all_small = True
+                warnings.warn(f"offload: {self._all_small_note()}", UserWarning, stacklevel=2)
+
+    def _saves_so_far(self) -> _StepSaves:
+        return _StepSaves(self._session.counters.saved_tensors, self._session.eligible.small_saves)
+
+    def _all_small_note(self) -> str:
+        return (
+            f"the latest step saved {self._last_step.small} tensor(s), every one under min_offload_bytes="
+            f"{self.config.min_offload_bytes} bytes, so the engine managed none of them (they stayed on the "
+            f"device); to manage them pass a smaller min_offload_bytes, e.g. offload.engine(..., min_offload_bytes=0)"
+        )
 
     def __call__(self, fn: _Decorated) -> _Decorated:
-        """Decorate a function, or a module (its ``forward``), so each call runs under the engine."""
+        """Decorate a function, or a module (its ``forward``), so each call runs under the engine.
+
+        What it returns carries the engine as ``offload_engine`` (the module, and the wrapped
+        function), so the decorator form can read stats and close it::
+
+            model = offload.engine(budget_mb=512)(model)
+            ...
+            print(model.offload_engine.stats)
+            model.offload_engine.close()
+        """
         if isinstance(fn, torch.nn.Module):
             module = fn
             self.watch(module)
             module.forward = self(module.forward)
+            object.__setattr__(module, "offload_engine", self)  # a plain attribute, not a submodule
             return module
         if not callable(fn):
             raise TypeError(f"an offload engine decorates a function or an nn.Module, got {fn!r}")
@@ -123,7 +173,13 @@ class Engine:
             with self:
                 return fn(*args, **kwargs)
 
+        wrapper.offload_engine = self  # type: ignore[attr-defined]  # a function attribute
         return cast(_Decorated, wrapper)  # functools.wraps: it reads as fn, called as fn
+
+    def __deepcopy__(self, memo: dict) -> "Engine":
+        """Not copied: a copy of a decorated model shares its engine, as its copied ``forward``
+        (a closure over the engine, which deepcopy does not copy) always did."""
+        return self
 
     @property
     def plan(self) -> Optional[Plan]:
@@ -221,8 +277,26 @@ class Engine:
         return self._machine
 
 
-def _option_names() -> list[str]:
-    return [name for name in inspect.signature(Config.from_user).parameters if name not in ("budget_mb", "has_regions")]
+def engine_keywords() -> tuple[str, ...]:
+    """Every keyword ``offload.engine()`` takes, read from its signature and ``Config.from_user``'s
+    (its ``**options``), so a keyword added to either is listed without editing a list."""
+    own = [p.name for p in inspect.signature(engine).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    options = [name for name in inspect.signature(Config.from_user).parameters if name not in ("has_regions", *own)]
+    return (*own, *options)
+
+
+def check_keywords(given: Any, *, where: str = "offload.engine()", extra: tuple[str, ...] = ()) -> None:
+    """Raise ``TypeError`` for a keyword in ``given`` that ``where`` does not take: the error names it,
+    the closest valid keyword and every valid one (the engine's, plus ``extra`` of the caller's own)."""
+    valid = (*engine_keywords(), *extra)
+    unknown = [name for name in given if name not in valid]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1)
+        hints.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    raise TypeError(f"{where} got unknown keyword(s) {', '.join(hints)}; valid keywords: {', '.join(valid)}")
 
 
 def engine(
@@ -275,9 +349,7 @@ def engine(
             ``plan_cache`` (with regions: a JSON file keeping final plans across restarts, so a
             restarted job does not profile again; see ``offload._plan_cache``).
     """
-    unknown = sorted(set(options) - set(_option_names()))
-    if unknown:
-        raise TypeError(f"offload.engine() got unknown option(s) {unknown}; valid options: {_option_names()}")
+    check_keywords(options)
     config = Config.from_user(budget_mb, has_regions=regions is not None, **options)
     if machine is not None and not isinstance(machine, MachineProfile):
         raise TypeError(f"machine must be an offload MachineProfile (from offload.probe()), got {machine!r}")
@@ -314,14 +386,15 @@ def engine(
 def explain(what: Union[Engine, Plan, None]) -> str:
     """The plan table of an engine (its latest plan) or of a ``Plan``, as text."""
     plan = what.plan if isinstance(what, Engine) else what
+    small = f"\n{what._all_small_note()}" if isinstance(what, Engine) and what._last_step.all_small() else ""
     if plan is None:
         return (
             "no plan yet: an engine plans with regions= and a policy that measures ('auto', 'offload' or "
-            "'selective'), after its profiling steps; 'recompute' and 'none' make no plan"
+            f"'selective'), after its profiling steps; 'recompute' and 'none' make no plan{small}"
         )
     if not isinstance(plan, Plan):
         raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")
-    text = str(plan)
+    text = str(plan) + small
     if isinstance(what, Engine) and what._regions is not None:
         text = f"{text}\nregions: {what._regions.why}"
     if isinstance(what, Engine) and what.profiling:

@@ -36,6 +36,9 @@ class Eligibility:
         self.device = device
         self.min_bytes = min_bytes
         self.skip_storages: set[int] = set()
+        self.small_saves = 0
+        """Plain tensors on a candidate device passed through only for being under ``min_bytes``
+        (the engine warns when a step saved nothing else)."""
 
     def skip_modules(self, modules: Iterable[torch.nn.Module]) -> None:
         """Never move the storages of these modules' parameters and buffers.
@@ -75,7 +78,12 @@ class Eligibility:
         ):
             return False
         storage = t.untyped_storage()
-        return storage.nbytes() >= self.min_bytes and storage._cdata not in self.skip_storages
+        if storage._cdata in self.skip_storages:
+            return False
+        if storage.nbytes() < self.min_bytes:
+            self.small_saves += 1
+            return False
+        return True
 
     def _on_new_device(self, t: torch.Tensor, device: torch.device) -> bool:
         """A tensor on another device than the engine's. Without a device yet, the first eligible

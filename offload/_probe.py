@@ -31,12 +31,18 @@ keyed by host name, device name and torch version; disk figures by host name and
 directory's real path. The host name is in both keys because a home directory (and so the cache)
 is often shared by the nodes of a cluster whose disks and links are not. The file is replaced
 atomically, so concurrent ranks can lose each other's entries but never corrupt the file; a file
-that cannot be read or parsed is ignored with a warning.
+that cannot be read or parsed is ignored with a warning. Each entry keeps when it was measured,
+and a disk entry how its I/O went (``"direct"`` or ``"buffered, pages dropped"``); a disk entry
+without that (written before the probe measured through the spill file) is measured again.
+``probe_report`` says, per section, whether its figures were read from the cache or measured now,
+and when; ``python -m offload probe`` prints it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import json
 import logging
 import math
@@ -56,7 +62,7 @@ from ._cost import MB, MachineProfile
 from ._session import Session
 from ._spill import SpillFile
 
-__all__ = ["probe", "default_cache_path", "machine_key"]
+__all__ = ["Figures", "ProbeReport", "Source", "default_cache_path", "machine_key", "probe", "probe_report"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +75,38 @@ _OVERHEAD_TENSOR_BYTES = 64 * 1024
 _BYTES_PER_GB = 1e9
 _LINK_FIELDS = ("d2h_gb_per_s", "h2d_gb_per_s", "per_tensor_overhead_us")
 _DISK_FIELDS = ("disk_write_gb_per_s", "disk_read_gb_per_s")
+_DIRECT_IO = "direct"
+_BUFFERED_IO = "buffered, pages dropped"
+_DISK_IO_MODES = (_DIRECT_IO, _BUFFERED_IO)
+"""How the spill file's I/O went when the disk was measured (``SpillFile.direct``)."""
+
+
+class Source(enum.Enum):
+    """Where a section's figures came from on this call."""
+
+    MEASURED = "measured now"
+    CACHED = "cached"
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """Provenance of one section (link and per-tensor cost, or disk) of a probe's result."""
+
+    source: Source
+    measured_at: str
+    """When they were measured (ISO 8601, local time with offset); "unknown" for an entry without it."""
+    disk_io: str = ""
+    """The disk section: "direct" or "buffered, pages dropped", as the spill tier's file went."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeReport:
+    """A probe's figures and, per section, where they came from."""
+
+    profile: MachineProfile
+    link: Figures
+    disk: Figures
+    cache_file: Path
 
 
 def probe(
@@ -82,6 +120,8 @@ def probe(
 ) -> MachineProfile:
     """Measure (or read from the cache) the costs of moving activation bytes on this machine.
 
+    The figures of :func:`probe_report`, which also says whether each was cached or measured now.
+
     Args:
         device: the compute device. ``None`` means ``"cuda"`` when CUDA is available, else
             ``"cpu"``. Link bandwidths are measured only for a CUDA device.
@@ -94,13 +134,29 @@ def probe(
         repeats: timed runs per figure (the median, or the best for the per-tensor overhead).
 
     Returns:
-        A :class:`MachineProfile`. Disk figures are the buffered ones (no fsync, page-cache
-        reads); see the module docstring for what that means and where the durable ones go.
+        A :class:`MachineProfile`. Disk figures are the spill tier's own: its file written and read
+        with direct I/O where the filesystem allows it, else buffered with the pages dropped (see
+        the module docstring), so the page cache does not flatter them.
 
     Raises:
         ValueError: an argument is out of range, the device is not ``cpu`` / ``cuda``, CUDA was
             asked for but is not available, or ``spill_dir`` is not a writable directory.
     """
+    return probe_report(
+        device, spill_dir=spill_dir, refresh=refresh, cache_path=cache_path, size_mb=size_mb, repeats=repeats
+    ).profile
+
+
+def probe_report(
+    device: str | torch.device | None = None,
+    *,
+    spill_dir: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
+    cache_path: str | os.PathLike[str] | None = None,
+    size_mb: int = 64,
+    repeats: int = 3,
+) -> ProbeReport:
+    """:func:`probe`'s figures, with where each section came from (cached or measured now) and when."""
     if isinstance(size_mb, bool) or not isinstance(size_mb, int) or size_mb <= 0:
         raise ValueError(f"size_mb={size_mb!r}: must be an integer > 0 (MiB per transfer), e.g. 64")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -116,13 +172,31 @@ def probe(
     disk_key = f"{host}|{spill_dir}"
 
     cache = {} if refresh else _read_cache(cache_file)
-    link = _valid_entry(cache.get("link", {}).get(link_key), _LINK_FIELDS)
-    disk = _valid_entry(cache.get("disk", {}).get(disk_key), _DISK_FIELDS)
-    measured: dict[tuple[str, str], dict[str, float]] = {}
+    link_entry = cache.get("link", {}).get(link_key)
+    disk_entry = cache.get("disk", {}).get(disk_key)
+    link = _valid_entry(link_entry, _LINK_FIELDS)
+    disk = _valid_entry(disk_entry, _DISK_FIELDS)
+    if disk is not None and disk_entry.get("disk_io") not in _DISK_IO_MODES:
+        log.info("probe: the cached disk figures do not say how their I/O went; measuring the spill file again")
+        disk = None
+    now = _now()
+    disk_figures = (
+        Figures(Source.MEASURED, now)
+        if disk is None
+        else Figures(Source.CACHED, str(disk_entry.get("measured_at", "unknown")), disk_entry["disk_io"])
+    )
+    link_figures = (
+        Figures(Source.MEASURED, now)
+        if link is None
+        else Figures(Source.CACHED, str(link_entry.get("measured_at", "unknown")))
+    )
+    measured: dict[tuple[str, str], dict[str, object]] = {}
     if disk is None:
-        write, read = _measure_disk(spill_dir, nbytes, repeats)
+        write, read, direct = _measure_disk(spill_dir, nbytes, repeats)
         disk = {"disk_write_gb_per_s": write, "disk_read_gb_per_s": read}
-        measured["disk", disk_key] = disk
+        disk_io = _DIRECT_IO if direct else _BUFFERED_IO
+        disk_figures = dataclasses.replace(disk_figures, disk_io=disk_io)
+        measured["disk", disk_key] = {**disk, "disk_io": disk_io}
     if link is None:
         d2h, h2d = _measure_link(device, nbytes, repeats) if device.type == "cuda" else (0.0, 0.0)
         out_gbps, back_gbps = (
@@ -133,13 +207,18 @@ def probe(
             "h2d_gb_per_s": h2d,
             "per_tensor_overhead_us": _measure_per_tensor_overhead_us(device, spill_dir, repeats, out_gbps, back_gbps),
         }
-        measured["link", link_key] = link
+        measured["link", link_key] = dict(link)
     if measured:
-        _write_cache(cache_file, measured, size_mb=size_mb)
+        _write_cache(cache_file, measured, size_mb=size_mb, measured_at=now)
     else:
         log.debug("probe: using cached figures from %s", cache_file)
 
-    return MachineProfile(device_type=device.type, device_name=device_name, **link, **disk)
+    profile = MachineProfile(device_type=device.type, device_name=device_name, **link, **disk)
+    return ProbeReport(profile, link_figures, disk_figures, cache_file)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
 def machine_key(device: str | torch.device | None = None, spill_dir: str | os.PathLike[str] | None = None) -> str:
@@ -175,16 +254,8 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = parse_device(device)
     assert resolved is not None  # parse_device keeps only None as None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: CUDA is not available on this machine; pass device='cpu'")
-        count = torch.cuda.device_count()
-        index = resolved.index if resolved.index is not None else torch.cuda.current_device()
-        if index >= count:
-            raise ValueError(
-                f"device={device!r}: this machine has {count} CUDA device(s); pass cuda:0..cuda:{count - 1}"
-            )
-        resolved = torch.device("cuda", index)
+    if resolved.type == "cuda" and resolved.index is None:  # parse_device checked it is here
+        resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
 
 
@@ -249,10 +320,11 @@ def _measure_link(device: torch.device, nbytes: int, repeats: int) -> tuple[floa
     return d2h, h2d
 
 
-def _measure_disk(spill_dir: str, nbytes: int, repeats: int) -> tuple[float, float]:
+def _measure_disk(spill_dir: str, nbytes: int, repeats: int) -> tuple[float, float, bool]:
     """(write, read) GB/s of the spill file in ``spill_dir``, as the disk tier does its I/O: medians of
     ``repeats`` writes and reads of ``nbytes`` random bytes (direct I/O where the filesystem has it,
-    else buffered with the pages dropped, so the page cache cannot flatter either figure)."""
+    else buffered with the pages dropped, so the page cache cannot flatter either figure); and
+    whether the I/O was direct."""
     data = torch.from_numpy(np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8).copy())
     back = torch.empty(nbytes, dtype=torch.uint8)
     write_s, read_s = [], []
@@ -268,7 +340,7 @@ def _measure_disk(spill_dir: str, nbytes: int, repeats: int) -> tuple[float, flo
             spill.free(extent)
             write_s.append(t1 - t0)
             read_s.append(t2 - t1)
-        direct = spill.direct
+        direct = bool(spill.direct)  # written through above, so the file exists
     finally:
         spill.close()
     if not torch.equal(data, back):
@@ -281,7 +353,7 @@ def _measure_disk(spill_dir: str, nbytes: int, repeats: int) -> tuple[float, flo
         read,
         "direct I/O" if direct else "buffered, pages dropped",
     )
-    return write, read
+    return write, read, direct
 
 
 def _measure_per_tensor_overhead_us(
@@ -380,13 +452,15 @@ def _valid_entry(entry: object, fields: tuple[str, ...]) -> dict[str, float] | N
     return figures
 
 
-def _write_cache(cache_file: Path, measured: dict[tuple[str, str], dict[str, float]], *, size_mb: int) -> None:
+def _write_cache(
+    cache_file: Path, measured: dict[tuple[str, str], dict[str, object]], *, size_mb: int, measured_at: str
+) -> None:
     """Merge fresh ``(section, key) -> figures`` into the cache file, replacing it atomically.
 
     A failure to write only warns: the cache saves time, the figures are still right.
     """
     cache = _read_cache(cache_file) or {"format": _CACHE_FORMAT}
-    stamp = {"size_mb": size_mb, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    stamp = {"size_mb": size_mb, "measured_at": measured_at}
     for (section, key), figures in measured.items():
         cache.setdefault(section, {})[key] = {**figures, **stamp}
     tmp_path = None

@@ -192,6 +192,37 @@ def test_decorated_forward_method(spill_dir):
     eng.close()
 
 
+def test_the_decorator_form_gives_the_engine_back(spill_dir):
+    """``model = offload.engine(...)(model)`` leaves no name for the engine: the module (and the
+    wrapped function) carry it as ``offload_engine``, to read its stats and close it."""
+    model = mlp()
+    ref = run_step(copy.deepcopy(model), x_input, loss_fn=torch.sum)
+    model = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)(model)
+    eng = model.offload_engine
+    assert isinstance(eng, offload.Engine)
+    assert model.forward.offload_engine is eng
+    got = run_step(model, x_input, loss_fn=torch.sum)
+    assert_same(ref, got)
+    assert eng.stats.offloaded_bytes > 0 and eng.stats.saved_tensors > 0
+    assert copy.deepcopy(model).offload_engine is eng  # a copy shares it, as its copied forward does
+    assert "offload_engine" not in model.state_dict() and "offload_engine" not in dict(model.named_modules())
+    eng.close()
+    assert files_under(spill_dir) == []
+    with pytest.raises(RuntimeError, match="closed"):
+        model(x_input())
+
+
+def test_a_decorated_function_gives_the_engine_back():
+    eng = offload.engine(0)
+
+    @eng
+    def step(x):
+        return x * 2
+
+    assert step.offload_engine is eng
+    eng.close()
+
+
 def test_decorating_something_else_is_refused():
     eng = offload.engine(0)
     with pytest.raises(TypeError, match="offload engine"):
@@ -326,3 +357,90 @@ def test_making_and_using_a_cpu_engine_does_not_initialize_cuda():
     done = _python(code)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.strip()) > 0
+
+
+def test_unknown_keyword_lists_every_valid_one_and_the_closest():
+    """The list is every keyword engine() takes, its own (budget_mb, model, regions, machine, link,
+    memory) and Config's options, read from the signatures; the closest match is named."""
+    import inspect
+
+    from offload._config import Config
+
+    with pytest.raises(TypeError) as info:
+        offload.engine(budget_mb=1, regoins="auto")
+    message = str(info.value)
+    assert "'regoins' (did you mean 'regions'?)" in message
+    expected = [n for n in inspect.signature(offload.engine).parameters if n != "options"]
+    expected += [n for n in inspect.signature(Config.from_user).parameters if n not in ("has_regions", "budget_mb")]
+    assert {"budget_mb", "model", "regions", "machine", "link", "memory", "policy", "reserve_mb"} <= set(expected)
+    listed = message.split("valid keywords: ", 1)[1].split(", ")
+    assert sorted(listed) == sorted(expected)
+
+
+def test_unknown_keyword_to_the_decorator_form_names_the_closest():
+    with pytest.raises(TypeError, match=r"'min_offload_byte' \(did you mean 'min_offload_bytes'\?\)"):
+        offload.engine(budget_mb=1, min_offload_byte=0)(torch.nn.Linear(2, 2))
+
+
+def test_unknown_keyword_far_from_any_names_none():
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) 'zzz'; valid keywords: budget_mb, "):
+        offload.engine(zzz=1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given when CUDA is missing")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)])
+def test_cuda_on_a_machine_without_it_is_refused(device):
+    """Not an engine that passes every save through and manages nothing: the error names what is
+    here and the fix."""
+    with pytest.raises(
+        ValueError, match=r"no CUDA device .*this machine has cpu: pass one of them \(e\.g\. device='cpu'\)"
+    ):
+        offload.engine(0, device=device)
+    assert not torch.cuda.is_initialized()
+
+
+def test_a_cuda_index_past_the_last_device_is_refused(monkeypatch):
+    """cuda:3 on a one-GPU machine (the driver's count stood in for on this CPU box)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(
+        ValueError, match=r"device='cuda:3': there is no CUDA device 3; this machine has cpu, cuda:0: pass"
+    ):
+        offload.engine(0, device="cuda:3")
+    offload.engine(0, device="cuda:0").close()  # the one that is there is taken
+
+
+def test_an_unsupported_device_type_names_what_is_here():
+    with pytest.raises(ValueError, match=r"device='mps': type 'mps' is not supported.*this machine has cpu"):
+        offload.engine(0, device="mps")
+
+
+def test_a_step_whose_saves_are_all_small_says_so_once(spill_dir):
+    """Every save under min_offload_bytes (64 KiB by default): the engine manages nothing; a
+    warning names the option once per engine, and explain() says so while it holds."""
+    import warnings
+
+    model = mlp(width=16)
+    ref = run_step(copy.deepcopy(model), lambda: torch.randn(4, 16))
+    eng = offload.engine(0, spill_dir=spill_dir)
+    with pytest.warns(UserWarning, match=r"every one under min_offload_bytes=65536 bytes.*min_offload_bytes=0"):
+        got = run_step(model, lambda: torch.randn(4, 16), eng)
+    assert_same(ref, got)
+    assert eng.stats.saved_tensors == 0
+    assert "under min_offload_bytes=65536" in offload.explain(eng)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_step(model, lambda: torch.randn(4, 16), eng)  # once per engine: no second warning
+    eng.close()
+
+
+def test_a_step_with_managed_saves_does_not_warn(spill_dir):
+    import warnings
+
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_step(mlp(width=16), lambda: torch.randn(4, 16), eng)
+    assert eng.stats.saved_tensors > 0
+    assert "min_offload_bytes" not in offload.explain(eng)
+    eng.close()

@@ -148,6 +148,26 @@ def test_trainer_equal_with_callback(accumulation, checkpointing, tmp_path, spil
     entries = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert all(set(FIGURES) <= entry.keys() for entry in entries)
     assert sum(entry["offload_moved_mb"] for entry in entries) == pytest.approx(stats.offloaded_bytes / 2**20)
+    assert all(entry["offload_budget_mb"] == 0 for entry in entries)  # the budget in force, fixed here
+
+
+def test_logs_show_the_budget_in_force_under_auto(tmp_path, spill_dir):
+    """budget_mb="auto": the budget follows free memory (read through memory=, 10 MiB free, no
+    reserve), and each log entry carries the one in force: resident + free - reserve."""
+    free_bytes = 10 * 2**20
+    callback = OffloadCallback(
+        budget_mb="auto",
+        reserve_mb=0,
+        memory=lambda: free_bytes,
+        min_offload_bytes=MIN_OFFLOAD_BYTES,
+        spill_dir=spill_dir,
+    )
+    trainer = train(llama(), arguments(tmp_path), [callback])
+    entries = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(entries) == SAMPLES // BATCH
+    assert all(entry["offload_budget_mb"] >= 10 for entry in entries), entries
+    # The last entry follows the last step: the budget then is the engine's latest reading.
+    assert entries[-1]["offload_budget_mb"] == callback.engine.stats.budget_bytes / 2**20
 
 
 def test_evaluation_and_generation_left_alone(tmp_path, spill_dir):
@@ -184,8 +204,12 @@ def test_bad_engine_arguments_raise_at_construction():
         OffloadCallback(budget_mb=-1)
     with pytest.raises(ValueError, match="policy"):
         OffloadCallback(policy="fastest")
-    with pytest.raises(TypeError, match="budgte_mb"):
+    with pytest.raises(
+        TypeError, match=r"OffloadCallback\(\) got unknown keyword\(s\) 'budgte_mb' \(did you mean 'budget_mb'\?\)"
+    ):
         OffloadCallback(budgte_mb=1)
+    with pytest.raises(TypeError, match="valid keywords: budget_mb, model, regions, "):
+        OffloadCallback(regoins="auto")
 
 
 def test_regions_through_the_callback(tmp_path, spill_dir):
@@ -209,6 +233,8 @@ def test_regions_through_the_callback(tmp_path, spill_dir):
     assert losses(trainer) == losses(reference)
     assert_same_weights(reference.model, model, "regions recompute")
     assert callback.engine.stats.recomputed_regions == len(layers) * len(losses(reference))
+    # Named from the model the Trainer hands the callback (no model= given), not "region0", ...
+    assert [name for name, _ in callback.engine.regions] == [f"model.layers.{i}" for i in range(len(layers))]
     assert all("forward" not in layer.__dict__ for layer in layers)
     assert files_under(spill_dir) == []
 

@@ -134,6 +134,7 @@ def test_fit_equal_with_callback(variant, spill_dir):
     assert stats.peak_resident_bytes == 0
     assert files_under(spill_dir) == []  # closed at train end: no spill file left
     assert trainer.callback_metrics["offload_moved_mb"] > 0  # the last batch's figures were logged
+    assert trainer.callback_metrics["offload_budget_mb"] == 0  # the budget in force
 
 
 def test_every_closure_call_is_managed():
@@ -201,8 +202,22 @@ def test_epoch_cut_short_leaves_the_engine(spill_dir):
 def test_bad_engine_arguments_raise_at_construction():
     with pytest.raises(ValueError, match="budget_mb"):
         OffloadCallback(budget_mb=float("nan"))
-    with pytest.raises(TypeError, match="budgte_mb"):
+    with pytest.raises(TypeError, match=r"'budgte_mb' \(did you mean 'budget_mb'\?\)"):
         OffloadCallback(budgte_mb=1)
+    with pytest.raises(TypeError, match=r"'log_figure' \(did you mean 'log_figures'\?\).*, log_figures$"):
+        OffloadCallback(log_figure=False)
+
+
+def test_regions_named_from_the_module_it_holds(spill_dir):
+    """regions= given as modules, without model=: the names come from the LightningModule the
+    callback is handed, as explain() and the plan cache show them, not "region0", ..."""
+    module = MLP()
+    callback = OffloadCallback(
+        budget_mb=0, regions=module.blocks, policy="recompute", min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir
+    )
+    fit(module, [callback])
+    assert [name for name, _ in callback.engine.regions] == [f"blocks.{i}" for i in range(DEPTH)]
+    assert callback.engine.stats.recomputed_regions == DEPTH * SAMPLES // BATCH
 
 
 def test_regions_auto_from_the_module_it_holds(spill_dir):

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ def calls(monkeypatch):
 
     def fake_disk(spill_dir, nbytes, repeats):
         counts["disk"] += 1
-        return FAKE_DISK
+        return (*FAKE_DISK, True)
 
     def fake_overhead(device, spill_dir, repeats, out_gb_per_s, back_gb_per_s):
         counts["overhead"] += 1
@@ -283,3 +284,77 @@ def test_cuda_probe_measures_both_link_directions(tmp_path):
     assert profile.d2h_gb_per_s > 0 and profile.h2d_gb_per_s > 0
     assert profile.offload_gb_per_s() == (profile.d2h_gb_per_s, profile.h2d_gb_per_s)
     assert profile.disk_write_gb_per_s > 0 and profile.disk_read_gb_per_s > 0
+
+
+def test_cli_says_whether_figures_are_measured_now_or_cached_and_when(tmp_path, monkeypatch, calls):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    argv = ["probe", "--device", "cpu", "--spill-dir", str(tmp_path)]
+
+    def run(*extra):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main([*argv, *extra]) == 0
+        return out.getvalue()
+
+    first = run()
+    stamps = re.findall(r"measured now \((\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4})\)", first)
+    assert len(stamps) == 2, first  # link and disk, both measured on this call
+    second = run()
+    assert "measured now" not in second
+    assert f"cached, measured {stamps[0]} (--refresh measures again)" in second
+    assert calls == {"link": 0, "disk": 1, "overhead": 1}
+    assert "measured now" in run("--refresh")
+
+
+@pytest.mark.parametrize(
+    "direct, label", [(True, "direct I/O, as the spill tier does it"), (False, "buffered, pages dropped")]
+)
+def test_cli_disk_rows_name_the_spill_files_io(tmp_path, monkeypatch, calls, direct, label):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(_probe, "_measure_disk", lambda spill_dir, nbytes, repeats: (*FAKE_DISK, direct))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["probe", "--device", "cpu", "--spill-dir", str(tmp_path)]) == 0
+    text = out.getvalue()
+    assert f"3.00 GB/s  (spill file, {label})" in text and f"6.00 GB/s  (spill file, {label})" in text
+    assert "page cache" not in text and "no fsync" not in text
+
+
+def test_cli_json_keeps_stdout_one_object_and_says_where_on_stderr(tmp_path, monkeypatch, calls, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["probe", "--device", "cpu", "--spill-dir", str(tmp_path), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert MachineProfile(**json.loads(captured.out)).disk_write_gb_per_s == FAKE_DISK[0]
+    assert "offload probe: disk: measured now (" in captured.err
+
+
+def test_cached_disk_figures_that_do_not_say_their_io_are_measured_again(tmp_path, calls):
+    """An entry from before the probe measured through the spill file may hold buffered figures."""
+    cache = tmp_path / "probe.json"
+    probe("cpu", spill_dir=tmp_path, cache_path=cache, size_mb=SIZE_MB)
+    data = json.loads(cache.read_text())
+    for entry in data["disk"].values():
+        assert entry["disk_io"] == "direct"
+        del entry["disk_io"]
+    cache.write_text(json.dumps(data))
+    report = _probe.probe_report("cpu", spill_dir=tmp_path, cache_path=cache, size_mb=SIZE_MB)
+    assert calls == {"link": 0, "disk": 2, "overhead": 1}
+    assert report.disk.source is _probe.Source.MEASURED and report.link.source is _probe.Source.CACHED
+
+
+def test_the_disk_is_measured_through_the_spill_tiers_own_file(tmp_path, monkeypatch):
+    """Not buffered writes: the probe writes and reads a ``SpillFile``, as the disk tier does, and
+    reports whether its I/O was direct."""
+    from offload._spill import SpillFile
+
+    closed_with = []
+
+    class Spy(SpillFile):
+        def close(self):
+            closed_with.append(self.direct)  # None: nothing was ever written through it
+            super().close()
+
+    monkeypatch.setattr(_probe, "SpillFile", Spy)
+    write, read, direct = _probe._measure_disk(str(tmp_path), 1 << 20, 1)
+    assert write > 0 and read > 0
+    assert closed_with == [direct] and isinstance(direct, bool)

@@ -178,9 +178,20 @@ PRESETS: dict[str, Preset] = {
     # "math" attention: the CPU's fused SDPA kernel with dropout gave losses differing at 1e-6 between
     # processes even with no engine at all, hiding whether the engine is exact.
     "demo": Preset(
-        dict(layers=4, hidden=256, heads=4, seq=256, batch=4, steps=3, dtype="fp32", device="cpu", attention="math"),
+        dict(
+            layers=4,
+            hidden=256,
+            heads=4,
+            seq=256,
+            batch=4,
+            steps=2,
+            repeats=3,
+            dtype="fp32",
+            device="cpu",
+            attention="math",
+        ),
         _BASELINES + tuple(Variant(Kind.ENGINE, policy, 0.25) for policy in ("offload", "selective", "auto")),
-        "CPU, six configurations of MiniGPT 4 x 256",
+        "CPU, six configurations of MiniGPT 4 x 256, three repeats (auto's verdict needs their spread)",
     ),
     # ~1.6B parameters (8 x 200M): estimated (not yet measured) ~75 ms of compute per step on an H200, so the ~20
     # configurations x (grad check + 3 + 2 steps) should take about a minute; gpu_check gives it 110 s and

@@ -2,7 +2,9 @@
 figure means one thing in ``offload.bench`` and ``bench/`` alike: ``Memory`` (peak of a window),
 ``sync``, ``window`` and ``timed`` (synchronize before reading the clock; interleave the variants
 compared), ``environment`` (what a committed result must name), ``table`` and ``records_table``
-(the one table printer), ``write_text`` / ``write_json`` (whole or not at all).
+(the one table printer), ``write_text`` / ``write_json`` (whole or not at all), and where they
+go: ``out_dir()`` (``$OFFLOAD_BENCH_OUT``, else ``out/bench``), never into the committed
+``bench/results/`` unless a script's ``--overwrite-results`` says so (``check_out``).
 """
 
 from __future__ import annotations
@@ -31,10 +33,35 @@ from offload._pagecache import cached_bytes_under
 from offload._probe import cpu_model
 
 __all__ = ["THREADS_ENV", "Column", "Memory", "describe_machine", "environment", "median", "paired_median"]
-__all__ += ["records_table"]
+__all__ += ["OUT_ENV", "RESULTS_DIR", "check_out", "out_dir", "records_table"]
 __all__ += ["resolve_device", "set_threads", "sync", "table", "timed", "window", "write_json", "write_text"]
 
 THREADS_ENV = "OFFLOAD_BENCH_THREADS"  # torch intra-op threads of bench/'s scripts (default: torch's choice)
+OUT_ENV = "OFFLOAD_BENCH_OUT"
+"""The directory every benchmark writes under when given no path (default ``DEFAULT_OUT``)."""
+DEFAULT_OUT = Path("out") / "bench"
+"""Relative to the working directory; ``out/`` is not committed."""
+RESULTS_DIR = Path(offload.__file__).resolve().parents[1] / "bench" / "results"
+"""The committed results of a checkout: written only when a run is asked to (``check_out``)."""
+
+
+def out_dir() -> Path:
+    """Where a benchmark writes when given no path: ``$OFFLOAD_BENCH_OUT``, else ``out/bench``."""
+    return Path(os.environ.get(OUT_ENV) or DEFAULT_OUT)
+
+
+def check_out(path: Union[str, os.PathLike], overwrite_results: bool = False) -> Path:
+    """``path`` (a file or directory to write), refused with ``ValueError`` when it lies in the
+    committed ``bench/results/`` and ``overwrite_results`` is False: a benchmark run must not
+    replace a committed figure by accident."""
+    path = Path(path)
+    resolved = path.resolve()
+    if not overwrite_results and (resolved == RESULTS_DIR or RESULTS_DIR in resolved.parents):
+        raise ValueError(
+            f"{str(path)!r} is in the committed results ({RESULTS_DIR}); write under {DEFAULT_OUT}/ "
+            f"(or ${OUT_ENV}), or pass --overwrite-results to replace committed results on purpose"
+        )
+    return path
 
 
 def sync(device: torch.device) -> None:

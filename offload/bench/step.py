@@ -11,9 +11,12 @@ peak resident set is its own; on CUDA (or ``--in-process``) all run here, one af
 ``--time-limit-s S`` skips the configurations that would not end within S seconds (judged by the
 longest so far); SIGINT stops it with every finished configuration written.
 
-Outputs in ``--out``, rewritten as each configuration finishes (a timeout keeps what ran):
+Outputs in ``--out`` (default ``$OFFLOAD_BENCH_OUT``, else ``out/bench``; never the committed
+``bench/results/`` without ``--overwrite-results``), rewritten as each configuration finishes (a
+timeout keeps what ran):
 ``metrics.csv``, ``summary.json``, ``table.md``, ``step.png`` (with matplotlib); a table on
-stdout and, last, one line of JSON.
+stdout and, last, one line of JSON. ``--demo`` (``make demo``), for a reader: the short table
+with its legend, and the JSON goes to ``result.json`` under ``--out`` instead, as its last line says.
 """
 
 from __future__ import annotations
@@ -35,20 +38,21 @@ import torch
 
 import offload
 from offload._arena import PinnedSlabs
-from offload.bench import loop, report
+from offload.bench import loop, measure, report
 from offload.bench.config import DTYPES, PRESETS, REFERENCE, RunSettings, Variant, parse_variant
-from offload.bench.measure import environment
+from offload.bench.measure import environment, write_json
 from offload.models import load_corpus
 
 __all__ = ["main"]
 
-DEFAULT_OUT = Path("out") / "bench"
-"""Where outputs go without ``--out``, relative to the working directory."""
 
 MALLOC_MMAP_THRESHOLD_BYTES = 128 * 1024
 """CPU children: glibc serves allocations at least this large with mmap and unmaps them on free.
 glibc's default raises the threshold after each large free (up to 32 MiB), after which freed
 activations stay in the heap and RSS stops tracking live memory. 128 KiB is glibc's own start."""
+
+DEMO_JSON = "result.json"
+"""``--demo``: the file under ``--out`` that takes the JSON line other presets print last."""
 
 FINAL_WRITE_S = 5.0
 """Seconds ``--time-limit-s`` keeps for writing the outputs (the plot) after the last configuration."""
@@ -226,7 +230,10 @@ def _parser() -> argparse.ArgumentParser:
         "--configs",
         help=f"comma-separated configuration names, e.g. {examples} (default: the preset's)".replace("%", "%%"),
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
+    p.add_argument(
+        "--out", type=Path, help=f"output directory (default: ${measure.OUT_ENV}, else {measure.DEFAULT_OUT})"
+    )
+    p.add_argument("--overwrite-results", action="store_true", help="let --out write into the committed bench/results/")
     p.add_argument(
         "--time-limit-s",
         type=float,
@@ -276,6 +283,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     try:
         run, variants = _settings(args)
+        args.out = measure.check_out(args.out or measure.out_dir(), args.overwrite_results)
     except ValueError as error:
         print(f"offload.bench: error: {error}", file=sys.stderr)
         return 2
@@ -301,8 +309,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"offload.bench: interrupted; {args.out} holds every configuration that finished", file=sys.stderr)
         return 130
     payload = reporter.write(results, wall_s=time.perf_counter() - started)
-    print(reporter.text())
+    demo = args.demo or args.preset == "demo"
+    print(reporter.text(reader=demo))
     for failure in payload["failures"]:
         print(f"offload.bench: FAILED {failure}", file=sys.stderr)
-    print(json.dumps(payload))
+    if demo:  # a reader's terminal: the JSON line goes to a file, and the table says where
+        path = write_json(args.out / DEMO_JSON, payload)
+        plot = f", the plot {payload['plot']}" if payload["plot"] else ""
+        print(f"\nThe run's JSON: {path}; every column: {args.out / 'table.md'}{plot}.")
+    else:
+        print(json.dumps(payload))
     return 1 if payload["failures"] else 0

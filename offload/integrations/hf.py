@@ -46,6 +46,7 @@ import torch
 
 import offload
 
+from .._engine import check_keywords
 from ._figures import log_figures
 
 try:
@@ -96,6 +97,7 @@ class OffloadCallback(transformers.TrainerCallback):
     """
 
     def __init__(self, **engine_kwargs: Any) -> None:
+        check_keywords(engine_kwargs, where="OffloadCallback()")
         offload.engine(**engine_kwargs).close()  # the engine's own checks, at construction
         self._engine_kwargs = engine_kwargs
         self.engine: Optional[offload.Engine] = None

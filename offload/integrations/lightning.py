@@ -31,6 +31,7 @@ import torch
 
 import offload
 
+from .._engine import check_keywords
 from . import _figures
 
 try:
@@ -52,6 +53,7 @@ class OffloadCallback(pl.Callback):
     """
 
     def __init__(self, *, log_figures: bool = True, **engine_kwargs: Any) -> None:
+        check_keywords(engine_kwargs, where="OffloadCallback()", extra=("log_figures",))
         offload.engine(**engine_kwargs).close()  # the engine's own checks, at construction
         self._engine_kwargs = engine_kwargs
         self._log_figures = log_figures

@@ -1,0 +1,113 @@
+"""Every benchmark writes under out/ (or $OFFLOAD_BENCH_OUT), never over bench/results/ by accident.
+
+The committed results are figures a reader trusts; a run of ``make bench``, ``python -m
+offload.bench`` or a script in bench/ with no path given must leave them alone, and one pointed
+at them must say so and stop, unless ``--overwrite-results`` asks for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload.bench import measure, step
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "bench" / "results"
+TINY = "--layers 2 --hidden 32 --heads 2 --seq 16 --batch 2 --steps 1 --warmup 0 --dtype fp32 --no-progress".split()
+TINY += ["--min-offload-bytes", "0"]
+
+
+def _fingerprint() -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(RESULTS.iterdir())}
+
+
+def _bench_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", REPO_ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """A working directory of its own and no $OFFLOAD_BENCH_OUT; the results fingerprinted around it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(measure.OUT_ENV, raising=False)
+    before = _fingerprint()
+    yield tmp_path
+    assert _fingerprint() == before
+
+
+def test_the_results_dir_is_where_the_committed_results_are():
+    assert measure.RESULTS_DIR == RESULTS and (RESULTS / "demo-cpu.png").is_file()
+
+
+def test_step_benchmark_defaults_to_out_then_the_env(elsewhere, monkeypatch):
+    assert step.main(TINY + ["--device", "cpu", "--in-process", "--configs", "none"]) == 0
+    assert (elsewhere / "out" / "bench" / "summary.json").is_file()
+    monkeypatch.setenv(measure.OUT_ENV, str(elsewhere / "mine"))
+    assert step.main(TINY + ["--device", "cpu", "--in-process", "--configs", "none"]) == 0
+    assert (elsewhere / "mine" / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_step_benchmark_refuses_the_committed_results(elsewhere, monkeypatch, capsys, where):
+    target = RESULTS / "a-new-run"
+    argv = TINY + ["--device", "cpu", "--in-process", "--configs", "none"]
+    if where == "flag":
+        argv += ["--out", str(target)]
+    else:
+        monkeypatch.setenv(measure.OUT_ENV, str(RESULTS))
+        target = RESULTS
+    assert step.main(argv) == 2
+    assert "--overwrite-results" in capsys.readouterr().err
+    assert not (RESULTS / "a-new-run").exists() and not (RESULTS / "summary.json").exists()
+
+
+def test_overwrite_results_is_the_one_way_in(tmp_path):
+    assert measure.check_out(RESULTS / "layers-cpu.json", overwrite_results=True) == RESULTS / "layers-cpu.json"
+    with pytest.raises(ValueError, match="--overwrite-results"):
+        measure.check_out(RESULTS / "sub" / ".." / "layers-cpu.json")
+    assert measure.check_out(tmp_path / "x.json") == tmp_path / "x.json"
+
+
+def test_layers_report_writes_under_out_by_default(elsewhere, monkeypatch):
+    """What ``make bench`` (pytest bench) ends in: the layer table's JSON, formerly
+    bench/results/layers-<device>.json for a complete run."""
+    layers = _bench_script("layers")
+    layers.report({}, torch.device("cpu"), "test", say=lambda line: None)
+    assert (elsewhere / "out" / "bench" / "layers-cpu.json").is_file()
+    monkeypatch.setenv(measure.OUT_ENV, str(elsewhere / "mine"))
+    layers.report({}, torch.device("cpu"), "test", say=lambda line: None)
+    assert (elsewhere / "mine" / "layers-cpu.json").is_file()
+    monkeypatch.setenv(measure.OUT_ENV, str(RESULTS))
+    with pytest.raises(ValueError, match="committed results"):
+        layers.report({}, torch.device("cpu"), "test", say=lambda line: None)
+
+
+@pytest.mark.parametrize("script, committed", [("layers", "layers-cpu.json"), ("overhead", "overhead-cpu.json")])
+def test_scripts_refuse_a_json_out_in_the_results_before_measuring(elsewhere, capsys, script, committed):
+    module = _bench_script(script)
+    with pytest.raises(SystemExit) as info:
+        module.main(["--json-out", str(RESULTS / committed)])
+    assert info.value.code == 2
+    assert "--overwrite-results" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["whole_step", "shapes"])
+def test_part_scripts_write_under_the_env_and_refuse_the_results(elsewhere, monkeypatch, capsys, script):
+    module = _bench_script(script)
+    monkeypatch.setenv(measure.OUT_ENV, str(elsewhere / "mine"))
+    module.emit("test", "table", {"rows": []})
+    assert list((elsewhere / "mine").iterdir())
+    monkeypatch.setenv(measure.OUT_ENV, str(RESULTS))
+    with pytest.raises(ValueError, match="committed results"):
+        module.emit("test", "table", {"rows": []})
