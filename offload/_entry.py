@@ -183,6 +183,14 @@ class Entry:
     def device_copy(self) -> Optional[Copy]:
         return self.copies.get(Tier.DEVICE)
 
+    def let_go_handles(self) -> None:
+        """The original storage has left this entry: every handle keeps its watch only (See Note: [version watch])."""
+        for ref in self.handles:
+            h = ref()
+            if h is not None:
+                h.let_go()
+        self.handles = []
+
 
 class HandleOwner(Protocol):
     """What a handle needs of the store that made it (the store imports this module, not back)."""
