@@ -49,7 +49,7 @@ def _medians(samples: list[tuple[float, float]], scale: float) -> tuple[float, f
     return statistics.median(w for w, _ in samples) * scale, statistics.median(c for _, c in samples) * scale
 
 
-def _worker() -> dict:
+def _worker(steps: bool) -> dict:
     import torch
 
     import offload
@@ -74,6 +74,8 @@ def _worker() -> dict:
     samples = [_timed(chain) for _ in range(CHAIN_REPEATS)]
     result["hook_pair_us"], result["hook_pair_us_cpu"] = _medians(samples, 1e6 / CHAIN_LENGTH)
     counting.close()
+    if not steps:
+        return result
 
     model = MiniGPT(GPTConfig(n_layer=4, n_embd=128, seq_len=128))
     idx = torch.randint(0, 256, (4, 128))
@@ -104,10 +106,10 @@ def _worker() -> dict:
     return result
 
 
-def _run_worker(checkout: Path) -> dict:
+def _run_worker(checkout: Path, steps: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS="1")
     out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker"],
+        [sys.executable, str(Path(__file__).resolve()), "--worker", *([] if steps else ["--hook-pair-only"])],
         env=env,
         cwd=str(checkout),
         capture_output=True,
@@ -125,10 +127,11 @@ def main() -> None:
         "--new", type=Path, default=Path(__file__).resolve().parents[1], help="checkout of the new code"
     )
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--hook-pair-only", action="store_true", help="measure the hook pair alone (quicker rounds)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(_worker()))
+        print(json.dumps(_worker(steps=not args.hook_pair_only)))
         return
     if args.old is None:
         parser.error("--old is required: the checkout to compare against (e.g. a worktree of main)")
@@ -137,11 +140,12 @@ def main() -> None:
     for r in range(args.rounds):
         order = ("old", "new") if r % 2 == 0 else ("new", "old")
         for side in order:
-            runs[side].append(_run_worker(args.old if side == "old" else args.new))
+            runs[side].append(_run_worker(args.old if side == "old" else args.new, steps=not args.hook_pair_only))
         load.append(os.getloadavg()[0])
     rows = {}
     print(f"{'figure':<20}{'old':>10}{'new':>10}{'new/old':>9}   (new/old: median over rounds of each round's ratio)")
-    for figure in [f + kind for f in FIGURES for kind in ("", "_cpu")]:
+    figures = FIGURES[:1] if args.hook_pair_only else FIGURES
+    for figure in [f + kind for f in figures for kind in ("", "_cpu")]:
         old = statistics.median(run[figure] for run in runs["old"])
         new = statistics.median(run[figure] for run in runs["new"])
         ratio = statistics.median(n[figure] / o[figure] for o, n in zip(runs["old"], runs["new"], strict=True))

@@ -118,6 +118,25 @@ class InFlight:
 
     # ------------------------------------------------------------------ back up
 
+    def load(self, e: Entry) -> None:
+        """Start bringing a moved entry back to the device, for every handle's user of this pass."""
+        e.load_gen += 1
+        e.users_left = e.refs
+        self.res.move(e, Residence.LOADED)
+        self.counters.reloaded_bytes += e.nbytes
+        self.res.host_lru.pop(e.seq, None)
+        self.climb(e)
+
+    def drop_device(self, e: Entry) -> None:
+        """Every user of this load has its view (or the budget needs the room): the device copy goes."""
+        device = e.copies.pop(Tier.DEVICE)
+        self.top.free(device)
+        self.res.move(e, Residence.AWAY)
+        if device.original:
+            e.let_go_handles()
+        if Tier.HOST in e.copies:
+            self.res.host_lru[e.seq] = e
+
     def climb(self, e: Entry) -> None:
         """Start the next hop up from the copy nearest the device, if it is ready."""
         near = e.nearest()

@@ -16,9 +16,11 @@ and, beside that, in indexes of what is under way or possible for it:
     held        the LOADED entry kept for its next user (See Note: [held for the next user] in _store)
 
 Byte totals: ``hot_bytes`` (HOT), ``loaded_bytes`` (LOADED) and ``resident_bytes`` (HOT, LEAVING,
-LOADED, KEPT). ``move`` is the only way an entry's residence changes: it moves the entry, its
-container and the totals together, so they cannot disagree. ``check`` states every invariant in
-one place; the store never calls it (it is O(entries)), the tests call it after every operation.
+LOADED, KEPT), and the peaks of the last (``note_peak``). ``move`` is the only way an entry's
+residence changes (``release_hot`` is its short path for the common case): it moves the entry,
+its container and the totals together, so they cannot disagree. ``check`` states every
+invariant in one place; the store never calls it (it is O(entries)), the tests call it after
+every operation.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class Residency:
         "hot_bytes",
         "loaded_bytes",
         "resident_bytes",
+        "peak_resident_bytes",
+        "peak_over_budget_bytes",
     )
 
     def __init__(self) -> None:
@@ -80,6 +84,8 @@ class Residency:
         self.hot_bytes = 0
         self.loaded_bytes = 0
         self.resident_bytes = 0
+        self.peak_resident_bytes = 0
+        self.peak_over_budget_bytes = 0
 
     # ------------------------------------------------------------------ moves
 
@@ -131,6 +137,17 @@ class Residency:
             self.resident_bytes += n
         e.residence = to
 
+    def release_hot(self, e: Entry) -> None:
+        """``move(e, RELEASED)`` for a HOT entry, the common case, kept short (and its only copy goes)."""
+        del self.hot[e.seq]
+        n = e.nbytes
+        self.hot_bytes -= n
+        self.resident_bytes -= n
+        if self.by_key.get(e.key) is e:
+            del self.by_key[e.key]
+        e.copies.clear()
+        e.residence = Residence.RELEASED
+
     def _forget(self, e: Entry) -> None:
         if self.by_key.get(e.key) is e:
             del self.by_key[e.key]
@@ -140,6 +157,22 @@ class Residency:
                 self.demoting.remove(e)
             if e in self.climbing:
                 self.climbing.remove(e)
+
+    def note_peak(self, budget_bytes: Optional[int]) -> None:
+        """Record the peak where the budget holds: after pack and after unpack (the store calls this).
+
+        Inside pack the new tensor is briefly counted before eviction reacts; it exists on the
+        device with or without the engine, so that instant is not the engine's residency. After
+        an unpack, a copy held for its next user over the budget is the tensor autograd is using
+        now (See Note: [held for the next user] in _store); it is not counted either.
+        """
+        resident = self.resident_bytes
+        if self.held is not None:
+            resident -= self.held.nbytes
+        if resident > self.peak_resident_bytes:
+            self.peak_resident_bytes = resident
+        if budget_bytes is not None and resident - budget_bytes > self.peak_over_budget_bytes:
+            self.peak_over_budget_bytes = resident - budget_bytes  # the budget in force at this instant
 
     def stop_climbing(self, e: Entry) -> None:
         if e in self.climbing:

@@ -88,8 +88,6 @@ class Store:
         self._res = self.residency
         self._flight = InFlight(self._res, self.tiers, counters)
         self._seq = 0
-        self.peak_resident_bytes = 0
-        self.peak_over_budget_bytes = 0
         if follow is not None:
             self.budget.read(0)
 
@@ -124,8 +122,8 @@ class Store:
                 d2h_ms, h2d_ms, stall_ms = self.link.busy_ms()
         return Gauges(
             resident_bytes=self.resident_bytes,
-            peak_resident_bytes=self.peak_resident_bytes,
-            peak_over_budget_bytes=self.peak_over_budget_bytes,
+            peak_resident_bytes=self._res.peak_resident_bytes,
+            peak_over_budget_bytes=self._res.peak_over_budget_bytes,
             host_bytes=0 if host is None else host.arena.held_bytes,
             host_in_use_bytes=0 if host is None else host.in_use_bytes,
             spill_bytes=self._tier[Tier.DISK].used_bytes,
@@ -137,25 +135,8 @@ class Store:
         )
 
     def reset_peak(self) -> None:
-        self.peak_resident_bytes = self.resident_bytes
-        self.peak_over_budget_bytes = 0
-
-    def _note_peak(self) -> None:
-        """Record the peak where the budget holds: after pack and after unpack.
-
-        Inside pack the new tensor is briefly counted before eviction reacts; it exists on the
-        device with or without the engine, so that instant is not the engine's residency. After
-        an unpack, a copy held for its next user over the budget is the tensor autograd is using
-        now (See Note: [held for the next user]); it is not counted either.
-        """
-        resident = self._res.resident_bytes
-        if self._res.held is not None:
-            resident -= self._res.held.nbytes
-        if resident > self.peak_resident_bytes:
-            self.peak_resident_bytes = resident
-        budget = self.budget.bytes
-        if budget is not None and resident - budget > self.peak_over_budget_bytes:
-            self.peak_over_budget_bytes = resident - budget  # the budget in force at this instant
+        self._res.peak_resident_bytes = self.resident_bytes
+        self._res.peak_over_budget_bytes = 0
 
     def _batch(self):
         return self.link.batch() if self.link is not None else contextlib.nullcontext()
@@ -188,7 +169,7 @@ class Store:
                     self._flight.poll()
                     self._enforce_budget()
             self._drain_dead()
-            self._note_peak()
+            self._res.note_peak(self.budget.bytes)
             return handle
 
     def _enforce_budget(self) -> None:
@@ -232,7 +213,7 @@ class Store:
                 if held is not None and held is not e:
                     self._res.held = None
                     if self.budget.bytes is not None and self._res.resident_bytes > self.budget.bytes:
-                        self._drop_device(held)  # its next user is not next: it reads it again
+                        self._flight.drop_device(held)  # its next user is not next: it reads it again
                 if e.residence is Residence.AWAY:
                     self.counters.prefetch_misses += 1
                     self._load(e)
@@ -245,17 +226,12 @@ class Store:
                     self._prefetch(e.seq)
                 view = self._serve(e, h)
                 self._drain_dead()
-            self._note_peak()
+            self._res.note_peak(self.budget.bytes)
             return view
 
     def _load(self, e: Entry) -> None:
         """Start bringing a moved entry back to the device (prefetch or miss)."""
-        e.load_gen += 1
-        e.users_left = e.refs
-        self._res.move(e, Residence.LOADED)
-        self.counters.reloaded_bytes += e.nbytes
-        self._res.host_lru.pop(e.seq, None)
-        self._flight.climb(e)
+        self._flight.load(e)
         self._maybe_read_free(e.nbytes)  # after the climb allocated its device copy, if it did
 
     def _serve(self, e: Entry, h: Handle) -> torch.Tensor:
@@ -274,7 +250,7 @@ class Store:
             h.seen_gen = e.load_gen
             e.users_left -= 1
             if e.users_left <= 0 and e.residence is Residence.LOADED:
-                self._drop_device(e)
+                self._flight.drop_device(e)
             elif (
                 e.residence is Residence.LOADED
                 and self.budget.bytes is not None
@@ -317,16 +293,6 @@ class Store:
             if res.climbing:
                 return  # one load through an intermediate tier ahead at a time
 
-    def _drop_device(self, e: Entry) -> None:
-        """Every user of this load has its view: the engine stops holding the device copy."""
-        device = e.copies.pop(Tier.DEVICE)
-        self._top.free(device)
-        self._res.move(e, Residence.AWAY)
-        if device.original:
-            e.let_go_handles()
-        if Tier.HOST in e.copies:
-            self._res.host_lru[e.seq] = e
-
     # ------------------------------------------------------------------ release
 
     def on_handle_dead(self, h: Handle) -> None:
@@ -355,7 +321,7 @@ class Store:
         if unseen and e.users_left > 0 and e.residence in (Residence.LOADED, Residence.LEAVING):
             e.users_left -= 1
             if e.users_left <= 0 and e.refs > 0 and e.residence is Residence.LOADED:
-                self._drop_device(e)
+                self._flight.drop_device(e)
         if e.refs <= 0:
             self._release(e)
 
@@ -363,10 +329,12 @@ class Store:
         """Free everything an entry holds; copies still in flight are freed when they settle."""
         if e.residence is Residence.RELEASED:  # close() released it; its last handle died since
             return
-        if e.residence is not Residence.HOT:  # HOT, the common case: only the original, nothing in flight
-            self._flight.adopt_orphans(e)
-            for tier, copy in e.copies.items():
-                self._tier[tier].free(copy)
+        if e.residence is Residence.HOT:  # the common case, kept short: only the original, nothing in flight
+            self._res.release_hot(e)
+            return
+        self._flight.adopt_orphans(e)
+        for tier, copy in e.copies.items():
+            self._tier[tier].free(copy)
         self._res.move(e, Residence.RELEASED)
         e.copies = {}
 
