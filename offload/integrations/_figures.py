@@ -8,10 +8,9 @@ made (the callbacks never reset the engine's stats, so ``callback.engine.stats``
 from __future__ import annotations
 
 from .. import Stats
+from .._cost import MB
 
 __all__ = ["log_figures"]
-
-MB = 1 << 20
 
 
 def log_figures(since: Stats, now: Stats) -> dict[str, float]:
