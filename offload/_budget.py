@@ -76,9 +76,8 @@ REREAD_BYTES = 64 * MB
 """Bytes of new saves (or loads) after which free memory is read again within a step."""
 REREAD_MS = 10.0
 """Milliseconds after which free memory is read again on the next pack or load, whatever was
-saved: at most ~100 readings a second. Measured on a 2-core AMD EPYC VM (torch 2.13 CPU,
-psutil): a reading takes ~30 us alone, ~160 us inside a training step; MiniGPT 4x256 at
-~1 s a step read ~21 times (0.4 % of the step), MiniGPT 2x64 at ~8 ms once (2 %)."""
+saved: at most ~100 readings a second, so a reading (one system call) stays a small share of a
+step however many tensors it saves (figures: ``bench/results/store-split-cpu.md``)."""
 
 INFLIGHT_FRACTION = 0.25
 """Share of a fixed budget reserved for copies in flight. Eviction starts when hot bytes pass

@@ -37,7 +37,7 @@ class Stats:
     """Bytes brought back to the compute device for backward. A moved storage comes back once per
     backward when its users there are adjacent, so for a plain training step this is about
     ``offloaded_bytes``; one whose users are far apart is read again when the budget needs the room
-    meanwhile (at budget 0 on MiniGPT, 1.04 x ``offloaded_bytes``)."""
+    meanwhile (so at budget 0 this is a little more than ``offloaded_bytes``)."""
     spilled_bytes: int = 0
     """Bytes written to the spill file."""
     resident_bytes: int = 0
