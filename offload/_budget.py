@@ -203,22 +203,20 @@ class FreeMemory:
 
 
 class FollowFree:
-    """The budget in force for one store: read from free memory by the rule above."""
+    """How one store's budget follows free memory: when to read it, and what a reading makes of
+    it (the rule above). The budget itself is held by ``Budget``."""
 
     def __init__(self, reserve_bytes: int, memory: FreeMemory) -> None:
         self.reserve_bytes = reserve_bytes
         self.memory = memory
-        self.budget_bytes = 0
-        """The budget in force since the latest reading (0 before the first)."""
         self.readings = 0
         """How many times free memory was read (for tests and the cost figure)."""
         self._since_bytes = 0
         self._read_at = -math.inf
 
-    @property
-    def evict_at(self) -> int:
-        """Hot bytes above which eviction starts (see ``INFLIGHT_FRACTION_OF_RESERVE``)."""
-        return max(0, self.budget_bytes - int(self.reserve_bytes * INFLIGHT_FRACTION_OF_RESERVE))
+    def evict_at(self, budget_bytes: int) -> int:
+        """Hot bytes above which eviction starts under ``budget_bytes`` (``INFLIGHT_FRACTION_OF_RESERVE``)."""
+        return max(0, budget_bytes - int(self.reserve_bytes * INFLIGHT_FRACTION_OF_RESERVE))
 
     def read(self, resident_bytes: int) -> int:
         """Read free memory now; returns the new budget in force."""
@@ -228,8 +226,7 @@ class FollowFree:
         self.readings += 1
         self._since_bytes = 0
         self._read_at = time.monotonic()
-        self.budget_bytes = max(0, resident_bytes + free - self.reserve_bytes)
-        return self.budget_bytes
+        return max(0, resident_bytes + free - self.reserve_bytes)
 
     def due(self, nbytes: int) -> bool:
         """Count ``nbytes`` of new saves or loads; True when free memory is to be read again."""
@@ -272,7 +269,7 @@ class Budget:
         if planned:
             self.evict_at = self.bytes
         elif self._follow is not None:
-            self.evict_at = self._follow.evict_at
+            self.evict_at = self._follow.evict_at(self.bytes)
         else:
             self.evict_at = int(self.bytes * (1 - INFLIGHT_FRACTION))
 
