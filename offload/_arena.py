@@ -31,14 +31,12 @@ from typing import Callable, Optional
 import psutil
 import torch
 
-from ._ranges import FreeRanges
+from ._ranges import ALIGN_BYTES, FreeRanges, round_up
 
 __all__ = ["ALIGN_BYTES", "Block", "HostArena"]
 
 log = logging.getLogger(__name__)
 
-ALIGN_BYTES = 4096
-"""Block offsets and sizes are multiples of this: a page, and the logical block size direct I/O needs."""
 SLAB_BYTES = 64 << 20
 """Smallest slab (64 MiB): pinning costs milliseconds per call, so it is done rarely and in bulk.
 A request larger than this gets a slab of the next power of two; the rest of it serves others."""
@@ -50,10 +48,6 @@ HOST_RESERVE_MIN_BYTES = 2 << 30
 
 def _reserve_bytes(total_bytes: int) -> int:
     return max(int(total_bytes * HOST_RESERVE_FRACTION), HOST_RESERVE_MIN_BYTES)
-
-
-def _round_up(nbytes: int, unit: int) -> int:
-    return -(-nbytes // unit) * unit
 
 
 def _next_pow2(nbytes: int) -> int:
@@ -187,7 +181,7 @@ class HostArena:
 
     def acquire(self, nbytes: int) -> Optional[Block]:
         """A block of at least ``nbytes``, or None if neither the slabs nor the cap have room."""
-        size = _round_up(max(nbytes, 1), ALIGN_BYTES)
+        size = round_up(max(nbytes, 1))
         for slab in self._slabs:
             offset = slab.ranges.take(size)
             if offset is not None:

@@ -52,6 +52,7 @@ from ._cost import MB
 
 __all__ = [
     "DEFAULT_RESERVE_MB",
+    "Budget",
     "FollowFree",
     "FreeMemory",
     "default_free_memory",
@@ -75,14 +76,21 @@ REREAD_BYTES = 64 * MB
 """Bytes of new saves (or loads) after which free memory is read again within a step."""
 REREAD_MS = 10.0
 """Milliseconds after which free memory is read again on the next pack or load, whatever was
-saved: at most ~100 readings a second. Measured on a 2-core AMD EPYC VM (torch 2.13 CPU,
-psutil): a reading takes ~30 us alone, ~160 us inside a training step; MiniGPT 4x256 at
-~1 s a step read ~21 times (0.4 % of the step), MiniGPT 2x64 at ~8 ms once (2 %)."""
+saved: at most ~100 readings a second, so a reading (one system call) stays a small share of a
+step however many tensors it saves (figures: ``bench/results/store-split-cpu.md``)."""
+
+INFLIGHT_FRACTION = 0.25
+"""Share of a fixed budget reserved for copies in flight. Eviction starts when hot bytes pass
+(1 - this) x budget, so copies drain while compute goes on; pack blocks only at the full budget.
+Not while a region plan is in force (``Budget.set_planned``): the plan already keeps its regions
+within the budget and starts the copies of its offloaded regions at once, so early eviction
+would only move tensors the plan keeps. A budget that follows free memory has its own window
+(``INFLIGHT_FRACTION_OF_RESERVE``)."""
 
 INFLIGHT_FRACTION_OF_RESERVE = 0.25
 """Eviction starts this fraction of the reserve before the budget in force (free memory below
 1.25 x reserve), so copies drain while compute goes on; pack waits for them only at the budget
-itself. A fixed budget's window is a fraction of the budget instead (``_store``); here the
+itself. A fixed budget's window is a fraction of the budget instead (``INFLIGHT_FRACTION``); here the
 budget is most of the device, and a quarter of it would move far more than the spike needs."""
 
 REPLAN_BELOW = 0.8
@@ -195,22 +203,20 @@ class FreeMemory:
 
 
 class FollowFree:
-    """The budget in force for one store: read from free memory by the rule above."""
+    """How one store's budget follows free memory: when to read it, and what a reading makes of
+    it (the rule above). The budget itself is held by ``Budget``."""
 
     def __init__(self, reserve_bytes: int, memory: FreeMemory) -> None:
         self.reserve_bytes = reserve_bytes
         self.memory = memory
-        self.budget_bytes = 0
-        """The budget in force since the latest reading (0 before the first)."""
         self.readings = 0
         """How many times free memory was read (for tests and the cost figure)."""
         self._since_bytes = 0
         self._read_at = -math.inf
 
-    @property
-    def evict_at(self) -> int:
-        """Hot bytes above which eviction starts (see ``INFLIGHT_FRACTION_OF_RESERVE``)."""
-        return max(0, self.budget_bytes - int(self.reserve_bytes * INFLIGHT_FRACTION_OF_RESERVE))
+    def evict_at(self, budget_bytes: int) -> int:
+        """Hot bytes above which eviction starts under ``budget_bytes`` (``INFLIGHT_FRACTION_OF_RESERVE``)."""
+        return max(0, budget_bytes - int(self.reserve_bytes * INFLIGHT_FRACTION_OF_RESERVE))
 
     def read(self, resident_bytes: int) -> int:
         """Read free memory now; returns the new budget in force."""
@@ -220,8 +226,7 @@ class FollowFree:
         self.readings += 1
         self._since_bytes = 0
         self._read_at = time.monotonic()
-        self.budget_bytes = max(0, resident_bytes + free - self.reserve_bytes)
-        return self.budget_bytes
+        return max(0, resident_bytes + free - self.reserve_bytes)
 
     def due(self, nbytes: int) -> bool:
         """Count ``nbytes`` of new saves or loads; True when free memory is to be read again."""
@@ -229,6 +234,54 @@ class FollowFree:
         if self._since_bytes >= self.memory.reread_bytes:
             return True
         return (time.monotonic() - self._read_at) * 1e3 >= self.memory.reread_ms
+
+
+class Budget:
+    """The budget in force for one store and the hot bytes at which eviction starts: the one owner
+    of both. ``Config.budget_bytes`` is what the user asked for; this is what holds now (with
+    "auto", the latest reading); the session, the engine's stats and the regions read it here."""
+
+    __slots__ = ("bytes", "evict_at", "_planned", "_follow")
+
+    def __init__(self, budget_bytes: Optional[int], follow: Optional[FollowFree]) -> None:
+        self.bytes = budget_bytes
+        """The budget in force, bytes (None: no limit)."""
+        self.evict_at: Optional[int] = None
+        """Hot plus loaded bytes above which eviction starts; None exactly when ``bytes`` is."""
+        self._follow = follow
+        self._planned = False
+        self.set_planned(False)
+
+    @property
+    def follows_free_memory(self) -> bool:
+        return self._follow is not None
+
+    @property
+    def readings(self) -> int:
+        """How often free memory was read (0 with a fixed budget)."""
+        return 0 if self._follow is None else self._follow.readings
+
+    def set_planned(self, planned: bool) -> None:
+        """Evict at the full budget (a region plan is in force) or keep the in-flight window."""
+        self._planned = planned
+        if self.bytes is None:
+            return
+        if planned:
+            self.evict_at = self.bytes
+        elif self._follow is not None:
+            self.evict_at = self._follow.evict_at(self.bytes)
+        else:
+            self.evict_at = int(self.bytes * (1 - INFLIGHT_FRACTION))
+
+    def read(self, resident_bytes: int) -> None:
+        """Read free memory now (budget_mb="auto" only)."""
+        assert self._follow is not None  # called only when follows_free_memory
+        self.bytes = self._follow.read(resident_bytes)
+        self.set_planned(self._planned)
+
+    def due(self, nbytes: int) -> bool:
+        """Count ``nbytes`` saved or loaded; True when free memory is to be read (never when fixed)."""
+        return self._follow is not None and self._follow.due(nbytes)
 
 
 def replan_needed(planned_bytes: Optional[int], now_bytes: Optional[int]) -> bool:

@@ -34,7 +34,7 @@ from ._probe import machine_key, probe
 from ._regions import AUTO, Regions, RegionsArg, resolve_regions
 from ._session import Session
 from ._sharded import Sharding, sharding_for
-from ._stats import Stats
+from ._stats import Gauges, Stats
 from ._transfer import Link
 
 __all__ = ["Engine", "check_keywords", "engine", "engine_keywords", "explain"]
@@ -85,7 +85,7 @@ class Engine:
         self._session = Session(config, link=link, machine=self._machine_profile, memory=memory, plan_cache=plan_cache)
         self._models: list[torch.nn.Module] = []
         self._closed = False
-        self._link_base = (0.0, 0.0, 0.0)  # link readings at the last reset_stats()
+        self._link_base = Gauges()  # the link's readings at the last reset_stats()
         self._regions: Optional[Regions] = None
         self._regions_to_find = regions == AUTO and model is None  # found in the first model watched
         self._step_start = _StepSaves(0, 0)  # the counts when the latest step began
@@ -231,22 +231,8 @@ class Engine:
         session = self._session
         store = session.store
         if store is None:
-            return session.counters.snapshot(budget_bytes=self.config.budget_bytes)
-        d2h_ms, h2d_ms, stall_ms = store.copy_ms()
-        base = self._link_base
-        return session.counters.snapshot(
-            resident_bytes=store.resident_bytes,
-            peak_resident_bytes=store.peak_resident_bytes,
-            peak_over_budget_bytes=store.peak_over_budget_bytes,
-            host_bytes=store.host_bytes,
-            host_in_use_bytes=store.host_in_use_bytes,
-            spill_bytes=store.spill_bytes,
-            spill_files=store.spill_files,
-            budget_bytes=store.budget,
-            d2h_busy_ms=d2h_ms - base[0],
-            h2d_busy_ms=h2d_ms - base[1],
-            reload_wait_ms=session.counters.reload_wait_ms + stall_ms - base[2],
-        )
+            return session.counters.snapshot(Gauges(budget_bytes=self.config.budget_bytes), self._link_base)
+        return session.counters.snapshot(store.gauges(), self._link_base)
 
     def reset_stats(self) -> None:
         """Start a new count (e.g. per step); what the engine holds now (resident bytes, ...) stays."""
@@ -254,7 +240,7 @@ class Engine:
         store = self._session.store
         if store is not None:
             store.reset_peak()
-            self._link_base = store.copy_ms()
+            self._link_base = store.gauges()
 
     def close(self) -> None:
         """Finish copies in flight, free host buffers and remove the spill file. Idempotent."""

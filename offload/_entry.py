@@ -183,6 +183,14 @@ class Entry:
     def device_copy(self) -> Optional[Copy]:
         return self.copies.get(Tier.DEVICE)
 
+    def let_go_handles(self) -> None:
+        """The original storage has left this entry: every handle keeps its watch only (See Note: [version watch])."""
+        for ref in self.handles:
+            h = ref()
+            if h is not None:
+                h.let_go()
+        self.handles = []
+
 
 def version_watch(t: torch.Tensor) -> Optional[torch.Tensor]:
     """A tensor on ``t``'s version counter that holds no memory (See Note: [version watch]), or None

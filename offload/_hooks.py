@@ -24,9 +24,23 @@ import torch
 
 from ._errors import inplace_error
 
-__all__ = ["Eligibility", "no_offload"]
+__all__ = ["Eligibility", "no_offload", "users_own"]
 
 _is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
+
+
+def users_own(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the user's, so neither moving nor dropping a save of it frees anything: a
+    parameter or other subclass (fake, functional, DTensor), a leaf that requires grad (an input),
+    or a view of one. A view is judged by its base alone: views made under no_grad (inside a
+    custom Function's forward) of an activation require grad and count as leaves, yet free
+    memory when moved. The engine's hooks and the recompute tier both apply this rule."""
+    if type(t) is not torch.Tensor:
+        return True
+    base = t._base
+    if base is None:
+        return t.requires_grad and t.is_leaf
+    return type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf)
 
 
 class Eligibility:
@@ -50,16 +64,7 @@ class Eligibility:
         self.skip_storages = {t.untyped_storage()._cdata for m in modules for t in (*m.parameters(), *m.buffers())}
 
     def __call__(self, t: torch.Tensor) -> bool:
-        if type(t) is not torch.Tensor:  # Parameters and subclasses (fake, functional, DTensor)
-            return False
-        # A leaf that requires grad is the user's (a parameter, an input); so is a view of one. A
-        # view is judged by its base alone: views made under no_grad (inside a custom Function's
-        # forward) of an activation require grad and count as leaves, yet free memory when moved.
-        base = t._base
-        if base is None:
-            if t.requires_grad and t.is_leaf:
-                return False
-        elif type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf):
+        if users_own(t):
             return False
         device = t.device
         if device != self.device:  # the first tensor (no device yet), device="cuda", or another device

@@ -49,9 +49,8 @@ Assumptions, all of them:
 - On the CPU (``machine.device_type == "cpu"``) there is no copy engine: the "link" is the spill
   threads copying bytes into and out of the page cache, on the same cores the compute uses (torch
   runs as many threads as there are cores). Nothing hides there: each OFFLOAD region's write is
-  paid on the compute timeline right after its forward, and its read right before its backward.
-  (Measured on a 2-core machine, MiniGPT 6x256, seq 256: the spill threads used ~1 s of CPU per
-  step for ~0.9 GB out and back, as much as the compute itself; see bench/sweep.py.)
+  paid on the compute timeline right after its forward, and its read right before its backward
+  (the sweep's results in ``bench/results/sweep-cpu*.md`` show what that costs).
 - A link with 0 GB/s either way is unusable: an OFFLOAD over it would never come back, so
   ``simulate`` refuses it (``ValueError``); policies choose RECOMPUTE there instead.
 - Memory counts what the engine holds *for later*, which is what the budget bounds: KEEP
@@ -217,8 +216,9 @@ class Plan:
     budget_bytes: int | None
     """Activation bytes allowed on the device; None: no limit."""
     baseline_step_ms: float
-    """The step without the engine: every region's forward and backward (measured, or
-    ``BACKWARD_TO_FORWARD`` x its forward where no backward was measured) plus the rest of the step."""
+    """The step without the engine: ``other_ms`` (what no profile covers) plus, for every profile
+    (the regions and the parts outside them), its measured ``forward_ms`` and its ``backward_ms``
+    (``BACKWARD_TO_FORWARD`` x ``forward_ms`` where no backward was measured)."""
     predicted_step_ms: float
     predicted_overhead_ms: float
     """``predicted_step_ms - baseline_step_ms``: the sum of the regions' exposed time."""
@@ -476,8 +476,8 @@ def calibrate_link(
 
     Why: the probe measures the link alone (one large buffer, nothing else running), while a
     training step moves many tensors of many sizes while compute runs. On a 2-core CPU the spill
-    threads and the compute share cores, and the same bytes cost 1.4-2.6x what the probe predicts
-    (measured on MiniGPT in the demo and bench/sweep.py). One factor keeps the model's shape (what hides
+    threads and the compute share cores, and the same bytes cost more than the probe predicts.
+    One factor keeps the model's shape (what hides
     behind what, bytes and per-tensor costs in proportion) and fixes its level from a measured
     step. The scale is clamped to [1e-3, 1e3]; an unusable link is returned unchanged.
     """

@@ -1,7 +1,7 @@
 """Policies: how each region's decision is chosen, one class per policy, chosen by name.
 
-A policy turns profiles and a budget into one ``Decision`` per region; ``_planner.make_plan``
-(here) looks it up and prices the result with the cost model. The fixed policies are the
+A policy turns profiles and a budget into one ``Decision`` per region; ``make_plan`` (in this
+module) looks the policy up by name and prices its decisions with ``_planner``'s cost model. The fixed policies are the
 references every benchmark compares against; "auto" is the planner proper.
 
     "none"       keep everything (no engine; no budget allowed)

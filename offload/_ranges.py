@@ -10,7 +10,17 @@ from __future__ import annotations
 import bisect
 from typing import Optional
 
-__all__ = ["FreeRanges"]
+__all__ = ["ALIGN_BYTES", "FreeRanges", "round_up"]
+
+ALIGN_BYTES = 4096
+"""Offsets and sizes of host blocks and spill extents are multiples of this: a page, and the
+logical block size direct I/O needs (512 or 4096 on today's disks; 4096 is safe for both), so a
+host block can be written to the spill file as it is."""
+
+
+def round_up(nbytes: int, unit: int = ALIGN_BYTES) -> int:
+    """``nbytes`` rounded up to a multiple of ``unit``."""
+    return -(-nbytes // unit) * unit
 
 
 class FreeRanges:

@@ -33,25 +33,35 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._errors import OffloadError, inplace_error
+from ._hooks import users_own
 from ._stats import record
 
-__all__ = ["checkpoint", "timed_checkpoint"]
+__all__ = ["Frame", "RNGState", "StopRecompute", "checkpoint", "droppable", "storage_id", "synchronize_devices"]
+"""``checkpoint`` is the public verb; the rest is the seam ``_selective`` builds on: a ``Frame``
+subclass overrides the hooks marked below, and shares the eligibility rule and the helpers."""
 
 
-class _RNGState:
-    """CPU and CUDA generator states at the region's forward, restored for its recompute."""
+class RNGState:
+    """The CPU generator's state and those of the CUDA devices ``tensors`` are on, taken now:
+    at a region's forward (restored for its recompute), or after an expensive op that draws
+    random numbers (set again after its replay, in ``_selective``)."""
 
     def __init__(self, tensors: list) -> None:
         self.cpu = torch.get_rng_state()
         self.cuda_devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
         self.cuda = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
 
+    def set(self) -> None:
+        """Put every generator back to this state."""
+        torch.set_rng_state(self.cpu)
+        for d, state in zip(self.cuda_devices, self.cuda, strict=True):
+            torch.cuda.set_rng_state(state, d)
+
     @contextlib.contextmanager
     def restored(self):
+        """This state inside, the generators as they were outside (``fork_rng``)."""
         with torch.random.fork_rng(devices=self.cuda_devices):
-            torch.set_rng_state(self.cpu)
-            for d, state in zip(self.cuda_devices, self.cuda, strict=True):
-                torch.cuda.set_rng_state(state, d)
+            self.set()
             yield
 
 
@@ -79,14 +89,14 @@ class _Slot:
 
     __slots__ = ("frame", "index", "seen_gen", "__weakref__")
 
-    def __init__(self, frame: "_Frame", index: int) -> None:
+    def __init__(self, frame: "Frame", index: int) -> None:
         self.frame, self.index, self.seen_gen = frame, index, -1
 
     def __del__(self) -> None:
         self.frame.slot_dead(self)
 
 
-class _Frame:
+class Frame:
     """One call of a recomputed region: its inputs (through the outer hooks) and how to re-run it."""
 
     def __init__(
@@ -107,7 +117,7 @@ class _Frame:
         self.counted_tensors = 0
         self.args, self.kwargs = args, kwargs
         flat = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-        self.rng = _RNGState(flat)
+        self.rng = RNGState(flat)
         self.autocast = _AutocastState()
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.inputs: list = []  # per tensor argument: (packed, version to check or None, requires_grad)
@@ -122,7 +132,7 @@ class _Frame:
         """Arguments (other than tensors) the forward changed: See Note: [arguments a forward changed]."""
         self.gen = 0
         self.live = 0  # slots autograd still holds
-        self.pending = 0  # live slots not yet unpacked in this pass
+        self.unserved = 0  # live slots not yet unpacked in this pass
 
     def _pack_input(self, t: torch.Tensor) -> tuple:
         """(packed, version to check at unpack or None). The outer hooks get the input itself, not
@@ -153,7 +163,7 @@ class _Frame:
                 with self._forward_mode():
                     out = self.fn(*self.args, **self.kwargs)
             inputs = {
-                _storage_id(a) for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)
+                storage_id(a) for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)
             }
             self._forward_done(inputs)
             after = _fingerprints(self.args, self.kwargs)
@@ -234,8 +244,8 @@ class _Frame:
         self.meta.append((t.shape, t.dtype))
         if self.forward_values is not None:
             self.forward_values.append((t, t._version))
-            if _droppable(t):
-                self.dropped_storages[_storage_id(t)] = t.untyped_storage().nbytes()
+            if droppable(t):
+                self.dropped_storages[storage_id(t)] = t.untyped_storage().nbytes()
             counted = None if self.count is None else self.count(t)
             if counted is not None:
                 self.counted_bytes += counted
@@ -261,8 +271,8 @@ class _Frame:
         value = self.values[slot.index]
         if slot.seen_gen != self.gen:
             slot.seen_gen = self.gen
-            self.pending -= 1
-            if self.pending <= 0:
+            self.unserved -= 1
+            if self.unserved <= 0:
                 self.values = None
         return value
 
@@ -279,8 +289,8 @@ class _Frame:
     def slot_dead(self, slot: _Slot) -> None:
         self.live -= 1
         if slot.seen_gen != self.gen and self.values is not None:
-            self.pending -= 1
-            if self.pending <= 0:
+            self.unserved -= 1
+            if self.unserved <= 0:
                 self.values = None
 
     def _rebuild_args(self):
@@ -323,14 +333,23 @@ class _Frame:
     #     raised there and unwinds through autograd's engine, which hands a hook's exception back
     #     to the caller of torch.autograd.grad unchanged (torch's own checkpoint relies on it);
     #     that backward's graph belongs to the re-run and is dropped with it.
-    def _recompute(self) -> None:
+    def _rerun(
+        self, mode: Any, timed: bool, inputs: Optional[tuple] = None, on_save: Optional[Callable] = None
+    ) -> tuple[list, float]:
+        """Re-run the region with its forward's RNG and autocast state, under ``mode``, capturing
+        every save in order until the last (then it stops early). ``inputs``: (args, kwargs)
+        already rebuilt, else they are rebuilt here, inside the clock. Returns the saves and the
+        re-run's wall ms (``timed``: the devices synchronized around it, for profiling steps
+        only). ``on_save`` sees each save as it is captured (a profiling re-run counts them)."""
         captured: list = []
         total = len(self.meta)
 
         def capture(t: torch.Tensor) -> int:
             captured.append(t.detach())
+            if on_save is not None:
+                on_save(t)
             if len(captured) == total:
-                raise _StopRecompute  # everything backward needs exists; skip the rest of the region
+                raise StopRecompute  # everything backward needs exists; skip the rest of the region
             return len(captured) - 1
 
         name = self.name  # the hooks must not reference self: See Note: [recompute hooks hold no frame]
@@ -343,23 +362,28 @@ class _Frame:
                 f"a recomputed region's graph can be differentiated only while it is being re-run"
             )
 
-        timed = self.on_recompute is not None
-        if timed:
-            _synchronize(self.rng.cuda_devices)
+        try:
+            if timed:
+                synchronize_devices(self.rng.cuda_devices)
             start = time.perf_counter()
-        with record("offload::recompute"):
-            args, kwargs = self._rebuild_args()
+            args, kwargs = self._rebuild_args() if inputs is None else inputs
             with self.rng.restored(), self.autocast.restored(), torch.enable_grad():
-                with torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured), self._rerun_mode():
+                with torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured), mode:
                     try:
                         self.fn(*args, **kwargs)
-                    except _StopRecompute:
+                    except StopRecompute:
                         pass
-        if self.on_recompute is not None:  # timed
-            _synchronize(self.rng.cuda_devices)
-            self.on_recompute((time.perf_counter() - start) * 1e3)
-        values = list(captured)
-        captured.clear()  # the re-run's graph may outlive it: See Note: [recompute hooks hold no frame]
+            if timed:
+                synchronize_devices(self.rng.cuda_devices)
+            return list(captured), (time.perf_counter() - start) * 1e3
+        finally:
+            captured.clear()  # the re-run's graph may outlive it: See Note: [recompute hooks hold no frame]
+
+    def _recompute(self) -> None:
+        with record("offload::recompute"):
+            values, rerun_ms = self._rerun(self._rerun_mode(), timed=self.on_recompute is not None)
+        if self.on_recompute is not None:
+            self.on_recompute(rerun_ms)
         if len(values) != len(self.meta) or any(
             c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(values, self.meta, strict=True)
         ):
@@ -373,7 +397,7 @@ class _Frame:
             )
         self.values = values
         self.gen += 1
-        self.pending = self.live
+        self.unserved = self.live
 
 
 # Note: [arguments a forward changed]
@@ -421,7 +445,7 @@ def _fingerprints(args: tuple, kwargs: dict) -> dict[str, Any]:
     }
 
 
-class _StopRecompute(Exception):
+class StopRecompute(Exception):
     """Raised from the capture hook once every saved tensor is back: the rest need not run."""
 
 
@@ -429,31 +453,20 @@ _ARG = object()
 """Placeholder for a tensor argument in a frame's stored argument template."""
 
 
-def _storage_id(t: torch.Tensor) -> int:
+def storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _droppable(t: torch.Tensor) -> bool:
-    """Whether dropping a save of ``t`` frees memory: not a parameter, a leaf that requires grad,
-    a view of one, or a tensor subclass (what the engine's hooks pass through for the same reason)."""
-    base = t if t._base is None else t._base
-    if type(t) is not torch.Tensor or type(base) is not torch.Tensor:
-        return False
-    return not (base.requires_grad and base.is_leaf) and t.layout is torch.strided and t.device.type != "meta"
+def droppable(t: torch.Tensor) -> bool:
+    """Whether dropping a save of ``t`` frees memory: a plain dense tensor the user does not own
+    (``_hooks.users_own``, the rule the engine's hooks pass tensors through by)."""
+    return not users_own(t) and t.layout is torch.strided and t.device.type != "meta"
 
 
-def _synchronize(cuda_devices: list) -> None:
+def synchronize_devices(cuda_devices: list) -> None:
     """Wait for the region's CUDA devices (if any), so wall time covers their kernels."""
     for index in cuda_devices:
         torch.cuda.synchronize(index)
-
-
-def timed_checkpoint(fn: Callable, args: tuple, kwargs: dict, name: str, on_recompute: Callable[[float], None]) -> Any:
-    """``checkpoint`` that reports each recompute's wall time in ms to ``on_recompute`` (the
-    regions' profiling step; on CUDA it synchronizes, so it is for measured steps only)."""
-    if not torch.is_grad_enabled():
-        return fn(*args, **kwargs)
-    return _Frame(fn, name, args, kwargs, on_recompute).run()
 
 
 def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: Any) -> Any:
@@ -481,4 +494,4 @@ def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: A
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     region = name or getattr(fn, "__qualname__", None) or type(fn).__name__
-    return _Frame(fn, region, args, kwargs).run()
+    return Frame(fn, region, args, kwargs).run()

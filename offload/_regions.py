@@ -413,7 +413,7 @@ class Regions:
 
     def _begin_step(self, args: tuple, kwargs: dict) -> None:
         now = time.perf_counter()
-        self.finish_pending()  # a measured step whose backward never ran (or ran without its callback)
+        self.finish_measured_step()  # a measured step whose backward never ran (or ran without its callback)
         last = self._step
         if last is not None:
             self._end_step(last, now)
@@ -461,7 +461,7 @@ class Regions:
             # From its first region to now: the embedding, head, loss and the optimizer included.
             self._profiler.other_ms(step.key, max(0.0, (now - step.start) * 1e3 - step.regions_ms))
 
-    def finish_pending(self) -> None:
+    def finish_measured_step(self) -> None:
         """Plan from the last profiling step: at the end of its backward (a callback queued on the
         autograd engine), or when the next step begins if that backward never ran."""
         step, self._awaiting_backward = self._awaiting_backward, None
@@ -542,7 +542,7 @@ class Regions:
         step.measurements.append(m)
         if index == len(self.regions) - 1:
             self._awaiting_backward = step
-            finish_after_backward(out, self.finish_pending)
+            finish_after_backward(out, self.finish_measured_step)
         return out
 
 

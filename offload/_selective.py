@@ -5,7 +5,7 @@ matmuls included: one extra forward of FLOPs. But a transformer block's saved by
 alike. Per byte of output, a matmul of inner size k costs ~2k FLOPs (k = 4096: ~8,000 FLOPs per
 fp16 byte), attention more, a convolution ~2·C_in·kernel_area; an elementwise op, a norm, a
 dropout mask or a layout copy costs a handful. Roughly half of what a block saves comes from the
-cheap kind (see DESIGN.md, measured by producing op). So a selective region:
+cheap kind (``SelectiveProfile`` measures it per region). So a selective region:
 
     forward:  runs under ``_StashMode``; each EXPENSIVE op (table below) runs and its outputs are
               held; when the forward returns they are packed through the OUTER saved-tensor hooks
@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._errors import OffloadError, inplace_error
-from ._recompute import _droppable, _Frame, _StopRecompute, _storage_id, _synchronize
+from ._recompute import Frame, RNGState, droppable, storage_id, synchronize_devices
 
 __all__ = [
     "EXPENSIVE_OPS",
@@ -182,9 +182,9 @@ class _Stashed:
     """(shape, dtype) of its tensor arguments."""
     outputs: Any
     """Its output structure with each tensor replaced."""
-    rng_after: tuple | None = None
-    """(CPU state, [(CUDA device, state)]) right after it ran, where it draws random numbers: see
-    Note: [expensive ops that draw random numbers]."""
+    rng_after: RNGState | None = None
+    """The generators' states right after it ran, where it draws random numbers: see Note:
+    [expensive ops that draw random numbers]."""
 
 
 # Note: [expensive ops that draw random numbers]
@@ -195,7 +195,7 @@ class _Stashed:
 #     the problem: it reads the seed and offset it returned, which are stashed with its outputs.
 #     So the forward records the generator states right after such an op, and the replay sets
 #     them after handing back its outputs. Ops without a ``dropout_p`` argument draw nothing.
-def _rng_after(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+def _rng_after(func: Any, args: tuple, kwargs: dict) -> RNGState | None:
     """The generator states to restore after replaying ``func``, or None if it draws nothing."""
     names = [arg.name for arg in func._schema.arguments]
     if "dropout_p" not in names:
@@ -205,15 +205,7 @@ def _rng_after(func: Any, args: tuple, kwargs: dict) -> tuple | None:
     if not dropout_p:
         return None
     leaves, _ = tree_flatten((args, kwargs))
-    cuda = sorted({t.device.index for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
-    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in cuda]
-
-
-def _set_rng(states: tuple) -> None:
-    cpu, cuda = states
-    torch.set_rng_state(cpu)
-    for device, state in cuda:
-        torch.cuda.set_rng_state(state, device)
+    return RNGState([t for t in leaves if isinstance(t, torch.Tensor)])
 
 
 class _Held:
@@ -291,7 +283,7 @@ class _ReplayMode(_Mode):
             )
         out = tree_map(lambda leaf: self.unpack(leaf, index), want.outputs, is_leaf=_is_packed)
         if want.rng_after is not None:  # See Note: [expensive ops that draw random numbers]
-            _set_rng(want.rng_after)
+            want.rng_after.set()
         return out
 
 
@@ -303,7 +295,7 @@ class _Packed:
 
     def __init__(self, t: torch.Tensor, packed: Any, version: int | None) -> None:
         self.packed, self.version = packed, version
-        self.storage, self.nbytes = _storage_id(t), t.untyped_storage().nbytes()
+        self.storage, self.nbytes = storage_id(t), t.untyped_storage().nbytes()
 
 
 def _is_packed(value: Any) -> bool:
@@ -322,7 +314,7 @@ def _is_packed(value: Any) -> bool:
 #     the rest are packed through the outer hooks, from autograd's side, with the version watch
 #     any saved tensor gets. The cost: the stash starts moving when the region's forward ends,
 #     not as each output is made.
-class _SelectiveFrame(_Frame):
+class _SelectiveFrame(Frame):
     """One call of a selective region: a recompute frame whose re-run replays the expensive ops."""
 
     def __init__(
@@ -445,7 +437,7 @@ def selective_checkpoint(
     output and what it dropped. ``on_recompute`` gets each re-run's wall time in ms (profiling)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs), _NOTHING
-    frame_type = _SelectiveFrame if selective else _Frame
+    frame_type = _SelectiveFrame if selective else Frame
     frame = frame_type(fn, name, args, kwargs, on_recompute)
     out = frame.run()
     if isinstance(frame, _SelectiveFrame):
@@ -486,10 +478,10 @@ class _ProfileMode(_Mode):
         kwargs = kwargs or {}
         if not is_expensive(func):
             return func(*args, **kwargs)
-        _synchronize(self.cuda_devices)
+        synchronize_devices(self.cuda_devices)
         start = time.perf_counter()
         out = func(*args, **kwargs)
-        _synchronize(self.cuda_devices)
+        synchronize_devices(self.cuda_devices)
         self.expensive_ms += (time.perf_counter() - start) * 1e3
         leaves, _ = tree_flatten(out)
         self.calls.append([_Held(t) for t in leaves if isinstance(t, torch.Tensor)])
@@ -513,7 +505,7 @@ class SelectiveProfile:
     """Wall time of the measuring re-run itself, ms: the profiling step's backward includes it."""
 
 
-class _ProfiledFrame(_Frame):
+class _ProfiledFrame(Frame):
     """A whole-region recompute (its re-run timed as usual) that, on its first recompute, re-runs
     the region once more under ``_ProfileMode`` to measure what a selective run would cost."""
 
@@ -553,50 +545,30 @@ class _ProfiledFrame(_Frame):
 
     # Note: [a profiling re-run holds nothing after it]
     #     The re-run's graph keeps its saved variables, and each holds the hooks it was packed with:
-    #     ``capture`` closes over ``mode``, whose ``calls`` hold the expensive outputs, whose
+    #     the capture hook (through ``on_save``) closes over ``mode``, whose ``calls`` hold the expensive outputs, whose
     #     ``grad_fn`` is that graph. The cycle runs through autograd's C++ graph, which Python's
     #     collector cannot see, so one region's activations would stay alive for ever, once per
     #     profiled input shape. Emptying ``captured`` and ``mode.calls`` when the re-run is done
     #     (or raised) opens it; the figures are computed from the local ``calls`` first.
     def _profile_selective(self) -> SelectiveProfile:
-        total = len(self.meta)
         saved: dict[int, int] = {}  # droppable saves: storage id -> nbytes
-        captured: list = []
         reached = [0]  # expensive calls made before the latest save
         mode = _ProfileMode(self.rng.cuda_devices)
 
-        def capture(t: torch.Tensor) -> int:
-            captured.append(t.detach())
+        def on_save(t: torch.Tensor) -> None:
             reached[0] = len(mode.calls)
-            if _droppable(t):
-                saved[_storage_id(t)] = t.untyped_storage().nbytes()
-            if len(captured) == total:
-                raise _StopRecompute
-            return len(captured) - 1
-
-        def unpack_captured(index: int) -> torch.Tensor:
-            return captured[index]
+            if droppable(t):
+                saved[storage_id(t)] = t.untyped_storage().nbytes()
 
         args, kwargs = self._rebuild_args()
-        inputs = {_storage_id(a) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
-        _synchronize(self.rng.cuda_devices)
-        start = time.perf_counter()
-        hooks = torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured)
+        inputs = {storage_id(a) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
         try:
-            with self.rng.restored(), self.autocast.restored(), torch.enable_grad(), hooks, mode:
-                try:
-                    self.fn(*args, **kwargs)
-                except _StopRecompute:
-                    pass
-            _synchronize(self.rng.cuda_devices)
-            total_ms = (time.perf_counter() - start) * 1e3
+            _, total_ms = self._rerun(mode, timed=True, inputs=(args, kwargs), on_save=on_save)
             calls = mode.calls[: reached[0]]
         finally:
-            # See Note: [a profiling re-run holds nothing after it]
-            captured.clear()
-            mode.calls = []
+            mode.calls = []  # See Note: [a profiling re-run holds nothing after it]
         held = [h for call in calls for h in call]
-        stash = {_storage_id(h.tensor): h.tensor.untyped_storage().nbytes() for h in held}
+        stash = {storage_id(h.tensor): h.tensor.untyped_storage().nbytes() for h in held}
         written = next((i for i, call in enumerate(calls) if any(h.tensor._version != h.version for h in call)), None)
         return SelectiveProfile(
             selective_ms=max(MIN_SELECTIVE_MS, total_ms - mode.expensive_ms),
@@ -623,7 +595,7 @@ def profiled_checkpoint(
     wall time in ms (``on_recompute``); with ``split``, its first recompute also measures what a
     selective run would cost (one more re-run, reported to ``on_selective``). ``split=False`` (a
     compiled region): a plain whole recompute, never under a dispatch mode. ``count``: what the
-    engine would take of each save had the region run as is (``_Frame.count``; the totals are
+    engine would take of each save had the region run as is (``Frame.count``; the totals are
     ``SelectiveRun.counted_bytes`` and ``counted_tensors``)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs), _NOTHING

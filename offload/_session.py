@@ -199,7 +199,7 @@ class Session:
         """The byte budget to plan against now: ``budget_mb``, or with "auto" the latest reading
         (None before the first eligible tensor was saved: nothing to budget yet)."""
         if self._store is not None:
-            return self._store.budget
+            return self._store.budget.bytes
         return self.config.budget_bytes
 
     def count_recompute(self, dropped_bytes: int = 0) -> None:

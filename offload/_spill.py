@@ -47,15 +47,12 @@ import psutil
 import torch
 
 from ._pending import FromFuture, Pending, failed
-from ._ranges import FreeRanges
+from ._ranges import ALIGN_BYTES, FreeRanges, round_up
 
 __all__ = ["ALIGN_BYTES", "Extent", "SpillFile"]
 
 log = logging.getLogger(__name__)
 
-ALIGN_BYTES = 4096
-"""Extent offsets and I/O sizes are multiples of this: the logical block size direct I/O needs
-(512 or 4096 on today's disks; 4096 is safe for both)."""
 CHUNK_BYTES = 8 << 20
 """Bytes per pwrite/pread through a worker's bounce buffer: large enough to run at disk speed,
 small enough that each worker's buffer costs little RAM."""
@@ -76,10 +73,6 @@ def _filesystem_type(path: Path) -> str:
     except (OSError, RuntimeError):  # psutil cannot read the mount table here
         return ""
     return fstype
-
-
-def _round_up(nbytes: int) -> int:
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 def _aligned_buffer(nbytes: int) -> np.ndarray:
@@ -146,7 +139,7 @@ class _File:
         while done < extent.nbytes:
             n = min(CHUNK_BYTES, extent.nbytes - done)
             bounce[:n] = src[done : done + n]
-            padded = _round_up(n)
+            padded = round_up(n)
             if padded > n:
                 bounce[n:padded] = 0
             self._pwrite_all(bounce[:padded].data, extent.offset + done)
@@ -166,7 +159,7 @@ class _File:
         done = 0
         while done < extent.nbytes:
             n = min(CHUNK_BYTES, extent.nbytes - done)
-            padded = _round_up(n)
+            padded = round_up(n)
             got = 0
             while got < n:
                 count = os.preadv(self.fd, [bounce[got:padded].data], extent.offset + done + got)
@@ -269,7 +262,7 @@ class SpillFile:
             # write fails like any other, so the caller keeps the tensor.
             error.__traceback__ = None  # its frames (pack, the forward) would hold the graph
             return Extent(0, 0, nbytes), failed(error)
-        size = _round_up(nbytes)
+        size = round_up(nbytes)
         offset = self._extents.take(size)
         # The file grows as needed (its ranges have no limit), and opening it made the executor.
         assert offset is not None and self._executor is not None

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Counters", "Stats", "record"]
+__all__ = ["Counters", "Gauges", "Stats", "record"]
 
 
 def record(name: str) -> torch.autograd.profiler.record_function:
@@ -37,7 +37,7 @@ class Stats:
     """Bytes brought back to the compute device for backward. A moved storage comes back once per
     backward when its users there are adjacent, so for a plain training step this is about
     ``offloaded_bytes``; one whose users are far apart is read again when the budget needs the room
-    meanwhile (at budget 0 on MiniGPT, 1.04 x ``offloaded_bytes``)."""
+    meanwhile (so at budget 0 this is a little more than ``offloaded_bytes``)."""
     spilled_bytes: int = 0
     """Bytes written to the spill file."""
     resident_bytes: int = 0
@@ -96,19 +96,29 @@ class Stats:
         return dataclasses.asdict(self)
 
 
-_GAUGES = (
-    "resident_bytes",
-    "peak_resident_bytes",
-    "peak_over_budget_bytes",
-    "host_bytes",
-    "host_in_use_bytes",
-    "spill_bytes",
-    "spill_files",
-    "budget_bytes",  # the budget in force (budget_mb="auto" reads it from free memory)
-)
-"""Fields read from the store when a snapshot is taken, never counted."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gauges:
+    """What a store holds now and its link's busy times, read in one go (``Store.gauges``); the
+    fields named as in ``Stats`` mean what they mean there."""
+
+    resident_bytes: int = 0
+    peak_resident_bytes: int = 0
+    peak_over_budget_bytes: int = 0
+    host_bytes: int = 0
+    host_in_use_bytes: int = 0
+    spill_bytes: int = 0
+    spill_files: int = 0
+    budget_bytes: Optional[int] = None
+    d2h_busy_ms: float = 0.0
+    h2d_busy_ms: float = 0.0
+    stall_ms: float = 0.0
+    """Compute-stream time spent waiting on copies (CUDA events), added to ``reload_wait_ms``."""
+
+
 _FROM_LINK = ("d2h_busy_ms", "h2d_busy_ms")
 """Fields read from the link (CUDA events), offset by what they were at the last reset."""
+_GAUGES = tuple(f.name for f in dataclasses.fields(Gauges) if f.name not in _FROM_LINK + ("stall_ms",))
+"""Fields read from the store when a snapshot is taken, never counted."""
 
 
 class Counters:
@@ -142,8 +152,12 @@ class Counters:
         for name in self.__slots__:
             setattr(self, name, 0.0 if name.endswith("_ms") else 0)
 
-    def snapshot(self, **gauges: Any) -> Stats:
-        """A frozen ``Stats`` of these counters and the gauges (and link readings) given."""
-        values = {name: getattr(self, name) for name in self.__slots__}
-        values.update(gauges)
+    def snapshot(self, gauges: Gauges, since: Gauges) -> Stats:
+        """A frozen ``Stats`` of these counters and ``gauges``; the link's times counted from ``since``."""
+        values: dict[str, Any] = {name: getattr(self, name) for name in self.__slots__}
+        for name in _GAUGES:
+            values[name] = getattr(gauges, name)
+        for name in _FROM_LINK:
+            values[name] = getattr(gauges, name) - getattr(since, name)
+        values["reload_wait_ms"] += gauges.stall_ms - since.stall_ms
         return Stats(**values)

@@ -671,9 +671,9 @@ class _WritesFailWhenLetGo:
 def test_a_demotion_failing_after_its_tensor_died_is_not_counted(monkeypatch, spill_dir):
     """A host copy is being written to disk (demoted) when its tensor dies; the write then fails.
     It wrote nothing, so once the engine has settled it (close() waits for it) spilled_bytes does not
-    count it: the store keeps the write as an orphan (``Store._release``) to learn how it ended.
+    count it: the store keeps the write as an orphan (``InFlight.adopt_orphans``) to learn how it ended.
 
-    Driven through the store itself: a demotion starts in ``_make_host_room_for``, which waits for
+    Driven through the store itself: a demotion starts in ``InFlight._make_host_room_for``, which waits for
     it to land before pack returns, so from one thread the tensor can only die with its demotion
     in flight if another thread (a second one using the engine) frees its graph meanwhile."""
     writes = _WritesFailWhenLetGo(monkeypatch)
@@ -684,9 +684,9 @@ def test_a_demotion_failing_after_its_tensor_died_is_not_counted(monkeypatch, sp
         loss = model(_mlp_input()).square().mean()
     store = eng._session.store
     with store._lock:
-        store._poll()
-        entry = next(iter(store._host_lru.values()))
-        store._free_host_copy_or_demote(entry)  # as _make_host_room_for starts a demotion
+        store._flight.poll()
+        entry = next(iter(store.residency.host_lru.values()))
+        store._flight.free_host_copy_or_demote(entry)  # as _make_host_room_for starts a demotion
     assert writes.started == 1 and eng.stats.spilled_bytes == ACT_BYTES, "the demotion is in flight, counted"
     del loss  # the tensor dies with its write in flight
     gc.collect()

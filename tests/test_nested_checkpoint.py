@@ -59,7 +59,7 @@ WRAPPERS = {"plain": no_ckpt, "offload": offload_ckpt, "torch": torch_ckpt}
 
 def frames_alive() -> int:
     gc.collect()
-    return sum(type(o) is _recompute._Frame for o in gc.get_objects())
+    return sum(type(o) is _recompute.Frame for o in gc.get_objects())
 
 
 def grads_of(build, x: torch.Tensor, wrap) -> torch.Tensor:
@@ -327,7 +327,7 @@ def test_saved_values_are_not_held_after_the_forward():
     out = offload.checkpoint(region, x)
     gc.collect()
     assert seen[0]() is None, "an intermediate the region saved outlived its forward"
-    frames = [o for o in gc.get_objects() if type(o) is _recompute._Frame]
+    frames = [o for o in gc.get_objects() if type(o) is _recompute.Frame]
     assert len(frames) == 1 and frames[0].forward_values is None
     del frames
     out.sum().backward()

@@ -125,7 +125,7 @@ def assert_same(got, want, what: str) -> None:
 
 def frames_alive() -> int:
     gc.collect()
-    return sum(type(o) is _recompute._Frame for o in gc.get_objects())
+    return sum(type(o) is _recompute.Frame for o in gc.get_objects())
 
 
 def settle(eng) -> offload.Stats:

@@ -18,12 +18,11 @@ from typing import Optional
 import torch
 
 import offload
+from offload._cost import MB  # bytes per MB, as offload.engine(budget_mb=...) counts them
 from offload.models import GPTConfig
 
 __all__ = ["DTYPES", "MB", "PRESETS", "REFERENCE", "Kind", "Preset", "RunSettings", "Variant"]
 __all__ += ["CHECK_BUDGETS", "engine_variants", "parse_variant"]
-
-MB = 1 << 20  # bytes per MB, as offload.engine(budget_mb=...) counts them
 
 
 class Kind(enum.Enum):

@@ -10,10 +10,9 @@ out when there is none (``budget_mb=None``).
 from __future__ import annotations
 
 from .. import Stats
+from .._cost import MB
 
 __all__ = ["log_figures"]
-
-MB = 1 << 20
 
 
 def log_figures(since: Stats, now: Stats) -> dict[str, float]:
