@@ -34,16 +34,31 @@ from ._stats import Counters
 from ._store import Store
 from ._transfer import Link
 
-__all__ = ["ForwardMarks", "Session"]
+__all__ = ["ForwardMarks", "Saved", "Session"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """Bytes and tensors saved through the engine: the running totals (``Session.saved()``), or
+    what was saved between two readings of them (their difference)."""
+
+    nbytes: int = 0
+    tensors: int = 0
+
+    def __add__(self, other: Saved) -> Saved:
+        return Saved(self.nbytes + other.nbytes, self.tensors + other.tensors)
+
+    def __sub__(self, other: Saved) -> Saved:
+        return Saved(self.nbytes - other.nbytes, self.tensors - other.tensors)
 
 
 @dataclasses.dataclass
 class ForwardMarks:
-    """(bytes, tensors) saved through the engine when it was entered (outermost, on one thread) and
-    when it was left (None until then). Regions measure what is saved outside them by these."""
+    """What was saved through the engine when it was entered (outermost, on one thread) and when
+    it was left (None until then). Regions measure what is saved outside them by these."""
 
-    entered: tuple[int, int]
-    closed: Optional[tuple[int, int]] = None
+    entered: Saved
+    closed: Optional[Saved] = None
 
 
 class Session:
@@ -187,9 +202,9 @@ class Session:
         if self._store is not None:
             self._store.set_planned(planned)
 
-    def saved(self) -> tuple[int, int]:
-        """(bytes, tensors) saved through the engine so far: regions measure themselves by the difference."""
-        return self.counters.saved_bytes, self.counters.saved_tensors
+    def saved(self) -> Saved:
+        """Bytes and tensors saved through the engine so far: regions measure themselves by the difference."""
+        return Saved(self.counters.saved_bytes, self.counters.saved_tensors)
 
     def moved_bytes(self) -> int:
         """Bytes moved off the device so far: a profiling step that moved none ran alone on the device."""
