@@ -105,7 +105,7 @@ class Session:
         with self._store_lock:  # two threads saving their first tensor at once make one store
             if self._store is None:
                 store = Store(self.config, device, self.counters, link=self._link, memory=self._memory)
-                store.set_planned(self._planned)
+                store.budget.set_planned(self._planned)
                 self._store = store
         return self._store
 
@@ -197,10 +197,12 @@ class Session:
         self._local.eager_to_end = True
 
     def set_planned(self, planned: bool) -> None:
-        """A plan is in force this step (True) or the regions are being measured (False)."""
+        """A plan is in force this step (True) or the regions are being measured (False): the
+        store's budget (``Budget.set_planned``) evicts at the full budget or keeps its in-flight
+        window; the flag is kept here for a store not made yet (the budget is made with it)."""
         self._planned = planned
         if self._store is not None:
-            self._store.set_planned(planned)
+            self._store.budget.set_planned(planned)
 
     def saved(self) -> Saved:
         """Bytes and tensors saved through the engine so far: regions measure themselves by the difference."""
