@@ -117,7 +117,7 @@ class FramePhase(enum.Enum):
 
 @dataclasses.dataclass
 class ForwardSaves:
-    """What a frame holds while its forward runs (``FramePhase.FORWARD``), emptied when it ends."""
+    """What a frame holds while its forward runs (``FramePhase.FORWARD``), dropped when it ends."""
 
     values: list = dataclasses.field(default_factory=list)
     """Per save, in order: (tensor, its version when saved)."""
@@ -163,9 +163,9 @@ class Frame:
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.inputs: list = []  # per tensor argument: (packed, version to check or None, requires_grad)
         self.meta: list = []  # per saved tensor: (shape, dtype), from the original forward
-        self.phase = FramePhase.WAITING
+        self.phase = FramePhase.WAITING  # until run() starts the forward
         self.forward_saves = ForwardSaves()
-        """What the forward holds: filled in ``FORWARD`` only, emptied when it ends."""
+        """What the forward holds: filled in ``FORWARD`` only, an empty one once it ended."""
         self.recomputed: list = []
         """The re-run's values, per save: held in ``RECOMPUTED`` only."""
         self.dropped_bytes = 0
