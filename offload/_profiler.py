@@ -45,7 +45,7 @@ from ._cost import MachineProfile, RegionProfile
 from ._fit import ProfileFit, Shape
 from ._planner import Decision, Plan, calibrate_link, link_usable, scale_link
 from ._policy import make_plan
-from ._session import Session
+from ._session import Saved, Session
 
 __all__ = [
     "AFTER_NAME",
@@ -481,8 +481,8 @@ class Profiler:
         family, shape = family_and_shape(key)
         self._family(family).fit.add_other(shape, ms)
 
-    def observe(self, key: tuple, sizes: list[Optional[tuple[int, int]]], forward_ms: list[Optional[float]]) -> None:
-        """What a step under a plan saw per region: (bytes, tensors) saved where its decision sent
+    def observe(self, key: tuple, sizes: list[Optional[Saved]], forward_ms: list[Optional[float]]) -> None:
+        """What a step under a plan saw per region: what it saved where its decision sent
         every save to the store, its forward time where that was the region's compute alone (None
         elsewhere). Checked against a derived plan; a miss beyond ``SIZE_TOLERANCE`` or
         ``TIME_CHECK_TOLERANCE`` adds what was seen to the fit (see the module docstring)."""
@@ -494,7 +494,8 @@ class Profiler:
         missed_sizes = [
             i
             for i, seen in enumerate(sizes)
-            if seen is not None and abs(seen[0] - entry.profiles[i].saved_bytes) > SIZE_TOLERANCE * max(seen[0], 1)
+            if seen is not None
+            and abs(seen.nbytes - entry.profiles[i].saved_bytes) > SIZE_TOLERANCE * max(seen.nbytes, 1)
         ]
         missed_times = [
             i
@@ -517,7 +518,7 @@ class Profiler:
         )
         for i, seen in enumerate(sizes):
             if seen is not None:
-                fam.fit.add_sizes(shape, i, *seen)
+                fam.fit.add_sizes(shape, i, seen.nbytes, seen.tensors)
         for i in missed_times:
             fam.fit.add_forward(shape, i, forward_ms[i])  # type: ignore[arg-type]  # not None: it missed
         fam.settle()

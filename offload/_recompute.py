@@ -16,6 +16,12 @@ with the CPU and device RNG states and the autocast state of the original call.
               check count/shape/dtype ──▶ value i
               values are dropped once every live slot has been unpacked in this pass
 
+A frame's phase (``FramePhase``) says what it holds::
+
+    FORWARD ──fn returns or raises──▶ WAITING ──first unpack of a pass──▶ RECOMPUTED
+                                        ▲                                     │
+                                        └──every live slot served (or dead)───┘
+
 A region's backward re-runs its forward at most once per backward pass. Regions nest: a
 checkpoint called inside a region packs its inputs through the enclosing region's hooks, so its
 recompute unpacks them from the enclosing frame (which recomputes first if it must), and the
@@ -27,6 +33,8 @@ starts from detached inputs and could not do it again, so that raises in forward
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import time
 from typing import Any, Callable, Optional
 
@@ -36,7 +44,17 @@ from ._errors import OffloadError, inplace_error
 from ._hooks import users_own
 from ._stats import record
 
-__all__ = ["Frame", "RNGState", "StopRecompute", "checkpoint", "droppable", "storage_id", "synchronize_devices"]
+__all__ = [
+    "Frame",
+    "FramePhase",
+    "ForwardSaves",
+    "RNGState",
+    "StopRecompute",
+    "checkpoint",
+    "droppable",
+    "storage_id",
+    "synchronize_devices",
+]
 """``checkpoint`` is the public verb; the rest is the seam ``_selective`` builds on: a ``Frame``
 subclass overrides the hooks marked below, and shares the eligibility rule and the helpers."""
 
@@ -84,6 +102,29 @@ class _AutocastState:
             yield
 
 
+class FramePhase(enum.Enum):
+    """What a recompute frame holds now, besides its inputs (the diagram in the module docstring)."""
+
+    FORWARD = "forward"
+    """The region's forward (fn) is running: each save is held with its version (``ForwardSaves``),
+    and a slot unpacked now returns it. See Note: [saved values live while the forward runs]."""
+    WAITING = "waiting"
+    """Nothing held but the inputs: the forward returned (or raised), or the last re-run's values
+    were all served. The next unpack re-runs the region."""
+    RECOMPUTED = "recomputed"
+    """The re-run's values are held until every live slot was unpacked in this pass (or died)."""
+
+
+@dataclasses.dataclass
+class ForwardSaves:
+    """What a frame holds while its forward runs (``FramePhase.FORWARD``), dropped when it ends."""
+
+    values: list = dataclasses.field(default_factory=list)
+    """Per save, in order: (tensor, its version when saved)."""
+    dropped_storages: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Storage id -> nbytes of the saves this frame drops (``droppable``)."""
+
+
 class _Slot:
     """What autograd holds in place of one tensor saved inside a recomputed region."""
 
@@ -122,9 +163,11 @@ class Frame:
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.inputs: list = []  # per tensor argument: (packed, version to check or None, requires_grad)
         self.meta: list = []  # per saved tensor: (shape, dtype), from the original forward
-        self.values: Optional[list] = None
-        self.forward_values: Optional[list] = None  # per save: (tensor, version), only while fn runs
-        self.dropped_storages: dict = {}  # storage id -> nbytes of the saves this frame drops, while fn runs
+        self.phase = FramePhase.WAITING  # until run() starts the forward
+        self.forward_saves = ForwardSaves()
+        """What the forward holds: filled in ``FORWARD`` only, an empty one once it ended."""
+        self.recomputed: list = []
+        """The re-run's values, per save: held in ``RECOMPUTED`` only."""
         self.dropped_bytes = 0
         """Bytes of distinct storages the region saved and this frame dropped (set when forward returns):
         not its inputs, not parameters or leaves that require grad (or their views), nothing kept otherwise."""
@@ -133,6 +176,11 @@ class Frame:
         self.gen = 0
         self.live = 0  # slots autograd still holds
         self.unserved = 0  # live slots not yet unpacked in this pass
+
+    @property
+    def forward_values(self) -> Optional[list]:
+        """Per save: (tensor, version) while the forward runs; None in any other phase."""
+        return self.forward_saves.values if self.phase is FramePhase.FORWARD else None
 
     def _pack_input(self, t: torch.Tensor) -> tuple:
         """(packed, version to check at unpack or None). The outer hooks get the input itself, not
@@ -157,7 +205,8 @@ class Frame:
         kw_template = {k: template(v) for k, v in self.kwargs.items()}
         guards = self._guard_inputs()
         before = _fingerprints(self.args, self.kwargs)  # See Note: [arguments a forward changed]
-        self.forward_values = []  # See Note: [saved values live while the forward runs]
+        self.forward_saves = ForwardSaves()  # See Note: [saved values live while the forward runs]
+        self.phase = FramePhase.FORWARD
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_placeholder, self._unpack_placeholder):
                 with self._forward_mode():
@@ -169,13 +218,12 @@ class Frame:
             after = _fingerprints(self.args, self.kwargs)
             self.changed = [name for name, fingerprint in before.items() if after.get(name) != fingerprint]
             kept = inputs | self._kept_storages()
-            self.dropped_bytes = sum(n for key, n in self.dropped_storages.items() if key not in kept)
+            self.dropped_bytes = sum(n for key, n in self.forward_saves.dropped_storages.items() if key not in kept)
         except BaseException:
             self._forward_aborted()
             raise
         finally:
-            self.forward_values = None
-            self.dropped_storages = {}
+            self.phase, self.forward_saves = FramePhase.WAITING, ForwardSaves()
             for guard in guards:
                 guard.remove()
         self.args, self.kwargs = arg_template, kw_template  # drop references to the real inputs
@@ -236,16 +284,17 @@ class Frame:
     #     sensibly happen (the region's own forward is still running). While fn runs, each saved
     #     tensor is held with its version, and a slot unpacked then returns it (autograd rebuilds
     #     the unpacked variable around it; with hooks it checks no version, so this does). When fn
-    #     returns, or raises, the list is dropped: after forward the region holds what it always
-    #     held, its inputs, and the cycle tensor -> grad_fn -> slot -> frame -> list is gone. Peak
+    #     returns, or raises, the frame leaves ``FramePhase.FORWARD`` and drops ``ForwardSaves``:
+    #     after forward the region holds what it always held, its inputs, and the cycle tensor ->
+    #     grad_fn -> slot -> frame -> ForwardSaves is gone. Peak
     #     memory inside one region's forward rises to what the region saves, which its recompute
     #     in backward holds anyway.
     def _pack_placeholder(self, t: torch.Tensor) -> _Slot:
         self.meta.append((t.shape, t.dtype))
-        if self.forward_values is not None:
-            self.forward_values.append((t, t._version))
+        if self.phase is FramePhase.FORWARD:
+            self.forward_saves.values.append((t, t._version))
             if droppable(t):
-                self.dropped_storages[storage_id(t)] = t.untyped_storage().nbytes()
+                self.forward_saves.dropped_storages[storage_id(t)] = t.untyped_storage().nbytes()
             counted = None if self.count is None else self.count(t)
             if counted is not None:
                 self.counted_bytes += counted
@@ -254,8 +303,8 @@ class Frame:
         return _Slot(self, len(self.meta) - 1)
 
     def _unpack_placeholder(self, slot: _Slot) -> torch.Tensor:
-        if self.forward_values is not None:
-            value, version = self.forward_values[slot.index]
+        if self.phase is FramePhase.FORWARD:
+            value, version = self.forward_saves.values[slot.index]
             if value._version != version:
                 raise inplace_error(
                     value.type(),
@@ -265,16 +314,19 @@ class Frame:
                     f"saved tensor {slot.index} of region {self.name!r}",
                 )
             return value
-        if self.values is None:
-            self._recompute()
-        assert self.values is not None  # _recompute() sets them or raises
-        value = self.values[slot.index]
+        if self.phase is FramePhase.WAITING:
+            self._recompute()  # RECOMPUTED once it returns, or it raised
+        value = self.recomputed[slot.index]
         if slot.seen_gen != self.gen:
             slot.seen_gen = self.gen
-            self.unserved -= 1
-            if self.unserved <= 0:
-                self.values = None
+            self._served_one()
         return value
+
+    def _served_one(self) -> None:
+        """One more live slot served (or dead) in this pass: after the last, drop the re-run's values."""
+        self.unserved -= 1
+        if self.unserved <= 0:
+            self.phase, self.recomputed = FramePhase.WAITING, []
 
     def changed_note(self) -> str:
         """The end of a mismatch error: which arguments the forward changed, if any."""
@@ -288,10 +340,8 @@ class Frame:
 
     def slot_dead(self, slot: _Slot) -> None:
         self.live -= 1
-        if slot.seen_gen != self.gen and self.values is not None:
-            self.unserved -= 1
-            if self.unserved <= 0:
-                self.values = None
+        if slot.seen_gen != self.gen and self.phase is FramePhase.RECOMPUTED:
+            self._served_one()
 
     def _rebuild_args(self):
         tensors = enumerate(self.inputs)
@@ -395,7 +445,7 @@ class Frame:
                 f"saves (no data-dependent branches on mutable state); exclude it from regions or fix the branch"
                 + self.changed_note()
             )
-        self.values = values
+        self.phase, self.recomputed = FramePhase.RECOMPUTED, values
         self.gen += 1
         self.unserved = self.live
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import functools
 import time
 import weakref
@@ -40,7 +41,7 @@ from ._measurement import ForwardClock, Measurement, finish_after_backward, span
 from ._planner import Decision, Plan
 from ._profiler import AFTER_NAME, BEFORE_NAME, PROFILED_POLICIES, Measured, Profiler, ShapePlan, Stage
 from ._selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
-from ._session import ForwardMarks, Session
+from ._session import ForwardMarks, Saved, Session
 from ._sharded import Sharding, declaring
 
 __all__ = ["AUTO", "CACHE_ARGUMENTS", "ProfiledStep", "Regions", "RegionsArg", "resolve_regions", "without_cache"]
@@ -159,8 +160,21 @@ class _Seen:
     """What a step under a plan saw of one region: what it saved through the store (where every
     save goes there) and its forward's clock (where the forward is its compute alone)."""
 
-    sizes: Optional[tuple[int, int]]
+    sizes: Optional[Saved]
     clock: Optional[ForwardClock]
+
+
+class StepPhase(enum.Enum):
+    """Where a step of the regions is. Only the latest step can be awaiting its backward: the next
+    one's first region finishes it before it begins (``Regions.finish_measured_step``)."""
+
+    RUNNING = "running"
+    """Its regions run forward; a step under a plan stays here until the next one begins."""
+    AWAITING_BACKWARD = "awaiting backward"
+    """A profiling step whose last region ran forward: what it measured goes to the profiler when
+    its backward ends, or when the next step begins if that backward never ran."""
+    MEASURED = "measured"
+    """A profiling step whose measurements went to the profiler."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -174,6 +188,8 @@ class _Step:
     entry: Optional[ShapePlan]
     """The plan it follows (a profiling step's provisional one), or None."""
     start: float
+    phase: StepPhase = StepPhase.RUNNING
+    """Where it is: a profiling step awaits its backward, then hands the profiler what it measured."""
     measurements: list[Measurement] = dataclasses.field(default_factory=list)
     """A profiling step's, in region order."""
     seen: dict[int, _Seen] = dataclasses.field(default_factory=dict)
@@ -190,41 +206,38 @@ class _Step:
     marks: Optional[ForwardMarks] = None
     """The engine's marks of the forward this step is part of (what was saved when it was entered,
     and when it closed): with the marks below, what the step saves outside its regions."""
-    first_start: Optional[tuple[int, int]] = None
-    last_end: tuple[int, int] = (0, 0)
-    between: tuple[int, int] = (0, 0)
-    """(bytes, tensors) saved when the first region began, when the latest one ended, and in the
-    gaps between regions so far."""
+    first_start: Optional[Saved] = None
+    """The totals saved when its first region began (None before it did)."""
+    last_end: Saved = Saved()
+    """The totals saved when its latest region ended."""
+    between: Saved = Saved()
+    """What was saved in the gaps between its regions so far."""
 
-    def region_starts(self, index: int, saved: tuple[int, int]) -> None:
+    def region_starts(self, index: int, saved: Saved) -> None:
         if self.first_start is None:
             self.first_start = saved
         elif index > 0:
-            gap = (saved[0] - self.last_end[0], saved[1] - self.last_end[1])
-            self.between = (self.between[0] + gap[0], self.between[1] + gap[1])
+            self.between += saved - self.last_end
 
-    def region_ends(self, saved: tuple[int, int]) -> None:
+    def region_ends(self, saved: Saved) -> None:
         self.last_end = saved
 
-    def outside(self, now: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(bytes, tensors) saved before and between the regions, and after the last one until the
-        engine was left, or until ``now`` (what is saved so far) where it was not left yet: a
-        backward run inside ``with eng:`` saves nothing more, as a rule."""
+    def outside(self, now: Saved) -> tuple[Saved, Saved]:
+        """What was saved before and between the regions, and after the last one until the engine
+        was left, or until ``now`` (the totals so far) where it was not left yet: a backward run
+        inside ``with eng:`` saves nothing more, as a rule."""
         marks = self.marks
         if marks is None or self.first_start is None:
-            return (0, 0), (0, 0)
-        before = (
-            self.first_start[0] - marks.entered[0] + self.between[0],
-            self.first_start[1] - marks.entered[1] + self.between[1],
-        )
+            return Saved(), Saved()
+        before = self.first_start - marks.entered + self.between
         closed = now if marks.closed is None else marks.closed
-        return before, (closed[0] - self.last_end[0], closed[1] - self.last_end[1])
+        return before, closed - self.last_end
 
-    def outside_profiles(self, now: tuple[int, int]) -> tuple[RegionProfile, RegionProfile]:
-        (before_bytes, before_tensors), (after_bytes, after_tensors) = self.outside(now)
+    def outside_profiles(self, now: Saved) -> tuple[RegionProfile, RegionProfile]:
+        before, after = self.outside(now)
         return (
-            RegionProfile(name=BEFORE_NAME, scope=Scope.BEFORE, saved_bytes=before_bytes, num_tensors=before_tensors),
-            RegionProfile(name=AFTER_NAME, scope=Scope.AFTER, saved_bytes=after_bytes, num_tensors=after_tensors),
+            RegionProfile(name=BEFORE_NAME, scope=Scope.BEFORE, saved_bytes=before.nbytes, num_tensors=before.tensors),
+            RegionProfile(name=AFTER_NAME, scope=Scope.AFTER, saved_bytes=after.nbytes, num_tensors=after.tensors),
         )
 
     # Note: [sizes a recompute trial counts]
@@ -265,7 +278,6 @@ class Regions:
         self.profiled: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
         """What each recent profiling step measured (``ProfiledStep``), oldest first."""
         self._step: Optional[_Step] = None  # the latest step begun (None before the first)
-        self._awaiting_backward: Optional[_Step] = None  # a profiling step measured, its backward to come
         self._wrapped: list[_Wrapped] = []
         for index, (name, module) in enumerate(self.regions):
             self._install(index, name, module)
@@ -288,9 +300,10 @@ class Regions:
 
     def profiling(self) -> bool:
         """True while the latest inputs still have profiling steps to run (or none ran yet)."""
-        if self._awaiting_backward is not None and self.policy in PROFILED_POLICIES:
+        step = self._step
+        if step is not None and step.phase is StepPhase.AWAITING_BACKWARD and self.policy in PROFILED_POLICIES:
             return True
-        return self._profiler.profiling(None if self._step is None else self._step.key)
+        return self._profiler.profiling(None if step is None else step.key)
 
     # ------------------------------------------------------------------ wrapping
 
@@ -362,10 +375,9 @@ class Regions:
         clock = ForwardClock(_cuda_device(args, kwargs)) if decision in _TIMES_SEEN else None
         saved_before = self._session.saved()
         out = self._run(decision, forward, args, kwargs, name, module)
-        saved_after = self._session.saved()
+        sizes = self._session.saved() - saved_before
         if clock is not None:
             clock.stop()
-        sizes = (saved_after[0] - saved_before[0], saved_after[1] - saved_before[1])
         step.seen[index] = _Seen(sizes if decision in _SIZES_SEEN else None, clock)
         return out
 
@@ -464,9 +476,10 @@ class Regions:
     def finish_measured_step(self) -> None:
         """Plan from the last profiling step: at the end of its backward (a callback queued on the
         autograd engine), or when the next step begins if that backward never ran."""
-        step, self._awaiting_backward = self._awaiting_backward, None
-        if step is None:
+        step = self._step
+        if step is None or step.phase is not StepPhase.AWAITING_BACKWARD:
             return
+        step.phase = StepPhase.MEASURED
         assert step.stage is not None  # only a profiling step awaits its backward
         for m in step.measurements:
             m.remove_hooks()
@@ -507,9 +520,9 @@ class Regions:
         m = Measurement(name=name, input_bytes=_input_bytes(args, kwargs))
         if cuda is not None:
             torch.cuda.synchronize(cuda)
-        bytes_before, tensors_before = self._session.saved()
+        saved_before = self._session.saved()
         start = time.perf_counter()
-        counted: Optional[tuple[int, int]] = None
+        counted: Optional[Saved] = None
         if step.stage is Stage.RECOMPUTE_TRIAL:
             compiled = is_compiled(module)
             on_recompute = self._session.observers.recompute_timer(name, m.add_recompute)
@@ -525,7 +538,7 @@ class Regions:
                 count=functools.partial(step.count, self._session.eligible),
             )
             self._session.count_recompute(run.dropped_bytes)
-            counted = (run.counted_bytes, run.counted_tensors)  # the store saw only its inputs
+            counted = Saved(run.counted_bytes, run.counted_tensors)  # the store saw only its inputs
             if compiled:
                 m.note = COMPILED_NOTE
         elif step.stage is Stage.OFFLOAD_TRIAL:
@@ -536,12 +549,12 @@ class Regions:
         if cuda is not None:
             torch.cuda.synchronize(cuda)
         m.forward_start, m.forward_ms = start, (time.perf_counter() - start) * 1e3
-        bytes_after, tensors_after = self._session.saved()
-        m.saved_bytes, m.num_tensors = counted or (bytes_after - bytes_before, tensors_after - tensors_before)
+        saved = self._session.saved() - saved_before if counted is None else counted
+        m.saved_bytes, m.num_tensors = saved.nbytes, saved.tensors
         m.time_backward(args, kwargs, out, cuda)
         step.measurements.append(m)
         if index == len(self.regions) - 1:
-            self._awaiting_backward = step
+            step.phase = StepPhase.AWAITING_BACKWARD
             finish_after_backward(out, self.finish_measured_step)
         return out
 

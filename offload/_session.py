@@ -34,16 +34,31 @@ from ._stats import Counters
 from ._store import Store
 from ._transfer import Link
 
-__all__ = ["ForwardMarks", "Session"]
+__all__ = ["ForwardMarks", "Saved", "Session"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """Bytes and tensors saved through the engine: the running totals (``Session.saved()``), or
+    what was saved between two readings of them (their difference)."""
+
+    nbytes: int = 0
+    tensors: int = 0
+
+    def __add__(self, other: Saved) -> Saved:
+        return Saved(self.nbytes + other.nbytes, self.tensors + other.tensors)
+
+    def __sub__(self, other: Saved) -> Saved:
+        return Saved(self.nbytes - other.nbytes, self.tensors - other.tensors)
 
 
 @dataclasses.dataclass
 class ForwardMarks:
-    """(bytes, tensors) saved through the engine when it was entered (outermost, on one thread) and
-    when it was left (None until then). Regions measure what is saved outside them by these."""
+    """What was saved through the engine when it was entered (outermost, on one thread) and when
+    it was left (None until then). Regions measure what is saved outside them by these."""
 
-    entered: tuple[int, int]
-    closed: Optional[tuple[int, int]] = None
+    entered: Saved
+    closed: Optional[Saved] = None
 
 
 class Session:
@@ -90,7 +105,7 @@ class Session:
         with self._store_lock:  # two threads saving their first tensor at once make one store
             if self._store is None:
                 store = Store(self.config, device, self.counters, link=self._link, memory=self._memory)
-                store.set_planned(self._planned)
+                store.budget.set_planned(self._planned)
                 self._store = store
         return self._store
 
@@ -182,14 +197,16 @@ class Session:
         self._local.eager_to_end = True
 
     def set_planned(self, planned: bool) -> None:
-        """A plan is in force this step (True) or the regions are being measured (False)."""
+        """A plan is in force this step (True) or the regions are being measured (False): the
+        store's budget (``Budget.set_planned``) evicts at the full budget or keeps its in-flight
+        window; the flag is kept here for a store not made yet (the budget is made with it)."""
         self._planned = planned
         if self._store is not None:
-            self._store.set_planned(planned)
+            self._store.budget.set_planned(planned)
 
-    def saved(self) -> tuple[int, int]:
-        """(bytes, tensors) saved through the engine so far: regions measure themselves by the difference."""
-        return self.counters.saved_bytes, self.counters.saved_tensors
+    def saved(self) -> Saved:
+        """Bytes and tensors saved through the engine so far: regions measure themselves by the difference."""
+        return Saved(self.counters.saved_bytes, self.counters.saved_tensors)
 
     def moved_bytes(self) -> int:
         """Bytes moved off the device so far: a profiling step that moved none ran alone on the device."""

@@ -91,12 +91,10 @@ class Store:
         if follow is not None:
             self.budget.read(0)
 
-    def set_planned(self, planned: bool) -> None:
-        """Evict at the full budget (a region plan is in force) or keep the in-flight window."""
-        self.budget.set_planned(planned)
-
     def read_free(self) -> None:
-        """Read free memory now (the engine calls this as a step starts); nothing with a fixed budget."""
+        """Read free memory now (the engine calls this as a step starts); nothing with a fixed budget.
+        Here and not on ``Budget``: a reading pairs free memory with ``resident_bytes`` at the same
+        instant, so it takes the store's lock, as a reading inside pack or unpack holds it."""
         if self.budget.follows_free_memory:
             with self._lock:
                 self.budget.read(self.resident_bytes)

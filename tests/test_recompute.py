@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -451,6 +452,42 @@ def test_backward_releases_frames_and_values():
     block, x = make_block(), make_input()
     out = offload.checkpoint(block, x)
     out.sum().backward()
+    del out
+    assert frames_alive() == 0
+
+
+def test_frame_phases_through_forward_and_backward():
+    """FORWARD while fn runs (its saves held), WAITING once it returned (nothing held but the
+    inputs), RECOMPUTED from the first unpack of a pass until every live slot was served, then
+    WAITING again with the re-run's values dropped."""
+    seen: dict = {}
+
+    def region(x):
+        gc.collect()
+        (frame,) = [o for o in gc.get_objects() if type(o) is _recompute.Frame]
+        seen["frame"] = weakref.ref(frame)
+        seen["forward"] = (frame.phase, frame.forward_values is not None)
+        h = x.sin()  # saved by sin (x) and by exp (its result)
+        h.register_hook(note_middle)
+        return h.exp()
+
+    def note_middle(grad: torch.Tensor) -> None:
+        seen["middle"] = (frame_now().phase, len(frame_now().recomputed))
+
+    def frame_now() -> _recompute.Frame:
+        frame = seen["frame"]()
+        assert frame is not None
+        return frame
+
+    x = torch.randn(4, 4, requires_grad=True)
+    out = offload.checkpoint(region, x)
+    assert seen["forward"] == (_recompute.FramePhase.FORWARD, True)
+    assert frame_now().phase is _recompute.FramePhase.WAITING
+    assert frame_now().forward_values is None and frame_now().forward_saves.values == []
+    assert frame_now().recomputed == []
+    out.sum().backward(retain_graph=True)
+    assert seen["middle"] == (_recompute.FramePhase.RECOMPUTED, 2), "exp's save served, sin's still to come"
+    assert frame_now().phase is _recompute.FramePhase.WAITING and frame_now().recomputed == []
     del out
     assert frames_alive() == 0
 
