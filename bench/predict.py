@@ -16,7 +16,9 @@ its plan is shown beside the predicted one (where they differ, so may the figure
 an engine that keeps everything (policy "none", no budget), for its peak; its time is the model
 without any engine. "checkpoint" wraps each block in ``torch.utils.checkpoint`` (non-reentrant)
 under such an engine: its peak is what the engine sees (torch's frame holds the block inputs
-itself, outside any hook). After profiling, the configurations run interleaved, one step each per
+itself, outside any hook). Both are predicted without the engine's host costs
+(``WITHOUT_ENGINE``); the engines plan without them, as their profiles are measured under their
+own hooks. After profiling, the configurations run interleaved, one step each per
 round; the medians are reported. Torch runs 1 thread by default (the cores are shared). A table,
 then one JSON line.
 """
@@ -46,7 +48,7 @@ import offload  # noqa: E402
 from offload._machines import MACHINES  # noqa: E402
 from offload._planner import Plan  # noqa: E402
 from offload._policy import make_plan  # noqa: E402
-from offload._predict import POLICIES, held_bytes, measure_machine, predict  # noqa: E402
+from offload._predict import POLICIES, WITHOUT_ENGINE, held_bytes, measure_machine, predict  # noqa: E402
 from offload.bench.config import Kind, parse_variant  # noqa: E402
 from offload.bench.measure import describe_machine, environment, set_threads, table, write_json, write_text  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402
@@ -170,9 +172,13 @@ def one_model(name: str, rounds: int, machine) -> dict:
     )
     predict_s = time.perf_counter() - started
     link = machine.machine_profile()
+    # the engines plan from profiles measured under their own hooks: those times hold the host costs
+    engine_link = link.without_host_costs()
 
     # saved bytes per region: the engine's own measure step
-    probe_engine = offload.engine(budget_mb=0.01, policy="auto", regions=blocks_of(model), model=model, machine=link)
+    probe_engine = offload.engine(
+        budget_mb=0.01, policy="auto", regions=blocks_of(model), model=model, machine=engine_link
+    )
     for _ in range(PROFILING_STEPS_MAX):
         model.zero_grad(set_to_none=True)
         with probe_engine:
@@ -204,13 +210,13 @@ def one_model(name: str, rounds: int, machine) -> dict:
             engine_policy = {"checkpoint": "recompute"}.get(policy, policy)
             plan = make_plan(
                 profiles,
-                link,
+                link.without_host_costs() if policy in WITHOUT_ENGINE else link,
                 budget if policy in ("offload", "auto") else None,
                 engine_policy,
                 other_ms=prediction.other_ms,
             )
             label = policy if fraction is None else f"{policy} {fraction:.0%}"
-            configs.append(Config(label, policy, plan, keep_peak, model, step, link))
+            configs.append(Config(label, policy, plan, keep_peak, model, step, engine_link))
     for c in configs:
         c.profile()
     plain = configs[0]  # "none": its time is the model without any engine
@@ -261,7 +267,9 @@ def render(results: list[dict], env: dict, machine, load: str, markdown: bool) -
     lines.append(
         f"machine (measured): {m.achieved_flops() / 1e9:,.1f} GFLOP/s fp32 matmul, {m.achieved_memory_gb_per_s():,.2f} "
         f"GB/s copy, {m.assumptions.op_overhead_us:.1f} us per op, spill {m.link_out_gb_per_s:,.2f} / "
-        f"{m.link_back_gb_per_s:,.2f} GB/s, {m.assumptions.per_tensor_overhead_us:.1f} us per tensor"
+        f"{m.link_back_gb_per_s:,.2f} GB/s, {m.assumptions.per_tensor_overhead_us:.1f} us per tensor moved, "
+        f"{m.assumptions.held_tensor_overhead_us:.1f} us per tensor held, "
+        f"{m.assumptions.dispatch_overhead_us:.1f} us per op under a dispatch mode"
     )
     for r in results:
         lines.append("")
@@ -488,6 +496,7 @@ def step_part(step_dir: Path, out_json: Path) -> dict:
             variant = parse_variant(name)
         except ValueError:
             continue
+        without_engine = variant.kind in (Kind.NONE, Kind.CHECKPOINT)
         if variant.kind in (Kind.NONE,) or (variant.kind is Kind.ENGINE and variant.policy == "none"):
             policy, budget = "none", None
         elif variant.kind is Kind.CHECKPOINT:
@@ -497,7 +506,13 @@ def step_part(step_dir: Path, out_json: Path) -> dict:
             budget = None if variant.budget_fraction is None else int(keep_peak * variant.budget_fraction)
         else:
             continue  # save_on_cpu, torchtune, compiled: not what the planner models
-        plan = make_plan(profiles, link, budget if policy in ("offload", "auto") else None, policy, other_ms=other_ms)
+        plan = make_plan(
+            profiles,
+            link.without_host_costs() if without_engine else link,
+            budget if policy in ("offload", "auto") else None,
+            policy,
+            other_ms=other_ms,
+        )
         measured_rows = [r for r in rows if r.get("config") == name]
         # the step part times forward, backward and the optimizer; the prediction has no optimizer step
         fwd_bwd = [r["step_ms"] - (r.get("opt_ms") or 0.0) for r in measured_rows if r.get("step_ms") is not None]
@@ -595,6 +610,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "link_out_gb_per_s": machine.link_out_gb_per_s,
             "link_back_gb_per_s": machine.link_back_gb_per_s,
             "per_tensor_overhead_us": machine.assumptions.per_tensor_overhead_us,
+            "held_tensor_overhead_us": machine.assumptions.held_tensor_overhead_us,
+            "dispatch_overhead_us": machine.assumptions.dispatch_overhead_us,
         },
         "targets": TARGETS,
         "verdict": verdict(results),

@@ -42,7 +42,23 @@ class MachineProfile:
     disk_read_gb_per_s: float = 0.0
     """Spill-directory read bandwidth, GB/s."""
     per_tensor_overhead_us: float = 0.0
-    """Fixed engine cost per saved tensor moved (pack + unpack bookkeeping), microseconds."""
+    """Fixed engine cost per saved tensor moved (pack + unpack bookkeeping), microseconds: what moving
+    costs beyond keeping it under the engine (``held_tensor_overhead_us``)."""
+    held_tensor_overhead_us: float = 0.0
+    """The engine's fixed host cost per saved tensor its store takes, kept or moved (the pack and
+    unpack hooks, the store's bookkeeping), microseconds. 0 where the regions' times were measured
+    under the engine, which holds it already (``offload.probe()`` leaves it 0); a prediction, whose
+    times are the bare model's, sets it (see ``without_host_costs``)."""
+    dispatch_overhead_us: float = 0.0
+    """Host cost of one op dispatched under a Python ``TorchDispatchMode``, microseconds: a selective
+    region pays it on every op of its forward (the stash mode) and again in its re-run (the replay
+    mode). 0 where the regions' times were measured so (``offload.probe()`` leaves it 0)."""
+
+    def without_host_costs(self) -> MachineProfile:
+        """This profile with the engine's host costs (``held_tensor_overhead_us``,
+        ``dispatch_overhead_us``) 0: to price a step run without the engine, or to plan from profiles
+        measured under it (their times hold those costs already)."""
+        return dataclasses.replace(self, held_tensor_overhead_us=0.0, dispatch_overhead_us=0.0)
 
     def offload_gb_per_s(self) -> tuple[float, float]:
         """(out, back) bandwidth of the first tier behind the compute device, GB/s."""
@@ -78,6 +94,11 @@ class RegionProfile:
     """Wall time of the region's forward, milliseconds (CUDA events on GPU, perf_counter on CPU)."""
     num_tensors: int = 0
     """Number of saved tensors (for per-tensor overheads)."""
+    forward_dispatches: int = 0
+    """Ops its forward dispatches, views and detaches included: a selective run pays
+    ``MachineProfile.dispatch_overhead_us`` on each, in the forward and again in the re-run.
+    0: not counted, nothing charged (the engine's own profiles, whose ``selective_ms`` was measured
+    under the replay mode)."""
     backward_ms: float = 0.0
     """Wall time of the region's backward, milliseconds, measured with gradient hooks on its output
     and input. 0: not measured; the planner then assumes ``BACKWARD_TO_FORWARD`` x ``forward_ms``."""

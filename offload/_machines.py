@@ -2,9 +2,10 @@
 
 A ``Machine`` holds the vendor's peak figures (dense bf16 FLOP/s, HBM bandwidth, device memory,
 host link bandwidth per direction and both directions at once) and the ``Assumptions`` a
-prediction makes of them: which fraction of each peak a training step achieves, and the fixed
-cost of one op. Peaks are facts with a source (the datasheet named in ``source``); fractions
-are assumptions, named as such and overridable (``with_assumptions``), never measured here.
+prediction makes of them: which fraction of each peak a training step achieves, the fixed
+cost of one op, and the engine's host costs (per saved tensor, per op under a dispatch mode).
+Peaks are facts with a source (the datasheet named in ``source``); fractions and costs are
+assumptions, named as such and overridable (``with_assumptions``), never measured here.
 
     Machine ──achieved_flops(), achieved_memory_gb_per_s()──▶ roofline per op (_predict)
             └─machine_profile()──▶ MachineProfile ──▶ planner (the link's achieved bandwidth)
@@ -45,13 +46,23 @@ class Assumptions:
     per_tensor_overhead_us: float = 10.0
     """The engine's fixed cost per saved tensor it moves (pack, unpack, pool lookup, event), us;
     the planner's ``MachineProfile.per_tensor_overhead_us``."""
+    held_tensor_overhead_us: float = 15.0
+    """The engine's host cost per saved tensor its store takes, kept or moved (the Python pack and
+    unpack hooks and the store's bookkeeping), us; the planner's
+    ``MachineProfile.held_tensor_overhead_us``. An assumption: a host CPU's Python costs the same
+    order on a GPU machine as on the 2-core Xeon VM of ``bench/results/overhead-cpu.json`` (~17 us
+    at budget None); charged in full, though where the GPU's queue runs ahead of the host it hides."""
+    dispatch_overhead_us: float = 5.0
+    """Host cost of one op dispatched under a Python ``TorchDispatchMode`` (a selective region's
+    stash and replay modes), us; the planner's ``MachineProfile.dispatch_overhead_us``. An
+    assumption of the same kind: a few us of Python per op, what ``measure_machine`` finds on a CPU."""
 
     def __post_init__(self) -> None:
         for name in ("flops_fraction", "memory_fraction", "link_fraction"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"Assumptions.{name} must be a number in (0, 1], got {value!r}; 1 means the peak")
-        for name in ("op_overhead_us", "per_tensor_overhead_us"):
+        for name in ("op_overhead_us", "per_tensor_overhead_us", "held_tensor_overhead_us", "dispatch_overhead_us"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -118,25 +129,25 @@ class Machine:
         )
 
     def machine_profile(self) -> MachineProfile:
-        """What the planner reads: the link's achieved bandwidth each way and the per-tensor cost.
+        """What the planner reads: the link's achieved bandwidth each way and the host costs.
         The planner's timeline runs copies out in the forward and reloads in the backward, each
         direction mostly alone, so it gets the one-direction figures."""
         out_gb_per_s, back_gb_per_s, _ = self.achieved_link_gb_per_s()
-        per_tensor_us = self.assumptions.per_tensor_overhead_us
+        host_us = {
+            "per_tensor_overhead_us": self.assumptions.per_tensor_overhead_us,
+            "held_tensor_overhead_us": self.assumptions.held_tensor_overhead_us,
+            "dispatch_overhead_us": self.assumptions.dispatch_overhead_us,
+        }
         if self.device_type == "cpu":
             return MachineProfile(
                 device_type="cpu",
                 device_name=self.name,
                 disk_write_gb_per_s=out_gb_per_s,
                 disk_read_gb_per_s=back_gb_per_s,
-                per_tensor_overhead_us=per_tensor_us,
+                **host_us,
             )
         return MachineProfile(
-            device_type="cuda",
-            device_name=self.name,
-            d2h_gb_per_s=out_gb_per_s,
-            h2d_gb_per_s=back_gb_per_s,
-            per_tensor_overhead_us=per_tensor_us,
+            device_type="cuda", device_name=self.name, d2h_gb_per_s=out_gb_per_s, h2d_gb_per_s=back_gb_per_s, **host_us
         )
 
     def with_assumptions(self, **changes: float) -> Machine:
@@ -258,10 +269,13 @@ def from_probe(
     memory_gb_per_s: float,
     memory_bytes: int,
     op_overhead_us: float,
+    held_tensor_overhead_us: float = 0.0,
+    dispatch_overhead_us: float = 0.0,
 ) -> Machine:
     """The machine ``profile`` (from ``offload.probe()``) was measured on, as a ``Machine``: its
     link (device <-> host on CUDA, the spill disk on the CPU) and per-tensor cost from the probe,
-    with the matmul rate ``flops`` (FLOP/s), copy bandwidth and per-op cost measured beside it.
+    with the matmul rate ``flops`` (FLOP/s), copy bandwidth, per-op cost and the engine's host
+    costs (``Assumptions``; 0: not measured, not charged) measured beside it.
     Every fraction is 1: the figures are what was achieved. Both directions at once were not
     measured: twice the slower one stands for it (the planner does not read it)."""
     out_gb_per_s, back_gb_per_s = profile.offload_gb_per_s()
@@ -282,6 +296,10 @@ def from_probe(
         link="spill disk" if profile.device_type == "cpu" else "device <-> pinned host",
         source="measured here: offload.probe() for the link, a timed matmul, copy and tiny op for the rest",
         assumptions=dataclasses.replace(
-            MEASURED, op_overhead_us=op_overhead_us, per_tensor_overhead_us=profile.per_tensor_overhead_us
+            MEASURED,
+            op_overhead_us=op_overhead_us,
+            per_tensor_overhead_us=profile.per_tensor_overhead_us,
+            held_tensor_overhead_us=held_tensor_overhead_us,
+            dispatch_overhead_us=dispatch_overhead_us,
         ),
     )

@@ -46,6 +46,13 @@ Assumptions, all of them:
   compute stream, during the forward of each OFFLOAD region. A SELECTIVE_OFFLOAD region is an
   OFFLOAD region of its stash (``expensive_bytes``, ``expensive_tensors``) in every rule here, with
   its inputs resident like a RECOMPUTE region's.
+- The engine's host costs are paid on the compute stream too: every saved tensor its store takes,
+  kept or moved, costs ``machine.held_tensor_overhead_us`` in the forward (a KEEP or OFFLOAD
+  region's ``num_tensors``, a selective region's stash; a recomputed region's saves go to its
+  frame's placeholders instead, as ``torch.utils.checkpoint``'s go to its own, and are not
+  charged); a selective region costs ``machine.dispatch_overhead_us`` per op its forward dispatches
+  (``forward_dispatches``) in the forward, under the stash mode, and again in its re-run, under the
+  replay mode. A step without the engine prices with ``MachineProfile.without_host_costs()``.
 - On the CPU (``machine.device_type == "cpu"``) there is no copy engine: the "link" is the spill
   threads copying bytes into and out of the page cache, on the same cores the compute uses (torch
   runs as many threads as there are cores). Nothing hides there: each OFFLOAD region's write is
@@ -97,6 +104,7 @@ __all__ = [
     "calibrate_link",
     "check_inputs",
     "footprint",
+    "host_ms",
     "link_usable",
     "region_transfer_ms",
     "scale_link",
@@ -159,21 +167,45 @@ class Footprint:
     resident_bytes: int
     dropped_bytes: int
     rerun_ms: float
+    stored_tensors: int
+    """Saved tensors the engine's store takes (kept or moved), for its host cost per tensor."""
 
 
 def footprint(region: RegionProfile, decision: Decision) -> Footprint:
     """The ``Footprint`` of ``decision`` for ``region`` (see the module docstring)."""
     if decision is Decision.KEEP:
-        return Footprint(0, 0, region.saved_bytes, 0, 0.0)
+        return Footprint(0, 0, region.saved_bytes, 0, 0.0, region.num_tensors)
     if decision is Decision.OFFLOAD:
-        return Footprint(region.saved_bytes, region.num_tensors, 0, 0, 0.0)
+        return Footprint(region.saved_bytes, region.num_tensors, 0, 0, 0.0, region.num_tensors)
     if decision is Decision.RECOMPUTE:
-        return Footprint(0, 0, region.input_bytes, region.saved_bytes, region.recompute_or_forward_ms())
+        return Footprint(0, 0, region.input_bytes, region.saved_bytes, region.recompute_or_forward_ms(), 0)
     if decision is Decision.SELECTIVE:
-        return Footprint(0, 0, region.expensive_bytes + region.input_bytes, region.cheap_bytes, region.selective_ms)
+        return Footprint(
+            0,
+            0,
+            region.expensive_bytes + region.input_bytes,
+            region.cheap_bytes,
+            region.selective_ms,
+            region.expensive_tensors,
+        )
     return Footprint(
-        region.expensive_bytes, region.expensive_tensors, region.input_bytes, region.cheap_bytes, region.selective_ms
+        region.expensive_bytes,
+        region.expensive_tensors,
+        region.input_bytes,
+        region.cheap_bytes,
+        region.selective_ms,
+        region.expensive_tensors,
     )
+
+
+def host_ms(region: RegionProfile, decision: Decision, machine: MachineProfile) -> tuple[float, float]:
+    """(forward, re-run) ms of the engine's host costs for ``region`` under ``decision`` (see the
+    module docstring): its store's cost per tensor taken, and a selective region's dispatch modes."""
+    forward_ms = machine.held_tensor_overhead_us * _MS_PER_US * footprint(region, decision).stored_tensors
+    if decision not in SELECTIVE_DECISIONS:
+        return forward_ms, 0.0
+    dispatch_ms = machine.dispatch_overhead_us * _MS_PER_US * region.forward_dispatches
+    return forward_ms + dispatch_ms, dispatch_ms
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -192,7 +224,7 @@ class RegionPlan:
     exposed_ms: float
     """Step time this region adds, ms: 0 for KEEP, one forward for RECOMPUTE, its cheap ops for
     SELECTIVE, per-tensor cost plus the wait for its reload for OFFLOAD (0 when the transfer
-    hides), both of the last for SELECTIVE_OFFLOAD."""
+    hides), both of the last for SELECTIVE_OFFLOAD; plus the engine's host costs (``host_ms``)."""
     resident_bytes: int
     """Bytes it keeps on the device between its forward and backward: all for KEEP, its inputs
     for RECOMPUTE and SELECTIVE_OFFLOAD, inputs and stash for SELECTIVE, 0 for OFFLOAD (once its
@@ -391,8 +423,10 @@ def _run_timeline(
     now_ms = 0.0
     out_link_free_ms = 0.0
     footprints = [footprint(region, decision) for region, decision in zip(regions, decisions, strict=True)]
+    host = [host_ms(region, decision, machine) for region, decision in zip(regions, decisions, strict=True)]
     for i, (region, decision) in enumerate(zip(regions, decisions, strict=True)):
-        now_ms += region.forward_ms
+        now_ms += region.forward_ms + host[i][0]
+        exposed_ms[i] += host[i][0]
         fp = footprints[i]
         if decision in MOVES_BYTES:
             overhead_ms = overhead_ms_per_tensor * fp.moved_tensors
@@ -422,8 +456,9 @@ def _run_timeline(
             start_ms = max(needed_ms, issue_ms + back_ms)
             exposed_ms[i] += start_ms - needed_ms
             prefetch_floor_ms = start_ms
-        exposed_ms[i] += fp.rerun_ms
-        now_ms = start_ms + fp.rerun_ms + region.backward_or_estimate_ms(BACKWARD_TO_FORWARD)
+        rerun_ms = fp.rerun_ms + host[i][1]
+        exposed_ms[i] += rerun_ms
+        now_ms = start_ms + rerun_ms + region.backward_or_estimate_ms(BACKWARD_TO_FORWARD)
         if decision is not Decision.OFFLOAD:
             order = _FREE_AFTER if region.scope is Scope.AFTER else _FREE
             events.append((now_ms, order, -fp.resident_bytes))
@@ -517,7 +552,7 @@ def check_inputs(regions: Sequence[RegionProfile], machine: MachineProfile, budg
     ):
         raise ValueError(f"budget_bytes must be None (no limit) or an int >= 0, got {budget_bytes!r}")
     for region in regions:
-        for field in ("saved_bytes", "input_bytes", "num_tensors"):
+        for field in ("saved_bytes", "input_bytes", "num_tensors", "forward_dispatches"):
             if getattr(region, field) < 0:
                 raise ValueError(f"region {region.name!r}: {field} must be >= 0, got {getattr(region, field)!r}")
         for field in ("cheap_bytes", "expensive_bytes", "expensive_tensors"):
@@ -528,7 +563,7 @@ def check_inputs(regions: Sequence[RegionProfile], machine: MachineProfile, budg
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"region {region.name!r}: {field} must be finite and >= 0, got {value!r}")
     machine_fields = ("d2h_gb_per_s", "h2d_gb_per_s", "disk_write_gb_per_s", "disk_read_gb_per_s")
-    for field in machine_fields + ("per_tensor_overhead_us",):
+    for field in machine_fields + ("per_tensor_overhead_us", "held_tensor_overhead_us", "dispatch_overhead_us"):
         value = getattr(machine, field)
         if math.isnan(value) or value < 0:
             raise ValueError(f"machine profile: {field} must be >= 0 (0: unusable), got {value!r}")

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from ._config import DEFAULT_MIN_OFFLOAD_BYTES
+from ._config import DEFAULT_MIN_OFFLOAD_BYTES, Config
 from ._cost import MB, MachineProfile, RegionProfile, Scope
 from ._errors import OffloadError
 from ._fit import ProfileFit, Shape
@@ -61,12 +61,14 @@ from ._probe import probe
 from ._profiler import AFTER_NAME, BEFORE_NAME
 from ._regions import RegionsArg, resolve_regions
 from ._selective import MIN_SELECTIVE_MS, is_expensive
+from ._session import Session
 
 __all__ = [
     "BUDGET_FRACTIONS",
     "POLICIES",
     "Attention",
     "Longest",
+    "WITHOUT_ENGINE",
     "Prediction",
     "PolicyPoint",
     "RegionCount",
@@ -80,6 +82,9 @@ POLICIES = ("none", "checkpoint", "offload", "recompute", "selective", "auto")
 """The policies a prediction compares. "checkpoint" is ``torch.utils.checkpoint`` on every region
 without the engine: its inputs kept, one more forward in backward, which is what "recompute"
 costs in this model too (the engine's recompute may stop early; the prediction does not count on it)."""
+WITHOUT_ENGINE = ("none", "checkpoint")
+"""The policies of ``POLICIES`` that run without the engine, so are priced without its host costs
+(``MachineProfile.without_host_costs``): the model as it is, and ``torch.utils.checkpoint``."""
 BUDGET_FRACTIONS = (1.0, 0.5, 0.25, 0.1)
 """The budgets of the policy table, as fractions of the activation peak without the engine."""
 
@@ -144,6 +149,8 @@ class RegionCount:
     """Predicted time of its forward's cheap ops: what a selective re-run costs."""
     forward_ops: int = 0
     backward_ops: int = 0
+    forward_dispatches: int = 0
+    """Ops its forward dispatched, views and detaches included (what a dispatch mode pays on)."""
     input_dims: tuple[int, ...] = ()
     """Shape of its first tensor input (for fitting over shapes)."""
 
@@ -159,6 +166,7 @@ class RegionCount:
             saved_bytes=self.saved_bytes,
             input_bytes=self.input_bytes,
             num_tensors=self.num_tensors,
+            forward_dispatches=self.forward_dispatches,
             forward_ms=self.forward_ms,
             backward_ms=self.backward_ms,
             recompute_ms=self.forward_ms,
@@ -428,6 +436,8 @@ class _Step:
 
     # dispatch mode
     def op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if self.where.phase is _Phase.FORWARD:
+            self.counts[self.slot()].forward_dispatches += 1
         if func.is_view or func.overloadpacket in (torch.ops.aten.detach, torch.ops.aten.lift_fresh):
             return  # aliases: no memory touched, no kernel
         packet = func.overloadpacket
@@ -646,11 +656,14 @@ def _plan(
     *,
     quick: bool = False,
 ) -> Plan:
-    """The plan of ``policy`` ("checkpoint" is "recompute"; "none" takes no budget). ``quick``:
+    """The plan of ``policy`` ("checkpoint" is "recompute"; "none" takes no budget; those of
+    ``WITHOUT_ENGINE`` priced without the engine's host costs). ``quick``:
     "auto" without its local search (``max_search_moves=0``), which fits whenever the full search
     does (it starts from the same fixed plans, all-offload and all-recompute among them): what a
     search over lengths asks."""
     engine_policy: Union[str, AutoPolicy] = "recompute" if policy == "checkpoint" else policy
+    if policy in WITHOUT_ENGINE:
+        link = link.without_host_costs()
     if quick and policy == "auto":
         engine_policy = AutoPolicy(max_search_moves=0)
     if engine_policy in ("none", "recompute", "selective"):
@@ -869,20 +882,92 @@ def _working_bytes(profiles: Sequence[RegionProfile]) -> int:
 _MATMUL_SIZE = 1024
 _COPY_BYTES = 64 * MB
 _TINY_OPS = 2000
+_HELD_TENSORS = 1000
+"""Saves in the chain that measures the engine's cost per saved tensor (each of
+``DEFAULT_MIN_OFFLOAD_BYTES``, the least the store takes)."""
 _REPEATS = 5
 
 
 class _CountOps(TorchDispatchMode):
-    """Counts the ops dispatched (what ``_Step.op`` charges a fixed cost for)."""
+    """Counts the ops dispatched: ``ops`` those ``_Step.op`` charges a fixed cost for, ``dispatches``
+    all of them (what a dispatch mode pays on)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
+        self.dispatches = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.dispatches += 1
         if not func.is_view and func.overloadpacket not in (torch.ops.aten.detach, torch.ops.aten.lift_fresh):
             self.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that only runs each op: the floor of what ``_selective``'s modes pay per op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _best_s(fn: Callable[[], Any]) -> float:
+    """Seconds of the least disturbed of ``_REPEATS`` runs of ``fn`` after one warm-up (noise only adds)."""
+    fn()
+    times = []
+    for _ in range(_REPEATS):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _held_tensor_overhead_us() -> float:
+    """The engine's host cost per saved tensor it keeps, us: a chain of ``_HELD_TENSORS`` saves run
+    forward and backward under the engine at budget None (its ``Session``, hooks and store, as
+    ``offload.engine(None)`` installs them) against the same chain without it."""
+    x = torch.ones(DEFAULT_MIN_OFFLOAD_BYTES // 4, requires_grad=True)
+    session = Session(Config.from_user(None, device=torch.device("cpu")))
+
+    def chain(engine: bool) -> None:
+        if engine:
+            session.enter()
+        try:
+            y = x
+            for _ in range(_HELD_TENSORS):
+                y = y.sin()  # saves its input: one pack in forward, one unpack in backward
+            loss = y.sum()
+        finally:
+            if engine:
+                session.exit(None, None, None)
+        loss.backward()
+
+    try:
+        with_s, without_s = _best_s(lambda: chain(True)), _best_s(lambda: chain(False))
+    finally:
+        if session.store is not None:
+            session.store.close()
+    return max(0.0, (with_s - without_s) / _HELD_TENSORS * 1e6)
+
+
+def _dispatch_overhead_us() -> float:
+    """Host cost of one op under a Python dispatch mode, us: a forward of ``_TINY_OPS`` one-element
+    ops under autograd inside ``_PassThrough`` against the same without it, over the ops it dispatched."""
+    tiny = torch.ones(1, requires_grad=True)
+
+    def forward() -> None:
+        y = tiny
+        for _ in range(_TINY_OPS):
+            y = y * 1.0
+
+    def under_mode() -> None:
+        with _PassThrough():
+            forward()
+
+    counter = _CountOps()
+    with counter:
+        forward()
+    return max(0.0, (_best_s(under_mode) - _best_s(forward)) / max(1, counter.dispatches) * 1e6)
 
 
 def measure_machine(profile: Optional[MachineProfile] = None, *, dtype: torch.dtype = torch.float32) -> Machine:
@@ -890,8 +975,9 @@ def measure_machine(profile: Optional[MachineProfile] = None, *, dtype: torch.dt
     per-tensor cost; a timed ``_MATMUL_SIZE``² matmul in ``dtype``, a timed 64 MiB copy, and for
     the cost of one op a chain of ``_TINY_OPS`` one-element ops run forward and backward under
     autograd, over the ops it dispatched (a training step's op pays autograd's bookkeeping too;
-    best of ``_REPEATS``). CUDA machines are measured on CUDA by the
-    probe's link only: use a named machine for their compute."""
+    best of ``_REPEATS``); the engine's host costs per saved tensor (``_held_tensor_overhead_us``)
+    and per op under a dispatch mode (``_dispatch_overhead_us``). CUDA machines are measured on
+    CUDA by the probe's link only: use a named machine for their compute."""
     profile = probe("cpu") if profile is None else profile
     if profile.device_type != "cpu":
         raise ValueError(
@@ -915,24 +1001,17 @@ def measure_machine(profile: Optional[MachineProfile] = None, *, dtype: torch.dt
     with counter:
         chain()
 
-    def best_s(fn: Callable[[], Any]) -> float:
-        fn()
-        times = []
-        for _ in range(_REPEATS):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    matmul_s = best_s(lambda: a @ a)
-    copy_s = best_s(lambda: dst.copy_(src))
-    tiny_s = best_s(chain)
+    matmul_s = _best_s(lambda: a @ a)
+    copy_s = _best_s(lambda: dst.copy_(src))
+    tiny_s = _best_s(chain)
     return from_probe(
         profile,
         flops=2 * _MATMUL_SIZE**3 / matmul_s,
         memory_gb_per_s=2 * _COPY_BYTES / copy_s / _GB,
         memory_bytes=int(psutil.virtual_memory().total),
         op_overhead_us=tiny_s / max(1, counter.ops) * 1e6,
+        held_tensor_overhead_us=_held_tensor_overhead_us(),
+        dispatch_overhead_us=_dispatch_overhead_us(),
     )
 
 

@@ -200,6 +200,43 @@ def test_per_tensor_overhead_is_paid_on_the_compute_stream():
     assert plan.predicted_overhead_ms == pytest.approx(2 * 50 * 20.0 / 1000)
 
 
+def test_the_engines_host_cost_per_held_tensor_is_charged_kept_or_moved():
+    """Every tensor the store takes costs ``held_tensor_overhead_us``; a moved one pays
+    ``per_tensor_overhead_us`` on top; a recomputed region's saves go to placeholders, uncharged."""
+    regions = [
+        RegionProfile(name="r0", saved_bytes=MB, input_bytes=MB // 10, forward_ms=1.0, num_tensors=50),
+        RegionProfile(name="r1", saved_bytes=MB, input_bytes=MB // 10, forward_ms=1.0, num_tensors=30),
+    ]
+    machine = dataclasses.replace(cuda_machine(math.inf, overhead_us=20.0), held_tensor_overhead_us=15.0)
+    baseline_ms = 2 * (1.0 + 2.0)
+    keep_ms, _ = simulate(regions, (KEEP, KEEP), machine)
+    assert keep_ms == pytest.approx(baseline_ms + (50 + 30) * 15.0 / 1000, abs=TIME_TOL_MS)
+    offload_ms, _ = simulate(regions, (OFFLOAD, KEEP), machine)
+    assert offload_ms == pytest.approx(baseline_ms + 50 * (15.0 + 20.0) / 1000 + 30 * 15.0 / 1000, abs=TIME_TOL_MS)
+    recompute_ms, _ = simulate(regions, (RECOMPUTE, KEEP), machine)
+    assert recompute_ms == pytest.approx(baseline_ms + 1.0 + 30 * 15.0 / 1000, abs=TIME_TOL_MS)
+    plan = make_plan(regions, machine, None, policy="none")
+    assert plan.predicted_overhead_ms == pytest.approx(80 * 15.0 / 1000)
+    assert [r.exposed_ms for r in plan.regions] == pytest.approx([50 * 15.0 / 1000, 30 * 15.0 / 1000])
+    without = make_plan(regions, machine.without_host_costs(), None, policy="none")
+    assert without.predicted_step_ms == without.baseline_step_ms == baseline_ms
+    assert without.regions[0].exposed_ms == 0.0
+
+
+def test_host_costs_are_not_what_calibration_scales():
+    machine = dataclasses.replace(cuda_machine(10.0, overhead_us=2.0), held_tensor_overhead_us=15.0)
+    scaled = scale_link(machine, 4.0)
+    assert (scaled.held_tensor_overhead_us, scaled.dispatch_overhead_us) == (15.0, 0.0)
+    assert scaled.per_tensor_overhead_us == 8.0
+
+
+@pytest.mark.parametrize("field", ["held_tensor_overhead_us", "dispatch_overhead_us"])
+def test_bad_host_costs_are_refused_by_name(field):
+    machine = dataclasses.replace(cuda_machine(10.0), **{field: -1.0})
+    with pytest.raises(ValueError, match=f"{field} must be >= 0"):
+        make_plan(uniform_regions(2), machine, None, policy="none")
+
+
 def test_exposed_times_add_up_to_the_overhead():
     rng = np.random.default_rng(7)
     for _ in range(20):

@@ -71,6 +71,21 @@ def test_selective_costs_its_rerun_and_keeps_inputs_plus_stash():
     assert peak3 == 3 * 45 * MB
 
 
+def test_selective_pays_its_dispatch_modes_per_op_in_forward_and_rerun_and_its_stash_per_tensor():
+    """Under the stash mode in forward and the replay mode in its re-run, each op of a selective
+    region costs ``dispatch_overhead_us``; its stash is held by the store (``held_tensor_overhead_us``)."""
+    r = dataclasses.replace(region(), forward_dispatches=120, expensive_tensors=8)
+    machine = dataclasses.replace(cuda(math.inf), held_tensor_overhead_us=15.0, dispatch_overhead_us=5.0)
+    bare_ms, _ = simulate([r], (Decision.SELECTIVE,), machine.without_host_costs())
+    step_ms, _ = simulate([r], (Decision.SELECTIVE,), machine)
+    assert step_ms - bare_ms == pytest.approx(2 * 120 * 5.0 / 1000 + 8 * 15.0 / 1000)
+    moved_ms, _ = simulate([r], (Decision.SELECTIVE_OFFLOAD,), machine)
+    bare_moved_ms, _ = simulate([r], (Decision.SELECTIVE_OFFLOAD,), machine.without_host_costs())
+    assert moved_ms - bare_moved_ms == pytest.approx(2 * 120 * 5.0 / 1000 + 8 * 15.0 / 1000)
+    recompute_ms, _ = simulate([r], (Decision.RECOMPUTE,), machine)
+    assert recompute_ms == simulate([r], (Decision.RECOMPUTE,), machine.without_host_costs())[0]  # no mode
+
+
 def test_selective_offload_on_a_copy_engine_hides_the_stash_behind_the_next_forward():
     """40 MB at 10 GB/s: 4 ms out, under the next region's 5 ms forward; the reload of region 0
     (4 ms) hides behind region 1's backward. Only the re-runs show, and region 1's own copy: it

@@ -157,6 +157,32 @@ def test_the_plan_and_every_policy_come_from_the_planner():
     assert at_10["auto"].step_ms <= min(q.step_ms for q in at_10.values() if q.fits) + 1e-9
 
 
+def test_host_costs_are_charged_to_the_engines_policies_and_not_to_none_or_checkpoint():
+    """Each saved tensor the store takes costs ``held_tensor_overhead_us``; a selective region pays
+    ``dispatch_overhead_us`` per op its forward dispatches, twice; "none" and "checkpoint" run
+    without the engine."""
+    model, x, y = _tiny()
+    bare = predict(model, x, y, machine=CPU, regions=model.blocks)
+    host = CPU.with_assumptions(held_tensor_overhead_us=20.0, dispatch_overhead_us=4.0)
+    charged = predict(model, x, y, machine=host, regions=model.blocks)
+    for block in charged.regions[1:-1]:  # views and detaches reach a dispatch mode too
+        assert block.forward_dispatches > block.forward_ops > 0
+        assert block.profile().forward_dispatches == block.forward_dispatches
+    step = {(p.policy, p.budget_fraction): p.step_ms for p in bare.points}
+    step_charged = {(p.policy, p.budget_fraction): p.step_ms for p in charged.points}
+    for policy in ("none", "checkpoint"):
+        assert step_charged[policy, 1.0] == step[policy, 1.0]
+    all_tensors = sum(c.num_tensors for c in charged.regions)
+    assert step_charged["offload", 1.0] == pytest.approx(step["none", 1.0] + all_tensors * 20e-3)
+    blocks = charged.regions[1:-1]
+    assert all(b.profile().selective_measured() for b in blocks)
+    outside_tensors = charged.regions[0].num_tensors + charged.regions[-1].num_tensors
+    selective_ms = sum(2 * b.forward_dispatches * 4e-3 + b.expensive_tensors * 20e-3 for b in blocks)
+    assert step_charged["selective", 1.0] == pytest.approx(
+        step["selective", 1.0] + selective_ms + outside_tensors * 20e-3
+    )
+
+
 def test_prediction_never_touches_the_model_parameters():
     model, x, y = _tiny()
     before = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
