@@ -13,7 +13,8 @@ differ (a batch padded to its own longest sample, a curriculum). One family, one
                                               and selective costs) ─▶ "offload" (once per engine,
                                               with a link: calibrates the transfer costs)
     a shape already planned      its plan (least recently used out beyond ``MAX_PLANS``)
-    a shape the fit can reach    a plan derived from the fit, no profiling step; what the step then
+    a shape the fit can reach    a plan derived from the fit, no profiling step (its decisions
+                                 searched once per ``SEARCH_BUCKET`` of shapes); what the step then
                                  saves through the engine (exact, free) is checked against it, and
                                  a miss beyond ``SIZE_TOLERANCE`` adds the sizes seen to the fit
     a shape beyond the fit       "recompute" at that shape (sizes counted by the recomputed regions,
@@ -43,7 +44,7 @@ import torch
 from ._budget import replan_needed
 from ._cost import MachineProfile, RegionProfile
 from ._fit import ProfileFit, Shape
-from ._planner import Decision, Plan, calibrate_link, link_usable, scale_link
+from ._planner import Decision, Plan, build_plan, calibrate_link, check_inputs, link_usable, scale_link
 from ._policy import make_plan
 from ._session import Saved, Session
 
@@ -55,6 +56,7 @@ __all__ = [
     "MAX_MEASURED_SHAPES",
     "MAX_PLANS",
     "PLAUSIBLE_LINK_SCALE",
+    "SEARCH_BUCKET",
     "SECOND_SHAPE_SPREAD",
     "SIZE_TOLERANCE",
     "TIME_CHECK_TOLERANCE",
@@ -91,6 +93,12 @@ EXTRAPOLATION_LIMIT = 2.0
 SIZE_TOLERANCE = 0.05
 """A derived plan's saved bytes per region may miss what the step saved by this much before the
 sizes seen are added to the fit and the family's derived plans are made again."""
+SEARCH_BUCKET = 2 ** (1 / 8)
+"""Derived shapes whose element counts and sequence lengths fall in one bucket of this ratio
+(x1.09) share the decisions of one planner search, made at the bucket's largest shape (it saves
+the most, so its decisions fit the rest); each shape's plan is priced at its own profiles. A loop
+whose lengths change every step then searches a bounded number of times, not once a step (a
+search took ~10 ms for 6 regions here, and grows with the square of the regions)."""
 TIME_CHECK_TOLERANCE = 0.3
 """The same for a region's forward time (where the step's forward moved nothing: its compute
 alone). Wider than sizes: CPU timings drift 10-20 % from step to step, and every miss re-plans."""
@@ -204,6 +212,15 @@ class _RecomputeSpan:
     span_ms: Optional[float]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Searched:
+    """One planner search for a bucket of derived shapes, and what it was searched under."""
+
+    budget_bytes: Optional[int]
+    link_scale: Optional[float]
+    decisions: tuple[Decision, ...]
+
+
 class _Family:
     """One input family's fit, plans and profiling in progress."""
 
@@ -221,12 +238,19 @@ class _Family:
         """Whether the plan cache was read for this family."""
         self.cached: dict[str, ShapePlan] = {}
         """Final plans a previous run left (``plan_cache=``), by the repr of their signature."""
+        self.searched: collections.OrderedDict[tuple[int, int], _Searched] = collections.OrderedDict()
+        """Decisions searched for derived shapes, by bucket (``SEARCH_BUCKET``)."""
 
     def keep(self, key: tuple, entry: ShapePlan) -> None:
         self.plans[key] = entry
         self.plans.move_to_end(key)
         while len(self.plans) > MAX_PLANS:
             self.plans.popitem(last=False)
+
+    def remember_search(self, bucket: tuple[int, int], searched: _Searched) -> None:
+        self.searched[bucket] = searched
+        while len(self.searched) > MAX_PLANS:
+            self.searched.popitem(last=False)
 
     def profiling(self) -> bool:
         return self.running or bool(self.queue)
@@ -236,6 +260,7 @@ class _Family:
         from a fit that has changed since."""
         self.sizes = None
         self.recompute_span = None
+        self.searched.clear()
         for key in [k for k, entry in self.plans.items() if entry.origin is Origin.DERIVED]:
             del self.plans[key]
 
@@ -311,6 +336,35 @@ class Profiler:
         plan = make_plan(profiles, self._machine(), budget, self.policy, other_ms=other_ms)
         return ShapePlan(dataclasses.replace(plan, origin=why), profiles, other_ms, origin)
 
+    def _derived(self, fam: _Family, shape: Shape) -> ShapePlan:
+        """The plan for a shape from the family's fit; its decisions are searched once per bucket
+        (``SEARCH_BUCKET``), at the bucket's largest shape."""
+        profiles, other_ms = fam.fit.derive(shape)
+        budget = self._session.budget_in_force()
+        machine = self._machine()
+        n_bucket, s_bucket = (math.floor(math.log(v, SEARCH_BUCKET)) for v in (shape.n, shape.s))
+        bucket = (n_bucket, s_bucket)
+        searched = fam.searched.get(bucket)
+        if (
+            searched is not None
+            and searched.link_scale == self._link_scale
+            and not replan_needed(searched.budget_bytes, budget)
+        ):
+            decisions = searched.decisions
+            fam.searched.move_to_end(bucket)
+        else:
+            top = Shape(n=math.ceil(SEARCH_BUCKET ** (n_bucket + 1)), s=math.ceil(SEARCH_BUCKET ** (s_bucket + 1)))
+            top_profiles, top_other_ms = fam.fit.derive(top)
+            top_plan = make_plan(top_profiles, machine, budget, self.policy, other_ms=top_other_ms)
+            chosen = {r.name: r.decision for r in (*top_plan.outside, *top_plan.regions)}
+            decisions = tuple(chosen.get(p.name, Decision.KEEP) for p in top_profiles)
+            fam.remember_search(bucket, _Searched(budget, self._link_scale, decisions))
+            log.info("offload: decisions searched for inputs up to n=%d, s=%d: %s", top.n, top.s, decisions)
+        check_inputs(profiles, machine, budget)
+        plan = build_plan(profiles, decisions, machine, budget, self.policy, other_ms)
+        why = f"derived, {fam.fit.describe()}"
+        return ShapePlan(dataclasses.replace(plan, origin=why), profiles, other_ms, Origin.DERIVED)
+
     def _calibration_due(self, plan: Plan) -> bool:
         return (
             self.policy == "auto"
@@ -361,8 +415,7 @@ class Profiler:
         elif self._needs_measure(fam, shape):
             stage = Stage.RECOMPUTE_TRIAL
         else:
-            profiles, other_ms = fam.fit.derive(shape)
-            entry = self._entry(profiles, other_ms, Origin.DERIVED, f"derived, {fam.fit.describe()}")
+            entry = self._derived(fam, shape)
             fam.queue = self._trials(fam, entry.plan)
             stage = fam.queue.pop(0) if fam.queue else None
             if stage is None:

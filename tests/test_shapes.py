@@ -9,13 +9,14 @@ must have predicted.
 from __future__ import annotations
 
 import logging
+import math
 import random
 
 import pytest
 import torch
 
 import offload
-from offload._profiler import MAX_MEASURED_SHAPES, MAX_PLANS
+from offload._profiler import MAX_MEASURED_SHAPES, MAX_PLANS, SEARCH_BUCKET
 from offload.models.gpt import GPTConfig, MiniGPT
 from test_regions import LR, MACHINE, SEED, assert_same_history
 
@@ -159,4 +160,36 @@ def test_explain_says_where_a_plan_comes_from(spill_dir):
     assert "regions: regions=: 3 modules given" in text
     train(model, [160], eng)
     assert "profiles: measured" in offload.explain(eng)
+    eng.close()
+
+
+def test_a_loop_of_new_lengths_searches_once_per_bucket_not_once_a_step(spill_dir, caplog):
+    """Every derived shape is priced at its own profiles, but the planner's search runs once per
+    ``SEARCH_BUCKET`` of shapes: with lengths that change every step it must not run every step
+    (~10 ms for a few regions, growing with the square of their number)."""
+
+    def buckets(seqs: list[int]) -> set[tuple[int, int]]:
+        n = [BATCH * seq * CONFIG.n_embd for seq in seqs]  # the first region's input: (batch, seq, width)
+        return {
+            (math.floor(math.log(e, SEARCH_BUCKET)), math.floor(math.log(q, SEARCH_BUCKET)))
+            for e, q in zip(n, seqs, strict=True)
+        }
+
+    first = lengths(30, 40, 160, seed=5)
+    again = sorted({seq + 1 for seq in first} - set(first))[:15]  # new lengths, in buckets mostly searched
+    model = make_model()
+    eng = block_engine(model, "auto", spill_dir, budget_mb=0.05)
+    train(model, first, eng)
+    assert not eng.profiling
+    with caplog.at_level(logging.INFO, logger="offload._profiler"):
+        train(model, again, eng)
+    searches = [r for r in caplog.records if "decisions searched" in r.getMessage()]
+    stages = list(eng.recent_stages)[-len(again) :]
+    assert stages == [None] * len(again), f"the premise: every new length is derived, none profiled: {stages}"
+    derived = [eng.plans[k] for k in eng.plans if k[0][0][1] in again]
+    assert len(derived) == len(again) and all(p.origin.startswith("derived") for p in derived)
+    assert len(searches) <= len(buckets(again) - buckets(first)), f"{len(searches)} searches for {len(again)} lengths"
+    # each priced at its own shape: the saved bytes grow with the length, within one bucket too
+    by_length = sorted((k[0][0][1], sum(r.saved_bytes for r in eng.plans[k].regions)) for k in eng.plans)
+    assert all(a[1] < b[1] for a, b in zip(by_length, by_length[1:], strict=False)), by_length
     eng.close()
