@@ -30,37 +30,27 @@ sequence that fits a device memory under each policy, from fake steps at a few l
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import enum
 import importlib.util
 import math
 import time
-import traceback
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
 
 from ._config import DEFAULT_MIN_OFFLOAD_BYTES, Config
 from ._cost import MB, MachineProfile, RegionProfile, Scope
-from ._errors import OffloadError
 from ._fit import ProfileFit, Shape
-from ._hooks import Eligibility
 from ._machines import Machine, from_probe, get_machine
 from ._planner import MOVES_BYTES, Plan
 from ._policy import AutoPolicy, make_plan
+from ._predict_count import RegionCount
+from ._predict_step import Attention, fake_step
 from ._probe import probe
-from ._profiler import AFTER_NAME, BEFORE_NAME
-from ._regions import RegionsArg, resolve_regions
-from ._selective import MIN_SELECTIVE_MS, is_expensive
+from ._regions import RegionsArg
 from ._session import Session
 
 __all__ = [
@@ -88,93 +78,11 @@ WITHOUT_ENGINE = ("none", "checkpoint")
 BUDGET_FRACTIONS = (1.0, 0.5, 0.25, 0.1)
 """The budgets of the policy table, as fractions of the activation peak without the engine."""
 
-_MS_PER_S = 1e3
 _GB = 1e9
 _LONGEST_CAP = 1 << 20
 """The longest sequence ``longest`` tries, tokens."""
 _FIT_LENGTHS = (4, 2, 1)
 """``longest`` fits over fake steps at the example's sequence divided by these."""
-
-_SDPA_FOR_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLOP_ALIASES = {
-    name: target
-    for name, target in (
-        ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"),
-        ("_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward"),
-    )
-    if hasattr(torch.ops.aten, name)
-}
-"""Ops ``torch.utils.flop_counter`` has no formula for, counted with the formula of the same
-computation on another kernel (the CPU's flash attention is flash attention)."""
-
-
-class Attention(enum.Enum):
-    """How ``scaled_dot_product_attention`` runs in the fake step."""
-
-    FUSED = "fused"
-    """The fused kernel the target runs (flash; efficient attention with a mask): saves q, k, v,
-    the output and the log-sum-exp, no sequence² scores."""
-    AS_WRITTEN = "as-written"
-    """Whatever the meta device does: the math path, scores and probabilities saved."""
-
-
-class _Phase(enum.Enum):
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-
-@dataclasses.dataclass
-class RegionCount:
-    """What one region (or the saves outside the regions) did in the fake step, counted."""
-
-    name: str
-    scope: Scope = Scope.REGION
-    saved_bytes: int = 0
-    """Bytes of distinct storages the engine would take (``Eligibility``), once per step."""
-    num_tensors: int = 0
-    input_bytes: int = 0
-    cheap_bytes: int = 0
-    """Of its droppable saves, the bytes a selective run drops (not inputs, not expensive outputs)."""
-    expensive_bytes: int = 0
-    """Bytes of outputs of expensive ops (matmul, attention, convolution) a selective run stashes."""
-    expensive_tensors: int = 0
-    forward_flops: int = 0
-    backward_flops: int = 0
-    forward_bytes: int = 0
-    """Bytes the forward's ops read and wrote (views aside)."""
-    backward_bytes: int = 0
-    forward_ms: float = 0.0
-    backward_ms: float = 0.0
-    cheap_ms: float = 0.0
-    """Predicted time of its forward's cheap ops: what a selective re-run costs."""
-    forward_ops: int = 0
-    backward_ops: int = 0
-    forward_dispatches: int = 0
-    """Ops its forward dispatched, views and detaches included (what a dispatch mode pays on)."""
-    input_dims: tuple[int, ...] = ()
-    """Shape of its first tensor input (for fitting over shapes)."""
-
-    def profile(self) -> RegionProfile:
-        """The planner's view: sizes as counted, times as predicted."""
-        if self.scope is not Scope.REGION:
-            return RegionProfile(
-                name=self.name, scope=self.scope, saved_bytes=self.saved_bytes, num_tensors=self.num_tensors
-            )
-        selective = self.expensive_tensors > 0 or self.cheap_bytes > 0
-        return RegionProfile(
-            name=self.name,
-            saved_bytes=self.saved_bytes,
-            input_bytes=self.input_bytes,
-            num_tensors=self.num_tensors,
-            forward_dispatches=self.forward_dispatches,
-            forward_ms=self.forward_ms,
-            backward_ms=self.backward_ms,
-            recompute_ms=self.forward_ms,
-            cheap_bytes=self.cheap_bytes,
-            expensive_bytes=self.expensive_bytes,
-            expensive_tensors=self.expensive_tensors,
-            selective_ms=max(MIN_SELECTIVE_MS, self.cheap_ms) if selective else 0.0,
-        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -302,338 +210,6 @@ class Prediction:
             "assumed": list(self.assumed),
             "wall_s": self.wall_s,
         }
-
-
-# -- the fake step ---------------------------------------------------------------------------------
-
-
-def _meta_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta", requires_grad=t.requires_grad)
-
-
-def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes: the
-    deep copy is handed them through its memo, so no parameter is ever read or copied."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = torch.nn.Parameter(_meta_like(p.detach()), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = _meta_like(b)
-    return copy.deepcopy(model, memo)
-
-
-def _to_meta(value: Any) -> Any:
-    return tree_map(lambda a: _meta_like(a) if isinstance(a, torch.Tensor) else a, value)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    """Bytes an op reads or writes of ``t``: its elements, or its storage where that is smaller
-    (an expanded tensor)."""
-    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
-
-
-def _droppable(t: torch.Tensor) -> bool:
-    """``_recompute._droppable``'s rule, for meta tensors too (which it leaves out: a real run
-    never drops them)."""
-    base = t if t._base is None else t._base
-    if type(t) is not torch.Tensor or type(base) is not torch.Tensor:
-        return False
-    return not (base.requires_grad and base.is_leaf) and t.layout is torch.strided
-
-
-@dataclasses.dataclass
-class _Where:
-    """Which region runs, in which phase: ``index`` -1 before the first, ``len(regions)`` after
-    the last; between two regions it is the one that ended last, counted as before."""
-
-    phase: _Phase = _Phase.FORWARD
-    index: int = -1
-    inside: bool = False
-
-
-class _Packed:
-    __slots__ = ("index", "tensor")
-
-    def __init__(self, index: int, tensor: torch.Tensor) -> None:
-        self.index = index
-        self.tensor = tensor
-
-
-class _Step:
-    """The counts of one fake step: per slot (0: before, 1..n: the regions, n+1: after)."""
-
-    def __init__(self, names: Sequence[str], machine: Machine, eligible: Eligibility) -> None:
-        self.machine = machine
-        self.eligible = eligible
-        self.counts = [RegionCount(BEFORE_NAME, Scope.BEFORE)]
-        self.counts += [RegionCount(name) for name in names]
-        self.counts.append(RegionCount(AFTER_NAME, Scope.AFTER))
-        self.where = _Where()
-        self.seen: dict[
-            int, Any
-        ] = {}  # storage -> weak reference to a tensor on it (See Note: [sizes a recompute trial counts])
-        self.inputs: set[int] = set()  # the running region's input storages
-        self.expensive: list[list[torch.Tensor]] = []  # the running region's expensive calls' outputs
-        self.reached = 0  # expensive calls made before its latest save
-        self.dropped: dict[int, int] = {}  # its droppable saves: storage -> bytes
-        self.flop_ms_per_flop = _MS_PER_S / machine.achieved_flops()
-        self.ms_per_byte = _MS_PER_S / (machine.achieved_memory_gb_per_s() * _GB)
-        self.op_ms = machine.assumptions.op_overhead_us / _MS_PER_S
-
-    def slot(self) -> int:
-        w = self.where
-        if w.phase is _Phase.FORWARD:
-            if w.inside:
-                return w.index + 1
-            return len(self.counts) - 1 if w.index == len(self.counts) - 3 else 0
-        return w.index
-
-    # region hooks
-    def region_starts(self, index: int, args: tuple, kwargs: dict) -> None:
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        count = self.counts[index + 1]
-        count.input_bytes = sum(
-            a.untyped_storage().nbytes() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)
-        )
-        count.input_dims = tuple(tensors[0].shape) if tensors else ()
-        self.inputs = {a.untyped_storage()._cdata for a in tensors}
-        self.expensive, self.reached, self.dropped = [], 0, {}
-        self.where = _Where(_Phase.FORWARD, index, inside=True)
-
-    def region_ends(self, index: int) -> None:
-        count = self.counts[index + 1]
-        calls = self.expensive[: self.reached]
-        stash = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for call in calls for t in call}
-        count.expensive_bytes = sum(stash.values())
-        count.expensive_tensors = sum(len(call) for call in calls)
-        count.cheap_bytes = sum(n for key, n in self.dropped.items() if key not in self.inputs and key not in stash)
-        self.expensive, self.dropped = [], {}
-        self.where = _Where(_Phase.FORWARD, index, inside=False)
-
-    # saved-tensor hooks
-    def pack(self, t: torch.Tensor) -> _Packed:
-        slot = self.slot()
-        count = self.counts[slot]
-        if self.eligible(t):
-            storage = t.untyped_storage()
-            seen = self.seen.get(storage._cdata)
-            if seen is None or seen() is None:
-                self.seen[storage._cdata] = weakref.ref(t if t._base is None else t._base)
-                count.saved_bytes += storage.nbytes()
-            count.num_tensors += 1
-        if self.where.inside:
-            self.reached = len(self.expensive)
-            if _droppable(t):
-                self.dropped[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-        return _Packed(slot, t)
-
-    def unpack(self, packed: _Packed) -> torch.Tensor:
-        self.where = _Where(_Phase.BACKWARD, packed.index)
-        return packed.tensor
-
-    def backward_starts(self) -> None:
-        self.where = _Where(_Phase.BACKWARD, len(self.counts) - 1)
-
-    # dispatch mode
-    def op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        if self.where.phase is _Phase.FORWARD:
-            self.counts[self.slot()].forward_dispatches += 1
-        if func.is_view or func.overloadpacket in (torch.ops.aten.detach, torch.ops.aten.lift_fresh):
-            return  # aliases: no memory touched, no kernel
-        packet = func.overloadpacket
-        formula = flop_registry.get(packet)
-        if formula is None and packet.__name__ in _FLOP_ALIASES:
-            formula = flop_registry.get(getattr(torch.ops.aten, _FLOP_ALIASES[packet.__name__]))
-        flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
-        touched = sum(_nbytes(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
-        ms = max(flops * self.flop_ms_per_flop, touched * self.ms_per_byte) + self.op_ms
-        count = self.counts[self.slot()]
-        if self.where.phase is _Phase.FORWARD:
-            count.forward_flops += flops
-            count.forward_bytes += touched
-            count.forward_ms += ms
-            count.forward_ops += 1
-            if self.where.inside:
-                if is_expensive(func):
-                    self.expensive.append([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
-                else:
-                    count.cheap_ms += ms
-        else:
-            count.backward_flops += flops
-            count.backward_bytes += touched
-            count.backward_ms += ms
-            count.backward_ops += 1
-
-
-# Note: [a branch on a meta bool is taken as true]
-#     A meta tensor has no values, so Python cannot branch on one: ``if mask.all():`` reads a
-#     scalar (``aten._local_scalar_dense``) that does not exist. Hugging Face's models do so on every
-#     step, to take their fast path when nothing is padded or packed (``find_packed_sequence_indices``,
-#     ``_ignore_causal_mask_sdpa``): true for a training batch without padding, which is what a
-#     prediction describes. So a read of a boolean is answered True, and where it happened is kept
-#     (``Prediction.assumed``); a read of any other scalar (``.item()`` of a loss, a count) raises.
-_ASSUMED_BOOL = True
-
-
-def _caller() -> str:
-    """file:line of the innermost frame outside torch and offload: who read the scalar."""
-    for frame in reversed(traceback.extract_stack()):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" not in path and "/offload/" not in path:
-            return f"{Path(path).name}:{frame.lineno} ({frame.name})"
-    return "?"
-
-
-class _Observe(TorchDispatchMode):
-    """Counts every op (``_Step.op``); an op that cannot run on meta raises ``OffloadError`` naming it."""
-
-    def __init__(self, step: _Step) -> None:
-        super().__init__()
-        self.step = step
-        self.assumed: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype is torch.bool:
-            self.assumed.append(_caller())  # See Note: [a branch on a meta bool is taken as true]
-            return _ASSUMED_BOOL
-        try:
-            out = func(*args, **kwargs)
-        except (NotImplementedError, RuntimeError) as e:
-            raise OffloadError(
-                f"offload.predict: op {func} failed on the meta device, so this model cannot be predicted without "
-                f"running it: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Fix: where the op has "
-                f"no meta kernel, give it one (torch.library.register_fake); where the model reads a tensor's value "
-                f"(.item(), .tolist()), keep that read out of the step it predicts"
-            ) from e
-        self.step.op(func, args, kwargs, out)
-        return out
-
-
-class _FusedAttention(TorchFunctionMode):
-    """Runs ``F.scaled_dot_product_attention`` as the fused kernel the target would run."""
-
-    def __init__(self, device_type: str) -> None:
-        super().__init__()
-        self.device_type = device_type
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return self._fused(*args, **kwargs)
-
-    def _fused(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        attn_mask: Optional[torch.Tensor] = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: Optional[float] = None,
-        enable_gqa: bool = False,
-    ) -> torch.Tensor:
-        if enable_gqa and k.size(-3) != q.size(-3):
-            k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
-            v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
-        if self.device_type == "cpu" and _SDPA_FOR_CPU is not None and dropout_p == 0.0:
-            return _SDPA_FOR_CPU(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
-        if self.device_type == "cuda" and attn_mask is None:
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, dropout_p, is_causal, False, scale=scale
-            )[0]
-        if self.device_type == "cuda":
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale
-            )[0]
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-        )
-
-
-def _loss(output: Any) -> torch.Tensor:
-    """The step's loss: a scalar the output holds (``loss``, a (logits, loss) pair), else the sum of
-    its first tensor that requires grad."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    scalars = [t for t in tensors if t.dim() == 0]
-    if scalars:
-        return scalars[0]
-    if tensors:
-        return tensors[0].sum()
-    raise OffloadError(
-        f"offload.predict: the model's output ({type(output).__name__}) holds no tensor that requires grad, so "
-        "there is no backward to predict; pass example inputs that produce a loss (e.g. labels) or loss_fn="
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Run:
-    counts: tuple[RegionCount, ...]
-    parameter_bytes: int
-    assumed: tuple[str, ...]
-
-
-def _fake_step(
-    model: torch.nn.Module,
-    args: tuple,
-    kwargs: dict,
-    machine: Machine,
-    regions: RegionsArg,
-    attention: Attention,
-    loss_fn: Optional[Callable[[Any], torch.Tensor]],
-    min_offload_bytes: int,
-) -> _Run:
-    fake = _meta_copy(model)
-    fake.train(model.training)
-    listed = isinstance(regions, (torch.nn.ModuleList, torch.nn.Sequential)) or not (
-        isinstance(regions, (str, torch.nn.Module)) or callable(regions)
-    )
-    if listed:  # the model's own modules: the copy's of the same names
-        names = {id(m): name for name, m in model.named_modules()}
-        chosen = list(regions)  # type: ignore[arg-type]  # an iterable of modules, by the test above
-        missing = [type(m).__name__ for m in chosen if id(m) not in names]
-        if missing:
-            raise ValueError(
-                f"regions= lists modules that are not in the model ({', '.join(missing)}); pass modules of the "
-                "model being predicted, e.g. regions=model.blocks, or regions='auto'"
-            )
-        regions = [fake.get_submodule(names[id(m)]) for m in chosen]
-    found = resolve_regions(regions, fake)
-    eligible = Eligibility(torch.device("meta"), min_offload_bytes)
-    eligible.skip_modules([fake])
-    step = _Step([name for name, _ in found.regions], machine, eligible)
-    handles = []
-    for index, (_, module) in enumerate(found.regions):
-        handles.append(
-            module.register_forward_pre_hook(lambda m, a, kw, i=index: step.region_starts(i, a, kw), with_kwargs=True)
-        )
-        handles.append(module.register_forward_hook(lambda m, a, out, i=index: step.region_ends(i)))
-    meta_args, meta_kwargs = _to_meta(args), _to_meta(kwargs)
-    observe = _Observe(step)
-    modes: list[Any] = [observe]
-    if attention is Attention.FUSED:
-        modes.insert(0, _FusedAttention(machine.device_type))
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack):
-            for mode in modes:
-                mode.__enter__()
-            try:
-                output = fake(*meta_args, **meta_kwargs)
-                loss = loss_fn(output) if loss_fn is not None else _loss(output)
-                step.backward_starts()
-                loss.backward()
-            finally:
-                for mode in reversed(modes):
-                    mode.__exit__(None, None, None)
-    finally:
-        for handle in handles:
-            handle.remove()
-    parameter_bytes = sum(p.numel() * p.element_size() for p in fake.parameters())
-    return _Run(tuple(step.counts), parameter_bytes, tuple(observe.assumed))
 
 
 # -- planning --------------------------------------------------------------------------------------
@@ -765,7 +341,7 @@ def predict(
     if not isinstance(attention, Attention):
         raise TypeError(f"attention= takes an offload._predict.Attention, got {attention!r}")
     kwargs = dict(example_kwargs or {})
-    run = _fake_step(model, example_args, kwargs, target, regions, attention, loss_fn, min_offload_bytes)
+    run = fake_step(model, example_args, kwargs, target, regions, attention, loss_fn, min_offload_bytes)
     dtype_bytes = run.parameter_bytes / max(1, sum(p.numel() for p in model.parameters()))
     per_param = 3 * dtype_bytes if state_bytes_per_param is None else float(state_bytes_per_param)
     state_bytes = int(sum(p.numel() for p in model.parameters()) * per_param)
@@ -825,7 +401,7 @@ def _longest(
     dims: tuple[int, ...] = ()
     for divisor in _FIT_LENGTHS:
         args, kwargs = inputs_at(max(2, base_seq // divisor))
-        run = _fake_step(model, args, kwargs, machine, regions, attention, loss_fn, min_offload_bytes)
+        run = fake_step(model, args, kwargs, machine, regions, attention, loss_fn, min_offload_bytes)
         dims = next((c.input_dims for c in run.counts if c.scope is Scope.REGION and len(c.input_dims) >= 3), ())
         if not dims:
             raise ValueError(
@@ -889,7 +465,7 @@ _REPEATS = 5
 
 
 class _CountOps(TorchDispatchMode):
-    """Counts the ops dispatched: ``ops`` those ``_Step.op`` charges a fixed cost for, ``dispatches``
+    """Counts the ops dispatched: ``ops`` those ``StepCounter.op`` charges a fixed cost for, ``dispatches``
     all of them (what a dispatch mode pays on)."""
 
     def __init__(self) -> None:
