@@ -34,7 +34,7 @@ from ._machines import Machine
 from ._profiler import AFTER_NAME, BEFORE_NAME
 from ._selective import MIN_SELECTIVE_MS, is_expensive
 
-__all__ = ["RegionCount", "StepCounter"]
+__all__ = ["RegionCount", "StepCounter", "is_alias"]
 
 _MS_PER_S = 1e3
 _GB = 1e9
@@ -49,6 +49,13 @@ _FLOP_ALIASES = {
 }
 """Ops ``torch.utils.flop_counter`` has no formula for, counted with the formula of the same
 computation on another kernel (the CPU's flash attention is flash attention)."""
+
+
+def is_alias(func: Any) -> bool:
+    """Whether an op only aliases (a view, a detach): no memory touched, no kernel, so no op cost
+    charged. ``_predict_machine`` counts the ops of its timed chain by the same rule, so the cost
+    it measures per op is the cost charged here per op."""
+    return func.is_view or func.overloadpacket in (torch.ops.aten.detach, torch.ops.aten.lift_fresh)
 
 
 class _Phase(enum.Enum):
@@ -222,8 +229,8 @@ class StepCounter:
     def op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if self.where.phase is _Phase.FORWARD:
             self.counts[self.slot()].forward_dispatches += 1
-        if func.is_view or func.overloadpacket in (torch.ops.aten.detach, torch.ops.aten.lift_fresh):
-            return  # aliases: no memory touched, no kernel
+        if is_alias(func):
+            return
         packet = func.overloadpacket
         formula = flop_registry.get(packet)
         if formula is None and packet.__name__ in _FLOP_ALIASES:

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._config import DEFAULT_MIN_OFFLOAD_BYTES, Config
 from ._cost import MB, MachineProfile
 from ._machines import Machine, from_probe
+from ._predict_count import is_alias
 from ._probe import probe
 from ._session import Session
 
@@ -43,8 +44,8 @@ _REPEATS = 5
 
 
 class _CountOps(TorchDispatchMode):
-    """Counts the ops dispatched: ``ops`` those ``StepCounter.op`` charges a fixed cost for, ``dispatches``
-    all of them (what a dispatch mode pays on)."""
+    """Counts the ops dispatched: ``ops`` those ``StepCounter.op`` charges a fixed cost for (not
+    ``is_alias``), ``dispatches`` all of them (what a dispatch mode pays on)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -53,7 +54,7 @@ class _CountOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.dispatches += 1
-        if not func.is_view and func.overloadpacket not in (torch.ops.aten.detach, torch.ops.aten.lift_fresh):
+        if not is_alias(func):
             self.ops += 1
         return func(*args, **(kwargs or {}))
 
