@@ -7,7 +7,7 @@ cost of one op, and the engine's host costs (per saved tensor, per op under a di
 Peaks are facts with a source (the datasheet named in ``source``); fractions and costs are
 assumptions, named as such and overridable (``with_assumptions``), never measured here.
 
-    Machine ──achieved_flops(), achieved_memory_gb_per_s()──▶ roofline per op (_predict)
+    Machine ──achieved_flops(), achieved_memory_gb_per_s()──▶ roofline per op (_predict_count)
             └─machine_profile()──▶ MachineProfile ──▶ planner (the link's achieved bandwidth)
 
 The machine at hand comes from measurements instead (``from_probe``): ``offload.probe()``'s link

@@ -1,0 +1,170 @@
+"""This CPU, measured as a ``Machine``: what ``predict(machine=offload.probe())`` prices ops with.
+
+A named machine (``_machines``) carries datasheet peaks and assumed fractions of them; the machine
+at hand is timed instead, each figure the best of ``_REPEATS`` runs after a warm-up (noise only
+adds time):
+
+    FLOP/s              a ``_MATMUL_SIZE``² matmul
+    memory GB/s         a 64 MiB copy
+    op cost             a chain of ``_TINY_OPS`` one-element ops, forward and backward under
+                        autograd, over the ops it dispatched
+    held tensor         a chain of saves under the engine, against the same without it
+    dispatch mode       a forward under a pass-through dispatch mode, against the same without it
+
+The link and per-tensor costs come from ``offload.probe()``'s ``MachineProfile``. A GPU's compute
+is not measured here: use a named machine for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._config import DEFAULT_MIN_OFFLOAD_BYTES, Config
+from ._cost import MB, MachineProfile
+from ._machines import Machine, from_probe
+from ._predict_count import is_alias
+from ._probe import probe
+from ._session import Session
+
+__all__ = ["measure_machine"]
+
+_GB = 1e9
+_MATMUL_SIZE = 1024
+_COPY_BYTES = 64 * MB
+_TINY_OPS = 2000
+_HELD_TENSORS = 1000
+"""Saves in the chain that measures the engine's cost per saved tensor (each of
+``DEFAULT_MIN_OFFLOAD_BYTES``, the least the store takes)."""
+_REPEATS = 5
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the ops dispatched: ``ops`` those ``StepCounter.op`` charges a fixed cost for (not
+    ``is_alias``), ``dispatches`` all of them (what a dispatch mode pays on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.dispatches = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.dispatches += 1
+        if not is_alias(func):
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that only runs each op: the floor of what ``_selective``'s modes pay per op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _best_s(fn: Callable[[], Any]) -> float:
+    """Seconds of the least disturbed of ``_REPEATS`` runs of ``fn`` after one warm-up (noise only adds)."""
+    fn()
+    times = []
+    for _ in range(_REPEATS):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _held_tensor_overhead_us() -> float:
+    """The engine's host cost per saved tensor it keeps, us: a chain of ``_HELD_TENSORS`` saves run
+    forward and backward under the engine at budget None (its ``Session``, hooks and store, as
+    ``offload.engine(None)`` installs them) against the same chain without it."""
+    x = torch.ones(DEFAULT_MIN_OFFLOAD_BYTES // 4, requires_grad=True)
+    session = Session(Config.from_user(None, device=torch.device("cpu")))
+
+    def chain(engine: bool) -> None:
+        if engine:
+            session.enter()
+        try:
+            y = x
+            for _ in range(_HELD_TENSORS):
+                y = y.sin()  # saves its input: one pack in forward, one unpack in backward
+            loss = y.sum()
+        finally:
+            if engine:
+                session.exit(None, None, None)
+        loss.backward()
+
+    try:
+        with_s, without_s = _best_s(lambda: chain(True)), _best_s(lambda: chain(False))
+    finally:
+        if session.store is not None:
+            session.store.close()
+    return max(0.0, (with_s - without_s) / _HELD_TENSORS * 1e6)
+
+
+def _dispatch_overhead_us() -> float:
+    """Host cost of one op under a Python dispatch mode, us: a forward of ``_TINY_OPS`` one-element
+    ops under autograd inside ``_PassThrough`` against the same without it, over the ops it dispatched."""
+    tiny = torch.ones(1, requires_grad=True)
+
+    def forward() -> None:
+        y = tiny
+        for _ in range(_TINY_OPS):
+            y = y * 1.0
+
+    def under_mode() -> None:
+        with _PassThrough():
+            forward()
+
+    counter = _CountOps()
+    with counter:
+        forward()
+    return max(0.0, (_best_s(under_mode) - _best_s(forward)) / max(1, counter.dispatches) * 1e6)
+
+
+def measure_machine(profile: Optional[MachineProfile] = None, *, dtype: torch.dtype = torch.float32) -> Machine:
+    """This CPU as a ``Machine``: ``profile`` (default ``offload.probe("cpu")``) for the link and
+    per-tensor cost; a timed ``_MATMUL_SIZE``² matmul in ``dtype``, a timed 64 MiB copy, and for
+    the cost of one op a chain of ``_TINY_OPS`` one-element ops run forward and backward under
+    autograd, over the ops it dispatched (a training step's op pays autograd's bookkeeping too;
+    best of ``_REPEATS``); the engine's host costs per saved tensor (``_held_tensor_overhead_us``)
+    and per op under a dispatch mode (``_dispatch_overhead_us``). CUDA machines are measured on
+    CUDA by the probe's link only: use a named machine for their compute."""
+    profile = probe("cpu") if profile is None else profile
+    if profile.device_type != "cpu":
+        raise ValueError(
+            f"measure_machine measures this CPU; the profile is of {profile.device_type!r}: pass a named machine "
+            "for a GPU's compute"
+        )
+    import psutil  # a dependency of the package; imported here to keep import offload light
+
+    a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE, dtype=dtype)
+    src = torch.empty(_COPY_BYTES // 4, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    tiny = torch.ones(1, requires_grad=True)
+
+    def chain() -> None:  # a training step's worth of tiny ops: under autograd, forward and backward
+        y = tiny
+        for _ in range(_TINY_OPS):
+            y = y * 1.0
+        y.backward()
+
+    counter = _CountOps()
+    with counter:
+        chain()
+
+    matmul_s = _best_s(lambda: a @ a)
+    copy_s = _best_s(lambda: dst.copy_(src))
+    tiny_s = _best_s(chain)
+    return from_probe(
+        profile,
+        flops=2 * _MATMUL_SIZE**3 / matmul_s,
+        memory_gb_per_s=2 * _COPY_BYTES / copy_s / _GB,
+        memory_bytes=int(psutil.virtual_memory().total),
+        op_overhead_us=tiny_s / max(1, counter.ops) * 1e6,
+        held_tensor_overhead_us=_held_tensor_overhead_us(),
+        dispatch_overhead_us=_dispatch_overhead_us(),
+    )
