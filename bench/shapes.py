@@ -437,6 +437,8 @@ def _derive_one(make: Callable, step: Callable, train_lengths: list[int], test_l
                 "origin": plan.origin,
                 "decisions": [d.value for d in plan.decisions],
                 "bytes_miss": bytes_miss,
+                "forward_ms_derived": [d.forward_ms for d in plan.regions],
+                "forward_ms_measured": forward,
                 "forward_miss_median": statistics.median(forward_miss),
                 "forward_miss_worst": max(forward_miss),
                 "predicted_step_ms": plan.predicted_step_ms,
