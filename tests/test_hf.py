@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import offload  # noqa: E402
-from zoo import MB, wait_clean  # noqa: E402
+from zoo import MB, tiny_llama, wait_clean  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,17 +53,7 @@ SLOW_DISK = offload.MachineProfile(
 
 
 def llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(width=64, vocab=VOCAB, longest=64)
 
 
 def gpt2() -> torch.nn.Module:
