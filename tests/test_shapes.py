@@ -17,7 +17,7 @@ import torch
 import offload
 from offload._profiler import MAX_MEASURED_SHAPES, MAX_PLANS
 from offload.models.gpt import GPTConfig, MiniGPT
-from test_regions import LR, MACHINE, SEED, assert_same_history
+from test_regions import MACHINE, assert_same_history, train_lengths
 
 CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=160, dropout=0.1, attention="math")
 BATCH = 2
@@ -47,27 +47,9 @@ def lengths(count: int, shortest: int, longest: int, seed: int = 0) -> list[int]
     return [rng.randint(shortest, longest) for _ in range(count)]
 
 
-def train(model, seqs, eng=None, on_step=None):
-    history = []
-    for step, seq in enumerate(seqs):
-        g = torch.Generator().manual_seed(100 + step)
-        idx = torch.randint(0, model.config.vocab_size, (BATCH, seq + 1), generator=g)
-        x, y = idx[:, :-1], idx[:, 1:]
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(SEED + step)
-        if eng is None:
-            _, loss = model(x, y)
-        else:
-            with eng:
-                _, loss = model(x, y)
-        loss.backward()
-        history.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        if on_step is not None:
-            on_step(eng)
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= LR * p.grad
-    return history
+def train(model, seqs, eng=None):
+    """One SGD step per length in ``seqs``, the engine's stats kept across steps."""
+    return train_lengths(model, seqs, eng, size=BATCH, reset_stats=False)
 
 
 def saved_by_blocks(model, seq: int) -> list[int]:
