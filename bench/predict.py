@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench's shared modul
 import torch  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 
+import gpu_summary  # noqa: E402
 import offload  # noqa: E402
 from hf_models import tiny_llama  # noqa: E402
 from offload._machines import MACHINES  # noqa: E402
@@ -518,29 +519,7 @@ def step_part(step_dir: Path, out_json: Path) -> dict:
     payload = {"machine": machine.name, "machine_source": machine.source, "settings": settings, "rows": out_rows}
     write_json(out_json, payload)
     print(f"predicted on {machine.name} beside the step part's measurements ({settings})")
-    print(
-        table(
-            [
-                "config",
-                "predicted plan",
-                "step ms pred",
-                "step - optimizer ms meas",
-                "held MB pred",
-                "act peak MB meas",
-            ],
-            [
-                [
-                    r["config"],
-                    r["predicted_plan"],
-                    f"{r['predicted_step_ms']:.1f}",
-                    "-" if r["measured_fwd_bwd_ms"] is None else f"{r['measured_fwd_bwd_ms']:.1f}",
-                    f"{r['predicted_held_mb']:.1f}",
-                    "-" if r["measured_act_peak_mb"] is None else f"{r['measured_act_peak_mb']:.1f}",
-                ]
-                for r in out_rows
-            ],
-        )
-    )
+    print(table(gpu_summary.PREDICT_HEADER, [gpu_summary.predict_cells(r) for r in out_rows]))
     print(json.dumps({"machine": machine.name, "rows": len(out_rows)}))
     return payload
 
