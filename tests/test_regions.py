@@ -129,10 +129,11 @@ def budget_mb(saved_bytes: int, name: str):
     return None if name == "none" else saved_bytes * BUDGET_FRACTIONS[name] / 2**20
 
 
-def block_engine(model, budget: Optional[float], policy: str, spill_dir, machine=MACHINE) -> offload.Engine:
-    """The engine most tests here use: the model's blocks as regions, a fixed machine profile."""
+def block_engine(model, budget: Optional[float], policy: str, spill_dir, machine=MACHINE, **options) -> offload.Engine:
+    """The engine most tests here use: the model's blocks as regions, a fixed machine profile;
+    ``options``: the engine's others (``min_offload_bytes``...)."""
     return offload.engine(
-        budget, policy=policy, regions=model.blocks, model=model, machine=machine, spill_dir=spill_dir
+        budget, policy=policy, regions=model.blocks, model=model, machine=machine, spill_dir=spill_dir, **options
     )
 
 
