@@ -98,6 +98,23 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+PREDICT_HEADER = (
+    "config",
+    "predicted plan",
+    "step ms pred",
+    "step - optimizer ms meas",
+    "held MB pred",
+    "act peak MB meas",
+)
+"""The columns of the predict part's table: here in summary.md, and as ``bench/predict.py --part step`` prints it."""
+
+
+def predict_cells(row: dict) -> list[str]:
+    """One row of predict.json under ``PREDICT_HEADER``."""
+    figures = ("predicted_step_ms", "measured_fwd_bwd_ms", "predicted_held_mb", "measured_act_peak_mb")
+    return [row["config"], row["predicted_plan"], *(_fmt(row[key]) for key in figures)]
+
+
 def _row(cells) -> str:
     return "| " + " | ".join(map(str, cells)) + " |"
 
@@ -117,30 +134,9 @@ def markdown(summary: dict, out: Path) -> str:
         sections["Predicted beside measured"] = [
             f"offload.predict on {predicted['machine']} (bench/predict.py --part step), the step part's configs:",
             "",
-            _row(
-                [
-                    "config",
-                    "predicted plan",
-                    "step ms pred",
-                    "step - optimizer ms meas",
-                    "held MB pred",
-                    "act peak MB meas",
-                ]
-            ),
-            "|---|---|---|---|---|---|",
-        ] + [
-            _row(
-                [
-                    r["config"],
-                    r["predicted_plan"],
-                    _fmt(r["predicted_step_ms"]),
-                    _fmt(r["measured_fwd_bwd_ms"]),
-                    _fmt(r["predicted_held_mb"]),
-                    _fmt(r["measured_act_peak_mb"]),
-                ]
-            )
-            for r in predicted.get("rows", [])
-        ]
+            _row(PREDICT_HEADER),
+            "|" + "---|" * len(PREDICT_HEADER),
+        ] + [_row(predict_cells(r)) for r in predicted.get("rows", [])]
     if tests := figures["tests"]:
         counts = ", ".join(f"{tests[key]} {key}" for key in ("tests", "failures", "errors", "skipped"))
         sections["CUDA tests"] = [counts] + [f"- FAILED {name}" for name in tests["failed"]]

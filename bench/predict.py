@@ -39,12 +39,15 @@ from pathlib import Path
 from typing import Callable, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench's shared modules, also when loaded by path
 
 import torch  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 
+import gpu_summary  # noqa: E402
 import offload  # noqa: E402
+from hf_models import tiny_llama  # noqa: E402
 from offload._machines import MACHINES  # noqa: E402
 from offload._planner import Plan  # noqa: E402
 from offload._policy import make_plan  # noqa: E402
@@ -74,21 +77,7 @@ def minigpt() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor
 
 
 def llama() -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor], list]:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=512,
-        max_position_embeddings=512,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama(attn_implementation="sdpa")
     ids = torch.randint(1, 512, (2, 256), generator=torch.Generator().manual_seed(1))
 
     def step(m: torch.nn.Module) -> torch.Tensor:
@@ -530,29 +519,7 @@ def step_part(step_dir: Path, out_json: Path) -> dict:
     payload = {"machine": machine.name, "machine_source": machine.source, "settings": settings, "rows": out_rows}
     write_json(out_json, payload)
     print(f"predicted on {machine.name} beside the step part's measurements ({settings})")
-    print(
-        table(
-            [
-                "config",
-                "predicted plan",
-                "step ms pred",
-                "step - optimizer ms meas",
-                "held MB pred",
-                "act peak MB meas",
-            ],
-            [
-                [
-                    r["config"],
-                    r["predicted_plan"],
-                    f"{r['predicted_step_ms']:.1f}",
-                    "-" if r["measured_fwd_bwd_ms"] is None else f"{r['measured_fwd_bwd_ms']:.1f}",
-                    f"{r['predicted_held_mb']:.1f}",
-                    "-" if r["measured_act_peak_mb"] is None else f"{r['measured_act_peak_mb']:.1f}",
-                ]
-                for r in out_rows
-            ],
-        )
-    )
+    print(table(gpu_summary.PREDICT_HEADER, [gpu_summary.predict_cells(r) for r in out_rows]))
     print(json.dumps({"machine": machine.name, "rows": len(out_rows)}))
     return payload
 

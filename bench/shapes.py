@@ -52,12 +52,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench's shared modules, also when loaded by path
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import offload  # noqa: E402
+from hf_models import tiny_llama  # noqa: E402
 from offload.bench.measure import check_out, environment, median, out_dir, table, write_json  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402
 
@@ -139,23 +141,6 @@ def part_leak(args: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- soak
-
-
-def tiny_llama(vocab: int = 512, longest: int = 512):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=vocab,
-        max_position_embeddings=longest,
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config)
 
 
 class Ragged(torch.utils.data.Dataset):

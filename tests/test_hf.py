@@ -22,7 +22,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import offload  # noqa: E402
-from zoo import MB, wait_clean  # noqa: E402
+from test_regions import MACHINE, RERUNS, SLOW_DISK  # noqa: E402
+from zoo import MB, tiny_llama, wait_clean  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,35 +36,10 @@ MIN_OFFLOAD_BYTES = 1024
 """Below the default 64 KiB so this tiny model's activations (4 x 32 x 64 fp32 = 32 KiB) move."""
 SMALL_FRACTION = 0.2
 """The small budget, as a fraction of the bytes one step saves at budget None."""
-RERUNS = (offload.Decision.RECOMPUTE, offload.Decision.SELECTIVE, offload.Decision.SELECTIVE_OFFLOAD)
-"""Decisions whose regions re-run in backward, each counted in ``Stats.recomputed_regions``."""
-
-MACHINE = offload.MachineProfile(
-    device_type="cpu",
-    device_name="test machine",
-    disk_write_gb_per_s=1.0,
-    disk_read_gb_per_s=2.0,
-    per_tensor_overhead_us=2.0,
-)
-"""Fixed costs for policy "auto": no probe, the same plan on any machine."""
-SLOW_DISK = offload.MachineProfile(
-    device_type="cpu", device_name="slow disk", disk_write_gb_per_s=5e-4, disk_read_gb_per_s=5e-4
-)
-"""0.5 MB/s: moving a layer's activations costs far more than recomputing it, so auto recomputes."""
 
 
 def llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return tiny_llama(width=64, vocab=VOCAB, longest=64)
 
 
 def gpt2() -> torch.nn.Module:

@@ -24,7 +24,7 @@ pytest.importorskip("accelerate")  # the Trainer needs it
 
 import offload  # noqa: E402
 from offload.integrations.hf import OffloadCallback  # noqa: E402
-from zoo import files_under  # noqa: E402
+from zoo import files_under, tiny_llama  # noqa: E402
 
 BATCH, SEQ, VOCAB = 2, 16, 64
 SAMPLES = 8
@@ -55,19 +55,9 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=SEQ,
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config)
+def llama(longest: int = SEQ) -> torch.nn.Module:
+    """A tiny Llama for ``VOCAB`` tokens and sequences up to ``longest``."""
+    return tiny_llama(width=32, vocab=VOCAB, longest=longest, use_cache=False)
 
 
 def arguments(
@@ -330,7 +320,7 @@ def test_dynamic_padding_with_regions_auto(tmp_path, spill_dir):
     regions="auto". A handful of profiling steps, then every step under a plan (most of them
     derived from the fit for lengths never measured), and the Trainer's losses and final weights
     bitwise equal to the run without the callback."""
-    base = llama_long()
+    base = llama(longest=64)  # room for the ragged rows' lengths
     data = Ragged(rows=24, shortest=8, longest=64)
     args = arguments(tmp_path)
 
@@ -364,19 +354,3 @@ def test_dynamic_padding_with_regions_auto(tmp_path, spill_dir):
     assert derived, "lengths never measured are planned from the fit"
     assert "_no_split_modules" in offload.explain(eng)
     assert files_under(spill_dir) == []
-
-
-def llama_long() -> torch.nn.Module:
-    """``llama()`` with room for the ragged rows' lengths."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config)

@@ -29,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import offload
 from offload import _recompute
 from test_recompute import settle
-from test_regions import MACHINE
+from test_regions import MACHINE, block_engine
 
 SEED = 4321
 """Seed set before each forward, so dropout masks agree between variants."""
@@ -666,15 +666,7 @@ ENGINE_CASES = [(policy, budget) for policy in ("recompute", "auto") for budget 
 def test_engine_over_blocks_with_inner_grads_equals_no_engine(policy, budget, saved_bytes, reference, spill_dir):
     budget_mb = {"none": None, "small": saved_bytes * 0.1 / 2**20, "zero": 0}[budget]
     model = make_model()
-    eng = offload.engine(
-        budget_mb,
-        policy=policy,
-        regions=model.blocks,
-        model=model,
-        machine=MACHINE,
-        spill_dir=spill_dir,
-        min_offload_bytes=0,
-    )
+    eng = block_engine(model, budget_mb, policy, spill_dir, min_offload_bytes=0)
     history = train(model, eng)
     for step, ((loss_g, grads_g, _stats), (loss_w, grads_w, _)) in enumerate(zip(history, reference, strict=True)):
         assert torch.equal(loss_g, loss_w), f"{policy} at budget {budget}: loss differs at step {step}"

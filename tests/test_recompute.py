@@ -112,6 +112,17 @@ def step(run, block: nn.Module, x: torch.Tensor, *args, **kwargs):
     return out.detach(), x.grad, [p.grad for p in block.parameters()]
 
 
+def bf16_step(run, block: nn.Module, x: torch.Tensor, *, in_forward: bool, in_backward: bool):
+    """``step`` with CPU bf16 autocast on in the forward, in the backward, or both; the loss in
+    fp32 whatever the output's dtype."""
+    block, x = fresh(block, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=in_forward):
+        out = run(block, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=in_backward):
+        out.float().square().mean().backward()
+    return out.detach(), x.grad, [p.grad for p in block.parameters()]
+
+
 def assert_same(got, want, what: str) -> None:
     out_g, xg_g, pg_g = got
     out_w, xg_w, pg_w = want
@@ -189,13 +200,7 @@ def test_bf16_autocast_state_is_restored_in_recompute():
     """Forward under CPU bf16 autocast, backward outside it: the recompute must run under the
     forward's autocast (else it saves fp32 tensors and raises), and match torch's checkpoint."""
     block, x = make_block(), make_input()
-    results = {}
-    for name, run in VARIANTS.items():
-        b, xi = fresh(block, x)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = run(b, xi)
-        out.float().square().mean().backward()  # backward outside autocast
-        results[name] = (out.detach(), xi.grad, [p.grad for p in b.parameters()])
+    results = {name: bf16_step(run, block, x, in_forward=True, in_backward=False) for name, run in VARIANTS.items()}
     assert_same(results["offload"], results["torch"], "bf16 autocast: offload vs torch")
     assert_same(results["offload"], results["plain"], "bf16 autocast: offload vs plain")
 
@@ -203,13 +208,7 @@ def test_bf16_autocast_state_is_restored_in_recompute():
 def test_recompute_under_a_different_autocast_than_forward():
     """Forward in fp32, backward inside a bf16 autocast region: the recompute uses the forward's (off)."""
     block, x = make_block(), make_input()
-    results = {}
-    for name, run in VARIANTS.items():
-        b, xi = fresh(block, x)
-        out = run(b, xi)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out.square().mean().backward()
-        results[name] = (out.detach(), xi.grad, [p.grad for p in b.parameters()])
+    results = {name: bf16_step(run, block, x, in_forward=False, in_backward=True) for name, run in VARIANTS.items()}
     assert_same(results["offload"], results["plain"], "autocast only in backward: offload vs plain")
 
 

@@ -49,20 +49,36 @@ def make_model() -> MiniGPT:
     return MiniGPT(CONFIG)
 
 
-def batch(seq: int = CONFIG.seq_len, step: int = 0):
+def batch(seq: int = CONFIG.seq_len, step: int = 0, size: int = BATCH, vocab: int = CONFIG.vocab_size):
     g = torch.Generator().manual_seed(100 + step)
-    idx = torch.randint(0, CONFIG.vocab_size, (BATCH, seq + 1), generator=g)
+    idx = torch.randint(0, vocab, (size, seq + 1), generator=g)
     return idx[:, :-1], idx[:, 1:]
 
 
 def train(model: MiniGPT, eng=None, steps: int = STEPS, seq: int = CONFIG.seq_len, on_step=None, first_step: int = 0):
-    """``steps`` SGD steps from step ``first_step`` (its batch and seed); returns every step's loss
-    and gradients. ``on_step(eng)`` after each."""
+    """``steps`` SGD steps at ``seq`` from step ``first_step`` (its batch and seed), the engine's
+    stats reset before each; returns every step's loss and gradients. ``on_step(eng)`` after each."""
+    return train_lengths(model, [seq] * steps, eng, on_step=on_step, first_step=first_step, reset_stats=True)
+
+
+def train_lengths(
+    model: MiniGPT,
+    seqs: list[int],
+    eng=None,
+    *,
+    size: int = BATCH,
+    on_step=None,
+    first_step: int = 0,
+    reset_stats: bool,
+):
+    """One SGD step per length in ``seqs``, step ``i`` from ``first_step`` on drawing batch ``i`` of
+    ``size`` rows and seeding ``SEED + i``; ``reset_stats``: the engine's stats reset before each
+    step. Returns every step's loss and gradients. ``on_step(eng)`` after each, before the update."""
     history = []
-    for i in range(first_step, first_step + steps):
-        x, y = batch(seq, i)
+    for i, seq in enumerate(seqs, start=first_step):
+        x, y = batch(seq, i, size, model.config.vocab_size)
         model.zero_grad(set_to_none=True)
-        if eng is not None:
+        if eng is not None and reset_stats:
             eng.reset_stats()
         torch.manual_seed(SEED + i)
         if eng is None:
@@ -113,10 +129,11 @@ def budget_mb(saved_bytes: int, name: str):
     return None if name == "none" else saved_bytes * BUDGET_FRACTIONS[name] / 2**20
 
 
-def block_engine(model, budget: Optional[float], policy: str, spill_dir, machine=MACHINE) -> offload.Engine:
-    """The engine most tests here use: the model's blocks as regions, a fixed machine profile."""
+def block_engine(model, budget: Optional[float], policy: str, spill_dir, machine=MACHINE, **options) -> offload.Engine:
+    """The engine most tests here use: the model's blocks as regions, a fixed machine profile;
+    ``options``: the engine's others (``min_offload_bytes``...)."""
     return offload.engine(
-        budget, policy=policy, regions=model.blocks, model=model, machine=machine, spill_dir=spill_dir
+        budget, policy=policy, regions=model.blocks, model=model, machine=machine, spill_dir=spill_dir, **options
     )
 
 

@@ -18,10 +18,12 @@ import torch
 import offload
 from offload._profiler import MAX_MEASURED_SHAPES, MAX_PLANS, SEARCH_BUCKET
 from offload.models.gpt import GPTConfig, MiniGPT
-from test_regions import LR, MACHINE, SEED, assert_same_history
+from test_regions import MACHINE, assert_same_history, block_engine, train_lengths
 
 CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=160, dropout=0.1, attention="math")
 BATCH = 2
+MIN_OFFLOAD_BYTES = 0
+"""Every saved storage counted: sizes linear in the shape, as a real model's MB-sized saves are."""
 
 
 def make_model(config: GPTConfig = CONFIG) -> MiniGPT:
@@ -29,46 +31,14 @@ def make_model(config: GPTConfig = CONFIG) -> MiniGPT:
     return MiniGPT(config)
 
 
-def block_engine(model, policy: str, spill_dir, budget_mb: float = 0.05) -> offload.Engine:
-    """The blocks as regions, fixed machine figures, and every saved storage counted
-    (``min_offload_bytes=0``: sizes linear in the shape, as a real model's MB-sized saves are)."""
-    return offload.engine(
-        budget_mb,
-        policy=policy,
-        regions=model.blocks,
-        model=model,
-        machine=MACHINE,
-        spill_dir=spill_dir,
-        min_offload_bytes=0,
-    )
-
-
 def lengths(count: int, shortest: int, longest: int, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
     return [rng.randint(shortest, longest) for _ in range(count)]
 
 
-def train(model, seqs, eng=None, on_step=None):
-    history = []
-    for step, seq in enumerate(seqs):
-        g = torch.Generator().manual_seed(100 + step)
-        idx = torch.randint(0, model.config.vocab_size, (BATCH, seq + 1), generator=g)
-        x, y = idx[:, :-1], idx[:, 1:]
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(SEED + step)
-        if eng is None:
-            _, loss = model(x, y)
-        else:
-            with eng:
-                _, loss = model(x, y)
-        loss.backward()
-        history.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        if on_step is not None:
-            on_step(eng)
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= LR * p.grad
-    return history
+def train(model, seqs, eng=None):
+    """One SGD step per length in ``seqs``, the engine's stats kept across steps."""
+    return train_lengths(model, seqs, eng, size=BATCH, reset_stats=False)
 
 
 def saved_by_blocks(model, seq: int) -> list[int]:
@@ -95,7 +65,7 @@ def test_dynamic_lengths_profile_a_few_steps_then_plan_every_shape(policy, spill
     seqs = lengths(40, 40, 160)
     reference = train(make_model(), seqs)
     model = make_model()
-    eng = block_engine(model, policy, spill_dir, budget_mb=0.05)
+    eng = block_engine(model, 0.05, policy, spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
     assert_same_history(train(model, seqs, eng), reference, f"dynamic lengths under {policy}")
     stages = list(eng.recent_stages)
     profiled = [s for s in stages if s is not None]
@@ -112,7 +82,7 @@ def test_sizes_counted_by_a_recompute_trial_equal_the_stores(spill_dir):
     """A "recompute" trial at a shape no "measure" step saw counts what each block would save had it
     run as is; that must be what the store counts at that shape."""
     model = make_model()
-    eng = block_engine(model, "auto", spill_dir, budget_mb=0.05)
+    eng = block_engine(model, 0.05, "auto", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
     train(model, [160, 160, 160, 64], eng)  # measure, recompute, offload at 160; the second shape: a trial
     trial = eng.profiled_steps[-1]
     assert trial.stage == "recompute" and trial.inputs[0][0] == (BATCH, 64, CONFIG.n_embd)
@@ -125,7 +95,7 @@ def test_a_derived_plan_whose_sizes_miss_refits_them(spill_dir, caplog):
     first step at a new length under its derived plan sees what it saved, refits, and from then
     on the derived sizes are exact."""
     model = make_model()
-    eng = block_engine(model, "offload", spill_dir, budget_mb=0.05)
+    eng = block_engine(model, 0.05, "offload", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
     with caplog.at_level(logging.INFO, logger="offload._profiler"):
         train(model, [64, 64, 128, 96, 160, 112], eng)
     assert list(eng.recent_stages) == ["measure", "measure", None, None, None, None]
@@ -141,7 +111,7 @@ def test_a_derived_plan_whose_sizes_miss_refits_them(spill_dir, caplog):
 def test_state_is_bounded_whatever_the_number_of_shapes(spill_dir):
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=MAX_PLANS + 40)
     model = make_model(config)
-    eng = block_engine(model, "auto", spill_dir, budget_mb=0.01)
+    eng = block_engine(model, 0.01, "auto", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
     seqs = list(range(8, MAX_PLANS + 40))
     random.Random(1).shuffle(seqs)
     train(model, seqs, eng)
@@ -152,7 +122,7 @@ def test_state_is_bounded_whatever_the_number_of_shapes(spill_dir):
 
 def test_explain_says_where_a_plan_comes_from(spill_dir):
     model = make_model()
-    eng = block_engine(model, "auto", spill_dir, budget_mb=0.05)
+    eng = block_engine(model, 0.05, "auto", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
     train(model, [160, 160, 160, 80, 120], eng)
     text = offload.explain(eng)
     assert "profiles: derived, measured at" in text, text

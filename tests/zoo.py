@@ -86,6 +86,26 @@ def gpt(*, dropout: float = 0.1, attention: str = "math", seed: int = 0) -> nn.M
     return MiniGPT(config)
 
 
+def tiny_llama(*, width: int, vocab: int, longest: int, use_cache: bool = True) -> nn.Module:
+    """A tiny ``transformers.LlamaForCausalLM`` (2 layers, 4 heads of which 2 key/value, MLP twice
+    the width) with random weights from seed 0. The caller sets ``HF_HUB_OFFLINE=1`` and skips
+    without transformers before calling: nothing is downloaded."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=longest,
+        use_cache=use_cache,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
 class GPTLoss(nn.Module):
     """MiniGPT returning its loss, so it fits ``run_step``'s model(x) -> output shape."""
 

@@ -1,0 +1,32 @@
+"""The tiny Hugging Face Llama that ``bench/predict.py`` and ``bench/shapes.py`` measure.
+
+``transformers.LlamaForCausalLM`` from a config (4 layers, width 256, 4 heads) with random weights
+from seed 0: nothing is downloaded (the scripts set ``HF_HUB_OFFLINE=1`` before importing it).
+transformers is imported on the first call, so a script that never builds the model runs without it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def tiny_llama(*, vocab: int = 512, longest: int = 512, attn_implementation: Optional[str] = None) -> torch.nn.Module:
+    """The model for ``vocab`` tokens and sequences up to ``longest``; ``attn_implementation=None``
+    is transformers' own choice."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=vocab,
+        max_position_embeddings=longest,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
+    return transformers.LlamaForCausalLM(config)
