@@ -148,7 +148,7 @@ def test_a_loop_of_new_lengths_searches_once_per_bucket_not_once_a_step(spill_di
     first = lengths(30, 40, 160, seed=5)
     again = sorted({seq + 1 for seq in first} - set(first))[:15]  # new lengths, in buckets mostly searched
     model = make_model()
-    eng = block_engine(model, "auto", spill_dir, budget_mb=0.05)
+    eng = block_engine(model, 0.05, "auto", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
     train(model, first, eng)
     assert not eng.profiling
     with caplog.at_level(logging.INFO, logger="offload._profiler"):
