@@ -13,8 +13,8 @@ leak    MiniGPT 8 x 256, batch 4, budget 20 MB, policy "auto" over its blocks: f
         set at rest after each shape (gc, malloc_trim) and the bytes of live tensors.
 soak    Hugging Face's Trainer on a tiny Llama (4 layers, width 256) with a padding collator
         (lengths 64-512, each batch padded to its longest), regions="auto", a fixed budget and
-        budget "auto" on a device of fixed size whose memory in use is this process's resident
-        set (at rest it leaves the fixed budget plus a reserve of the same size); against the same
+        budget "auto" on a device of fixed size whose memory in use is what this process has
+        allocated from malloc (at rest it leaves the fixed budget plus a reserve of the same size); against the same
         run without the callback: losses bitwise, profiling steps, every step's peak against the
         budget in force, RSS at rest each step.
 derive  MiniGPT and the tiny Llama: an engine trained over a few lengths plans lengths it never
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -78,6 +79,42 @@ def rest_rss() -> int:
     except (OSError, AttributeError):
         pass
     return psutil.Process().memory_info().rss
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    return libc
+
+
+def _mallinfo2() -> _MallInfo2:
+    return _libc().mallinfo2()
+
+
+def heap_in_use() -> int:
+    """Bytes this process has allocated from malloc now, in every arena and mmapped chunk (glibc's
+    ``mallinfo2``): what a device's allocator would count as allocated, freed blocks it keeps aside."""
+    info = _mallinfo2()
+    return info.uordblks + info.hblkhd
 
 
 def live_tensor_bytes() -> int:
@@ -214,7 +251,7 @@ def part_soak(args: argparse.Namespace) -> dict:
             self.steps: list[dict] = []
 
         def on_step_end(self, args_, state, control, **kwargs):
-            record: dict = {"rss": rest_rss()}
+            record: dict = {"rss": rest_rss(), "heap": heap_in_use()}
             if self.offload_callback is not None:
                 eng = self.offload_callback.engine
                 stats = eng.stats
@@ -252,9 +289,9 @@ def part_soak(args: argparse.Namespace) -> dict:
         return result
 
     runs = {"none": run(None), "fixed": run({"budget_mb": budget_mb})}
-    # The auto budget's device holds what the fixed run held at rest (model, optimizer, trainer),
-    # a reserve and the fixed budget: at rest "auto" comes to the fixed budget, less in a step.
-    at_rest = max(s["rss"] for s in runs["fixed"]["steps"])
+    # The auto budget's device holds what the fixed run had allocated at rest (model, optimizer,
+    # trainer), a reserve and the fixed budget: at rest "auto" comes to the fixed budget, less in a step.
+    at_rest = max(s["heap"] for s in runs["fixed"]["steps"])
     device = _Device(at_rest + int(2 * budget_mb * MB))
     runs["auto"] = run({"budget_mb": "auto", "reserve_mb": budget_mb, "memory": device})
     rows, summary = [], {}
@@ -307,21 +344,20 @@ def _span(values: Iterable[float]) -> list[float]:
 
 
 class _Device:
-    """A device of ``capacity`` bytes for ``budget_mb="auto"`` on the CPU: what this process holds
-    now (its resident set) is what the device has in use.
+    """A device of ``capacity`` bytes for ``budget_mb="auto"`` on the CPU: what this process has
+    allocated from malloc now (``heap_in_use``) is what the device has in use.
 
-    The machine's own available memory drifts by hundreds of MB over a long run on a shared host,
-    far more than a budget of tens of MB, so it cannot stand in for a device (the budget it gave
-    was 0 for the whole run). Here the budget in force shrinks while a step holds memory outside
-    the engine, as it would on a GPU.
+    The machine's available memory drifts by hundreds of MB over a long run on a shared host, far
+    more than a budget of tens of MB (the budget it gave was 0 for the whole run), and the resident
+    set counts freed heap not yet handed back (0 again), so neither can stand in for a device.
+    Here the budget in force shrinks while a step holds memory outside the engine, as on a GPU.
     """
 
     def __init__(self, capacity: int) -> None:
-        self._process = psutil.Process()
         self.capacity = capacity
 
     def __call__(self) -> int:
-        return max(0, self.capacity - self._process.memory_info().rss)
+        return max(0, self.capacity - heap_in_use())
 
 
 def _batches(data: Ragged, batch: int) -> list:

@@ -1,6 +1,7 @@
 """The store's cost, old code against new, interleaved in one driver: the hook pair and a step.
 
     python bench/store_perf.py --old /path/to/old/checkout [--new .] [--rounds 7] [--json-out PATH]
+    python bench/store_perf.py --old /path/to/old/checkout [--new .] --in-process
 
 Each round runs one worker process per checkout (``PYTHONPATH`` pointing at it), alternating
 which goes first, so load that drifts over the run falls on both. A worker measures, on the CPU:
@@ -14,6 +15,13 @@ which goes first, so load that drifts over the run falls on both. A worker measu
 Each figure is a worker's median over its repetitions, in wall time and in CPU time (this
 process's threads: less disturbed by other load on a shared machine); the table gives the median
 over rounds per checkout, and new/old as the median of the rounds' ratios. The last line is JSON.
+
+``--in-process``: both checkouts in ONE worker, each package imported under its own name
+(``offload_old``, ``offload_new``: the package imports itself relatively), timed sample by sample
+in alternating order with the garbage collector held off. On a shared VM two processes of
+identical code differ by up to ~20 % (where the process lands: its memory layout, its core), more
+than the effect to be seen; within one process that falls on both sides. Reports new/old as the
+median of the per-sample ratios, with their quartiles, for the hook pair and the three steps.
 """
 
 from __future__ import annotations
@@ -106,6 +114,110 @@ def _worker(steps: bool) -> dict:
     return result
 
 
+IN_PROCESS_SAMPLES = 200
+"""--in-process: alternating samples per side for the hook pair (a chain of CHAIN_LENGTH // 2)."""
+IN_PROCESS_STEPS = 30
+"""--in-process: alternating samples per side for each step figure."""
+
+
+def _ab_worker(sides: tuple[str, str]) -> dict:
+    """The hook pair and the steps of two packages in this process, sample by sample (see ``--in-process``)."""
+    import gc
+    import importlib
+
+    import torch
+
+    from offload.models.gpt import GPTConfig, MiniGPT  # the model only: no engine code of either side
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    packages = {side: importlib.import_module(side) for side in sides}
+    length = CHAIN_LENGTH // 2
+    x = torch.ones(16, requires_grad=True)
+
+    def chain(eng) -> None:
+        with eng:
+            y = x
+            for _ in range(length):
+                y = y.sin()
+        y.sum().backward()
+
+    model = MiniGPT(GPTConfig(n_layer=4, n_embd=128, seq_len=128))
+    idx = torch.randint(0, 256, (4, 128))
+    targets = torch.randint(0, 256, (4, 128))
+
+    def step(eng) -> None:
+        model.zero_grad(set_to_none=True)
+        with eng:
+            _, loss = model(idx, targets)
+        loss.backward()
+
+    def held_off(fn) -> tuple[float, float]:
+        gc.collect()
+        gc.disable()
+        try:
+            return _timed(fn)
+        finally:
+            gc.enable()
+
+    result: dict = {}
+    with tempfile.TemporaryDirectory() as spill_dir:
+        counting = packages[sides[0]].engine(None, device="cpu")
+        step(counting)
+        saved_mb = counting.stats.saved_bytes / 2**20
+        counting.close()
+        budgets = {
+            "hook_pair_us": None,
+            "step_none_ms": None,
+            "step_0_ms": 0,
+            "step_small_ms": SMALL_BUDGET_FRACTION * saved_mb,
+        }
+        for figure, budget in budgets.items():
+            hook = figure == "hook_pair_us"
+            engines = {
+                side: package.engine(budget, device="cpu", spill_dir=spill_dir, min_offload_bytes=0)
+                if hook
+                else package.engine(budget, device="cpu", spill_dir=spill_dir)
+                for side, package in packages.items()
+            }
+            run = chain if hook else step
+            samples: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+            count = IN_PROCESS_SAMPLES if hook else IN_PROCESS_STEPS
+            for i in range(WARMUP + count):
+                for side in sides if i % 2 == 0 else sides[::-1]:
+                    sample = held_off(lambda eng=engines[side], run=run: run(eng))
+                    if i >= WARMUP:
+                        samples[side].append(sample)
+            scale = 1e6 / length if hook else 1e3
+            old, new = samples[sides[0]], samples[sides[1]]
+            for kind, at in (("", 0), ("_cpu", 1)):
+                ratios = [n[at] / o[at] for o, n in zip(old, new, strict=True)]
+                result[figure + kind] = {
+                    "old": round(statistics.median(o[at] for o in old) * scale, 3),
+                    "new": round(statistics.median(n[at] for n in new) * scale, 3),
+                    "ratio": round(statistics.median(ratios), 4),
+                    "ratio_quartiles": [round(q, 4) for q in statistics.quantiles(ratios, n=4)],
+                }
+            for eng in engines.values():
+                eng.close()
+    return result
+
+
+def _run_in_process(old: Path, new: Path) -> dict:
+    with tempfile.TemporaryDirectory() as packages:
+        for name, checkout in (("offload_old", old), ("offload_new", new)):
+            os.symlink(checkout.resolve() / "offload", Path(packages) / name)
+        env = dict(os.environ, PYTHONPATH=packages, OMP_NUM_THREADS="1")
+        out = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--ab-worker"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _run_worker(checkout: Path, steps: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS="1")
     out = subprocess.run(
@@ -128,13 +240,39 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--hook-pair-only", action="store_true", help="measure the hook pair alone (quicker rounds)")
+    parser.add_argument(
+        "--in-process", action="store_true", help="both checkouts in one process, sample by sample (see above)"
+    )
+    parser.add_argument("--ab-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(_worker(steps=not args.hook_pair_only)))
         return
+    if args.ab_worker:
+        print(json.dumps(_ab_worker(("offload_old", "offload_new"))))
+        return
     if args.old is None:
         parser.error("--old is required: the checkout to compare against (e.g. a worktree of main)")
+    if args.in_process:
+        load = [os.getloadavg()[0]]
+        figures = _run_in_process(args.old, args.new)
+        load.append(os.getloadavg()[0])
+        print(f"{'figure':<20}{'old':>10}{'new':>10}{'new/old':>9}  quartiles   (one process, per-sample ratios)")
+        for figure, row in figures.items():
+            low, _, high = row["ratio_quartiles"]
+            print(f"{figure:<20}{row['old']:>10.3f}{row['new']:>10.3f}{row['ratio']:>9.4f}  {low:.3f}..{high:.3f}")
+        summary = {
+            "in_process": True,
+            "load_1min": [round(v, 2) for v in load],
+            "cpus": os.cpu_count(),
+            "figures": figures,
+        }
+        print(f"load average (1 min) over the run: {min(load):.2f} .. {max(load):.2f}")
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps(summary) + "\n")
+        print(json.dumps(summary))
+        return
     runs: dict[str, list[dict]] = {"old": [], "new": []}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
