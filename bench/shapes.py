@@ -6,6 +6,7 @@ against measured profiles, and auto against the best fixed policy in the same lo
     python bench/shapes.py derive  [--shapes 12]
     python bench/shapes.py pair    [--rounds 5]
     python bench/shapes.py fixed   [--rounds 5]
+    python bench/shapes.py curve   [--rounds 5]
     python bench/shapes.py all
 
 leak    MiniGPT 8 x 256, batch 4, budget 20 MB, policy "auto" over its blocks: four steps at each
@@ -14,7 +15,8 @@ leak    MiniGPT 8 x 256, batch 4, budget 20 MB, policy "auto" over its blocks: f
 soak    Hugging Face's Trainer on a tiny Llama (4 layers, width 256) with a padding collator
         (lengths 64-512, each batch padded to its longest), regions="auto", a fixed budget and
         budget "auto" on a device of fixed size whose memory in use is what this process has
-        allocated from malloc (at rest it leaves the fixed budget plus a reserve of the same size); against the same
+        allocated from malloc (sized to the fixed run's peak, sampled, plus the fixed budget and a
+        reserve of the same size); against the same
         run without the callback: losses bitwise, profiling steps, every step's peak against the
         budget in force, RSS at rest each step.
 derive  MiniGPT and the tiny Llama: an engine trained over a few lengths plans lengths it never
@@ -29,6 +31,8 @@ fixed   MiniGPT 8 x 256, batch 4, one sequence length (256), budget 40 MB: the p
         resident set over its rest without the engine, under "offload" and under "auto" (each in
         its own process, rounds interleaved), over the first 8 steps (profiling included) and
         over 3 steps under the plan.
+curve   One MiniGPT block and one tiny-Llama layer alone, no engine, at derive's lengths,
+        interleaved: forward ms per token by length (is what the fits follow smooth?).
 
 Each part prints a table and ends with one JSON line; the JSON goes to
 ``$OFFLOAD_BENCH_OUT/shapes-<part>.json`` (default ``out/bench``).
@@ -48,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -278,10 +283,11 @@ def part_soak(args: argparse.Namespace) -> dict:
                 callbacks=callbacks,
             )
             start = time.perf_counter()
-            trainer.train()
+            with _HeapPeak() as heap:
+                trainer.train()
             seconds = time.perf_counter() - start
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-        result: dict = {"losses": losses, "steps": watch.steps, "seconds": seconds}
+        result: dict = {"losses": losses, "steps": watch.steps, "seconds": seconds, "heap_peak": heap.peak}
         if offload_callback is not None:
             result["plans"] = len(offload_callback.engine.plans)
             result["lengths"] = sorted({key[0][0][1] for key in offload_callback.engine.plans})
@@ -289,10 +295,10 @@ def part_soak(args: argparse.Namespace) -> dict:
         return result
 
     runs = {"none": run(None), "fixed": run({"budget_mb": budget_mb})}
-    # The auto budget's device holds what the fixed run had allocated at rest (model, optimizer,
-    # trainer), a reserve and the fixed budget: at rest "auto" comes to the fixed budget, less in a step.
-    at_rest = max(s["heap"] for s in runs["fixed"]["steps"])
-    device = _Device(at_rest + int(2 * budget_mb * MB))
+    # The auto budget's device holds the most the fixed run ever had allocated (its engine's
+    # resident bytes included), a reserve and the fixed budget: at that instant "auto" comes to at
+    # least the fixed budget, and to more whenever the step holds less outside the engine.
+    device = _Device(runs["fixed"]["heap_peak"] + int(2 * budget_mb * MB))
     runs["auto"] = run({"budget_mb": "auto", "reserve_mb": budget_mb, "memory": device})
     rows, summary = [], {}
     for name, result in runs.items():
@@ -310,6 +316,7 @@ def part_soak(args: argparse.Namespace) -> dict:
             record.update(
                 profiling_steps=sum(s is not None for s in stages),
                 steps_over_budget=len(over),
+                worst_over_budget_mb=max((s["over"] for s in result["steps"]), default=0) / MB,
                 plans_held=result["plans"],
                 budget_mb_at_step_ends=_span(s["budget"] / MB for s in result["steps"] if s["budget"] is not None),
                 explain=result["explain"],
@@ -341,6 +348,28 @@ def part_soak(args: argparse.Namespace) -> dict:
 def _span(values: Iterable[float]) -> list[float]:
     ordered = sorted(values)
     return [round(ordered[0], 1), round(ordered[-1], 1)] if ordered else []
+
+
+class _HeapPeak:
+    """The most ``heap_in_use`` read while the block runs, sampled every ``interval_s`` by a thread."""
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="heap-peak", daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, heap_in_use())
+
+    def __enter__(self) -> "_HeapPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class _Device:
@@ -579,7 +608,51 @@ def part_fixed(args: argparse.Namespace) -> dict:
     return emit("fixed", text, {**payload, "auto_over_offload_first": ratio_first, "auto_over_offload": ratio_steady})
 
 
-PARTS = {"leak": part_leak, "soak": part_soak, "derive": part_derive, "pair": part_pair, "fixed": part_fixed}
+# ---------------------------------------------------------------------------------------- curve
+
+CURVE_LENGTHS = (128, 164, 169, 177, 188, 217, 256, 305, 327, 342, 384, 399, 414, 438, 473, 512)
+"""curve: derive's lengths and the ones its engines were trained on."""
+
+
+def part_curve(args: argparse.Namespace) -> dict:
+    """One block's forward alone (no engine) at each length, the lengths interleaved and their order
+    reversed every round: is the time a region's fit has to follow smooth in the length?"""
+    llama = tiny_llama()
+    rotary, layer = llama.model.rotary_emb, llama.model.layers[0]
+
+    def llama_block(x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1])[None]
+        return layer(x, position_embeddings=rotary(x, positions), attention_mask=None, position_ids=positions)
+
+    blocks = {"minigpt": minigpt(layers=1).blocks[0], "llama": llama_block}
+    curves, rows = {}, []
+    for name, block in blocks.items():
+        times: dict[int, list[float]] = {seq: [] for seq in CURVE_LENGTHS}
+        for r in range(1 + args.rounds):
+            for seq in CURVE_LENGTHS if r % 2 == 0 else CURVE_LENGTHS[::-1]:
+                x = torch.randn(4, seq, 256, requires_grad=True)
+                start = time.perf_counter()
+                out = block(x)
+                ms = (time.perf_counter() - start) * 1e3
+                (out[0] if isinstance(out, tuple) else out).sum().backward()
+                if r > 0:  # the first round allocates every length
+                    times[seq].append(ms)
+        per_token = {seq: 1e3 * median(t) / seq for seq, t in times.items()}
+        curves[name] = {str(seq): {"median_ms": median(t), "us_per_token": per_token[seq]} for seq, t in times.items()}
+        low, high = min(per_token.values()), max(per_token.values())
+        rows.append([name, f"{low:.1f} .. {high:.1f}", " ".join(f"{per_token[seq]:.0f}" for seq in CURVE_LENGTHS)])
+    text = table(["block", "us per token", "per length " + " ".join(str(s) for s in CURVE_LENGTHS)], rows)
+    return emit("curve", text, {"lengths": list(CURVE_LENGTHS), "rounds": args.rounds, "curves": curves})
+
+
+PARTS = {
+    "leak": part_leak,
+    "soak": part_soak,
+    "derive": part_derive,
+    "pair": part_pair,
+    "fixed": part_fixed,
+    "curve": part_curve,
+}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -590,7 +663,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps-per-shape", type=int, default=4)
     parser.add_argument("--steps", type=int, default=500, help="soak: optimizer steps")
     parser.add_argument("--shapes", type=int, default=12, help="derive: lengths never measured")
-    parser.add_argument("--rounds", type=int, default=5, help="pair: interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="pair, curve: interleaved rounds")
     parser.add_argument("--steps-per-round", type=int, default=6)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
