@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import offload
-from links import LandsOnCue
+from links import DeferredLink, LandsOnCue
 from offload._budget import (
     DEFAULT_RESERVE_MB,
     REPLAN_ABOVE,
@@ -484,3 +484,50 @@ def test_a_leaving_tensor_backward_uses_as_the_budget_falls_is_not_over_it():
     assert torch.equal(got, want)
     assert stats.budget_bytes < stats.saved_bytes, "the premise: the budget fell below what the step saved"
     assert stats.peak_over_budget_bytes == 0
+
+
+def test_loads_read_ahead_go_back_when_the_budget_falls_in_backward():
+    """Backward starts with free memory plentiful, so the store reads the moved saves back ahead
+    of their users; partway through, someone else takes the device. The loads no user has read yet
+    must go back (the ones needed last first) so the engine holds no more than the budget now in
+    force; they are read again when their turn comes. Gradients exact. (With the give-back
+    removed, the loads stay and the peak over the budget is most of them: shown once, by hand.)"""
+    free = {"bytes": 2 * MB}
+    eng = offload.engine(
+        "auto",
+        reserve_mb=1,
+        memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0),  # reads no engine state: the link locks
+        min_offload_bytes=0,
+        device="cpu",
+        link=DeferredLink(delay=1),
+    )
+    x = torch.randn(256, 256, requires_grad=True)
+
+    def forward(taken: list) -> torch.Tensor:
+        h = x
+        for _ in range(12):
+            h = torch.tanh(h * 1.01)  # 256 KiB saved each
+            taken.append(h)
+        return h
+
+    want = torch.autograd.grad(forward([]).sum(), x)[0]
+    hs: list[torch.Tensor] = []
+    with eng:
+        h = x
+        for _ in range(12):
+            h = torch.tanh(h * 1.01)
+            hs.append(h)
+            free["bytes"] = max(0, free["bytes"] - 256 * 1024)  # the saves take free memory
+    assert eng.stats.offloaded_bytes >= 2 * MB, "the premise: most saves moved"
+    free["bytes"] = PLENTY  # backward starts with the device free: the moved saves are read back ahead
+
+    def someone_takes_the_device(grad: torch.Tensor) -> None:
+        free["bytes"] = 0
+
+    hs[8].register_hook(someone_takes_the_device)
+    got = torch.autograd.grad(h.sum(), x)[0]
+    stats = eng.stats
+    eng.close()
+    assert torch.equal(got, want)
+    assert stats.reloaded_bytes > stats.offloaded_bytes, "the premise: some loads went back and were read again"
+    assert stats.peak_over_budget_bytes == 0, f"{stats.peak_over_budget_bytes} bytes over the budget in force"
