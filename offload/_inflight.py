@@ -127,6 +127,25 @@ class InFlight:
         self.res.host_lru.pop(e.seq, None)
         self.climb(e)
 
+    def give_back_loads(self, serving: Entry, budget_bytes: int) -> None:
+        """The budget fell below what backward has read back ahead of its users (``budget_mb="auto"``:
+        someone else took the memory since): let go of the landed loads no user has read yet, the
+        ones backward needs last first, until the rest fits. Each is read again when its turn comes."""
+        res = self.res
+        for x in sorted(res.below.values(), key=lambda x: x.seq):
+            if res.resident_bytes <= budget_bytes:
+                return
+            device = x.device_copy()
+            if (
+                x is not serving
+                and x.residence is Residence.LOADED
+                and x.users_left == x.refs
+                and device is not None
+                and not device.original
+                and device.settled()  # landed: nothing in flight writes the memory that goes
+            ):
+                self.drop_device(x)
+
     def drop_device(self, e: Entry) -> None:
         """Every user of this load has its view (or the budget needs the room): the device copy goes."""
         device = e.copies.pop(Tier.DEVICE)

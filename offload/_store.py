@@ -213,7 +213,7 @@ class Store:
                     if self.budget.bytes is not None and self._res.resident_bytes > self.budget.bytes:
                         self._flight.drop_device(held)  # its next user is not next: it reads it again
                 if self.budget.bytes is not None and self._res.resident_bytes > self.budget.bytes:
-                    self._give_back_loads(e)
+                    self._flight.give_back_loads(e, self.budget.bytes)
                 if e.residence is Residence.AWAY:
                     self.counters.prefetch_misses += 1
                     self._load(e)
@@ -228,26 +228,6 @@ class Store:
                 self._drain_dead()
             self._res.note_peak(self.budget.bytes, in_use=e if e.residence is Residence.LEAVING else None)
             return view
-
-    def _give_back_loads(self, serving: Entry) -> None:
-        """The budget fell below what backward has read back ahead of its users (``budget_mb="auto"``:
-        someone else took the memory since): let go of the landed loads no user has read yet, the
-        ones backward needs last first, until the rest fits. Each is read again when its turn comes."""
-        res, budget = self._res, self.budget.bytes
-        assert budget is not None
-        for x in sorted(res.below.values(), key=lambda x: x.seq):
-            if res.resident_bytes <= budget:
-                return
-            device = x.device_copy()
-            if (
-                x is not serving
-                and x.residence is Residence.LOADED
-                and x.users_left == x.refs
-                and device is not None
-                and not device.original
-                and device.settled()  # landed: nothing in flight writes the memory that goes
-            ):
-                self._flight.drop_device(x)
 
     def _load(self, e: Entry) -> None:
         """Start bringing a moved entry back to the device (prefetch or miss)."""
