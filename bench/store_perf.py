@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 CHAIN_LENGTH = 2000
 """Saved tensors per chain: enough that a few us per tensor dwarfs the timer's noise."""
@@ -57,11 +58,29 @@ def _medians(samples: list[tuple[float, float]], scale: float) -> tuple[float, f
     return statistics.median(w for w, _ in samples) * scale, statistics.median(c for _, c in samples) * scale
 
 
+def _minigpt_step():
+    """One MiniGPT training step (forward, backward) under a given engine, on fixed inputs."""
+    import torch
+
+    from offload.models.gpt import GPTConfig, MiniGPT  # the model only: no engine code of either side
+
+    model = MiniGPT(GPTConfig(n_layer=4, n_embd=128, seq_len=128))
+    idx = torch.randint(0, 256, (4, 128))
+    targets = torch.randint(0, 256, (4, 128))
+
+    def step(eng) -> None:
+        model.zero_grad(set_to_none=True)
+        with eng:
+            _, loss = model(idx, targets)
+        loss.backward()
+
+    return step
+
+
 def _worker(steps: bool) -> dict:
     import torch
 
     import offload
-    from offload.models.gpt import GPTConfig, MiniGPT
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -85,15 +104,7 @@ def _worker(steps: bool) -> dict:
     if not steps:
         return result
 
-    model = MiniGPT(GPTConfig(n_layer=4, n_embd=128, seq_len=128))
-    idx = torch.randint(0, 256, (4, 128))
-    targets = torch.randint(0, 256, (4, 128))
-
-    def step(eng) -> None:
-        model.zero_grad(set_to_none=True)
-        with eng:
-            _, loss = model(idx, targets)
-        loss.backward()
+    step = _minigpt_step()
 
     with tempfile.TemporaryDirectory() as spill_dir:
         probe = offload.engine(None, device="cpu")
@@ -127,8 +138,6 @@ def _ab_worker(sides: tuple[str, str]) -> dict:
 
     import torch
 
-    from offload.models.gpt import GPTConfig, MiniGPT  # the model only: no engine code of either side
-
     torch.manual_seed(0)
     torch.set_num_threads(1)
     packages = {side: importlib.import_module(side) for side in sides}
@@ -142,15 +151,7 @@ def _ab_worker(sides: tuple[str, str]) -> dict:
                 y = y.sin()
         y.sum().backward()
 
-    model = MiniGPT(GPTConfig(n_layer=4, n_embd=128, seq_len=128))
-    idx = torch.randint(0, 256, (4, 128))
-    targets = torch.randint(0, 256, (4, 128))
-
-    def step(eng) -> None:
-        model.zero_grad(set_to_none=True)
-        with eng:
-            _, loss = model(idx, targets)
-        loss.backward()
+    step = _minigpt_step()
 
     def held_off(fn) -> tuple[float, float]:
         gc.collect()
@@ -262,16 +263,7 @@ def main() -> None:
         for figure, row in figures.items():
             low, _, high = row["ratio_quartiles"]
             print(f"{figure:<20}{row['old']:>10.3f}{row['new']:>10.3f}{row['ratio']:>9.4f}  {low:.3f}..{high:.3f}")
-        summary = {
-            "in_process": True,
-            "load_1min": [round(v, 2) for v in load],
-            "cpus": os.cpu_count(),
-            "figures": figures,
-        }
-        print(f"load average (1 min) over the run: {min(load):.2f} .. {max(load):.2f}")
-        if args.json_out is not None:
-            args.json_out.write_text(json.dumps(summary) + "\n")
-        print(json.dumps(summary))
+        _report({"in_process": True}, load, figures, args.json_out)
         return
     runs: dict[str, list[dict]] = {"old": [], "new": []}
     load = [os.getloadavg()[0]]
@@ -289,15 +281,15 @@ def main() -> None:
         ratio = statistics.median(n[figure] / o[figure] for o, n in zip(runs["old"], runs["new"], strict=True))
         rows[figure] = {"old": round(old, 3), "new": round(new, 3), "ratio": round(ratio, 4)}
         print(f"{figure:<20}{old:>10.3f}{new:>10.3f}{ratio:>9.4f}")
-    summary = {
-        "rounds": args.rounds,
-        "load_1min": [round(v, 2) for v in load],
-        "cpus": os.cpu_count(),
-        "figures": rows,
-    }
+    _report({"rounds": args.rounds}, load, rows, args.json_out)
+
+
+def _report(how: dict, load: list[float], figures: dict, json_out: Optional[Path]) -> None:
+    """The load line, then the JSON line (also written to ``json_out``)."""
+    summary = {**how, "load_1min": [round(v, 2) for v in load], "cpus": os.cpu_count(), "figures": figures}
     print(f"load average (1 min) over the run: {min(load):.2f} .. {max(load):.2f}")
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps(summary) + "\n")
+    if json_out is not None:
+        json_out.write_text(json.dumps(summary) + "\n")
     print(json.dumps(summary))
 
 
