@@ -338,6 +338,7 @@ def measure_overhead(args, json_out: Optional[str]) -> dict:
 
 
 def main(argv=None) -> int:
+    measure.remember_sigint()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default: 30)")

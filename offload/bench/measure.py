@@ -18,9 +18,11 @@ import os
 import platform
 import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -193,6 +195,24 @@ def window(device: torch.device, memory: Optional[Memory] = None) -> Iterator[di
 Times = dict[str, list[float]]  # per name, one figure per call
 
 
+_SIGINT_SEEN = threading.Event()
+
+
+def remember_sigint() -> None:
+    """Make a SIGINT (a part's time limit) stop the run even when it lands in a finalizer.
+
+    Python raises KeyboardInterrupt wherever the main thread is, and one raised inside a ``__del__``
+    (the engine's handles have them) is printed and dropped: the run then went on for its full
+    length. With this handler the signal is remembered too, and ``timed`` raises it again at the
+    start of its next round."""
+
+    def handler(signum: int, frame: object) -> None:
+        _SIGINT_SEEN.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+
 def timed(
     fns: dict[str, Callable[[], None]],
     *,
@@ -209,6 +229,8 @@ def timed(
     cpu: Times = {name: [] for name in fns}
     round_s = 0.0
     for round_index in range(warmup + rounds):
+        if _SIGINT_SEEN.is_set():
+            raise KeyboardInterrupt  # See remember_sigint: the first one was dropped in a finalizer
         measured = round_index > warmup  # at least one timed round, whatever the deadline
         if deadline is not None and measured and time.perf_counter() + round_s > deadline:
             break
