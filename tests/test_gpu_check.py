@@ -179,7 +179,11 @@ def _interrupt_once(command: list[str], ready, timeout_s: float = 240) -> subpro
         while not ready() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # it ignored the interrupt: fail (returncode -9), do not hang the suite
+            proc.kill()
+            out, err = proc.communicate()
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
