@@ -204,13 +204,19 @@ def remember_sigint() -> None:
     Python raises KeyboardInterrupt wherever the main thread is, and one raised inside a ``__del__``
     (the engine's handles have them) is printed and dropped: the run then went on for its full
     length. With this handler the signal is remembered too, and ``timed`` raises it again at the
-    start of its next round."""
+    start of its next round (``raise_if_interrupted``: for loops of their own)."""
 
     def handler(signum: int, frame: object) -> None:
         _SIGINT_SEEN.set()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, handler)
+
+
+def raise_if_interrupted() -> None:
+    """Raise the KeyboardInterrupt of a SIGINT that ``remember_sigint`` saw and a finalizer dropped."""
+    if _SIGINT_SEEN.is_set():
+        raise KeyboardInterrupt
 
 
 def timed(
@@ -229,8 +235,7 @@ def timed(
     cpu: Times = {name: [] for name in fns}
     round_s = 0.0
     for round_index in range(warmup + rounds):
-        if _SIGINT_SEEN.is_set():
-            raise KeyboardInterrupt  # See remember_sigint: the first one was dropped in a finalizer
+        raise_if_interrupted()
         measured = round_index > warmup  # at least one timed round, whatever the deadline
         if deadline is not None and measured and time.perf_counter() + round_s > deadline:
             break

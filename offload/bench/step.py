@@ -136,6 +136,7 @@ def collect(
 
     def emit(record: dict) -> None:
         nonlocal activation_bytes
+        measure.raise_if_interrupted()  # every step reports here: an interrupt a finalizer dropped stops it
         result, kind = results[record["config"]][record["repeat"]], record["type"]
         if kind == "step":
             result["steps"].append(record)
@@ -296,6 +297,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", loop.CUBLAS_WORKSPACE_CONFIG)
 
     args.out.mkdir(parents=True, exist_ok=True)
+    measure.remember_sigint()
     started = time.perf_counter()
     device = torch.device(run.device)
     machine = offload.probe(device)  # measured once, cached on disk: children read the cache
