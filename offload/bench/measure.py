@@ -199,12 +199,13 @@ _SIGINT_SEEN = threading.Event()
 
 
 def remember_sigint() -> None:
-    """Make a SIGINT (a part's time limit) stop the run even when it lands in a finalizer.
+    """Make a SIGINT (a part's time limit) stop the run however the process was started.
 
-    Python raises KeyboardInterrupt wherever the main thread is, and one raised inside a ``__del__``
-    (the engine's handles have them) is printed and dropped: the run then went on for its full
-    length. With this handler the signal is remembered too, and ``timed`` raises it again at the
-    start of its next round (``raise_if_interrupted``: for loops of their own)."""
+    A process started from a background job (``cmd &`` in a script, ``nohup``) inherits SIGINT
+    ignored, and Python then installs no KeyboardInterrupt handler: the run went on to its full
+    length (a suite run in the background hung in the interrupt tests). The handler set here
+    raises it whatever was inherited, and remembers it: ``timed`` (and ``raise_if_interrupted``,
+    for loops of their own) raises it again should a ``__del__`` have swallowed the first."""
 
     def handler(signum: int, frame: object) -> None:
         _SIGINT_SEEN.set()

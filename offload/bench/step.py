@@ -136,7 +136,7 @@ def collect(
 
     def emit(record: dict) -> None:
         nonlocal activation_bytes
-        measure.raise_if_interrupted()  # every step reports here: an interrupt a finalizer dropped stops it
+        measure.raise_if_interrupted()  # every step reports here (see measure.remember_sigint)
         result, kind = results[record["config"]][record["repeat"]], record["type"]
         if kind == "step":
             result["steps"].append(record)
