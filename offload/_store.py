@@ -212,7 +212,11 @@ class Store:
                     self._res.held = None
                     if self.budget.bytes is not None and self._res.resident_bytes > self.budget.bytes:
                         self._flight.drop_device(held)  # its next user is not next: it reads it again
-                if self.budget.bytes is not None and self._res.resident_bytes > self.budget.bytes:
+                if (  # only a budget that follows free memory falls under loads already made
+                    self.budget.follows_free_memory
+                    and self.budget.bytes is not None
+                    and self._res.resident_bytes > self.budget.bytes
+                ):
                     self._flight.give_back_loads(e, self.budget.bytes)
                 if e.residence is Residence.AWAY:
                     self.counters.prefetch_misses += 1
