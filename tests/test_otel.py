@@ -30,6 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 N_LAYER = 2
 CPU_MACHINE = offload.MachineProfile(device_type="cpu", disk_write_gb_per_s=2.0, disk_read_gb_per_s=4.0)
 """Fixed figures for the auto policy, so the tests neither measure this machine nor write its cache."""
+SLOW_DISK = offload.MachineProfile(
+    device_type="cpu", device_name="slow disk", disk_write_gb_per_s=1e-4, disk_read_gb_per_s=1e-4
+)
+"""0.1 MB/s: a block's 0.3 MB takes 3 s to move, against ~3 ms to recompute. A calibration the
+planner accepts (x0.01 or more) leaves it at 30 ms or more; one it rejects leaves the 3 s; either
+way the plan recomputes. With ``CPU_MACHINE`` a loaded CI disk implied x158, the planner rejected
+it as implausible, fell back to 2 GB/s and offloaded everything."""
 
 
 @pytest.fixture
@@ -206,7 +213,7 @@ def test_planned_step_carries_the_plans_decisions(spans, spill_dir):
     model = _model(n_layer=4)
     x, y = _batch()
     eng = offload.engine(
-        budget_mb=0.05, regions=model.blocks, model=model, machine=CPU_MACHINE, min_offload_bytes=0, spill_dir=spill_dir
+        budget_mb=0.05, regions=model.blocks, model=model, machine=SLOW_DISK, min_offload_bytes=0, spill_dir=spill_dir
     )
     tracer = StepTracer(eng, tracer_provider=provider)
     stages = []
