@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._cost import MB
+from ._cost import MB, MachineProfile
 from ._errors import OffloadError
 from ._machines import machine_names
 from ._predict import POLICIES, Prediction, predict, write_plot
@@ -75,6 +75,7 @@ def _run_probe(args: argparse.Namespace) -> int:
         ("disk write", gb_per_s(profile.disk_write_gb_per_s) + f"  (spill file, {_io(report.disk)})"),
         ("disk read", gb_per_s(profile.disk_read_gb_per_s) + f"  (spill file, {_io(report.disk)})"),
         ("per tensor", f"{profile.per_tensor_overhead_us:8.2f} us"),
+        *_spare_cores_row(profile),
         *provenance,
         ("cache", str(report.cache_file)),
     ]
@@ -82,6 +83,14 @@ def _run_probe(args: argparse.Namespace) -> int:
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     return _EXIT_OK
+
+
+def _spare_cores_row(profile: MachineProfile) -> list[tuple[str, str]]:
+    """The CPU's spare cores (``MachineProfile.spare_cores``) and what the planner makes of them."""
+    if profile.device_type != "cpu":
+        return []
+    where = "spill beside the compute" if profile.spare_cores else "spill on the compute's cores"
+    return [("spare cores", f"{profile.spare_cores:8d}     ({where})")]
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -53,6 +53,12 @@ class MachineProfile:
     """Host cost of one op dispatched under a Python ``TorchDispatchMode``, microseconds: a selective
     region pays it on every op of its forward (the stash mode) and again in its re-run (the replay
     mode). 0 where the regions' times were measured so (``offload.probe()`` leaves it 0)."""
+    spare_cores: int = 0
+    """CPU only: cores this process may run on beyond torch's intra-op threads, free for the spill
+    threads. 0: a spill write or read takes the compute's own cores, so it is paid on the step's
+    timeline; more: it runs beside the compute, queued like a copy engine's copies.
+    ``offload.probe()`` reads it from the process's CPU affinity and ``torch.get_num_threads()``
+    at the time of the call. Ignored on CUDA, where a copy engine moves the bytes."""
 
     def without_host_costs(self) -> MachineProfile:
         """This profile with the engine's host costs (``held_tensor_overhead_us``,

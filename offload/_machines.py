@@ -100,10 +100,15 @@ class Machine:
     source: str
     """Where the figures come from: datasheet name and URL, or "measured here"."""
     assumptions: Assumptions = Assumptions()
+    spare_cores: int = 0
+    """CPU only: cores beyond torch's threads, free for the spill threads
+    (``MachineProfile.spare_cores``; ``from_probe`` takes the probe's)."""
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
             raise ValueError(f"Machine.device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
+        if isinstance(self.spare_cores, bool) or not isinstance(self.spare_cores, int) or self.spare_cores < 0:
+            raise ValueError(f"Machine {self.name!r}: spare_cores must be an int >= 0, got {self.spare_cores!r}")
         for name in ("peak_flops", "memory_gb_per_s", "link_out_gb_per_s", "link_back_gb_per_s", "link_both_gb_per_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -144,6 +149,7 @@ class Machine:
                 device_name=self.name,
                 disk_write_gb_per_s=out_gb_per_s,
                 disk_read_gb_per_s=back_gb_per_s,
+                spare_cores=self.spare_cores,
                 **host_us,
             )
         return MachineProfile(
@@ -302,4 +308,5 @@ def from_probe(
             held_tensor_overhead_us=held_tensor_overhead_us,
             dispatch_overhead_us=dispatch_overhead_us,
         ),
+        spare_cores=profile.spare_cores,
     )

@@ -54,10 +54,13 @@ Assumptions, all of them:
   (``forward_dispatches``) in the forward, under the stash mode, and again in its re-run, under the
   replay mode. A step without the engine prices with ``MachineProfile.without_host_costs()``.
 - On the CPU (``machine.device_type == "cpu"``) there is no copy engine: the "link" is the spill
-  threads copying bytes into and out of the page cache, on the same cores the compute uses (torch
-  runs as many threads as there are cores). Nothing hides there: each OFFLOAD region's write is
-  paid on the compute timeline right after its forward, and its read right before its backward
-  (the sweep's results in ``bench/results/sweep-cpu*.md`` show what that costs).
+  threads copying bytes into and out of the page cache. Where torch's intra-op threads take every
+  core the process may use (``machine.spare_cores == 0``, torch's default) they share the
+  compute's cores and nothing hides: each OFFLOAD region's write is paid on the compute timeline
+  right after its forward, and its read right before its backward (the sweep's results in
+  ``bench/results/sweep-cpu*.md`` show what that costs). Where cores are spare (torch set to
+  fewer threads than the process has cores) the spill threads run beside the compute and their
+  writes and reads queue as a copy engine's copies do (``bench/results/predict-cpu.md``).
 - A link with 0 GB/s either way is unusable: an OFFLOAD over it would never come back, so
   ``simulate`` refuses it (``ValueError``); policies choose RECOMPUTE there instead.
 - Memory counts what the engine holds *for later*, which is what the budget bounds: KEEP
@@ -360,9 +363,10 @@ def link_usable(machine: MachineProfile) -> bool:
 
 
 def copies_share_compute(machine: MachineProfile) -> bool:
-    """True where moving bytes takes the compute's own cores (the CPU device and its disk tier),
-    so a transfer cannot hide behind compute; False where a copy engine moves them (CUDA)."""
-    return machine.device_type == "cpu"
+    """True where moving bytes takes the compute's own cores (the CPU device and its disk tier,
+    with no core to spare beyond torch's threads), so a transfer cannot hide behind compute; False
+    where a copy engine moves them (CUDA) or the spill threads have cores of their own."""
+    return machine.device_type == "cpu" and machine.spare_cores == 0
 
 
 def _link_ms(nbytes: int, gb_per_s: float) -> float:
@@ -567,6 +571,9 @@ def check_inputs(regions: Sequence[RegionProfile], machine: MachineProfile, budg
         value = getattr(machine, field)
         if math.isnan(value) or value < 0:
             raise ValueError(f"machine profile: {field} must be >= 0 (0: unusable), got {value!r}")
+    spare = machine.spare_cores
+    if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
+        raise ValueError(f"machine profile: spare_cores must be an int >= 0 (0: none), got {spare!r}")
 
 
 def build_plan(

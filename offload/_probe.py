@@ -24,6 +24,9 @@ How each figure is taken:
   tensor's byte time at the measured bandwidths, best of ``repeats``, clamped at 0. The hook
   round trip alone is ~50x smaller on the CPU, where a spill file per tensor dominates; planning
   with it made small tensors look free to move.
+- spare cores (CPU only): the cores this process may run on (its affinity) less torch's intra-op
+  threads, read at the call and never cached. Where some are spare the planner lets spill writes
+  and reads run beside the compute; where none are, it charges them to the step.
 
 Results are cached in a JSON file (``$XDG_CACHE_HOME/offload/probe.json``, else
 ``~/.cache/offload/probe.json``) so that a restarted job does not measure again. Link figures are
@@ -62,7 +65,16 @@ from ._cost import MB, MachineProfile
 from ._session import Session
 from ._spill import SpillFile
 
-__all__ = ["Figures", "ProbeReport", "Source", "default_cache_path", "machine_key", "probe", "probe_report"]
+__all__ = [
+    "Figures",
+    "ProbeReport",
+    "Source",
+    "default_cache_path",
+    "machine_key",
+    "probe",
+    "probe_report",
+    "spare_cores",
+]
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +225,19 @@ def probe_report(
     else:
         log.debug("probe: using cached figures from %s", cache_file)
 
-    profile = MachineProfile(device_type=device.type, device_name=device_name, **link, **disk)
+    spare = spare_cores() if device.type == "cpu" else 0
+    profile = MachineProfile(device_type=device.type, device_name=device_name, spare_cores=spare, **link, **disk)
     return ProbeReport(profile, link_figures, disk_figures, cache_file)
+
+
+def spare_cores() -> int:
+    """Cores this process may run on beyond torch's intra-op threads, now (``MachineProfile.spare_cores``):
+    read at each call, never cached, since ``torch.set_num_threads`` may change it at any time."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(0, cores - torch.get_num_threads())
 
 
 def _now() -> str:

@@ -403,6 +403,24 @@ def cpu_machine(write: float = 2.0, read: float = 4.0, overhead_us: float = 100.
     )
 
 
+def test_spill_hides_behind_compute_only_where_cores_are_spare():
+    """On the CPU the spill threads copy: with no core beyond torch's threads (``spare_cores=0``)
+    every write and read is paid on the step; with one spare they queue beside the compute, priced
+    as a copy engine's copies over the same link would be."""
+    regions = [dataclasses.replace(r, backward_ms=10.0) for r in uniform_regions(4, forward_ms=5.0)]
+    shared = cpu_machine(write=20.0, read=20.0, overhead_us=0.0)  # 100 MB: 5 ms each way
+    spare = dataclasses.replace(shared, spare_cores=1)
+    engine = cuda_machine(20.0, overhead_us=0.0)
+    keep_ms = simulate(regions, (KEEP,) * 4, shared)[0]
+    assert simulate(regions, (OFFLOAD,) * 4, shared)[0] - keep_ms == pytest.approx(4 * (5.0 + 5.0))
+    # beside the compute only the last region's write (its backward comes next) and the first reload are exposed
+    assert simulate(regions, (OFFLOAD,) * 4, spare)[0] - keep_ms == pytest.approx(5.0 + 5.0)
+    assert simulate(regions, (OFFLOAD,) * 4, spare) == simulate(regions, (OFFLOAD,) * 4, engine)
+    for bad in (-1, 0.5, True):
+        with pytest.raises(ValueError, match="spare_cores"):
+            make_plan(regions, dataclasses.replace(shared, spare_cores=bad), 0, policy="offload")
+
+
 def test_scale_link_scales_every_transfer_cost():
     machine = cpu_machine()
     regions = uniform_regions(4)
@@ -417,7 +435,11 @@ def test_scale_link_scales_every_transfer_cost():
             scale_link(machine, bad)
 
 
-@pytest.mark.parametrize("machine", [cpu_machine(), cuda_machine(0.5, 0.4, overhead_us=20.0)], ids=["cpu", "cuda"])
+@pytest.mark.parametrize(
+    "machine",
+    [cpu_machine(), dataclasses.replace(cpu_machine(0.5, 0.4), spare_cores=1), cuda_machine(0.5, 0.4, overhead_us=20.0)],
+    ids=["cpu", "cpu-spare-core", "cuda"],
+)
 @pytest.mark.parametrize("target_factor", [0.5, 1.0, 1.7, 4.0])
 def test_calibrate_link_reproduces_the_measured_offload_cost(machine, target_factor):
     """Whatever the probe said, the calibrated machine predicts the measured cost of offloading
@@ -431,7 +453,7 @@ def test_calibrate_link_reproduces_the_measured_offload_cost(machine, target_fac
     assert simulate(regions, (OFFLOAD,) * 4, calibrated)[0] - keep_ms == pytest.approx(measured, rel=1e-6)
     plan = make_plan(regions, calibrated, budget_bytes=0, policy="offload")
     assert plan.predicted_step_ms - plan.baseline_step_ms == pytest.approx(measured, rel=1e-6)
-    if machine.device_type == "cpu":  # serial: exposed time is linear in the scale
+    if machine.device_type == "cpu" and not machine.spare_cores:  # serial: exposed time is linear in the scale
         assert scale == pytest.approx(target_factor, rel=1e-6)
 
 

@@ -210,6 +210,22 @@ def test_cuda_without_cuda_is_a_value_error(tmp_path):
         probe("cuda", cache_path=tmp_path / "probe.json")
 
 
+def test_spare_cores_follow_torchs_threads_not_the_cache(tmp_path, calls, monkeypatch):
+    """Cores beyond torch's intra-op threads are the spill threads' own: read at each call, from the
+    process's affinity, so a cached entry never carries a thread count that has since changed."""
+    monkeypatch.setattr(_probe.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    threads = torch.get_num_threads()
+    seen = {}
+    try:
+        for n in (1, 3, 4, 6):
+            torch.set_num_threads(n)
+            seen[n] = probe("cpu", spill_dir=tmp_path, cache_path=tmp_path / "probe.json").spare_cores
+            seen[n, "cached"] = probe("cpu", spill_dir=tmp_path, cache_path=tmp_path / "probe.json").spare_cores
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == {1: 3, (1, "cached"): 3, 3: 1, (3, "cached"): 1, 4: 0, (4, "cached"): 0, 6: 0, (6, "cached"): 0}
+
+
 def test_cli_prints_a_table(tmp_path, monkeypatch, calls):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     out = io.StringIO()
@@ -219,6 +235,7 @@ def test_cli_prints_a_table(tmp_path, monkeypatch, calls):
     text = out.getvalue()
     assert "disk write" in text and "3.00 GB/s" in text and "6.00 GB/s" in text
     assert "n/a" in text  # no device link on the CPU
+    assert re.search(rf"spare cores\s+{_probe.spare_cores()}\s", text)
 
 
 def test_cli_json(tmp_path, monkeypatch, calls):
