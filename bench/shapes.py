@@ -67,6 +67,7 @@ import torch  # noqa: E402
 import offload  # noqa: E402
 from hf_models import tiny_llama  # noqa: E402
 from offload.bench.measure import check_out, environment, median, out_dir, table, write_json  # noqa: E402
+from offload.bench.padding import Ragged, pad_to_longest  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402
 
 MB = 1 << 20
@@ -183,32 +184,6 @@ def part_leak(args: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- soak
-
-
-class Ragged(torch.utils.data.Dataset):
-    """Random token rows of random lengths in [shortest, longest]."""
-
-    def __init__(self, rows: int, shortest: int, longest: int, vocab: int, seed: int = 1) -> None:
-        g = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(shortest, longest + 1, (rows,), generator=g)
-        self.rows = [torch.randint(1, vocab, (int(n),), generator=g) for n in lengths]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.rows[i]}
-
-
-def pad_to_longest(features: list) -> dict:
-    """A padding collator: each batch padded to its own longest row, the pad masked and ignored."""
-    longest = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), longest, dtype=torch.long)
-    mask = torch.zeros(len(features), longest, dtype=torch.long)
-    for row, f in enumerate(features):
-        ids[row, : len(f["input_ids"])] = f["input_ids"]
-        mask[row, : len(f["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def _trainer_args(out: str, batch: int):

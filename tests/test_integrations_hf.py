@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # the Trainer needs it
 
 import offload  # noqa: E402
+from offload.bench.padding import Ragged, pad_to_longest  # noqa: E402
 from offload.integrations.hf import OffloadCallback  # noqa: E402
 from zoo import files_under, tiny_llama  # noqa: E402
 
@@ -288,40 +289,13 @@ def test_forward_wrapped_again_after_train_begin(tmp_path):
     assert callback.engine.stats.saved_tensors == saved
 
 
-class Ragged(torch.utils.data.Dataset):
-    """Random token rows of random lengths: each batch is padded to its own longest (dynamic padding)."""
-
-    def __init__(self, rows: int, shortest: int, longest: int) -> None:
-        generator = torch.Generator().manual_seed(1)
-        lengths = torch.randint(shortest, longest + 1, (rows,), generator=generator)
-        self.rows = [torch.randint(1, VOCAB, (int(n),), generator=generator) for n in lengths]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.rows[i]}
-
-
-def pad_to_longest(features: list) -> dict:
-    """What Hugging Face's padding collators do: pad to the batch's longest, mask and ignore the pad."""
-    longest = max(len(f["input_ids"]) for f in features)
-    ids = torch.zeros(len(features), longest, dtype=torch.long)
-    mask = torch.zeros(len(features), longest, dtype=torch.long)
-    for row, f in enumerate(features):
-        n = len(f["input_ids"])
-        ids[row, :n], mask[row, :n] = f["input_ids"], 1
-    labels = ids.masked_fill(mask == 0, -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 def test_dynamic_padding_with_regions_auto(tmp_path, spill_dir):
     """The loop fine-tuning runs: a new sequence length almost every step, blocks found by
     regions="auto". A handful of profiling steps, then every step under a plan (most of them
     derived from the fit for lengths never measured), and the Trainer's losses and final weights
     bitwise equal to the run without the callback."""
     base = llama(longest=64)  # room for the ragged rows' lengths
-    data = Ragged(rows=24, shortest=8, longest=64)
+    data = Ragged(rows=24, shortest=8, longest=64, vocab=VOCAB)
     args = arguments(tmp_path)
 
     padded: list[int] = []

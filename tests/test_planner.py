@@ -437,7 +437,11 @@ def test_scale_link_scales_every_transfer_cost():
 
 @pytest.mark.parametrize(
     "machine",
-    [cpu_machine(), dataclasses.replace(cpu_machine(0.5, 0.4), spare_cores=1), cuda_machine(0.5, 0.4, overhead_us=20.0)],
+    [
+        cpu_machine(),
+        dataclasses.replace(cpu_machine(0.5, 0.4), spare_cores=1),
+        cuda_machine(0.5, 0.4, overhead_us=20.0),
+    ],
     ids=["cpu", "cpu-spare-core", "cuda"],
 )
 @pytest.mark.parametrize("target_factor", [0.5, 1.0, 1.7, 4.0])
