@@ -57,8 +57,10 @@ class MachineProfile:
     """CPU only: cores this process may run on beyond torch's intra-op threads, free for the spill
     threads. 0: a spill write or read takes the compute's own cores, so it is paid on the step's
     timeline; more: it runs beside the compute, queued like a copy engine's copies.
-    ``offload.probe()`` reads it from the process's CPU affinity and ``torch.get_num_threads()``
-    at the time of the call. Ignored on CUDA, where a copy engine moves the bytes."""
+    ``offload.probe()`` reads it at the time of the call: the whole cores of the process's CPU
+    affinity (physical cores where the host has hardware threads; no more than a cgroup CPU quota)
+    less ``torch.get_num_threads()``. Ignored on CUDA, where a copy engine moves the bytes. As on
+    CUDA, the planner does not model the waits a budget smaller than the copies in flight forces."""
 
     def without_host_costs(self) -> MachineProfile:
         """This profile with the engine's host costs (``held_tensor_overhead_us``,

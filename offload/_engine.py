@@ -259,7 +259,9 @@ class Engine:
 
     def _machine_profile(self) -> MachineProfile:
         if self._machine is None:
-            self._machine = probe(self._session.eligible.device)  # measured once, then cached on disk
+            # Measured once, then cached on disk. Read once per engine too, spare cores included:
+            # a torch.set_num_threads after the first step is not seen (make a new engine).
+            self._machine = probe(self._session.eligible.device)
         return self._machine
 
 

@@ -514,8 +514,9 @@ def calibrate_link(
     step that did exactly that.
 
     Why: the probe measures the link alone (one large buffer, nothing else running), while a
-    training step moves many tensors of many sizes while compute runs. On a 2-core CPU the spill
-    threads and the compute share cores, and the same bytes cost more than the probe predicts.
+    training step moves many tensors of many sizes while compute runs. On a CPU with no core to
+    spare the spill threads and the compute share cores, and the same bytes cost more than the
+    probe predicts; under a tight budget the step also waits for copies the model lets overlap.
     One factor keeps the model's shape (what hides
     behind what, bytes and per-tensor costs in proportion) and fixes its level from a measured
     step. The scale is clamped to [1e-3, 1e3]; an unusable link is returned unchanged.

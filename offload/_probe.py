@@ -24,9 +24,11 @@ How each figure is taken:
   tensor's byte time at the measured bandwidths, best of ``repeats``, clamped at 0. The hook
   round trip alone is ~50x smaller on the CPU, where a spill file per tensor dominates; planning
   with it made small tensors look free to move.
-- spare cores (CPU only): the cores this process may run on (its affinity) less torch's intra-op
-  threads, read at the call and never cached. Where some are spare the planner lets spill writes
-  and reads run beside the compute; where none are, it charges them to the step.
+- spare cores (CPU only): the whole cores this process may run on (its affinity, in physical
+  cores on a host with hardware threads, capped by a cgroup CPU quota: ``usable_cores``) less
+  torch's intra-op threads, read at the call and never cached. Where some are spare the planner
+  lets spill writes and reads run beside the compute; where none are, it charges them to the step.
+  The link key (and the plan cache's, which uses it) names the usable cores.
 
 Results are cached in a JSON file (``$XDG_CACHE_HOME/offload/probe.json``, else
 ``~/.cache/offload/probe.json``) so that a restarted job does not measure again. Link figures are
@@ -58,6 +60,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import psutil
 import torch
 
 from ._config import Config, parse_device
@@ -232,12 +235,64 @@ def probe_report(
 
 def spare_cores() -> int:
     """Cores this process may run on beyond torch's intra-op threads, now (``MachineProfile.spare_cores``):
-    read at each call, never cached, since ``torch.set_num_threads`` may change it at any time."""
+    ``usable_cores()`` less ``torch.get_num_threads()``, read at each call, since
+    ``torch.set_num_threads`` may change it at any time."""
+    return max(0, usable_cores() - torch.get_num_threads())
+
+
+def usable_cores(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int:
+    """Whole cores this process can run on: its CPU affinity, counted in physical cores where the
+    host runs two or more hardware threads per core (torch's default thread count is the physical
+    cores: a sibling thread is no free core), and no more than a cgroup CPU quota allows (a
+    container limited to 2 CPUs on a 64-CPU host has 2)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(0, cores - torch.get_num_threads())
+        cpus = os.cpu_count() or 1
+    logical, physical = psutil.cpu_count(logical=True), psutil.cpu_count(logical=False)
+    if logical and physical and physical < logical:
+        cpus = max(1, cpus * physical // logical)
+    quota = cpu_quota(proc_cgroup, root)
+    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
+
+
+def cpu_quota(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs the tightest CPU quota of this process's cgroup and its ancestors allows (v2 ``cpu.max``,
+    v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``); None where none is set or none can be read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, v2 = root, True
+        elif "cpu" in controllers.split(","):
+            base, v2 = root / controllers, False
+        else:
+            continue
+        here = base / path.lstrip("/")
+        if not here.is_dir():
+            here = base
+        while True:
+            quotas.append(_quota_of(here, v2))
+            if here == base:
+                break
+            here = here.parent
+    set_quotas = [q for q in quotas if q is not None]
+    return min(set_quotas) if set_quotas else None
+
+
+def _quota_of(group: Path, v2: bool) -> float | None:
+    try:
+        if v2:
+            limit, _, period = (group / "cpu.max").read_text().partition(" ")
+            return None if limit == "max" else int(limit) / int(period)
+        limit_us = int((group / "cpu.cfs_quota_us").read_text())
+        return None if limit_us < 0 else limit_us / int((group / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def _now() -> str:
@@ -254,9 +309,12 @@ def _link_key(device: torch.device, spill_dir: str) -> str:
     # The per-tensor overhead is measured through the tier behind the device, which on the CPU is
     # the spill directory: the link key names it too, and the intra-op thread count, since torch's
     # spinning pool competes with the spill threads for the same cores.
+    # On the CPU the cores usable too: with the same thread count, a process given more of them
+    # has spare ones its spill threads run on, which changes what a plan made here costs.
     host = platform.node()
     threads = torch.get_num_threads()
-    return f"{host}|{device.type}:{_device_name(device)}|torch {torch.__version__}|{spill_dir}|threads {threads}"
+    cores = f"|cores {usable_cores()}" if device.type == "cpu" else ""
+    return f"{host}|{device.type}:{_device_name(device)}|torch {torch.__version__}|{spill_dir}|threads {threads}{cores}"
 
 
 def default_cache_path() -> Path:

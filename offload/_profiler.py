@@ -25,9 +25,10 @@ differ (a batch padded to its own longest sample, a curriculum). One family, one
 
 Why the later shapes are measured by a "recompute" step and not a "measure" one: a "measure" step
 holds the budget tensor by tensor, so on a CPU its spill threads share the cores with the forward
-and slow it 2-3x (seen on MiniGPT 8x256 at a 20 MB budget: 65-85 ms against 20-35 ms per block);
-a recomputed region sends only its inputs to the store, so its times are the compute's own, the
-same kind of time the first shape's trial measured.
+(all of them where no core is spare, memory bandwidth and caches where one is) and slow it 2-3x
+(seen on MiniGPT 8x256 at a 20 MB budget: 65-85 ms against 20-35 ms per block); a recomputed
+region sends only its inputs to the store, so its times are the compute's own, the same kind of
+time the first shape's trial measured.
 """
 
 from __future__ import annotations

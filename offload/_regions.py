@@ -457,7 +457,8 @@ class Regions:
             if step.seen:
                 before, after = step.outside(self._session.saved())
                 sizes = [None if i not in step.seen else step.seen[i].sizes for i in range(len(self.regions))]
-                # Forward times count where nothing moved meanwhile: a copy shares the CPU's cores.
+                # Forward times count where nothing moved meanwhile: a copy shares the CPU's cores
+                # (or, with a core spare, its memory bandwidth) and waits for the budget.
                 clean = step.moved_in_forward == 0
                 clocks = [step.seen[i].clock if i in step.seen and clean else None for i in range(len(self.regions))]
                 forward_ms = [None if c is None else c.ms() for c in clocks]

@@ -213,7 +213,7 @@ def test_cuda_without_cuda_is_a_value_error(tmp_path):
 def test_spare_cores_follow_torchs_threads_not_the_cache(tmp_path, calls, monkeypatch):
     """Cores beyond torch's intra-op threads are the spill threads' own: read at each call, from the
     process's affinity, so a cached entry never carries a thread count that has since changed."""
-    monkeypatch.setattr(_probe.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(_probe, "usable_cores", lambda: 4)
     threads = torch.get_num_threads()
     seen = {}
     try:
@@ -224,6 +224,62 @@ def test_spare_cores_follow_torchs_threads_not_the_cache(tmp_path, calls, monkey
     finally:
         torch.set_num_threads(threads)
     assert seen == {1: 3, (1, "cached"): 3, 3: 1, (3, "cached"): 1, 4: 0, (4, "cached"): 0, 6: 0, (6, "cached"): 0}
+
+
+def _cgroup(tmp_path, proc_lines: list[str], files: dict[str, str]):
+    """A fake /proc/self/cgroup and cgroup tree under tmp_path."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc = tmp_path / "cgroup"
+    proc.write_text("\n".join(proc_lines) + "\n")
+    root = tmp_path / "fs"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return proc, root
+
+
+def test_a_cgroup_cpu_quota_caps_the_usable_cores(tmp_path, monkeypatch):
+    monkeypatch.setattr(_probe.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(_probe.psutil, "cpu_count", lambda logical=True: 64)
+    v2 = _cgroup(
+        tmp_path / "v2", ["0::/pod/job"], {"pod/cpu.max": "250000 100000\n", "pod/job/cpu.max": "max 100000\n"}
+    )
+    assert _probe.cpu_quota(*v2) == 2.5 and _probe.usable_cores(*v2) == 3
+    v1 = _cgroup(
+        tmp_path / "v1",
+        ["4:memory:/x", "3:cpu,cpuacct:/job"],
+        {"cpu,cpuacct/job/cpu.cfs_quota_us": "200000\n", "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"},
+    )
+    assert _probe.cpu_quota(*v1) == 2.0 and _probe.usable_cores(*v1) == 2
+    unlimited = _cgroup(tmp_path / "none", ["0::/"], {"cpu.max": "max 100000\n"})
+    assert _probe.cpu_quota(*unlimited) is None and _probe.usable_cores(*unlimited) == 64
+    assert _probe.cpu_quota(tmp_path / "missing", tmp_path) is None
+
+
+def test_hardware_threads_are_not_spare_cores(tmp_path, monkeypatch):
+    """torch's default thread count is the physical cores; a core's second hardware thread is no
+    free core for the spill threads."""
+    monkeypatch.setattr(_probe.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(_probe.psutil, "cpu_count", lambda logical=True: 16 if logical else 8)
+    no_cgroup = (tmp_path / "missing", tmp_path)
+    assert _probe.usable_cores(*no_cgroup) == 8
+    monkeypatch.setattr(_probe, "usable_cores", lambda: 8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(8)
+        assert _probe.spare_cores() == 0
+        torch.set_num_threads(6)
+        assert _probe.spare_cores() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_usable_cores_are_part_of_the_key(tmp_path, calls, monkeypatch):
+    cache = tmp_path / "probe.json"
+    for cores in (2, 4, 2):
+        monkeypatch.setattr(_probe, "usable_cores", lambda cores=cores: cores)
+        probe("cpu", spill_dir=tmp_path, cache_path=cache)
+    assert calls == {"link": 0, "disk": 1, "overhead": 2}
 
 
 def test_cli_prints_a_table(tmp_path, monkeypatch, calls):

@@ -389,7 +389,8 @@ def _block(name: str, forward_ms: float, saved_mb: float = 100.0) -> offload.Reg
 
 
 CPU_DISK = offload.MachineProfile(device_type="cpu", disk_write_gb_per_s=2.0, disk_read_gb_per_s=1.0)
-"""100 MB out in 50 ms, back in 100 ms: on the CPU both run on the compute's cores."""
+"""100 MB out in 50 ms, back in 100 ms: on the CPU both run on the compute's cores (``spare_cores``
+is 0, as the probe reports with torch on every core)."""
 CUDA_LINK = offload.MachineProfile(device_type="cuda", d2h_gb_per_s=2.0, h2d_gb_per_s=1.0)
 """The same figures behind a copy engine: they can hide behind compute."""
 
