@@ -71,7 +71,10 @@ Assumptions, all of them:
   the budget, handing each to autograd as it is unpacked. Working
   memory of the region being run (its forward's temporaries, a recomputed or reloaded region's
   tensors during its own backward) is not counted: it exists with or without the engine. The
-  time model above ignores the stalls a tiny budget forces on streamed copies.
+  time model above ignores the stalls a tiny budget forces on streamed copies: copies in flight
+  count against the budget, so where the room left under it is smaller than what the link has
+  queued, the compute waits for the oldest copy (at budget 0, for every one), on a GPU and on a
+  CPU with a core spare alike. The offload trial's calibration absorbs part of it in one scale.
   Where a free and an allocation fall at the same instant the free goes first. So the peak
   never drops below the largest region: its own backward needs all of its bytes.
 
