@@ -78,10 +78,15 @@ class Prediction:
 
     def __str__(self) -> str:
         m = self.machine
+        spill = ""
+        if m.device_type == "cpu":  # which timeline the planner used (MachineProfile.spare_cores)
+            spill = f"; {m.spare_cores} spare core(s), the spill " + (
+                "beside the compute" if m.spare_cores else "on the compute's cores"
+            )
         lines = [
             f"prediction for {m.name}: {m.achieved_flops() / 1e12:,.2f} TFLOP/s, "
             f"{m.achieved_memory_gb_per_s():,.1f} GB/s memory, link {m.achieved_link_gb_per_s()[0]:,.2f} GB/s "
-            f"({m.link}), all achieved",
+            f"({m.link}), all achieved{spill}",
             f"step: {self.forward_flops / 1e12:,.3f} TFLOP forward, {self.backward_flops / 1e12:,.3f} TFLOP backward; "
             f"parameters {self.parameter_bytes / MB:,.1f} MB, "
             f"gradients and optimizer state {self.state_bytes / MB:,.1f} MB",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from offload import MachineProfile
@@ -54,6 +56,13 @@ def test_a_probe_becomes_a_machine_with_measured_figures():
     back = machine.machine_profile()
     assert (back.device_type, back.disk_write_gb_per_s, back.disk_read_gb_per_s) == ("cpu", 0.5, 2.0)
     assert back.per_tensor_overhead_us == 7
+    assert back.spare_cores == 0
+    spare = from_probe(
+        dataclasses.replace(profile, spare_cores=1), flops=1e11, memory_gb_per_s=5.0, memory_bytes=1, op_overhead_us=3
+    )
+    assert spare.spare_cores == 1 and spare.machine_profile().spare_cores == 1, "the planner's timeline follows"
+    with pytest.raises(ValueError, match="spare_cores"):
+        dataclasses.replace(spare, spare_cores=-1)
     with pytest.raises(ValueError, match="unusable link"):
         from_probe(MachineProfile(device_type="cuda"), flops=1, memory_gb_per_s=1, memory_bytes=1, op_overhead_us=0)
 
@@ -149,6 +158,7 @@ def test_the_plan_and_every_policy_come_from_the_planner():
     p = predict(model, x, y, machine=CPU, regions=model.blocks, budget_mb=budget_mb, policy="auto")
     assert p.plan.fits_budget and p.plan.predicted_peak_bytes <= keep_peak / 2
     assert p.plan.predicted_step_ms > p.plan.baseline_step_ms  # moving bytes on a CPU is never free
+    assert "0 spare core(s), the spill on the compute's cores" in str(p)
     assert {q.policy for q in p.points} == set(POLICIES)
     at_10 = {q.policy: q for q in p.points if q.budget_fraction == 0.1}
     assert at_10["none"].peak_bytes == keep_peak and not at_10["none"].fits
