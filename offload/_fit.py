@@ -20,6 +20,13 @@ tolerance (``BYTE_TOLERANCE``, ``TIME_TOLERANCE``), tried in the order::
 
 and where none does, the basis that misses least.
 
+Times are noisy (each point is one step's), and a basis that lies within 20 % of every point can
+still miss a trend: ``[n]`` through a region whose attention grows as ``n·s`` is 20 % high at the
+short end and 20 % low at the long one. So from three points on a time field takes instead the
+basis whose fits to all points but one predict the one left out best, on average (leave-one-out),
+a richer basis winning only where it cuts that miss below ``HELD_OUT_MARGIN`` of a simpler one's:
+a term that only fits noise predicts the held-out points worse, and loses.
+
 A basis of k terms needs k points whose features separate its terms; with one point a field is
 proportional to ``n``. A field measured less often than its primary (the recompute and selective
 times, measured only on trial steps; the selective byte split) is its primary's fit times the
@@ -42,6 +49,7 @@ from ._cost import RegionProfile, Scope
 __all__ = [
     "BYTE_TOLERANCE",
     "BYTE_BASES",
+    "HELD_OUT_MARGIN",
     "MAX_POINTS",
     "TIME_BASES",
     "TIME_TOLERANCE",
@@ -58,6 +66,9 @@ TIME_TOLERANCE = 0.20
 so a richer basis that only fits that noise (and extrapolates it) is not taken."""
 MAX_POINTS = 16
 """Points kept per field, whatever the number of shapes seen."""
+HELD_OUT_MARGIN = 0.8
+"""A richer time basis is taken over a simpler one only when its mean held-out miss is at most
+this fraction of the simpler one's: a few percent better is noise, not a term."""
 
 BYTE_BASES: tuple[tuple[str, ...], ...] = (("n",), ("n", "ns"), ("1", "n"), ("1", "n", "ns"))
 COUNT_BASES: tuple[tuple[str, ...], ...] = (("1",), ("1", "n"), ("n",))
@@ -156,9 +167,12 @@ def _solve(rows: list[list[float]], values: list[float]) -> Optional[list[float]
 class FieldFit:
     """The points of one field of one region, and the model fitted to them."""
 
-    def __init__(self, tolerance: float, bases: tuple[tuple[str, ...], ...]) -> None:
+    def __init__(self, tolerance: float, bases: tuple[tuple[str, ...], ...], *, cross_validate: bool = False) -> None:
         self.tolerance = tolerance
         self.bases = bases
+        self.cross_validate = cross_validate
+        """Times: from three points on, the basis that predicts each point best from the others
+        (``_held_out_miss``), rather than the first within the tolerance (see the module docstring)."""
         self.points: list[tuple[Shape, float]] = []
         self._model: Optional[_Model] = None
 
@@ -194,6 +208,10 @@ class FieldFit:
         points = [(p, v) for p, v in self.points if v > 0]
         if not points:
             return _ZERO
+        if self.cross_validate and len(points) >= 3:
+            chosen = self._cross_validated(points)
+            if chosen is not None:
+                return chosen
         zeros = [p for p, v in self.points if v <= 0]  # nothing there: missed by what the model gives
         largest = max(v for _, v in points)
         best: Optional[tuple[float, _Model]] = None
@@ -212,8 +230,40 @@ class FieldFit:
         assert best is not None  # one positive point always solves the proportional basis
         return best[1]
 
+    def _cross_validated(self, points: list[tuple[Shape, float]]) -> Optional[_Model]:
+        """The basis whose fits to all points but one miss the one left out least on average; a
+        richer basis must beat a simpler one by ``HELD_OUT_MARGIN``. None where no basis can be scored."""
+        best: Optional[tuple[float, tuple[str, ...]]] = None
+        for basis in self.bases:
+            if len(basis) > len(points) - 1:
+                continue
+            score = _held_out_miss(basis, points)
+            if score is not None and (best is None or score < best[0] * HELD_OUT_MARGIN):
+                best = (score, basis)
+        if best is None:
+            return None
+        coefficients = _fit_basis(best[1], points)
+        return None if coefficients is None else _Model(best[1], tuple(coefficients))
+
     def at(self, shape: Shape) -> float:
         return max(0.0, self.model().at(shape))
+
+
+def _fit_basis(basis: tuple[str, ...], points: Sequence[tuple[Shape, float]]) -> Optional[list[float]]:
+    """Coefficients of ``basis`` over ``points`` (all >= 0), or None where they do not separate or one is negative."""
+    coefficients = _solve([[p.terms()[b] for b in basis] for p, _ in points], [v for _, v in points])
+    return None if coefficients is None or any(c < 0 for c in coefficients) else coefficients
+
+
+def _held_out_miss(basis: tuple[str, ...], points: Sequence[tuple[Shape, float]]) -> Optional[float]:
+    """Mean relative miss at each point of ``basis`` fitted to the others; None where a fit fails."""
+    misses = []
+    for i, (shape, value) in enumerate(points):
+        coefficients = _fit_basis(basis, [q for j, q in enumerate(points) if j != i])
+        if coefficients is None:
+            return None
+        misses.append(abs(_Model(basis, tuple(coefficients)).at(shape) - value) / value)
+    return sum(misses) / len(misses)
 
 
 class _RegionFit:
@@ -226,7 +276,7 @@ class _RegionFit:
         self.fields = {
             f: FieldFit(BYTE_TOLERANCE, COUNT_BASES if f in _COUNT_FIELDS else BYTE_BASES) for f in _BYTE_FIELDS
         }
-        self.fields.update({f: FieldFit(TIME_TOLERANCE, TIME_BASES) for f in _TIME_FIELDS})
+        self.fields.update({f: FieldFit(TIME_TOLERANCE, TIME_BASES, cross_validate=True) for f in _TIME_FIELDS})
         self.ratios: dict[str, list[tuple[Shape, float]]] = {f: [] for f in _PRIMARY}
 
     def add(self, shape: Shape, profile: RegionProfile, *, times: bool) -> None:
@@ -317,7 +367,7 @@ class ProfileFit:
     def __init__(self, names: Sequence[str]) -> None:
         self.names = tuple(names)
         self._regions = [_RegionFit(name) for name in names]
-        self._other = FieldFit(TIME_TOLERANCE, TIME_BASES)
+        self._other = FieldFit(TIME_TOLERANCE, TIME_BASES, cross_validate=True)
         self.measured: list[Shape] = []
         """Shapes whose whole profiles were measured (not only their sizes), oldest first, bounded."""
 
