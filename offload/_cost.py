@@ -60,7 +60,7 @@ class MachineProfile:
     ``offload.probe()`` reads it at the time of the call: the whole cores of the process's CPU
     affinity (physical cores where the host has hardware threads; no more than a cgroup CPU quota)
     less ``torch.get_num_threads()``. Ignored on CUDA, where a copy engine moves the bytes. As on
-    CUDA, the planner does not model the waits a budget smaller than the copies in flight forces."""
+    CUDA, copies in flight count against the budget (``_planner``'s timeline)."""
 
     def without_host_costs(self) -> MachineProfile:
         """This profile with the engine's host costs (``held_tensor_overhead_us``,

@@ -71,10 +71,12 @@ Assumptions, all of them:
   the budget, handing each to autograd as it is unpacked. Working
   memory of the region being run (its forward's temporaries, a recomputed or reloaded region's
   tensors during its own backward) is not counted: it exists with or without the engine. The
-  time model above ignores the stalls a tiny budget forces on streamed copies: copies in flight
-  count against the budget, so where the room left under it is smaller than what the link has
-  queued, the compute waits for the oldest copy (at budget 0, for every one), on a GPU and on a
-  CPU with a core spare alike. The offload trial's calibration absorbs part of it in one scale.
+  engine counts copies in flight against the budget, and so does the time model: where the
+  room the budget leaves beside what the kept regions hold is smaller than what the out-link has
+  queued, the compute waits at the end of the region's forward until the queue fits the room (at
+  budget 0, for every copy: the serial timeline); in backward a reload reads ahead only into the
+  room left, and the rest of it is waited for as backward asks for it. On a GPU and on a CPU with
+  a core spare alike; a CPU without one is serial anyway.
   Where a free and an allocation fall at the same instant the free goes first. So the peak
   never drops below the largest region: its own backward needs all of its bytes.
 
@@ -396,7 +398,10 @@ class _Timeline:
 
 
 def _run_timeline(
-    regions: Sequence[RegionProfile], decisions: Sequence[Decision], machine: MachineProfile
+    regions: Sequence[RegionProfile],
+    decisions: Sequence[Decision],
+    machine: MachineProfile,
+    budget_bytes: int | None = None,
 ) -> _Timeline:
     if len(decisions) != len(regions):
         raise ValueError(f"got {len(decisions)} decisions for {len(regions)} regions; pass one per region")
@@ -431,10 +436,13 @@ def _run_timeline(
     out_link_free_ms = 0.0
     footprints = [footprint(region, decision) for region, decision in zip(regions, decisions, strict=True)]
     host = [host_ms(region, decision, machine) for region, decision in zip(regions, decisions, strict=True)]
+    held_bytes = 0  # what the kept regions hold so far: the room for copies in flight is the rest of the budget
+    queued_bytes = 0  # bytes put on the out-link so far
     for i, (region, decision) in enumerate(zip(regions, decisions, strict=True)):
         now_ms += region.forward_ms + host[i][0]
         exposed_ms[i] += host[i][0]
         fp = footprints[i]
+        held_bytes += fp.resident_bytes
         if decision in MOVES_BYTES:
             overhead_ms = overhead_ms_per_tensor * fp.moved_tensors
             now_ms += overhead_ms
@@ -447,6 +455,15 @@ def _run_timeline(
             else:
                 copy_start_ms = max(now_ms, out_link_free_ms)
                 out_link_free_ms = copy_landed_ms[i] = copy_start_ms + out_ms
+                queued_bytes += fp.moved_bytes
+                if budget_bytes is not None:  # copies in flight count against the budget
+                    room_bytes = max(0, budget_bytes - held_bytes)
+                    # the compute waits until what is still queued fits the room: the out-link has
+                    # written all but ``room_bytes`` of the queue, the newest copy last
+                    drained_ms = out_link_free_ms - _link_ms(min(room_bytes, queued_bytes), out_gb_per_s)
+                    if drained_ms > now_ms:
+                        exposed_ms[i] += drained_ms - now_ms
+                        now_ms = drained_ms
         if decision is not Decision.OFFLOAD:
             events.append((now_ms, _ALLOCATE, fp.resident_bytes))
 
@@ -457,10 +474,16 @@ def _run_timeline(
         needed_ms = now_ms
         start_ms = needed_ms
         fp = footprints[i]
+        held_bytes -= fp.resident_bytes  # region i's own inputs are held until its backward ends: counted below
         if decision in MOVES_BYTES:
-            back_ms = _link_ms(fp.moved_bytes, back_gb_per_s)
+            ahead_bytes = fp.moved_bytes  # what may be read back before its backward needs it
+            if not serial and budget_bytes is not None:
+                ahead_bytes = min(fp.moved_bytes, max(0, budget_bytes - held_bytes - fp.resident_bytes))
+            back_ms = _link_ms(ahead_bytes, back_gb_per_s)
             issue_ms = needed_ms if serial else max(copy_landed_ms[i], prefetch_floor_ms, needed_ms - back_ms)
             start_ms = max(needed_ms, issue_ms + back_ms)
+            # the rest is read as backward asks for it, each read a wait
+            start_ms += _link_ms(fp.moved_bytes - ahead_bytes, back_gb_per_s)
             exposed_ms[i] += start_ms - needed_ms
             prefetch_floor_ms = start_ms
         rerun_ms = fp.rerun_ms + host[i][1]
@@ -479,13 +502,18 @@ def _run_timeline(
 
 
 def simulate(
-    regions: Sequence[RegionProfile], decisions: Sequence[Decision], machine: MachineProfile
+    regions: Sequence[RegionProfile],
+    decisions: Sequence[Decision],
+    machine: MachineProfile,
+    budget_bytes: int | None = None,
 ) -> tuple[float, int]:
-    """(step_ms, peak_bytes) of one training step under ``decisions``, per the module docstring.
+    """(step_ms, peak_bytes) of one training step under ``decisions``, per the module docstring;
+    with ``budget_bytes``, the compute waits where copies in flight would not fit in the room the
+    budget leaves.
 
     Raises ``ValueError`` for an OFFLOAD over an unusable (0 GB/s) link.
     """
-    timeline = _run_timeline(regions, decisions, machine)
+    timeline = _run_timeline(regions, decisions, machine, budget_bytes)
     return timeline.step_ms, timeline.peak_bytes
 
 
@@ -510,7 +538,10 @@ def scale_link(machine: MachineProfile, scale: float) -> MachineProfile:
 
 
 def calibrate_link(
-    regions: Sequence[RegionProfile], machine: MachineProfile, offload_exposed_ms: float
+    regions: Sequence[RegionProfile],
+    machine: MachineProfile,
+    offload_exposed_ms: float,
+    budget_bytes: int | None = None,
 ) -> tuple[MachineProfile, float]:
     """(machine, scale): ``machine`` with its transfer costs scaled by one factor so that moving
     every region costs ``offload_exposed_ms`` more than keeping every region, as measured on a
@@ -519,10 +550,11 @@ def calibrate_link(
     Why: the probe measures the link alone (one large buffer, nothing else running), while a
     training step moves many tensors of many sizes while compute runs. On a CPU with no core to
     spare the spill threads and the compute share cores, and the same bytes cost more than the
-    probe predicts; under a tight budget the step also waits for copies the model lets overlap.
+    probe predicts.
     One factor keeps the model's shape (what hides
     behind what, bytes and per-tensor costs in proportion) and fixes its level from a measured
     step. The scale is clamped to [1e-3, 1e3]; an unusable link is returned unchanged.
+    ``budget_bytes``: the budget the step ran under (its copies in flight counted against it).
     """
     if not math.isfinite(offload_exposed_ms):
         raise ValueError(f"offload_exposed_ms must be finite, got {offload_exposed_ms!r}")
@@ -533,7 +565,7 @@ def calibrate_link(
     offload_all = coerce(regions, (Decision.OFFLOAD,) * len(regions))
 
     def exposed_ms(scale: float) -> float:
-        return _run_timeline(regions, offload_all, scale_link(machine, scale)).step_ms - keep_ms
+        return _run_timeline(regions, offload_all, scale_link(machine, scale), budget_bytes).step_ms - keep_ms
 
     low, high = _SCALE_RANGE
     if offload_exposed_ms <= exposed_ms(low):
@@ -588,7 +620,7 @@ def build_plan(
     policy_name: str,
     other_ms: float = 0.0,
 ) -> Plan:
-    timeline = _run_timeline(regions, decisions, machine)
+    timeline = _run_timeline(regions, decisions, machine, budget_bytes)
     region_plans = []
     for region, decision, exposed_ms in zip(regions, decisions, timeline.exposed_ms, strict=True):
         fp = footprint(region, decision)

@@ -267,7 +267,7 @@ class _Search:
     def cost(self, decisions: tuple[Decision, ...]) -> tuple[float, int]:
         """(step_ms, peak_bytes), simulated once per distinct assignment."""
         if decisions not in self._costs:
-            self._costs[decisions] = simulate(self._regions, decisions, self._machine)
+            self._costs[decisions] = simulate(self._regions, decisions, self._machine, self._budget_bytes)
         return self._costs[decisions]
 
     def fits(self, decisions: tuple[Decision, ...]) -> bool:

@@ -487,7 +487,8 @@ class Profiler:
             # shape, scaled by the regions' own time there.
             keep_span_ms = trial.span_ms - sum(r.recompute_ms for r in trial.profiles)
             keep_span_ms *= _regions_ms(timed) / max(_regions_ms(trial.profiles), 1e-9)
-            _, scale = calibrate_link(timed, self._machine(), measured.span_ms - keep_span_ms)
+            budget = self._session.budget_in_force()
+            _, scale = calibrate_link(timed, self._machine(), measured.span_ms - keep_span_ms, budget)
             self._accept_calibration(fam, scale)
         return self._entry(timed, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
 

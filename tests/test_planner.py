@@ -421,6 +421,27 @@ def test_spill_hides_behind_compute_only_where_cores_are_spare():
             make_plan(regions, dataclasses.replace(shared, spare_cores=bad), 0, policy="offload")
 
 
+def test_copies_in_flight_wait_for_room_under_the_budget():
+    """The engine counts a copy in flight against the budget: where the room left is smaller than
+    what the link has queued, the compute waits for it, and a reload reads ahead only into the
+    room, the rest on demand. At budget 0 every copy is waited for: a copy engine's timeline is
+    then the CPU's serial one; with room for everything it is the unbudgeted one."""
+    regions = [dataclasses.replace(r, backward_ms=10.0) for r in uniform_regions(4, forward_ms=5.0)]
+    engine = cuda_machine(20.0)  # 100 MB: 5 ms each way
+    serial = cpu_machine(write=20.0, read=20.0, overhead_us=0.0)
+    offload_all = (OFFLOAD,) * 4
+    keep_ms = simulate(regions, (KEEP,) * 4, engine)[0]
+    steps = {budget: simulate(regions, offload_all, engine, budget)[0] - keep_ms for budget in (0, 50 * MB, 400 * MB)}
+    assert steps[0] == pytest.approx(simulate(regions, offload_all, serial)[0] - keep_ms) == pytest.approx(40.0)
+    assert steps[400 * MB] == pytest.approx(simulate(regions, offload_all, engine)[0] - keep_ms) == pytest.approx(10.0)
+    # half a region of room: each forward waits for half its copy and each backward reads half on
+    # demand (2.5 ms each); the last region's reload also waits for its copy out to land and for
+    # the half it reads ahead (2.5 + 2.5 ms more), as without a budget its reload is exposed too
+    assert steps[50 * MB] == pytest.approx(4 * 2.5 + 4 * 2.5 + 5.0)
+    plan = make_plan(regions, engine, 0, policy="offload")
+    assert plan.predicted_overhead_ms == pytest.approx(40.0), "the plan prices its own budget"
+
+
 def test_scale_link_scales_every_transfer_cost():
     machine = cpu_machine()
     regions = uniform_regions(4)
@@ -450,15 +471,15 @@ def test_calibrate_link_reproduces_the_measured_offload_cost(machine, target_fac
     every region, and so does the plan made with it."""
     regions = [dataclasses.replace(r, backward_ms=10.0) for r in uniform_regions(4, forward_ms=5.0)]
     keep_ms = simulate(regions, (KEEP,) * 4, machine)[0]
-    probe_exposed = simulate(regions, (OFFLOAD,) * 4, machine)[0] - keep_ms
+    probe_exposed = simulate(regions, (OFFLOAD,) * 4, machine, 0)[0] - keep_ms
     assert probe_exposed > 0
     measured = target_factor * probe_exposed
-    calibrated, scale = calibrate_link(regions, machine, measured)
-    assert simulate(regions, (OFFLOAD,) * 4, calibrated)[0] - keep_ms == pytest.approx(measured, rel=1e-6)
+    calibrated, scale = calibrate_link(regions, machine, measured, budget_bytes=0)
+    assert simulate(regions, (OFFLOAD,) * 4, calibrated, 0)[0] - keep_ms == pytest.approx(measured, rel=1e-6)
     plan = make_plan(regions, calibrated, budget_bytes=0, policy="offload")
     assert plan.predicted_step_ms - plan.baseline_step_ms == pytest.approx(measured, rel=1e-6)
-    if machine.device_type == "cpu" and not machine.spare_cores:  # serial: exposed time is linear in the scale
-        assert scale == pytest.approx(target_factor, rel=1e-6)
+    # at budget 0 every copy is waited for, on any link: exposed time is linear in the scale
+    assert scale == pytest.approx(target_factor, rel=1e-6)
 
 
 def test_calibrate_link_clamps_and_leaves_an_unusable_link_alone():

@@ -196,9 +196,9 @@ def test_auto_finds_the_fastest_assignment_that_fits_three_regions(gb_per_s, bud
     plan = make_plan(profiles, machine, budget, AutoPolicy(stable_margin=0))  # the search alone
     default = make_plan(profiles, machine, budget, "auto")  # rule 6: within its margin of the fastest
     fitting = [
-        simulate(profiles, d, machine)[0]
+        simulate(profiles, d, machine, budget)[0]
         for d in itertools.product(ALL, repeat=3)
-        if simulate(profiles, d, machine)[1] <= budget
+        if simulate(profiles, d, machine, budget)[1] <= budget
     ]
     assert fitting, "every budget here fits something (the test's premise)"
     assert plan.fits_budget, str(plan)
