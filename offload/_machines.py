@@ -138,23 +138,18 @@ class Machine:
         The planner's timeline runs copies out in the forward and reloads in the backward, each
         direction mostly alone, so it gets the one-direction figures."""
         out_gb_per_s, back_gb_per_s, _ = self.achieved_link_gb_per_s()
-        host_us = {
-            "per_tensor_overhead_us": self.assumptions.per_tensor_overhead_us,
-            "held_tensor_overhead_us": self.assumptions.held_tensor_overhead_us,
-            "dispatch_overhead_us": self.assumptions.dispatch_overhead_us,
-        }
-        if self.device_type == "cpu":
-            return MachineProfile(
-                device_type="cpu",
-                device_name=self.name,
-                disk_write_gb_per_s=out_gb_per_s,
-                disk_read_gb_per_s=back_gb_per_s,
-                spare_cores=self.spare_cores,
-                **host_us,
-            )
-        return MachineProfile(
-            device_type="cuda", device_name=self.name, d2h_gb_per_s=out_gb_per_s, h2d_gb_per_s=back_gb_per_s, **host_us
+        host = MachineProfile(
+            device_type=self.device_type,
+            device_name=self.name,
+            per_tensor_overhead_us=self.assumptions.per_tensor_overhead_us,
+            held_tensor_overhead_us=self.assumptions.held_tensor_overhead_us,
+            dispatch_overhead_us=self.assumptions.dispatch_overhead_us,
         )
+        if self.device_type == "cpu":
+            return dataclasses.replace(
+                host, disk_write_gb_per_s=out_gb_per_s, disk_read_gb_per_s=back_gb_per_s, spare_cores=self.spare_cores
+            )
+        return dataclasses.replace(host, d2h_gb_per_s=out_gb_per_s, h2d_gb_per_s=back_gb_per_s)
 
     def with_assumptions(self, **changes: float) -> Machine:
         """This machine with some assumptions replaced, e.g. ``flops_fraction=0.45``."""
