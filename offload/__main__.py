@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._cost import MB, MachineProfile
+from ._cost import MB, MachineProfile, spill_where
 from ._errors import OffloadError
 from ._machines import machine_names
 from ._predict import POLICIES, Prediction, predict, write_plot
@@ -89,7 +89,7 @@ def _spare_cores_row(profile: MachineProfile) -> list[tuple[str, str]]:
     """The CPU's spare cores (``MachineProfile.spare_cores``) and what the planner makes of them."""
     if profile.device_type != "cpu":
         return []
-    where = "spill beside the compute" if profile.spare_cores else "spill on the compute's cores"
+    where = spill_where(profile.spare_cores)
     return [("spare cores", f"{profile.spare_cores:8d}     ({where})")]
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "FreeMemory",
     "default_free_memory",
     "device_free_bytes",
+    "cgroups_of",
     "memory_cgroups",
     "replan_needed",
 ]
@@ -125,9 +126,11 @@ _NO_LIMIT = 1 << 60
 """cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; anything above this is no limit."""
 
 
-def memory_cgroups(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = _CGROUP_ROOT) -> tuple[Path, ...]:
-    """The directories of this process's memory cgroup and its ancestors (v2, or v1's memory
-    controller), each of which may set a limit; () where there are none (not Linux)."""
+def cgroups_of(
+    controller: str, proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = _CGROUP_ROOT
+) -> tuple[tuple[Path, bool], ...]:
+    """(directory, is v2) of this process's cgroup and each ancestor, for ``controller`` ("memory",
+    "cpu"): the v2 hierarchy, and v1's mount of that controller; () where there is none (not Linux)."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -136,19 +139,26 @@ def memory_cgroups(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = _
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: "0::/path"
-            base = root
-        elif "memory" in controllers.split(","):  # v1: "4:memory:/path"
-            base = root / "memory"
+            base, v2 = root, True
+        elif controller in controllers.split(","):  # v1: "4:memory:/path", "3:cpu,cpuacct:/path"
+            base, v2 = root / ("memory" if controller == "memory" else controllers), False
         else:
             continue
         here = base / path.lstrip("/")
         if not here.is_dir():  # a cgroup namespace mounts the process's own group at the root
             here = base
         while True:
-            found.append(here)
+            found.append((here, v2))
             if here == base:
                 break
             here = here.parent
+    return tuple(found)
+
+
+def memory_cgroups(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = _CGROUP_ROOT) -> tuple[Path, ...]:
+    """The directories of this process's memory cgroup and its ancestors (v2, or v1's memory
+    controller), each of which may set a limit; () where there are none (not Linux)."""
+    found = [d for d, _ in cgroups_of("memory", proc_cgroup, root)]
     return tuple(d for d in found if (d / "memory.max").exists() or (d / "memory.limit_in_bytes").exists())
 
 

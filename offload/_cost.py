@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["MB", "MachineProfile", "RegionProfile", "Scope"]
+__all__ = ["MB", "MachineProfile", "RegionProfile", "Scope", "spill_where"]
 
 MB = 1 << 20
 """Bytes in one MB as the API counts it (MiB, like ``torch.cuda.memory_allocated`` tables): ``budget_mb``,
@@ -73,6 +73,12 @@ class MachineProfile:
         if self.device_type == "cuda":
             return self.d2h_gb_per_s, self.h2d_gb_per_s
         return self.disk_write_gb_per_s, self.disk_read_gb_per_s
+
+
+def spill_where(spare_cores: int) -> str:
+    """Where a CPU's spill runs with ``spare_cores`` (``MachineProfile.spare_cores``), in words:
+    the timeline the planner prices it on."""
+    return "spill beside the compute" if spare_cores else "spill on the compute's cores"
 
 
 class Scope(enum.Enum):

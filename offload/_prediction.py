@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ._cost import MB, RegionProfile
+from ._cost import MB, RegionProfile, spill_where
 from ._machines import Machine
 from ._planner import Plan
 from ._predict_count import RegionCount
@@ -80,9 +80,7 @@ class Prediction:
         m = self.machine
         spill = ""
         if m.device_type == "cpu":  # which timeline the planner used (MachineProfile.spare_cores)
-            spill = f"; {m.spare_cores} spare core(s), the spill " + (
-                "beside the compute" if m.spare_cores else "on the compute's cores"
-            )
+            spill = f"; {m.spare_cores} spare core(s), the {spill_where(m.spare_cores)}"
         lines = [
             f"prediction for {m.name}: {m.achieved_flops() / 1e12:,.2f} TFLOP/s, "
             f"{m.achieved_memory_gb_per_s():,.1f} GB/s memory, link {m.achieved_link_gb_per_s()[0]:,.2f} GB/s "

@@ -63,6 +63,7 @@ import numpy as np
 import psutil
 import torch
 
+from ._budget import cgroups_of
 from ._config import Config, parse_device
 from ._cost import MB, MachineProfile
 from ._session import Session
@@ -183,7 +184,8 @@ def probe_report(
 
     device_name = _device_name(device)
     host = platform.node()
-    link_key = _link_key(device, spill_dir)
+    cores = usable_cores() if device.type == "cpu" else 0
+    link_key = _link_key(device, spill_dir, cores)
     disk_key = f"{host}|{spill_dir}"
 
     cache = {} if refresh else _read_cache(cache_file)
@@ -228,7 +230,7 @@ def probe_report(
     else:
         log.debug("probe: using cached figures from %s", cache_file)
 
-    spare = spare_cores() if device.type == "cpu" else 0
+    spare = max(0, cores - torch.get_num_threads()) if device.type == "cpu" else 0
     profile = MachineProfile(device_type=device.type, device_name=device_name, spare_cores=spare, **link, **disk)
     return ProbeReport(profile, link_figures, disk_figures, cache_file)
 
@@ -259,27 +261,7 @@ def usable_cores(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Pat
 def cpu_quota(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """CPUs the tightest CPU quota of this process's cgroup and its ancestors allows (v2 ``cpu.max``,
     v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``); None where none is set or none can be read."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    quotas = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            base, v2 = root, True
-        elif "cpu" in controllers.split(","):
-            base, v2 = root / controllers, False
-        else:
-            continue
-        here = base / path.lstrip("/")
-        if not here.is_dir():
-            here = base
-        while True:
-            quotas.append(_quota_of(here, v2))
-            if here == base:
-                break
-            here = here.parent
+    quotas = [_quota_of(group, v2) for group, v2 in cgroups_of("cpu", proc_cgroup, root)]
     set_quotas = [q for q in quotas if q is not None]
     return min(set_quotas) if set_quotas else None
 
@@ -302,10 +284,11 @@ def _now() -> str:
 def machine_key(device: str | torch.device | None = None, spill_dir: str | os.PathLike[str] | None = None) -> str:
     """The key the probe's cached link figures are filed under: host, device, torch version,
     spill directory and intra-op threads (``offload._plan_cache`` files plans under it too)."""
-    return _link_key(_resolve_device(device), _resolve_spill_dir(spill_dir))
+    resolved = _resolve_device(device)
+    return _link_key(resolved, _resolve_spill_dir(spill_dir), usable_cores() if resolved.type == "cpu" else 0)
 
 
-def _link_key(device: torch.device, spill_dir: str) -> str:
+def _link_key(device: torch.device, spill_dir: str, cores: int) -> str:
     # The per-tensor overhead is measured through the tier behind the device, which on the CPU is
     # the spill directory: the link key names it too, and the intra-op thread count, since torch's
     # spinning pool competes with the spill threads for the same cores.
@@ -313,8 +296,8 @@ def _link_key(device: torch.device, spill_dir: str) -> str:
     # has spare ones its spill threads run on, which changes what a plan made here costs.
     host = platform.node()
     threads = torch.get_num_threads()
-    cores = f"|cores {usable_cores()}" if device.type == "cpu" else ""
-    return f"{host}|{device.type}:{_device_name(device)}|torch {torch.__version__}|{spill_dir}|threads {threads}{cores}"
+    key = f"{host}|{device.type}:{_device_name(device)}|torch {torch.__version__}|{spill_dir}|threads {threads}"
+    return key + (f"|cores {cores}" if device.type == "cpu" else "")
 
 
 def default_cache_path() -> Path:
