@@ -3,7 +3,7 @@ against measured profiles, and auto against the best fixed policy in the same lo
 
     python bench/shapes.py leak    [--steps-per-shape 4]
     python bench/shapes.py soak    [--steps 500]
-    python bench/shapes.py derive  [--shapes 12]
+    python bench/shapes.py derive  [--shapes 12] [--rounds 5]
     python bench/shapes.py pair    [--rounds 5]
     python bench/shapes.py fixed   [--rounds 5]
     python bench/shapes.py curve   [--rounds 5]
@@ -22,7 +22,8 @@ soak    Hugging Face's Trainer on a tiny Llama (4 layers, width 256) with a padd
 derive  MiniGPT and the tiny Llama: an engine trained over a few lengths plans lengths it never
         measured from its fit; a fresh engine profiling each of those lengths measures them. Saved
         bytes and forward ms per region, and the derived plan's predicted step against steps timed
-        under it.
+        under it. Each round trains a new engine and takes every length at once (rotated order),
+        so both sides of a length come from the same minute; medians over the rounds.
 pair    The dynamic-padding loop on MiniGPT under "auto" and under each fixed policy at the same
         budget, after their profiling, interleaved round by round (A B C D, A B C D, ...): step time
         of auto over the best fixed policy, the median of per-round ratios.
@@ -71,10 +72,8 @@ from offload.bench.padding import Ragged, pad_to_longest  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402
 
 MB = 1 << 20
-STEPS_UNDER_PLAN = 5
-"""derive: steps timed under each derived plan (the first, which allocates the new shape, left out)."""
-FRESH_ENGINES = 3
-"""derive: fresh engines that measure each shape (a profiling step is one sample of a noisy clock)."""
+STEPS_UNDER_PLAN = 3
+"""derive: steps under each derived plan per round (the first, which allocates the new shape, not timed)."""
 
 
 def rest_rss() -> int:
@@ -378,7 +377,7 @@ def part_derive(args: argparse.Namespace) -> dict:
         ("minigpt", lambda: minigpt(layers=4), _gpt_step_fn(4), [256, 256, 256, 128, 384, 512], _between(args.shapes)),
         ("llama", tiny_llama, _llama_step_fn(4), [256, 256, 256, 128, 384, 512], _between(args.shapes)),
     ):
-        results[model_name] = _derive_one(make, step, train_lengths, test_lengths)
+        results[model_name] = _derive_one(make, step, train_lengths, test_lengths, args.rounds)
     rows = []
     for model_name, r in results.items():
         rows.append(
@@ -429,59 +428,86 @@ def _llama_step_fn(batch: int) -> Callable:
     return step
 
 
-def _derive_one(make: Callable, step: Callable, train_lengths: list[int], test_lengths: list[int]) -> dict:
+def _derive_one(make: Callable, step: Callable, train_lengths: list[int], test_lengths: list[int], rounds: int) -> dict:
+    """Each round trains a new engine on ``train_lengths`` and at once, in a rotated order, takes
+    every test length: its derived plan, steps timed under it and a fresh engine's profiling of
+    it. Derived and measured sides of a length come from the same minute; each is the median
+    over the rounds, so neither a slow minute of the machine nor one noisy profiling step decides."""
     model = make()
     budget_mb = 8
-    eng = offload.engine(budget_mb, regions="auto", model=model)
-    for i, seq in enumerate(train_lengths):
-        step(model, seq, i, eng)
-    shapes = []
-    for j, seq in enumerate(test_lengths):
-        times = []
-        for k in range(STEPS_UNDER_PLAN):
-            start = time.perf_counter()
-            step(model, seq, 100 + STEPS_UNDER_PLAN * j + k, eng)
-            times.append((time.perf_counter() - start) * 1e3)
-        plan = eng.plan
-        assert plan is not None
-        trials = []  # one profiling step is one sample: the measured side is the median of several
-        for r in range(FRESH_ENGINES):
+    samples: dict[int, list[dict]] = {seq: [] for seq in test_lengths}
+    for r in range(rounds):
+        eng = offload.engine(budget_mb, regions="auto", model=model)
+        for i, seq in enumerate(train_lengths):
+            step(model, seq, 1000 * r + i, eng)
+        shift = r * len(test_lengths) // max(1, rounds)
+        for j, seq in enumerate(test_lengths[shift:] + test_lengths[:shift]):
+            times = []
+            for k in range(STEPS_UNDER_PLAN):
+                start = time.perf_counter()
+                step(model, seq, 1000 * r + 100 + STEPS_UNDER_PLAN * j + k, eng)
+                times.append((time.perf_counter() - start) * 1e3)
+            plan = eng.plan
+            assert plan is not None
             fresh = offload.engine(budget_mb, regions="auto", model=model)
             for k in range(3):  # "measure", "recompute", "offload"
-                step(model, seq, 500 + 3 * r + k, fresh)
-            trials.append(next(p for p in fresh.profiled_steps if p.stage == "recompute").regions)
+                step(model, seq, 1000 * r + 500 + 3 * j + k, fresh)
+            measured = next(p for p in fresh.profiled_steps if p.stage == "recompute").regions
             fresh.close()
-        saved = [trials[0][i].saved_bytes for i in range(len(plan.regions))]
-        forward = [statistics.median(t[i].forward_ms for t in trials) for i in range(len(plan.regions))]
-        bytes_miss = max(abs(d.saved_bytes - m) / m for d, m in zip(plan.regions, saved, strict=True))
-        forward_miss = [abs(d.forward_ms - m) / m for d, m in zip(plan.regions, forward, strict=True)]
-        step_ms = median(times[1:])  # the first pays the new shape's allocations
-        shapes.append(
-            {
-                "seq": seq,
-                "origin": plan.origin,
-                "decisions": [d.value for d in plan.decisions],
-                "bytes_miss": bytes_miss,
-                "forward_ms_derived": [d.forward_ms for d in plan.regions],
-                "forward_ms_measured": forward,
-                "forward_miss_median": statistics.median(forward_miss),
-                "forward_miss_worst": max(forward_miss),
-                "predicted_step_ms": plan.predicted_step_ms,
-                "measured_step_ms": step_ms,
-                "step_miss": abs(plan.predicted_step_ms - step_ms) / step_ms,
-            }
-        )
-    eng.close()
+            samples[seq].append(
+                {
+                    "origin": plan.origin,
+                    "decisions": [d.value for d in plan.decisions],
+                    "saved_derived": [d.saved_bytes for d in plan.regions],
+                    "saved_measured": [m.saved_bytes for m in measured],
+                    "forward_derived": [d.forward_ms for d in plan.regions],
+                    "forward_measured": [m.forward_ms for m in measured],
+                    "predicted_step_ms": plan.predicted_step_ms,
+                    "measured_step_ms": median(times[1:]),  # the first pays the new shape's allocations
+                }
+            )
+        eng.close()
+    shapes = [_derive_shape(seq, samples[seq]) for seq in test_lengths]
     return {
         "budget_mb": budget_mb,
         "trained_on": train_lengths,
+        "rounds": rounds,
         "shapes": shapes,
-        "derived": sum(s["origin"].startswith("derived") for s in shapes),
+        "derived": sum(all(o.startswith("derived") for o in s["origins"]) for s in shapes),
         "bytes_worst": max(s["bytes_miss"] for s in shapes),
         "forward_median": statistics.median(s["forward_miss_median"] for s in shapes),
         "forward_worst": max(s["forward_miss_worst"] for s in shapes),
         "step_median": statistics.median(s["step_miss"] for s in shapes),
         "step_worst": max(s["step_miss"] for s in shapes),
+    }
+
+
+def _derive_shape(seq: int, rounds: list[dict]) -> dict:
+    """One test length: per region, the median over the rounds of the derived and of the measured figures."""
+
+    def per_region(key: str) -> list[float]:
+        return [statistics.median(r[key][i] for r in rounds) for i in range(len(rounds[0][key]))]
+
+    saved_d, saved_m = per_region("saved_derived"), per_region("saved_measured")
+    forward_d, forward_m = per_region("forward_derived"), per_region("forward_measured")
+    predicted = statistics.median(r["predicted_step_ms"] for r in rounds)
+    measured = statistics.median(r["measured_step_ms"] for r in rounds)
+    forward_miss = [(d - m) / m for d, m in zip(forward_d, forward_m, strict=True)]
+    return {
+        "seq": seq,
+        "origins": [r["origin"] for r in rounds],
+        "decisions": [r["decisions"] for r in rounds],
+        "bytes_miss": max(abs(d - m) / m for d, m in zip(saved_d, saved_m, strict=True)),
+        "forward_ms_derived": forward_d,
+        "forward_ms_measured": forward_m,
+        "forward_signed_miss": forward_miss,
+        "forward_miss_median": statistics.median(abs(x) for x in forward_miss),
+        "forward_miss_worst": max(abs(x) for x in forward_miss),
+        "predicted_step_ms": predicted,
+        "measured_step_ms": measured,
+        "step_signed_miss": (predicted - measured) / measured,
+        "step_miss": abs(predicted - measured) / measured,
+        "per_round": rounds,
     }
 
 
@@ -638,7 +664,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps-per-shape", type=int, default=4)
     parser.add_argument("--steps", type=int, default=500, help="soak: optimizer steps")
     parser.add_argument("--shapes", type=int, default=12, help="derive: lengths never measured")
-    parser.add_argument("--rounds", type=int, default=5, help="pair, curve: interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="pair, curve, derive: interleaved rounds")
     parser.add_argument("--steps-per-round", type=int, default=6)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
