@@ -3,7 +3,8 @@
     python bench/predict.py [--rounds 5] [--models minigpt,llama] [--out bench/results]
 
 For MiniGPT (4 x 256, batch 4, seq 256) and a tiny Hugging Face Llama (4 x 256, batch 2, seq 256):
-``offload.predict(machine=measure_machine(offload.probe("cpu")))`` on a meta copy, then each policy
+``offload.predict(machine=measure_machine(offload.probe("cpu")))`` (the probe measured again, not read
+from the cache) on a meta copy, then each policy
 measured on a real copy of the same model, at 100/50/25/10 % of the predicted peak without the engine:
 
     saved bytes per region   predicted against the engine's own profile (its "measure" step)
@@ -19,8 +20,11 @@ under such an engine: its peak is what the engine sees (torch's frame holds the 
 itself, outside any hook). Both are predicted without the engine's host costs
 (``WITHOUT_ENGINE``); the engines plan without them, as their profiles are measured under their
 own hooks. After profiling, the configurations run interleaved, one step each per
-round; the medians are reported. Torch runs 1 thread by default (the cores are shared). A table,
-then one JSON line.
+round; the medians are reported. After each round the machine is measured again; the step is
+predicted a second time from the medians of those measurements ("machine between rounds"): the
+first prediction is what a user gets, the second tells the model's error from this VM's drift
+(its matmul rate, copy bandwidth and disk move 10-40 % over minutes). Torch runs 1 thread by
+default (the cores are shared). A table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
@@ -48,7 +53,7 @@ import torch.utils.checkpoint  # noqa: E402
 import gpu_summary  # noqa: E402
 import offload  # noqa: E402
 from hf_models import tiny_llama  # noqa: E402
-from offload._machines import MACHINES  # noqa: E402
+from offload._machines import MACHINES, Machine  # noqa: E402
 from offload._planner import Plan  # noqa: E402
 from offload._policy import make_plan  # noqa: E402
 from offload._predict import POLICIES, WITHOUT_ENGINE, held_bytes, measure_machine, predict  # noqa: E402
@@ -153,16 +158,86 @@ def _miss(predicted: float, measured: float) -> Optional[float]:
     return None if not measured else (predicted - measured) / measured
 
 
-def one_model(name: str, rounds: int, machine) -> dict:
-    model, step, (args, kwargs) = MODELS[name]()
-    started = time.perf_counter()
+def measure_now(cache: Path) -> Machine:
+    """This CPU as it is now: the probe measured again (``refresh``, into a scratch ``cache`` that
+    leaves the user's alone) and ``measure_machine``'s compute and host figures."""
+    return measure_machine(offload.probe("cpu", refresh=True, cache_path=cache))
+
+
+def median_machine(machines: list[Machine]) -> Machine:
+    """Each measured figure the median over ``machines`` (taken between the timed rounds)."""
+    first = machines[0]
+
+    def med(figure: Callable[[Machine], float]) -> float:
+        return statistics.median(figure(m) for m in machines)
+
+    a = first.assumptions
+    return dataclasses.replace(
+        first,
+        peak_flops=med(lambda m: m.peak_flops),
+        memory_gb_per_s=med(lambda m: m.memory_gb_per_s),
+        link_out_gb_per_s=med(lambda m: m.link_out_gb_per_s),
+        link_back_gb_per_s=med(lambda m: m.link_back_gb_per_s),
+        link_both_gb_per_s=med(lambda m: m.link_both_gb_per_s),
+        assumptions=dataclasses.replace(
+            a,
+            op_overhead_us=med(lambda m: m.assumptions.op_overhead_us),
+            per_tensor_overhead_us=med(lambda m: m.assumptions.per_tensor_overhead_us),
+            held_tensor_overhead_us=med(lambda m: m.assumptions.held_tensor_overhead_us),
+            dispatch_overhead_us=med(lambda m: m.assumptions.dispatch_overhead_us),
+        ),
+        source=f"{first.source}; medians of {len(machines)} measurements taken between the timed rounds",
+    )
+
+
+def machine_figures(m: Machine) -> dict:
+    return {
+        "flops": m.peak_flops,
+        "memory_gb_per_s": m.memory_gb_per_s,
+        "op_overhead_us": m.assumptions.op_overhead_us,
+        "link_out_gb_per_s": m.link_out_gb_per_s,
+        "link_back_gb_per_s": m.link_back_gb_per_s,
+        "per_tensor_overhead_us": m.assumptions.per_tensor_overhead_us,
+        "held_tensor_overhead_us": m.assumptions.held_tensor_overhead_us,
+        "dispatch_overhead_us": m.assumptions.dispatch_overhead_us,
+        "spare_cores": m.spare_cores,
+    }
+
+
+def planned(model: torch.nn.Module, args: tuple, kwargs: dict, machine: Machine) -> tuple[Any, int, list]:
+    """The prediction on ``machine``, the peak that keeps everything, and (label, policy, plan) for
+    every configuration the bench measures."""
     prediction = predict(
         model, *args, example_kwargs=kwargs, machine=machine, regions=blocks_of(model), budgets=FRACTIONS
     )
-    predict_s = time.perf_counter() - started
     link = machine.machine_profile()
+    profiles = prediction.profiles
+    keep_peak = make_plan(profiles, link, None, "none", other_ms=prediction.other_ms).predicted_peak_bytes
+    plans = []
+    for policy in POLICIES:
+        for fraction in FRACTIONS if policy in ("offload", "auto") else (None,):
+            budget = None if fraction is None else int(keep_peak * fraction)
+            plan = make_plan(
+                profiles,
+                link.without_host_costs() if policy in WITHOUT_ENGINE else link,
+                budget if policy in ("offload", "auto") else None,
+                {"checkpoint": "recompute"}.get(policy, policy),
+                other_ms=prediction.other_ms,
+            )
+            plans.append((policy if fraction is None else f"{policy} {fraction:.0%}", policy, plan))
+    return prediction, keep_peak, plans
+
+
+def one_model(name: str, rounds: int, machine: Machine, measure: Callable[[], Machine]) -> dict:
+    """``machine``: measured before the model is built; ``measure`` measures the machine again after
+    each round, and the medians of those give a second prediction, from the machine as it was while
+    the steps ran (this VM's speed moves by 10-40 % over minutes)."""
+    model, step, (args, kwargs) = MODELS[name]()
+    started = time.perf_counter()
+    prediction, keep_peak, plans = planned(model, args, kwargs, machine)
+    predict_s = time.perf_counter() - started
     # the engines plan from profiles measured under their own hooks: those times hold the host costs
-    engine_link = link.without_host_costs()
+    engine_link = machine.machine_profile().without_host_costs()
 
     # saved bytes per region: the engine's own measure step
     probe_engine = offload.engine(
@@ -189,32 +264,20 @@ def one_model(name: str, rounds: int, machine) -> dict:
             }
         )
 
-    profiles = prediction.profiles
-    keep_peak = make_plan(profiles, link, None, "none", other_ms=prediction.other_ms).predicted_peak_bytes
-    configs: list[Config] = []
-    for policy in POLICIES:
-        fractions = FRACTIONS if policy in ("offload", "auto") else (None,)
-        for fraction in fractions:
-            budget = None if fraction is None else int(keep_peak * fraction)
-            engine_policy = {"checkpoint": "recompute"}.get(policy, policy)
-            plan = make_plan(
-                profiles,
-                link.without_host_costs() if policy in WITHOUT_ENGINE else link,
-                budget if policy in ("offload", "auto") else None,
-                engine_policy,
-                other_ms=prediction.other_ms,
-            )
-            label = policy if fraction is None else f"{policy} {fraction:.0%}"
-            configs.append(Config(label, policy, plan, keep_peak, model, step, engine_link))
+    configs = [Config(label, policy, plan, keep_peak, model, step, engine_link) for label, policy, plan in plans]
     for c in configs:
         c.profile()
     plain = configs[0]  # "none": its time is the model without any engine
+    machines = []
     for _ in range(rounds):
         for c in configs:
             c.run(timed=True, with_engine=c is not plain)
         plain.run(timed=False)  # and once with its engine, for the peak
+        machines.append(measure())
+    during = median_machine(machines)
+    _, _, plans_during = planned(model, args, kwargs, during)
     rows = []
-    for c in configs:
+    for c, (_, _, plan_during) in zip(configs, plans_during, strict=True):
         stats = c.engine.stats if c.engine is not None else None
         measured_peak = stats.peak_resident_bytes if stats is not None else 0
         measured_ms = statistics.median(c.times_ms)
@@ -231,6 +294,9 @@ def one_model(name: str, rounds: int, machine) -> dict:
                 "predicted_step_ms": c.plan.predicted_step_ms,
                 "measured_step_ms": measured_ms,
                 "step_miss": _miss(c.plan.predicted_step_ms, measured_ms),
+                "plan_during": ", ".join(sorted({d.value for d in plan_during.decisions})),
+                "predicted_step_ms_during": plan_during.predicted_step_ms,
+                "step_miss_during": _miss(plan_during.predicted_step_ms, measured_ms),
                 "steps_timed": len(c.times_ms),
             }
         )
@@ -241,6 +307,7 @@ def one_model(name: str, rounds: int, machine) -> dict:
         "predict_s": predict_s,
         "forward_tflop": prediction.forward_flops / 1e12,
         "backward_tflop": prediction.backward_flops / 1e12,
+        "machine_during": machine_figures(during),
         "regions": region_rows,
         "configs": rows,
     }
@@ -250,16 +317,20 @@ def _pct(value: Optional[float]) -> str:
     return "-" if value is None else f"{100 * value:+.1f} %"
 
 
-def render(results: list[dict], env: dict, machine, load: str, markdown: bool) -> str:
-    lines = []
-    m = machine
-    lines.append(
-        f"machine (measured): {m.achieved_flops() / 1e9:,.1f} GFLOP/s fp32 matmul, {m.achieved_memory_gb_per_s():,.2f} "
-        f"GB/s copy, {m.assumptions.op_overhead_us:.1f} us per op, spill {m.link_out_gb_per_s:,.2f} / "
-        f"{m.link_back_gb_per_s:,.2f} GB/s, {m.assumptions.per_tensor_overhead_us:.1f} us per tensor moved, "
-        f"{m.assumptions.held_tensor_overhead_us:.1f} us per tensor held, "
-        f"{m.assumptions.dispatch_overhead_us:.1f} us per op under a dispatch mode"
+def machine_line(label: str, m: dict) -> str:
+    """One line of a machine's measured figures (``machine_figures``)."""
+    return (
+        f"{label}: {m['flops'] / 1e9:,.1f} GFLOP/s fp32 matmul, {m['memory_gb_per_s']:,.2f} GB/s copy, "
+        f"{m['op_overhead_us']:.1f} us per op, "
+        f"spill {m['link_out_gb_per_s']:,.2f} / {m['link_back_gb_per_s']:,.2f} GB/s, "
+        f"{m['per_tensor_overhead_us']:.1f} us per tensor moved, "
+        f"{m['held_tensor_overhead_us']:.1f} us per tensor held, "
+        f"{m['dispatch_overhead_us']:.1f} us per op under a dispatch mode, {m['spare_cores']} spare core(s)"
     )
+
+
+def render(results: list[dict], machine: dict, markdown: bool) -> str:
+    lines = [machine_line("machine measured before (the prediction)", machine)]
     for r in results:
         lines.append("")
         lines.append(f"{r['model']}: predicted in {r['predict_s']:.2f} s; saved bytes per region")
@@ -292,6 +363,8 @@ def render(results: list[dict], env: dict, machine, load: str, markdown: bool) -
                     "step ms pred",
                     "step ms meas",
                     "miss",
+                    "pred, machine between rounds",
+                    "miss",
                 ],
                 [
                     [
@@ -305,12 +378,16 @@ def render(results: list[dict], env: dict, machine, load: str, markdown: bool) -
                         f"{x['predicted_step_ms']:.1f}",
                         f"{x['measured_step_ms']:.1f}",
                         _pct(x["step_miss"]),
+                        f"{x['predicted_step_ms_during']:.1f}",
+                        _pct(x["step_miss_during"]),
                     ]
                     for x in r["configs"]
                 ],
                 markdown=markdown,
             )
         )
+        lines.append("")
+        lines.append(machine_line("machine between rounds (medians)", r["machine_during"]))
     return "\n".join(lines)
 
 
@@ -327,6 +404,9 @@ def verdict(results: list[dict]) -> dict:
                 x["peak_miss"] is not None and abs(x["peak_miss"]) <= TARGETS["peak"] for x in configs
             ),
             "step_within_25pct": sum(abs(x["step_miss"]) <= TARGETS["step"] for x in r["configs"]),
+            "step_within_25pct_machine_between_rounds": sum(
+                abs(x["step_miss_during"]) <= TARGETS["step"] for x in r["configs"]
+            ),
             "configs": len(r["configs"]),
         }
     return out
@@ -560,8 +640,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps([{k: r[k] for k in ("machine", "wall_s", "maxrss_mb")} for r in done["results"]]))
         return 0
     load_before = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
-    machine = measure_machine(offload.probe("cpu"))
-    results = [one_model(name, args.rounds, machine) for name in args.models.split(",")]
+    with tempfile.TemporaryDirectory() as scratch:
+        measure = functools.partial(measure_now, Path(scratch) / "probe.json")
+        machine = measure()
+        results = [one_model(name, args.rounds, machine, measure) for name in args.models.split(",")]
     load_after = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     env = environment(torch.device("cpu"))
     load = f"load average (1, 5, 15 min) before {' '.join(load_before)}, after {' '.join(load_after)}"
@@ -570,25 +652,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         "threads": torch.get_num_threads(),
         "load": load,
         "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-        "machine": {
-            "flops": machine.peak_flops,
-            "memory_gb_per_s": machine.memory_gb_per_s,
-            "op_overhead_us": machine.assumptions.op_overhead_us,
-            "link_out_gb_per_s": machine.link_out_gb_per_s,
-            "link_back_gb_per_s": machine.link_back_gb_per_s,
-            "per_tensor_overhead_us": machine.assumptions.per_tensor_overhead_us,
-            "held_tensor_overhead_us": machine.assumptions.held_tensor_overhead_us,
-            "dispatch_overhead_us": machine.assumptions.dispatch_overhead_us,
-        },
+        "machine": machine_figures(machine),
         "targets": TARGETS,
         "verdict": verdict(results),
         "results": results,
     }
     out = Path(args.out)
     write_json(out / "predict-cpu.json", payload)
-    text = render(results, env, machine, load, markdown=False)
+    text = render(results, payload["machine"], markdown=False)
     print(text)
-    md = render(results, env, machine, load, markdown=True)
+    md = render(results, payload["machine"], markdown=True)
     write_text(
         out / "predict-cpu.md",
         f"# offload.predict against measured runs, this CPU\n\n{describe_machine(env)}\n\n{load}\n\n{md}\n",
