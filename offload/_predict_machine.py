@@ -13,10 +13,23 @@ adds time):
 
 The link and per-tensor costs come from ``offload.probe()``'s ``MachineProfile``. A GPU's compute
 is not measured here: use a named machine for it.
+
+The best run of a lone matmul, copy and tiny op is what the CPU can do, not what a training step
+gets from it: a step's ops run on caches its other ops left cold, fault in freshly allocated
+pages, and share the core with the other hardware thread. On the 2-vCPU VM of
+``bench/results/predict-cpu.md`` the roofline from those figures priced a step without the
+engine 12-23 % fast in most runs, and a single slow matmul sample as much too slow. So
+``measure_machine`` also times one reference step, a small transformer stack (``_REFERENCE``: two
+``torch.nn.TransformerEncoderLayer`` of width 256, batch 4, sequence 256) forward and backward,
+median of ``_REFERENCE_STEPS``, and scales the compute by what the roofline missed there
+(``calibrate_compute``): FLOP/s and memory bandwidth by one factor, the op cost by its inverse.
+The microbenchmarks keep the proportions of the three; the timed step sets their level.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any, Optional
@@ -28,10 +41,11 @@ from ._config import DEFAULT_MIN_OFFLOAD_BYTES, Config
 from ._cost import MB, MachineProfile
 from ._machines import Machine, from_probe
 from ._predict_count import is_alias
+from ._predict_step import Attention, fake_step
 from ._probe import probe
 from ._session import Session
 
-__all__ = ["measure_machine"]
+__all__ = ["calibrate_compute", "measure_machine", "reference_step_ms"]
 
 _GB = 1e9
 _MATMUL_SIZE = 1024
@@ -41,6 +55,10 @@ _HELD_TENSORS = 1000
 """Saves in the chain that measures the engine's cost per saved tensor (each of
 ``DEFAULT_MIN_OFFLOAD_BYTES``, the least the store takes)."""
 _REPEATS = 5
+_REFERENCE = {"layers": 2, "width": 256, "heads": 4, "ffn": 1024, "batch": 4, "seq": 256}
+"""The reference step ``calibrate_compute`` times: a small transformer stack, the kind of step
+predicted (matmuls, attention, norms, elementwise ops, under autograd), ~10 GFLOP."""
+_REFERENCE_STEPS = 5
 
 
 class _CountOps(TorchDispatchMode):
@@ -125,14 +143,17 @@ def _dispatch_overhead_us() -> float:
     return max(0.0, (_best_s(under_mode) - _best_s(forward)) / max(1, counter.dispatches) * 1e6)
 
 
-def measure_machine(profile: Optional[MachineProfile] = None, *, dtype: torch.dtype = torch.float32) -> Machine:
+def measure_machine(
+    profile: Optional[MachineProfile] = None, *, dtype: torch.dtype = torch.float32, calibrate: bool = True
+) -> Machine:
     """This CPU as a ``Machine``: ``profile`` (default ``offload.probe("cpu")``) for the link and
     per-tensor cost; a timed ``_MATMUL_SIZE``² matmul in ``dtype``, a timed 64 MiB copy, and for
     the cost of one op a chain of ``_TINY_OPS`` one-element ops run forward and backward under
     autograd, over the ops it dispatched (a training step's op pays autograd's bookkeeping too;
     best of ``_REPEATS``); the engine's host costs per saved tensor (``_held_tensor_overhead_us``)
     and per op under a dispatch mode (``_dispatch_overhead_us``). CUDA machines are measured on
-    CUDA by the probe's link only: use a named machine for their compute."""
+    CUDA by the probe's link only: use a named machine for their compute. ``calibrate``: scale the
+    compute by a timed reference step (``calibrate_compute``; see the module docstring)."""
     profile = probe("cpu") if profile is None else profile
     if profile.device_type != "cpu":
         raise ValueError(
@@ -159,7 +180,7 @@ def measure_machine(profile: Optional[MachineProfile] = None, *, dtype: torch.dt
     matmul_s = _best_s(lambda: a @ a)
     copy_s = _best_s(lambda: dst.copy_(src))
     tiny_s = _best_s(chain)
-    return from_probe(
+    machine = from_probe(
         profile,
         flops=2 * _MATMUL_SIZE**3 / matmul_s,
         memory_gb_per_s=2 * _COPY_BYTES / copy_s / _GB,
@@ -167,4 +188,55 @@ def measure_machine(profile: Optional[MachineProfile] = None, *, dtype: torch.dt
         op_overhead_us=tiny_s / max(1, counter.ops) * 1e6,
         held_tensor_overhead_us=_held_tensor_overhead_us(),
         dispatch_overhead_us=_dispatch_overhead_us(),
+    )
+    return calibrate_compute(machine, dtype=dtype) if calibrate else machine
+
+
+def _reference() -> tuple[torch.nn.Module, torch.Tensor]:
+    r = _REFERENCE
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
+        torch.manual_seed(0)
+        layers = [
+            torch.nn.TransformerEncoderLayer(r["width"], r["heads"], r["ffn"], dropout=0.0, batch_first=True)
+            for _ in range(r["layers"])
+        ]
+        x = torch.randn(r["batch"], r["seq"], r["width"])
+    return torch.nn.Sequential(*layers), x
+
+
+def reference_step_ms(machine: Machine, *, dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(predicted, measured) ms of the reference step (``_REFERENCE``) on ``machine`` and on this
+    CPU: the roofline of its counted ops, and the median of ``_REFERENCE_STEPS`` timed steps."""
+    model, x = _reference()
+    model, x = model.to(dtype), x.to(dtype)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    step()  # warm-up: first calls pay for lazy setup
+    times = []
+    for _ in range(_REFERENCE_STEPS):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    run = fake_step(model, (x,), {}, machine, list(model), Attention.FUSED, None, DEFAULT_MIN_OFFLOAD_BYTES)
+    predicted_ms = sum(c.forward_ms + c.backward_ms for c in run.counts)
+    return predicted_ms, statistics.median(times) * 1e3
+
+
+def calibrate_compute(machine: Machine, *, dtype: torch.dtype = torch.float32) -> Machine:
+    """``machine`` with its compute scaled so that the roofline prices the reference step
+    (``reference_step_ms``) as long as it was measured here: FLOP/s and memory bandwidth times
+    ``factor``, the op cost over it, ``factor`` = predicted / measured. The microbenchmarks keep
+    the proportions of the three; the timed step sets their level."""
+    predicted_ms, measured_ms = reference_step_ms(machine, dtype=dtype)
+    factor = predicted_ms / measured_ms
+    op_overhead_us = machine.assumptions.op_overhead_us / factor
+    return dataclasses.replace(
+        machine,
+        peak_flops=machine.peak_flops * factor,
+        memory_gb_per_s=machine.memory_gb_per_s * factor,
+        assumptions=dataclasses.replace(machine.assumptions, op_overhead_us=op_overhead_us),
+        source=f"{machine.source}; compute x{factor:.2f}, from a timed reference step",
     )

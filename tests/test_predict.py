@@ -78,6 +78,7 @@ import offload  # noqa: E402
 from offload._cost import Scope  # noqa: E402
 from offload._errors import OffloadError  # noqa: E402
 from offload._predict import POLICIES, Attention, predict  # noqa: E402
+from offload._predict_machine import calibrate_compute, reference_step_ms  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402
 
 CPU = from_probe(
@@ -108,6 +109,24 @@ def _measured_profiles(model, x, y) -> tuple:
     step = eng.profiled_steps[-1]
     eng.close()
     return step.outside[:1] + step.regions + step.outside[1:]
+
+
+def test_measured_compute_is_scaled_to_a_timed_reference_step():
+    """A lone matmul's best run is not what a step gets from the CPU: the measured machine is
+    scaled so that the roofline prices a real, timed reference step as long as it took."""
+    for peak_flops, memory_gb_per_s, wrong in ((1e15, 1e5, "fast"), (1e7, 1e-2, "slow")):
+        machine = dataclasses.replace(CPU, peak_flops=peak_flops, memory_gb_per_s=memory_gb_per_s)
+        machine = machine.with_assumptions(op_overhead_us=0.0)
+        before, measured = reference_step_ms(machine)
+        assert (before < 0.01 * measured) if wrong == "fast" else (before > 100 * measured), (wrong, before, measured)
+        calibrated = calibrate_compute(machine)
+        factor = calibrated.peak_flops / machine.peak_flops
+        assert calibrated.memory_gb_per_s == pytest.approx(machine.memory_gb_per_s * factor)
+        assert calibrated.assumptions.flops_fraction == 1.0, "measured figures: the fractions stay 1"
+        assert "from a timed reference step" in calibrated.source
+        after, measured_again = reference_step_ms(calibrated)
+        assert after == pytest.approx(before / factor, rel=1e-6), "every term of the roofline scales by one factor"
+        assert 0.5 < after / measured_again < 2.0, (wrong, after, measured_again)  # the step timed again: noise
 
 
 def test_saved_bytes_per_region_equal_a_measured_cpu_run():
