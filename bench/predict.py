@@ -20,10 +20,11 @@ under such an engine: its peak is what the engine sees (torch's frame holds the 
 itself, outside any hook). Both are predicted without the engine's host costs
 (``WITHOUT_ENGINE``); the engines plan without them, as their profiles are measured under their
 own hooks. After profiling, the configurations run interleaved, one step each per
-round; the medians are reported. After each round the machine is measured again; the step is
-predicted a second time from the medians of those measurements ("machine between rounds"): the
-first prediction is what a user gets, the second tells the model's error from this VM's drift
-(its matmul rate, copy bandwidth and disk move 10-40 % over minutes). Torch runs 1 thread by
+round, in an order rotated by round; the medians are reported. After each round the machine is
+measured again; the step is predicted a second time from those measurements ("machine between
+rounds": the compute of the median one, the medians of the link and host costs): the first
+prediction is what a user gets, the second tells the model's error from this VM's drift (its
+compute, copy bandwidth and disk move 10-40 % over minutes). Torch runs 1 thread by
 default (the cores are shared). A table, then one JSON line.
 """
 
@@ -165,31 +166,31 @@ def measure_now(cache: Path) -> Machine:
 
 
 def median_machine(machines: list[Machine]) -> Machine:
-    """Each measured figure the median over ``machines`` (taken between the timed rounds)."""
+    """The machine measured between the timed rounds: the compute figures of the measurement with
+    the median FLOP/s (its FLOP/s, bandwidth and op cost share one calibration: taken apart, their
+    medians could mix measurements), and the medians of the link and host figures."""
     first = machines[0]
+    middle = sorted(machines, key=lambda m: m.peak_flops)[len(machines) // 2]
 
     def med(figure: Callable[[Machine], float]) -> float:
         return statistics.median(figure(m) for m in machines)
 
-    a = first.assumptions
     return dataclasses.replace(
-        first,
-        peak_flops=med(lambda m: m.peak_flops),
-        memory_gb_per_s=med(lambda m: m.memory_gb_per_s),
+        middle,
         link_out_gb_per_s=med(lambda m: m.link_out_gb_per_s),
         link_back_gb_per_s=med(lambda m: m.link_back_gb_per_s),
         link_both_gb_per_s=med(lambda m: m.link_both_gb_per_s),
         assumptions=dataclasses.replace(
-            a,
-            op_overhead_us=med(lambda m: m.assumptions.op_overhead_us),
+            middle.assumptions,
             per_tensor_overhead_us=med(lambda m: m.assumptions.per_tensor_overhead_us),
             held_tensor_overhead_us=med(lambda m: m.assumptions.held_tensor_overhead_us),
             dispatch_overhead_us=med(lambda m: m.assumptions.dispatch_overhead_us),
         ),
         source=(
-            "measured here: medians of "
-            f"{len(machines)} measurements taken between the timed rounds, each calibrated by a timed reference step"
+            f"measured here {len(machines)} times between the timed rounds: the compute of the median one "
+            f"(scaled x{middle.compute_scale:.2f} to a timed reference step), medians of the rest"
         ),
+        spare_cores=first.spare_cores,
     )
 
 
@@ -204,6 +205,7 @@ def machine_figures(m: Machine) -> dict:
         "held_tensor_overhead_us": m.assumptions.held_tensor_overhead_us,
         "dispatch_overhead_us": m.assumptions.dispatch_overhead_us,
         "spare_cores": m.spare_cores,
+        "compute_scale": m.compute_scale,
         "source": m.source,
     }
 
@@ -273,8 +275,9 @@ def one_model(name: str, rounds: int, machine: Machine, measure: Callable[[], Ma
         c.profile()
     plain = configs[0]  # "none": its time is the model without any engine
     machines = []
-    for _ in range(rounds):
-        for c in configs:
+    for r in range(rounds):
+        shift = r % len(configs)  # a rotated order: no configuration always follows the measurement
+        for c in configs[shift:] + configs[:shift]:
             c.run(timed=True, with_engine=c is not plain)
         plain.run(timed=False)  # and once with its engine, for the peak
         machines.append(measure())
@@ -324,7 +327,8 @@ def _pct(value: Optional[float]) -> str:
 def machine_line(label: str, m: dict) -> str:
     """One line of a machine's measured figures (``machine_figures``)."""
     return (
-        f"{label}: {m['flops'] / 1e9:,.1f} GFLOP/s fp32 matmul, {m['memory_gb_per_s']:,.2f} GB/s copy, "
+        f"{label}: {m['flops'] / 1e9:,.1f} GFLOP/s and {m['memory_gb_per_s']:,.2f} GB/s effective (a matmul and a "
+        f"copy, scaled x{m['compute_scale']:.2f} to a timed reference step), "
         f"{m['op_overhead_us']:.1f} us per op, "
         f"spill {m['link_out_gb_per_s']:,.2f} / {m['link_back_gb_per_s']:,.2f} GB/s, "
         f"{m['per_tensor_overhead_us']:.1f} us per tensor moved, "
@@ -382,7 +386,7 @@ def render(results: list[dict], machine: dict, markdown: bool) -> str:
                         f"{x['predicted_step_ms']:.1f}",
                         f"{x['measured_step_ms']:.1f}",
                         _pct(x["step_miss"]),
-                        f"{x['predicted_step_ms_during']:.1f}",
+                        f"{x['predicted_step_ms_during']:.1f}" + ("" if x["plan_during"] == x["plan"] else " *"),
                         _pct(x["step_miss_during"]),
                     ]
                     for x in r["configs"]
@@ -391,7 +395,9 @@ def render(results: list[dict], machine: dict, markdown: bool) -> str:
             )
         )
         lines.append("")
-        lines.append(machine_line("machine between rounds (medians)", r["machine_during"]))
+        lines.append(machine_line("machine between rounds", r["machine_during"]))
+        if any(x["plan_during"] != x["plan"] for x in r["configs"]):
+            lines.append("* the machine measured between rounds gave another plan (in the JSON: plan_during)")
     return "\n".join(lines)
 
 

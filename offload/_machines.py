@@ -11,8 +11,9 @@ assumptions, named as such and overridable (``with_assumptions``), never measure
             └─machine_profile()──▶ MachineProfile ──▶ planner (the link's achieved bandwidth)
 
 The machine at hand comes from measurements instead (``from_probe``): ``offload.probe()``'s link
-figures plus a measured matmul rate and copy bandwidth, with every fraction 1 (they are already
-what was achieved). Nothing here touches torch or a device.
+figures plus a measured compute rate and copy bandwidth, with every fraction 1 (they are already
+what was achieved; ``_predict_machine`` scales them to a timed reference step and records the
+factor in ``compute_scale``). Nothing here touches torch or a device.
 """
 
 from __future__ import annotations
@@ -103,12 +104,19 @@ class Machine:
     spare_cores: int = 0
     """CPU only: cores beyond torch's threads, free for the spill threads
     (``MachineProfile.spare_cores``; ``from_probe`` takes the probe's)."""
+    compute_scale: float = 1.0
+    """A measured machine: the factor its microbenchmarked FLOP/s and memory bandwidth were scaled
+    by to price a timed reference step as long as it took (``_predict_machine.calibrate_compute``);
+    1 for a named machine and an uncalibrated measurement."""
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
             raise ValueError(f"Machine.device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
         if isinstance(self.spare_cores, bool) or not isinstance(self.spare_cores, int) or self.spare_cores < 0:
             raise ValueError(f"Machine {self.name!r}: spare_cores must be an int >= 0, got {self.spare_cores!r}")
+        scale = self.compute_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"Machine {self.name!r}: compute_scale must be a finite number > 0, got {scale!r}")
         for name in ("peak_flops", "memory_gb_per_s", "link_out_gb_per_s", "link_back_gb_per_s", "link_both_gb_per_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -295,7 +303,7 @@ def from_probe(
         link_back_gb_per_s=back_gb_per_s,
         link_both_gb_per_s=2 * min(out_gb_per_s, back_gb_per_s),
         link="spill disk" if profile.device_type == "cpu" else "device <-> pinned host",
-        source="measured here: offload.probe() for the link, a timed matmul, copy and tiny op for the rest",
+        source="measured here: offload.probe() for the link; a timed matmul, copy and tiny op for the compute",
         assumptions=dataclasses.replace(
             MEASURED,
             op_overhead_us=op_overhead_us,

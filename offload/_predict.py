@@ -66,13 +66,13 @@ __all__ = [
 ]
 
 
-def _machine(machine: Union[str, Machine, MachineProfile]) -> Machine:
+def _machine(machine: Union[str, Machine, MachineProfile], dtype: torch.dtype) -> Machine:
     if isinstance(machine, Machine):
         return machine
     if isinstance(machine, str):
         return get_machine(machine)
     if isinstance(machine, MachineProfile):
-        return measure_machine(machine)
+        return measure_machine(machine, dtype=dtype)  # timed in the model's own dtype
     raise TypeError(
         f"machine= takes a machine name, an offload._machines.Machine or offload.probe()'s MachineProfile, "
         f"got {type(machine).__name__}"
@@ -117,7 +117,8 @@ def predict(
     meta tensors, naming it.
     """
     start = time.perf_counter()
-    target = _machine(machine)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    target = _machine(machine, dtype)
     fractions = _check_fractions(budgets)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; predict compares: {', '.join(POLICIES)}")

@@ -18,17 +18,22 @@ The best run of a lone matmul, copy and tiny op is what the CPU can do, not what
 gets from it: a step's ops run on caches its other ops left cold, fault in freshly allocated
 pages, and share the core with the other hardware thread. On the 2-vCPU VM of
 ``bench/results/predict-cpu.md`` the roofline from those figures priced a step without the
-engine 12-23 % fast in most runs, and a single slow matmul sample as much too slow. So
+engine 2-18 % fast in most runs, and once, from a slow first matmul sample, right by chance. So
 ``measure_machine`` also times one reference step, a small transformer stack (``_REFERENCE``: two
-``torch.nn.TransformerEncoderLayer`` of width 256, batch 4, sequence 256) forward and backward,
-median of ``_REFERENCE_STEPS``, and scales the compute by what the roofline missed there
-(``calibrate_compute``): FLOP/s and memory bandwidth by one factor, the op cost by its inverse.
-The microbenchmarks keep the proportions of the three; the timed step sets their level.
+``torch.nn.TransformerEncoderLayer`` of width 512, batch 2, sequence 128, a shape neither model
+of that bench has) forward and backward, median of ``_REFERENCE_STEPS``, in the dtype asked for,
+and scales the compute by what the roofline missed there (``calibrate_compute``): FLOP/s and
+memory bandwidth by one factor, the op cost by its inverse, so every op's time by the same
+factor; ``Machine.compute_scale`` keeps it. The microbenchmarks keep the proportions of the
+three; the timed step sets their level. The engine's host costs (per saved tensor, per tensor
+moved, per op under a dispatch mode) are measured against the same work without the engine and
+are not scaled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -47,6 +52,8 @@ from ._session import Session
 
 __all__ = ["calibrate_compute", "measure_machine", "reference_step_ms"]
 
+log = logging.getLogger(__name__)
+
 _GB = 1e9
 _MATMUL_SIZE = 1024
 _COPY_BYTES = 64 * MB
@@ -55,10 +62,13 @@ _HELD_TENSORS = 1000
 """Saves in the chain that measures the engine's cost per saved tensor (each of
 ``DEFAULT_MIN_OFFLOAD_BYTES``, the least the store takes)."""
 _REPEATS = 5
-_REFERENCE = {"layers": 2, "width": 256, "heads": 4, "ffn": 1024, "batch": 4, "seq": 256}
+_REFERENCE = {"layers": 2, "width": 512, "heads": 8, "ffn": 2048, "batch": 2, "seq": 128}
 """The reference step ``calibrate_compute`` times: a small transformer stack, the kind of step
 predicted (matmuls, attention, norms, elementwise ops, under autograd), ~10 GFLOP."""
 _REFERENCE_STEPS = 5
+_SCALE_WARN = (0.25, 4.0)
+"""A calibration factor outside this range is used, with a warning: the reference step or the
+microbenchmarks were badly disturbed, or the roofline is far off for this CPU."""
 
 
 class _CountOps(TorchDispatchMode):
@@ -168,10 +178,11 @@ def measure_machine(
     tiny = torch.ones(1, requires_grad=True)
 
     def chain() -> None:  # a training step's worth of tiny ops: under autograd, forward and backward
-        y = tiny
-        for _ in range(_TINY_OPS):
-            y = y * 1.0
-        y.backward()
+        with torch.enable_grad():
+            y = tiny
+            for _ in range(_TINY_OPS):
+                y = y * 1.0
+            y.backward()
 
     counter = _CountOps()
     with counter:
@@ -214,29 +225,45 @@ def reference_step_ms(machine: Machine, *, dtype: torch.dtype = torch.float32) -
         model.zero_grad(set_to_none=True)
         model(x).sum().backward()
 
-    step()  # warm-up: first calls pay for lazy setup
-    times = []
-    for _ in range(_REFERENCE_STEPS):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    run = fake_step(model, (x,), {}, machine, list(model), Attention.FUSED, None, DEFAULT_MIN_OFFLOAD_BYTES)
+    with torch.enable_grad():  # a training step, also when called under no_grad
+        step()  # warm-up: first calls pay for lazy setup
+        times = []
+        for _ in range(_REFERENCE_STEPS):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        run = fake_step(model, (x,), {}, machine, list(model), Attention.FUSED, None, DEFAULT_MIN_OFFLOAD_BYTES)
     predicted_ms = sum(c.forward_ms + c.backward_ms for c in run.counts)
     return predicted_ms, statistics.median(times) * 1e3
 
 
 def calibrate_compute(machine: Machine, *, dtype: torch.dtype = torch.float32) -> Machine:
-    """``machine`` with its compute scaled so that the roofline prices the reference step
-    (``reference_step_ms``) as long as it was measured here: FLOP/s and memory bandwidth times
-    ``factor``, the op cost over it, ``factor`` = predicted / measured. The microbenchmarks keep
-    the proportions of the three; the timed step sets their level."""
+    """``machine`` (this CPU, measured) with its compute scaled so that the roofline prices the
+    reference step (``reference_step_ms``) as long as it was measured here: FLOP/s and memory
+    bandwidth times ``factor``, the op cost over it, ``factor`` = predicted / measured, kept in
+    ``compute_scale``. The microbenchmarks keep the proportions of the three; the timed step sets
+    their level. Raises ``ValueError`` for a GPU machine: this times the CPU."""
+    if machine.device_type != "cpu":
+        raise ValueError(
+            f"calibrate_compute times this CPU; {machine.name!r} is a {machine.device_type!r} machine: "
+            "a GPU's compute comes from a named machine's figures"
+        )
     predicted_ms, measured_ms = reference_step_ms(machine, dtype=dtype)
     factor = predicted_ms / measured_ms
+    if not _SCALE_WARN[0] <= factor <= _SCALE_WARN[1]:
+        log.warning(
+            "offload: the timed reference step took %.1f ms where the measured figures price it at %.1f ms "
+            "(x%.2f); the machine was probably disturbed while it was measured: measure again on a quiet machine",
+            measured_ms,
+            predicted_ms,
+            factor,
+        )
     op_overhead_us = machine.assumptions.op_overhead_us / factor
     return dataclasses.replace(
         machine,
         peak_flops=machine.peak_flops * factor,
         memory_gb_per_s=machine.memory_gb_per_s * factor,
         assumptions=dataclasses.replace(machine.assumptions, op_overhead_us=op_overhead_us),
-        source=f"{machine.source}; compute x{factor:.2f}, from a timed reference step",
+        compute_scale=machine.compute_scale * factor,
+        source=f"{machine.source}, scaled x{factor:.2f} to a timed reference step",
     )

@@ -81,6 +81,8 @@ class Prediction:
         spill = ""
         if m.device_type == "cpu":  # which timeline the planner used (MachineProfile.spare_cores)
             spill = f"; {m.spare_cores} spare core(s), the {spill_where(m.spare_cores)}"
+        if m.compute_scale != 1.0:  # a measured CPU, calibrated to a timed reference step
+            spill = f"; compute scaled x{m.compute_scale:.2f} to a timed reference step" + spill
         lines = [
             f"prediction for {m.name}: {m.achieved_flops() / 1e12:,.2f} TFLOP/s, "
             f"{m.achieved_memory_gb_per_s():,.1f} GB/s memory, link {m.achieved_link_gb_per_s()[0]:,.2f} GB/s "
