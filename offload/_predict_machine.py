@@ -203,7 +203,7 @@ def measure_machine(
     return calibrate_compute(machine, dtype=dtype) if calibrate else machine
 
 
-def _reference() -> tuple[torch.nn.Module, torch.Tensor]:
+def _reference() -> tuple[torch.nn.Sequential, torch.Tensor]:
     r = _REFERENCE
     with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
         torch.manual_seed(0)
