@@ -4,7 +4,7 @@
 
 For MiniGPT (4 x 256, batch 4, seq 256) and a tiny Hugging Face Llama (4 x 256, batch 2, seq 256):
 ``offload.predict(machine=measure_machine(offload.probe("cpu")))`` (the probe measured again, not read
-from the cache) on a meta copy, then each policy
+from the cache, just before each model) on a meta copy, then each policy
 measured on a real copy of the same model, at 100/50/25/10 % of the predicted peak without the engine:
 
     saved bytes per region   predicted against the engine's own profile (its "measure" step)
@@ -314,6 +314,7 @@ def one_model(name: str, rounds: int, machine: Machine, measure: Callable[[], Ma
         "predict_s": predict_s,
         "forward_tflop": prediction.forward_flops / 1e12,
         "backward_tflop": prediction.backward_flops / 1e12,
+        "machine_before": machine_figures(machine),
         "machine_during": machine_figures(during),
         "regions": region_rows,
         "configs": rows,
@@ -337,10 +338,11 @@ def machine_line(label: str, m: dict) -> str:
     )
 
 
-def render(results: list[dict], machine: dict, markdown: bool) -> str:
-    lines = [machine_line("machine measured before (the prediction)", machine)]
+def render(results: list[dict], markdown: bool) -> str:
+    lines = []
     for r in results:
         lines.append("")
+        lines.append(machine_line(f"{r['model']}: machine measured just before (the prediction)", r["machine_before"]))
         lines.append(f"{r['model']}: predicted in {r['predict_s']:.2f} s; saved bytes per region")
         lines.append(
             table(
@@ -652,8 +654,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     load_before = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     with tempfile.TemporaryDirectory() as scratch:
         measure = functools.partial(measure_now, Path(scratch) / "probe.json")
-        machine = measure()
-        results = [one_model(name, args.rounds, machine, measure) for name in args.models.split(",")]
+        # each model's first prediction from the machine measured just before it, as a user would
+        results = [one_model(name, args.rounds, measure(), measure) for name in args.models.split(",")]
     load_after = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     env = environment(torch.device("cpu"))
     load = f"load average (1, 5, 15 min) before {' '.join(load_before)}, after {' '.join(load_after)}"
@@ -662,16 +664,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         "threads": torch.get_num_threads(),
         "load": load,
         "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
-        "machine": machine_figures(machine),
+        "machine": results[0]["machine_before"],
         "targets": TARGETS,
         "verdict": verdict(results),
         "results": results,
     }
     out = Path(args.out)
     write_json(out / "predict-cpu.json", payload)
-    text = render(results, payload["machine"], markdown=False)
+    text = render(results, markdown=False)
     print(text)
-    md = render(results, payload["machine"], markdown=True)
+    md = render(results, markdown=True)
     write_text(
         out / "predict-cpu.md",
         f"# offload.predict against measured runs, this CPU\n\n{describe_machine(env)}\n\n{load}\n\n{md}\n",
