@@ -94,15 +94,20 @@ class _PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _best_s(fn: Callable[[], Any]) -> float:
-    """Seconds of the least disturbed of ``_REPEATS`` runs of ``fn`` after one warm-up (noise only adds)."""
+def _runs_s(fn: Callable[[], Any], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` runs of ``fn``, after one warm-up (first calls pay for lazy setup)."""
     fn()
     times = []
-    for _ in range(_REPEATS):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
+
+
+def _best_s(fn: Callable[[], Any]) -> float:
+    """Seconds of the least disturbed of ``_REPEATS`` runs of ``fn`` (noise only adds)."""
+    return min(_runs_s(fn, _REPEATS))
 
 
 def _held_tensor_overhead_us() -> float:
@@ -226,12 +231,7 @@ def reference_step_ms(machine: Machine, *, dtype: torch.dtype = torch.float32) -
         model(x).sum().backward()
 
     with torch.enable_grad():  # a training step, also when called under no_grad
-        step()  # warm-up: first calls pay for lazy setup
-        times = []
-        for _ in range(_REFERENCE_STEPS):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
+        times = _runs_s(step, _REFERENCE_STEPS)
         run = fake_step(model, (x,), {}, machine, list(model), Attention.FUSED, None, DEFAULT_MIN_OFFLOAD_BYTES)
     predicted_ms = sum(c.forward_ms + c.backward_ms for c in run.counts)
     return predicted_ms, statistics.median(times) * 1e3
