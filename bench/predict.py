@@ -169,7 +169,6 @@ def median_machine(machines: list[Machine]) -> Machine:
     """The machine measured between the timed rounds: the compute figures of the measurement with
     the median FLOP/s (its FLOP/s, bandwidth and op cost share one calibration: taken apart, their
     medians could mix measurements), and the medians of the link and host figures."""
-    first = machines[0]
     middle = sorted(machines, key=lambda m: m.peak_flops)[len(machines) // 2]
 
     def med(figure: Callable[[Machine], float]) -> float:
@@ -190,7 +189,6 @@ def median_machine(machines: list[Machine]) -> Machine:
             f"measured here {len(machines)} times between the timed rounds: the compute of the median one "
             f"(scaled x{middle.compute_scale:.2f} to a timed reference step), medians of the rest"
         ),
-        spare_cores=first.spare_cores,
     )
 
 
