@@ -108,6 +108,11 @@ class RegionProfile:
     """Wall time of the region's forward, milliseconds (CUDA events on GPU, perf_counter on CPU)."""
     num_tensors: int = 0
     """Number of saved tensors (for per-tensor overheads)."""
+    largest_tensor_bytes: int = 0
+    """Bytes of the largest storage it saves. The store moves whole tensors, so the room a budget
+    leaves for copies in flight holds only as many of these as fit in it: room for fewer than two
+    and the reads of an offloaded region wait on backward one at a time (``_planner``). 0: not
+    measured; the planner then takes the room as bytes (any split of it)."""
     forward_dispatches: int = 0
     """Ops its forward dispatches, views and detaches included: a selective run pays
     ``MachineProfile.dispatch_overhead_us`` on each, in the forward and again in the re-run.

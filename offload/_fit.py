@@ -78,10 +78,18 @@ TIME_BASES: tuple[tuple[str, ...], ...] = (("n",), ("1", "n"), ("n", "ns"), ("1"
 _SINGULAR = 1e-9
 """Pivot (of the equilibrated normal equations) below which the points do not separate the terms."""
 
-_BYTE_FIELDS = ("saved_bytes", "input_bytes", "num_tensors", "cheap_bytes", "expensive_bytes", "expensive_tensors")
+_BYTE_FIELDS = (
+    "saved_bytes",
+    "input_bytes",
+    "num_tensors",
+    "largest_tensor_bytes",
+    "cheap_bytes",
+    "expensive_bytes",
+    "expensive_tensors",
+)
 _COUNT_FIELDS = ("num_tensors", "expensive_tensors")
 _TIME_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "selective_ms")
-_SIZES = ("saved_bytes", "input_bytes", "num_tensors")
+_SIZES = ("saved_bytes", "input_bytes", "num_tensors", "largest_tensor_bytes")
 """What every profiling step measures (its times may not count: ``ProfileFit.add``)."""
 _PRIMARY = {
     "backward_ms": "forward_ms",
@@ -329,6 +337,7 @@ class _RegionFit:
             saved_bytes=round(value("saved_bytes", shape)),
             input_bytes=round(value("input_bytes", shape)),
             num_tensors=round(value("num_tensors", shape)),
+            largest_tensor_bytes=round(value("largest_tensor_bytes", shape)),
             cheap_bytes=round(value("cheap_bytes", shape)),
             expensive_bytes=round(value("expensive_bytes", shape)),
             expensive_tensors=round(value("expensive_tensors", shape)),

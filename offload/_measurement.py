@@ -63,7 +63,7 @@ class Measurement:
 
     def __init__(self, *, name: str, input_bytes: int) -> None:
         self.name, self.input_bytes = name, input_bytes
-        self.saved_bytes = self.num_tensors = 0
+        self.saved_bytes = self.num_tensors = self.largest_tensor_bytes = 0
         self.forward_start, self.forward_ms = 0.0, 0.0
         self.recompute_ms = 0.0
         self.start = self.end = None
@@ -119,6 +119,7 @@ class Measurement:
             input_bytes=self.input_bytes,
             forward_ms=self.forward_ms,
             num_tensors=self.num_tensors,
+            largest_tensor_bytes=self.largest_tensor_bytes,
             backward_ms=max(0.0, raw_ms - self.recompute_ms - self.profiling_ms()) if raw_ms > 0 else 0.0,
             recompute_ms=self.recompute_ms,
             note=self.note,

@@ -72,6 +72,8 @@ class RegionCount:
     saved_bytes: int = 0
     """Bytes of distinct storages the engine would take (``Eligibility``), once per step."""
     num_tensors: int = 0
+    largest_tensor_bytes: int = 0
+    """Bytes of the largest storage among them (what the budget's room holds whole)."""
     input_bytes: int = 0
     cheap_bytes: int = 0
     """Of its droppable saves, the bytes a selective run drops (not inputs, not expensive outputs)."""
@@ -106,6 +108,7 @@ class RegionCount:
             saved_bytes=self.saved_bytes,
             input_bytes=self.input_bytes,
             num_tensors=self.num_tensors,
+            largest_tensor_bytes=self.largest_tensor_bytes,
             forward_dispatches=self.forward_dispatches,
             forward_ms=self.forward_ms,
             backward_ms=self.backward_ms,
@@ -211,6 +214,7 @@ class StepCounter:
             if seen is None or seen() is None:
                 self.seen[storage._cdata] = weakref.ref(t if t._base is None else t._base)
                 count.saved_bytes += storage.nbytes()
+                count.largest_tensor_bytes = max(count.largest_tensor_bytes, storage.nbytes())
             count.num_tensors += 1
         if self.where.inside:
             self.reached = len(self.expensive)

@@ -447,10 +447,7 @@ class Profiler:
             if fam.sizes is not None and fam.sizes[0] == key:
                 # The "measure" step at these inputs counted the sizes as the store does.
                 profiles = tuple(
-                    dataclasses.replace(
-                        p, saved_bytes=s.saved_bytes, num_tensors=s.num_tensors, input_bytes=s.input_bytes
-                    )
-                    for s, p in zip(fam.sizes[1], profiles, strict=True)
+                    dataclasses.replace(p, **_sizes_of(s)) for s, p in zip(fam.sizes[1], profiles, strict=True)
                 )
             fam.recompute_span = _RecomputeSpan(shape, profiles, measured.span_ms)
             fam.fit.add(shape, profiles, times=True)
@@ -478,10 +475,7 @@ class Profiler:
             timed = trial.profiles
         else:
             derived = fam.fit.derive(shape)[0]
-            timed = tuple(
-                dataclasses.replace(d, saved_bytes=s.saved_bytes, num_tensors=s.num_tensors, input_bytes=s.input_bytes)
-                for s, d in zip(sizes, derived, strict=True)
-            )
+            timed = tuple(dataclasses.replace(d, **_sizes_of(s)) for s, d in zip(sizes, derived, strict=True))
         if measured.span_ms is not None and trial is not None and trial.span_ms is not None:
             # The "recompute" step less its recomputes is a step that keeps everything; at another
             # shape, scaled by the regions' own time there.
@@ -605,6 +599,16 @@ class Profiler:
         ]
         measured += [(_Repr(text), e.plan, e.profiles, e.other_ms) for text, e in fam.cached.items()]
         cache.store(family, self.regions, fam.fit, measured[-MAX_PLANS:], self._link_scale)
+
+
+def _sizes_of(profile: RegionProfile) -> dict:
+    """The fields of ``profile`` that a "measure" step counts as the store does (its sizes)."""
+    return {
+        "saved_bytes": profile.saved_bytes,
+        "num_tensors": profile.num_tensors,
+        "input_bytes": profile.input_bytes,
+        "largest_tensor_bytes": profile.largest_tensor_bytes,
+    }
 
 
 def _regions_ms(profiles: tuple[RegionProfile, ...]) -> float:

@@ -212,6 +212,8 @@ class _Step:
     """The totals saved when its latest region ended."""
     between: Saved = Saved()
     """What was saved in the gaps between its regions so far."""
+    largest: int = 0
+    """A "recompute" trial: the largest storage counted in the region running now."""
 
     def region_starts(self, index: int, saved: Saved) -> None:
         if self.first_start is None:
@@ -258,7 +260,9 @@ class _Step:
         if seen is not None and seen() is not None:
             return 0
         self.counted[storage._cdata] = weakref.ref(t if t._base is None else t._base)  # a view dies first
-        return storage.nbytes()
+        nbytes = storage.nbytes()
+        self.largest = max(self.largest, nbytes)
+        return nbytes
 
 
 class Regions:
@@ -522,6 +526,8 @@ class Regions:
         if cuda is not None:
             torch.cuda.synchronize(cuda)
         saved_before = self._session.saved()
+        self._session.take_largest_saved()  # from here: this region's
+        step.largest = 0
         start = time.perf_counter()
         counted: Optional[Saved] = None
         if step.stage is Stage.RECOMPUTE_TRIAL:
@@ -552,6 +558,7 @@ class Regions:
         m.forward_start, m.forward_ms = start, (time.perf_counter() - start) * 1e3
         saved = self._session.saved() - saved_before if counted is None else counted
         m.saved_bytes, m.num_tensors = saved.nbytes, saved.tensors
+        m.largest_tensor_bytes = self._session.take_largest_saved() if counted is None else step.largest
         m.time_backward(args, kwargs, out, cuda)
         step.measurements.append(m)
         if index == len(self.regions) - 1:

@@ -74,6 +74,27 @@ def test_bytes_from_two_shapes_are_exact_anywhere(attention):
     assert "bytes ~ " + ("n" if attention is fused_bytes else "n+ns") in fit.describe()
 
 
+def test_the_largest_tensor_is_fitted_like_the_bytes_and_absent_from_an_older_cache():
+    """``largest_tensor_bytes`` (the planner's whole-tensor room) is a size: exact from two shapes,
+    kept through ``to_dict``; a fit stored before the field existed derives 0, "not measured"."""
+
+    def largest(s: Shape) -> int:
+        return 2 * s.n * s.s  # math attention's (s, s) scores outgrow every per-token save
+
+    fit = ProfileFit(["blocks.0"])
+    for seq in (128, 512):
+        fit.add(shape(seq), [profile(shape(seq), attention=math_bytes, largest_tensor_bytes=largest(shape(seq)))])
+    for seq in (64, 300, 2048):
+        (derived,), _ = fit.derive(shape(seq))
+        assert derived.largest_tensor_bytes == largest(shape(seq)), seq
+    stored = fit.to_dict()
+    (again,), _ = ProfileFit.from_dict(stored, ["blocks.0"]).derive(shape(300))
+    assert again.largest_tensor_bytes == largest(shape(300))
+    del stored["regions"][0]["fields"]["largest_tensor_bytes"]
+    (older,), _ = ProfileFit.from_dict(stored, ["blocks.0"]).derive(shape(300))
+    assert older.largest_tensor_bytes == 0 and older.saved_bytes == math_bytes(shape(300))
+
+
 def test_times_take_their_fixed_cost_from_two_shapes():
     def linear_ms(s: Shape) -> float:  # a fused attention kernel at these lengths: no visible n·s term
         return 0.4 + 2e-6 * s.n

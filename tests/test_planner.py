@@ -442,6 +442,37 @@ def test_copies_in_flight_wait_for_room_under_the_budget():
     assert plan.predicted_overhead_ms == pytest.approx(40.0), "the plan prices its own budget"
 
 
+def test_the_room_holds_whole_tensors():
+    """The store moves tensors whole, so the room under the budget holds only as many of a region's
+    largest tensors as fit in it. Room for one: its reads beyond the room and its backward take
+    turns (each read waits); room for three or more: the rest is read beside the backward; two:
+    half of that. Not measured (0): the room as bytes, the rest waited for, as before."""
+    regions = [dataclasses.replace(r, backward_ms=10.0) for r in uniform_regions(4, forward_ms=5.0)]
+    engine = cuda_machine(20.0)  # 100 MB a region: 5 ms each way
+    budget = 50 * MB
+    keep_ms = simulate(regions, (KEEP,) * 4, engine)[0]
+
+    def exposed(largest: int) -> float:
+        sized = [dataclasses.replace(r, largest_tensor_bytes=largest) for r in regions]
+        return simulate(sized, (OFFLOAD,) * 4, engine, budget)[0] - keep_ms
+
+    # as bytes (see test_copies_in_flight_wait_for_room_under_the_budget): 2.5 ms a forward, 2.5 a backward, 5 more last
+    assert exposed(0) == pytest.approx(4 * 2.5 + 4 * 2.5 + 5.0)
+    # 30 MB tensors: the 50 MB room holds one. Each forward waits until 30 MB are queued (3.5 ms),
+    # each backward reads 30 MB ahead and waits for 70 MB (3.5 ms) with nothing beside it, the last
+    # region's reload waits for its copy out to land (1.5 ms after the forward) and the 30 MB ahead (1.5 ms)
+    assert exposed(30 * MB) == pytest.approx(4 * 3.5 + 4 * 3.5 + 3.0)
+    # 20 MB: room for two, 40 MB in flight: forwards wait 3 ms; backward reads 60 MB (3 ms), half
+    # of it beside the compute; the last reload waits 2 ms for its copy and 2 for the 40 MB ahead
+    assert exposed(20 * MB) == pytest.approx(4 * 3.0 + 4 * 1.5 + 4.0)
+    # 10 MB: room for five, the whole 50 MB: forwards as bytes; the rest (2.5 ms) beside the 10 ms backward
+    assert exposed(10 * MB) == pytest.approx(4 * 2.5 + 0.0 + 5.0)
+    # a tensor larger than the room: every copy waited for, as at budget 0 (the serial timeline)
+    assert exposed(60 * MB) == pytest.approx(simulate(regions, (OFFLOAD,) * 4, engine, 0)[0] - keep_ms)
+    with pytest.raises(ValueError, match="largest_tensor_bytes must be >= 0"):
+        make_plan([dataclasses.replace(regions[0], largest_tensor_bytes=-1)], engine, budget, policy="offload")
+
+
 def test_scale_link_scales_every_transfer_cost():
     machine = cpu_machine()
     regions = uniform_regions(4)

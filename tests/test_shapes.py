@@ -90,6 +90,53 @@ def test_sizes_counted_by_a_recompute_trial_equal_the_stores(spill_dir):
     assert [r.saved_bytes for r in trial.regions] == saved_by_blocks(make_model(), 64)
 
 
+def largest_by_blocks(model, seq: int) -> list[int]:
+    """The largest storage each block saves at ``seq``, seen by a plain saved-tensors hook (no
+    engine): every save that is not one of the model's parameters or buffers."""
+    own = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+    largest = [0] * len(model.blocks)
+    running: list[int] = []
+    for i, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(lambda m, a, i=i: running.append(i))
+        # remove(), not pop(): a forward hook that returns a value replaces the block's output
+        block.register_forward_hook(lambda m, a, o: running.remove(running[-1]))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if running and storage._cdata not in own:
+            largest[running[-1]] = max(largest[running[-1]], storage.nbytes())
+        return t
+
+    idx = torch.randint(0, 256, (BATCH, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(idx, idx)
+    del loss
+    for block in model.blocks:
+        block._forward_pre_hooks.clear()
+        block._forward_hooks.clear()
+    return largest
+
+
+def test_the_largest_tensor_each_block_saves_is_measured(spill_dir):
+    """What the planner's whole-tensor room is priced on (``RegionProfile.largest_tensor_bytes``):
+    a "measure" step reads it from what the engine was handed, a "recompute" trial at a shape no
+    "measure" step saw counts it in the re-run's hooks. Math attention: the (s, s) scores are the
+    largest at 160, a per-token tensor at 40."""
+    model = make_model()
+    eng = block_engine(model, 0.05, "auto", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
+    train(model, [160, 160, 160, 40], eng)
+    measure = eng.profiled_steps[0]
+    trial = eng.profiled_steps[-1]
+    assert measure.stage == "measure" and measure.inputs[0][0] == (BATCH, 160, CONFIG.n_embd)
+    assert trial.stage == "recompute" and trial.inputs[0][0] == (BATCH, 40, CONFIG.n_embd)
+    eng.close()
+    expected_160, expected_40 = largest_by_blocks(make_model(), 160), largest_by_blocks(make_model(), 40)
+    assert expected_160[0] == BATCH * CONFIG.n_head * 160 * 160 * 4, "the premise: the scores are the largest"
+    assert expected_40[0] < BATCH * CONFIG.n_head * 160 * 40 * 4, "the premise: not the scores"
+    assert [r.largest_tensor_bytes for r in measure.regions] == expected_160
+    assert [r.largest_tensor_bytes for r in trial.regions] == expected_40
+
+
 def test_a_derived_plan_whose_sizes_miss_refits_them(spill_dir, caplog):
     """Math attention saves (s, s) scores: from one shape, a proportional fit cannot know it. The
     first step at a new length under its derived plan sees what it saved, refits, and from then
