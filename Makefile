@@ -32,8 +32,11 @@ $(LINT_STAMP): $(STAMP) pyproject.toml
 	$(VENV_PYTHON) -m pip install -e '.[lint]'
 	touch $@
 
+# Test files run on TEST_WORKERS processes (pytest-xdist; each test's torch on one thread, see
+# tests/conftest.py): 2 halves the suite on the 2-core CI machine. TEST_WORKERS=0 runs it in one.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV_PYTHON) -m pytest -q tests
+	$(VENV_PYTHON) -m pytest -q -n $(TEST_WORKERS) tests
 
 # All three run and report; the target fails if any of them did.
 lint: $(LINT_STAMP)
