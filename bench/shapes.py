@@ -469,6 +469,7 @@ def _derive_one(make: Callable, step: Callable, train_lengths: list[int], test_l
                     "forward_measured": [m.forward_ms for m in measured],
                     "predicted_step_ms": plan.predicted_step_ms,
                     "measured_step_ms": median(times[1:]),  # the first pays the new shape's allocations
+                    "link": _link_line(eng),
                 }
             )
         eng.close()
@@ -485,6 +486,11 @@ def _derive_one(make: Callable, step: Callable, train_lengths: list[int], test_l
         "step_median": statistics.median(s["step_miss"] for s in shapes),
         "step_worst": max(s["step_miss"] for s in shapes),
     }
+
+
+def _link_line(eng: offload.Engine) -> str:
+    """How the engine prices a transfer (``explain()``'s line): its link calibration, per round."""
+    return next((line for line in offload.explain(eng).splitlines() if line.startswith("transfers priced at:")), "")
 
 
 def _derive_shape(seq: int, rounds: list[dict]) -> dict:

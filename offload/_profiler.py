@@ -328,6 +328,20 @@ class Profiler:
         distance = fam.fit.distance(shape)
         return distance >= (SECOND_SHAPE_SPREAD if len(fam.fit.measured) == 1 else EXTRAPOLATION_LIMIT)
 
+    def link_note(self) -> str:
+        """How this engine prices a transfer, in words, for ``explain()``: the probe's figures as
+        measured, or scaled by what its "offload" trial steps read (accepted and rejected)."""
+        rejected = ", ".join(f"x{s:.3g}" for s in self.rejected_calibrations)
+        rejected = f"; rejected as implausible: {rejected}" if rejected else ""
+        if self._link_scale is None:
+            return f"the probe's figures (no offload trial yet{rejected})"
+        if not (self.calibrations or self.rejected_calibrations):
+            return f"x{self._link_scale:.3g} the probe's figures (the plan cache's calibration)"
+        if not self.calibrations:
+            return f"the probe's figures (every offload trial implausible{rejected})"
+        accepted = ", ".join(f"x{s:.3g}" for s in self.calibrations)
+        return f"x{self._link_scale:.3g} the probe's figures (offload trials read {accepted}{rejected})"
+
     def _machine(self) -> MachineProfile:
         machine = self._session.machine()
         return machine if self._link_scale is None else scale_link(machine, self._link_scale)

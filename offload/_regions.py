@@ -302,6 +302,10 @@ class Regions:
     def plans(self) -> dict[tuple, Plan]:
         return self._profiler.plans()
 
+    def link_note(self) -> str:
+        """How transfers are priced (the probe's figures, or as the offload trials calibrated them)."""
+        return self._profiler.link_note()
+
     def profiling(self) -> bool:
         """True while the latest inputs still have profiling steps to run (or none ran yet)."""
         step = self._step

@@ -41,4 +41,6 @@ def test_an_implausible_calibration_is_measured_again_then_the_probe_is_kept(spi
     transfer_ms = [r.transfer_ms for r in eng.plan.regions]
     expected = [2 * r.saved_bytes / 1e5 * 1e3 for r in eng.plan.regions]  # ms out and back at 0.1 MB/s, unscaled
     assert transfer_ms == pytest.approx(expected)
+    text = offload.explain(eng)
+    assert "transfers priced at: the probe's figures (every offload trial implausible; rejected as" in text, text
     eng.close()

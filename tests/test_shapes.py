@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -175,6 +176,13 @@ def test_explain_says_where_a_plan_comes_from(spill_dir):
     assert "profiles: derived, measured at" in text, text
     assert "(2, 160, 64)" in text and "(2, 80, 64)" in text
     assert "regions: regions=: 3 modules given" in text
+    # the link's level, as the "offload" trial at 160 read it (a reading this machine's noise made
+    # implausible is named as such: test_calibration.py)
+    assert re.search(
+        r"transfers priced at: (x[0-9.e+-]+ the probe's figures \(offload trials read x[0-9.e+-]+"
+        r"|the probe's figures \(every offload trial implausible)",
+        text,
+    ), text
     train(model, [160], eng)
     assert "profiles: measured" in offload.explain(eng)
     eng.close()
