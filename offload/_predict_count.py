@@ -213,8 +213,9 @@ class StepCounter:
             seen = self.seen.get(storage._cdata)
             if seen is None or seen() is None:
                 self.seen[storage._cdata] = weakref.ref(t if t._base is None else t._base)
-                count.saved_bytes += storage.nbytes()
-                count.largest_tensor_bytes = max(count.largest_tensor_bytes, storage.nbytes())
+                nbytes = storage.nbytes()
+                count.saved_bytes += nbytes
+                count.largest_tensor_bytes = max(count.largest_tensor_bytes, nbytes)
             count.num_tensors += 1
         if self.where.inside:
             self.reached = len(self.expensive)

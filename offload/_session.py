@@ -91,8 +91,6 @@ class Session:
         """What had been saved when the engine was last entered, and when that forward closed."""
         self.shared = SharedSaves(self.counters, config.prefetch)
         """Saves declared identical across a process group (``offload._sharded``)."""
-        self._largest_saved = 0
-        """Bytes of the largest storage saved since ``take_largest_saved`` last read it."""
         self.hooks = make_hooks(self.eligible, self._pack, self._unpack, self._passthrough)
         """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
 
@@ -113,9 +111,6 @@ class Session:
 
     def _pack(self, t: torch.Tensor) -> Handle | ShardedHandle:
         store = self._store or self._open_store(t.device)
-        nbytes = t.untyped_storage().nbytes()
-        if nbytes > self._largest_saved:
-            self._largest_saved = nbytes
         eager = getattr(self._local, "eager", False) or getattr(self._local, "eager_to_end", False)
         sharding = declared()
         if sharding is not None:
@@ -214,10 +209,9 @@ class Session:
         return Saved(self.counters.saved_bytes, self.counters.saved_tensors)
 
     def take_largest_saved(self) -> int:
-        """Bytes of the largest storage saved through the engine since the last call (0: none);
-        the next call counts from here. A region reads it at its start and its end."""
-        largest, self._largest_saved = self._largest_saved, 0
-        return largest
+        """Bytes of the largest storage the store took since the last call (0: none, or no store
+        yet); the next call counts from here. A region reads it at its start and its end."""
+        return 0 if self._store is None else self._store.take_largest()
 
     def moved_bytes(self) -> int:
         """Bytes moved off the device so far: a profiling step that moved none ran alone on the device."""

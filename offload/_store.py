@@ -88,8 +88,17 @@ class Store:
         self._res = self.residency
         self._flight = InFlight(self._res, self.tiers, counters)
         self._seq = 0
+        self.largest_new_bytes = 0
+        """Bytes of the largest storage taken since ``take_largest`` last read it (regions measure
+        their largest save by it: ``RegionProfile.largest_tensor_bytes``)."""
         if follow is not None:
             self.budget.read(0)
+
+    def take_largest(self) -> int:
+        """``largest_new_bytes``, and start it over."""
+        with self._lock:
+            largest, self.largest_new_bytes = self.largest_new_bytes, 0
+        return largest
 
     def read_free(self) -> None:
         """Read free memory now (the engine calls this as a step starts); nothing with a fixed budget.
@@ -153,6 +162,8 @@ class Store:
                 e = Entry(self._seq, key, storage, t)
                 self._res.add(e)
                 self.counters.saved_bytes += e.nbytes
+                if e.nbytes > self.largest_new_bytes:
+                    self.largest_new_bytes = e.nbytes
                 if self._follows:  # after counting it: it is allocated, not free
                     self._maybe_read_free(e.nbytes)
             elif e.users_left > 0:
