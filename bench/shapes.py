@@ -25,8 +25,9 @@ derive  MiniGPT and the tiny Llama: an engine trained over a few lengths plans l
         under it. Each round trains a new engine and takes every length at once (rotated order),
         so both sides of a length come from the same minute; medians over the rounds.
 pair    The dynamic-padding loop on MiniGPT under "auto" and under each fixed policy at the same
-        budget, after their profiling, interleaved round by round (A B C D, A B C D, ...): step time
-        of auto over the best fixed policy, the median of per-round ratios.
+        budget, after their profiling, interleaved step by step (every policy takes each length in
+        turn, the order rotated): step time of auto over the best fixed policy, the median of
+        per-round ratios; the JSON also holds auto's plans and its link calibration.
 
 fixed   MiniGPT 8 x 256, batch 4, one sequence length (256), budget 40 MB: the process's peak
         resident set over its rest without the engine, under "offload" and under "auto" (each in
@@ -42,6 +43,7 @@ Each part prints a table and ends with one JSON line; the JSON goes to
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import ctypes
 import functools
@@ -539,13 +541,23 @@ def part_pair(args: argparse.Namespace) -> dict:
     step_ms: dict[str, list[float]] = {p: [] for p in policies}
     for r in range(args.rounds):
         seqs = [rng.randint(96, 384) for _ in range(args.steps_per_round)]
-        order = policies[r % len(policies) :] + policies[: r % len(policies)]
-        for p in order:
-            start = time.perf_counter()
-            for i, seq in enumerate(seqs):
+        spent = dict.fromkeys(policies, 0.0)
+        # Step by step: every policy takes each length in turn (the order rotated), so a policy
+        # is paired with the others within a second or two, not the ~15 s a round takes: this
+        # VM's speed drifts 10-20 % from minute to minute.
+        for i, seq in enumerate(seqs):
+            k = (r * len(seqs) + i) % len(policies)
+            for p in policies[k:] + policies[:k]:
+                start = time.perf_counter()
                 gpt_step(models[p], seq, 4, 100 + i, engines[p])
-            step_ms[p].append((time.perf_counter() - start) * 1e3 / len(seqs))
+                spent[p] += time.perf_counter() - start
+        for p in policies:
+            step_ms[p].append(spent[p] * 1e3 / len(seqs))
     profiled = {p: sum(s is not None for s in engines[p].recent_stages) for p in policies}
+    auto_plans = collections.Counter(
+        " ".join(d.value for d in plan.decisions) for plan in engines["auto"].plans.values()
+    )
+    auto_link = _link_line(engines["auto"])
     for eng in engines.values():
         eng.close()
     fixed = [p for p in policies if p != "auto"]
@@ -557,7 +569,15 @@ def part_pair(args: argparse.Namespace) -> dict:
     return emit(
         "pair",
         text,
-        {"budget_mb": budget_mb, "step_ms": step_ms, "best_fixed": best, "auto_over_best": statistics.median(ratios)},
+        {
+            "budget_mb": budget_mb,
+            "interleaved": "step by step",
+            "step_ms": step_ms,
+            "best_fixed": best,
+            "auto_over_best": statistics.median(ratios),
+            "auto_plans": dict(auto_plans.most_common()),
+            "auto_link": auto_link,
+        },
     )
 
 
@@ -590,7 +610,16 @@ def _fixed_child(policy: str, budget_mb: float, steps: int) -> dict:
         gpt_step(model, 256, 4, steps + i, eng)
     steady = _peak_rss() - rest_after
     stages = [] if eng is None else list(eng.recent_stages)
-    return {"policy": policy, "peak_first_mb": first / MB, "peak_steady_mb": steady / MB, "stages": stages}
+    plan = None if eng is None else eng.plan
+    return {
+        "policy": policy,
+        "peak_first_mb": first / MB,
+        "peak_steady_mb": steady / MB,
+        "stages": stages,
+        "decisions": [] if plan is None else [d.value for d in plan.decisions],
+        "predicted_peak_mb": None if plan is None else plan.predicted_peak_bytes / MB,
+        "link": "" if eng is None else _link_line(eng),
+    }
 
 
 def part_fixed(args: argparse.Namespace) -> dict:
