@@ -66,17 +66,19 @@ def train_lengths(
     seqs: list[int],
     eng=None,
     *,
-    size: int = BATCH,
+    size: int | list[int] = BATCH,
     on_step=None,
     first_step: int = 0,
     reset_stats: bool,
 ):
     """One SGD step per length in ``seqs``, step ``i`` from ``first_step`` on drawing batch ``i`` of
-    ``size`` rows and seeding ``SEED + i``; ``reset_stats``: the engine's stats reset before each
-    step. Returns every step's loss and gradients. ``on_step(eng)`` after each, before the update."""
+    ``size`` rows (a list: each step's own) and seeding ``SEED + i``; ``reset_stats``: the engine's
+    stats reset before each step. Returns every step's loss and gradients. ``on_step(eng)`` after
+    each, before the update."""
     history = []
     for i, seq in enumerate(seqs, start=first_step):
-        x, y = batch(seq, i, size, model.config.vocab_size)
+        rows = size if isinstance(size, int) else size[i - first_step]
+        x, y = batch(seq, i, rows, model.config.vocab_size)
         model.zero_grad(set_to_none=True)
         if eng is not None and reset_stats:
             eng.reset_stats()

@@ -19,7 +19,7 @@ import torch
 import offload
 from offload._profiler import MAX_MEASURED_SHAPES, MAX_PLANS, SEARCH_BUCKET, SIZE_TOLERANCE
 from offload.models.gpt import GPTConfig, MiniGPT
-from test_regions import MACHINE, SEED, assert_same_history, batch, block_engine, train_lengths
+from test_regions import MACHINE, assert_same_history, block_engine, train_lengths
 
 CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=160, dropout=0.1, attention="math")
 BATCH = 2
@@ -81,23 +81,8 @@ def test_dynamic_lengths_profile_a_few_steps_then_plan_every_shape(policy, spill
 
 def train_batches(model, shapes, eng=None):
     """One SGD step per (rows, length) in ``shapes``: the batch size changes too (a sampler by
-    tokens, the last batch of an epoch). Returns every step's loss and gradients."""
-    history = []
-    for i, (size, seq) in enumerate(shapes):
-        x, y = batch(seq, i, size, model.config.vocab_size)
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(SEED + i)
-        if eng is None:
-            _, loss = model(x, y)
-        else:
-            with eng:
-                _, loss = model(x, y)
-        loss.backward()
-        history.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= 0.1 * p.grad
-    return history
+    tokens, the last batch of an epoch)."""
+    return train_lengths(model, [seq for _, seq in shapes], eng, size=[rows for rows, _ in shapes], reset_stats=False)
 
 
 @pytest.mark.parametrize("policy", ["auto", "offload"])
