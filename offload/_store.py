@@ -223,27 +223,51 @@ class Store:
                     self._res.held = None
                     if self.budget.bytes is not None and self._res.resident_bytes > self.budget.bytes:
                         self._flight.drop_device(held)  # its next user is not next: it reads it again
-                if (  # only a budget that follows free memory falls under loads already made
+                if e.residence is Residence.LEAVING and e.users_left <= 0:
+                    # its first user of this pass: the original serves, and stays when its copy lands
+                    e.load_gen += 1
+                    e.users_left = e.refs
+                if (  # only a budget that follows free memory falls under what backward holds
                     self.budget.follows_free_memory
                     and self.budget.bytes is not None
                     and self._res.resident_bytes > self.budget.bytes
                 ):
-                    self._flight.give_back_loads(e, self.budget.bytes)
-                    self._enforce_budget()  # See Note: [a budget that falls in backward]
+                    self._shed_unmoved(e, self.budget.bytes)  # See Note: [a budget that falls in backward]
+                    if self._res.resident_bytes > self.budget.bytes:
+                        self._flight.give_back_loads(e, self.budget.bytes)
                 if e.residence is Residence.AWAY:
                     self.counters.prefetch_misses += 1
                     self._load(e)
                 else:
                     self.counters.prefetch_hits += 1
-                    if e.users_left <= 0:  # LEAVING, first user of this pass: the original serves
-                        e.load_gen += 1
-                        e.users_left = e.refs
                 if self.config.prefetch:
                     self._prefetch(e.seq)
                 view = self._serve(e, h)
                 self._drain_dead()
             self._res.note_peak(self.budget.bytes, in_use=e if e.residence is Residence.LEAVING else None)
             return view
+
+    def _shed_unmoved(self, serving: Entry, budget: int) -> None:
+        """Backward under a budget that has fallen (See Note: [a budget that falls in backward]):
+        start moving the tensors not moved yet, oldest first, until what is leaving covers the
+        excess, then wait for them (``serving``, in use, counts in neither)."""
+        res = self._res
+
+        def excess() -> int:
+            own = serving.nbytes if serving.residence in (Residence.LOADED, Residence.LEAVING) else 0
+            return res.resident_bytes - own - budget
+
+        leaving = sum(x.nbytes for x in res.leaving if x is not serving)
+        while res.hot and excess() > leaving:
+            x = next(iter(res.hot.values()))
+            leaving += x.nbytes
+            self._flight.evict(x)
+        start = time.perf_counter()
+        with record("offload::wait_evict"):
+            while excess() > 0 and res.leaving:  # they land in order (one stream, or polled so)
+                wait_quietly(res.leaving[0].copies[self._flight.out.tier])
+                self._flight.poll()
+        self.counters.evict_wait_ms += (time.perf_counter() - start) * 1e3
 
     def _load(self, e: Entry) -> None:
         """Start bringing a moved entry back to the device (prefetch or miss)."""
@@ -277,11 +301,14 @@ class Store:
 
     # Note: [a budget that falls in backward]
     #     Under ``budget_mb="auto"`` the budget falls when the step allocates outside the engine,
-    #     and backward allocates (gradients, an optimizer's first state). Loads read ahead go back
-    #     first (``give_back_loads``); if the engine still holds more than the budget, the tensors it
-    #     has not moved yet go too, oldest first (backward needs them last), and the unpack waits
-    #     until they have left, as a pack does in forward. It happens where a plan keeps a block
-    #     before one it offloads: backward reaches the offloaded block while the kept one is whole.
+    #     and backward allocates (gradients, an optimizer's first state). The tensors the engine
+    #     has not moved yet go first, oldest first (backward needs them last), just enough of them
+    #     to cover the excess, and the unpack waits until they have left, as a pack does in
+    #     forward; then, if still over, the loads read ahead (``give_back_loads``). It happens
+    #     where a plan keeps a block before one it offloads: backward reaches the offloaded block
+    #     while the kept one is whole. The tensor being unpacked is not counted: it is in use, and
+    #     if its copy out is still on its way its original serves this unpack and stays when the
+    #     copy lands (marked in use before anything is waited for).
     #     Before this, those tensors stayed over the budget until backward used them (a soak of the
     #     tiny Llama under "auto", whose plan kept blocks 0, 1 and 3, went over on 11 of 500 steps,
     #     by up to 3.2 MB; this path is the one found by reading, shown by a test on the store). A
