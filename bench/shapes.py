@@ -297,6 +297,17 @@ def part_soak(args: argparse.Namespace) -> dict:
             record.update(
                 profiling_steps=sum(s is not None for s in stages),
                 steps_over_budget=len(over),
+                over_steps=[  # where to look first: which steps, at what budget, under which stage
+                    {
+                        "step": i,
+                        "stage": s["stage"],
+                        "over_mb": s["over"] / MB,
+                        "budget_mb": None if s["budget"] is None else s["budget"] / MB,
+                        "peak_mb": s["peak"] / MB,
+                    }
+                    for i, s in enumerate(result["steps"])
+                    if s["over"] > 0
+                ],
                 worst_over_budget_mb=max((s["over"] for s in result["steps"]), default=0) / MB,
                 plans_held=result["plans"],
                 budget_mb_at_step_ends=_span(s["budget"] / MB for s in result["steps"] if s["budget"] is not None),
