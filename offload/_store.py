@@ -38,7 +38,7 @@ import collections
 import contextlib
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -88,16 +88,16 @@ class Store:
         self._res = self.residency
         self._flight = InFlight(self._res, self.tiers, counters)
         self._seq = 0
-        self.largest_new_bytes = 0
+        self._largest_new_bytes = 0
         """Bytes of the largest storage taken since ``take_largest`` last read it (regions measure
         their largest save by it: ``RegionProfile.largest_tensor_bytes``)."""
         if follow is not None:
             self.budget.read(0)
 
     def take_largest(self) -> int:
-        """``largest_new_bytes``, and start it over."""
+        """Bytes of the largest storage taken since the last call, and start it over."""
         with self._lock:
-            largest, self.largest_new_bytes = self.largest_new_bytes, 0
+            largest, self._largest_new_bytes = self._largest_new_bytes, 0
         return largest
 
     def read_free(self) -> None:
@@ -162,8 +162,8 @@ class Store:
                 e = Entry(self._seq, key, storage, t)
                 self._res.add(e)
                 self.counters.saved_bytes += e.nbytes
-                if e.nbytes > self.largest_new_bytes:
-                    self.largest_new_bytes = e.nbytes
+                if e.nbytes > self._largest_new_bytes:
+                    self._largest_new_bytes = e.nbytes
                 if self._follows:  # after counting it: it is allocated, not free
                     self._maybe_read_free(e.nbytes)
             elif e.users_left > 0:
@@ -188,13 +188,20 @@ class Store:
         assert evict_at is not None  # Budget.set_planned sets it whenever there is a budget
         while res.hot and res.hot_bytes + res.loaded_bytes > evict_at:
             self._flight.evict(next(iter(res.hot.values())))
-        if res.resident_bytes > budget and res.leaving:
-            start = time.perf_counter()
-            with record("offload::wait_evict"):
-                while res.resident_bytes > budget and res.leaving:
-                    wait_quietly(res.leaving[0].copies[self._flight.out.tier])
-                    self._flight.poll()
-            self.counters.evict_wait_ms += (time.perf_counter() - start) * 1e3
+        self._wait_leaving(lambda: res.resident_bytes - budget)
+
+    def _wait_leaving(self, excess: Callable[[], int]) -> None:
+        """Wait for copies out to land, in order (one stream, or polled so), while ``excess()``
+        bytes are still over the budget; the time goes to ``evict_wait_ms``."""
+        res = self._res
+        if excess() <= 0 or not res.leaving:
+            return
+        start = time.perf_counter()
+        with record("offload::wait_evict"):
+            while excess() > 0 and res.leaving:
+                wait_quietly(res.leaving[0].copies[self._flight.out.tier])
+                self._flight.poll()
+        self.counters.evict_wait_ms += (time.perf_counter() - start) * 1e3
 
     # ------------------------------------------------------------------ backward
 
@@ -262,12 +269,7 @@ class Store:
             x = next(iter(res.hot.values()))
             leaving += x.nbytes
             self._flight.evict(x)
-        start = time.perf_counter()
-        with record("offload::wait_evict"):
-            while excess() > 0 and res.leaving:  # they land in order (one stream, or polled so)
-                wait_quietly(res.leaving[0].copies[self._flight.out.tier])
-                self._flight.poll()
-        self.counters.evict_wait_ms += (time.perf_counter() - start) * 1e3
+        self._wait_leaving(excess)
 
     def _load(self, e: Entry) -> None:
         """Start bringing a moved entry back to the device (prefetch or miss)."""
@@ -309,10 +311,11 @@ class Store:
     #     while the kept one is whole. The tensor being unpacked is not counted: it is in use, and
     #     if its copy out is still on its way its original serves this unpack and stays when the
     #     copy lands (marked in use before anything is waited for).
-    #     Before this, those tensors stayed over the budget until backward used them (a soak of the
-    #     tiny Llama under "auto", whose plan kept blocks 0, 1 and 3, went over on 11 of 500 steps,
-    #     by up to 3.2 MB; this path is the one found by reading, shown by a test on the store). A
-    #     read back costs less than a device out of memory.
+    #     Before this, those tensors stayed over the budget until backward used them (found by
+    #     reading, shown by a test on the store). A read back costs less than a device out of
+    #     memory. It is not what made the 2026-12-03 soaks go over the budget "auto" on 11-12 of
+    #     500 steps: they still did with it, the excess sitting with loads read back in backward
+    #     (bench/results/shapes-cpu.md).
 
     # Note: [held for the next user]
     #     A storage with several users in backward (a norm output feeding two matmuls, the qkv
