@@ -127,13 +127,14 @@ class InFlight:
         self.res.host_lru.pop(e.seq, None)
         self.climb(e)
 
-    def give_back_loads(self, serving: Entry, budget_bytes: int) -> None:
+    def give_back_loads(self, serving: Entry, limit_bytes: int) -> None:
         """The budget fell below what backward has read back ahead of its users (``budget_mb="auto"``:
         someone else took the memory since): let go of the landed loads no user has read yet, the
-        ones backward needs last first, until the rest fits. Each is read again when its turn comes."""
+        ones backward needs last first, until what is resident is within ``limit_bytes`` (the budget,
+        plus ``serving`` where it is counted). Each is read again when its turn comes."""
         res = self.res
         for x in sorted(res.below.values(), key=lambda x: x.seq):
-            if res.resident_bytes <= budget_bytes:
+            if res.resident_bytes <= limit_bytes:
                 return
             device = x.device_copy()
             if (

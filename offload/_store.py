@@ -234,14 +234,7 @@ class Store:
                     # its first user of this pass: the original serves, and stays when its copy lands
                     e.load_gen += 1
                     e.users_left = e.refs
-                if (  # only a budget that follows free memory falls under what backward holds
-                    self.budget.follows_free_memory
-                    and self.budget.bytes is not None
-                    and self._res.resident_bytes > self.budget.bytes
-                ):
-                    self._shed_unmoved(e, self.budget.bytes)  # See Note: [a budget that falls in backward]
-                    if self._res.resident_bytes > self.budget.bytes:
-                        self._flight.give_back_loads(e, self.budget.bytes)
+                self._fit_fallen_budget(e)
                 if e.residence is Residence.AWAY:
                     self.counters.prefetch_misses += 1
                     self._load(e)
@@ -249,20 +242,34 @@ class Store:
                     self.counters.prefetch_hits += 1
                 if self.config.prefetch:
                     self._prefetch(e.seq)
+                self._fit_fallen_budget(e)  # a reading since may have found the budget lower
                 view = self._serve(e, h)
                 self._drain_dead()
             self._res.note_peak(self.budget.bytes, in_use=e if e.residence is Residence.LEAVING else None)
             return view
 
-    def _shed_unmoved(self, serving: Entry, budget: int) -> None:
-        """Backward under a budget that has fallen (See Note: [a budget that falls in backward]):
-        start moving the tensors not moved yet, oldest first, until what is leaving covers the
-        excess, then wait for them (``serving``, in use, counts in neither)."""
+    def _fit_fallen_budget(self, serving: Entry) -> None:
+        """Only a budget that follows free memory falls under what backward holds: when it has,
+        what is not moved yet goes, then the loads no user has read. ``serving``, in use, is not
+        counted (the peak after the unpack does not count it either)."""
+        budget = self.budget.bytes
+        if not self._follows or budget is None:
+            return
+        own = serving.nbytes if serving.residence in (Residence.LOADED, Residence.LEAVING) else 0
+        limit = budget + own  # a leaving original that lands in use stays LOADED: ``own`` holds throughout
+        if self._res.resident_bytes <= limit:
+            return
+        self._shed_unmoved(serving, limit)  # See Note: [a budget that falls in backward]
+        if self._res.resident_bytes > limit:
+            self._flight.give_back_loads(serving, limit)
+
+    def _shed_unmoved(self, serving: Entry, limit: int) -> None:
+        """Start moving the tensors not moved yet, oldest first, until what is leaving (``serving``
+        aside) covers what is resident over ``limit``, then wait for them to land."""
         res = self._res
 
         def excess() -> int:
-            own = serving.nbytes if serving.residence in (Residence.LOADED, Residence.LEAVING) else 0
-            return res.resident_bytes - own - budget
+            return res.resident_bytes - limit
 
         leaving = sum(x.nbytes for x in res.leaving if x is not serving)
         while res.hot and excess() > leaving:
@@ -272,7 +279,7 @@ class Store:
         self._wait_leaving(excess)
 
     def _load(self, e: Entry) -> None:
-        """Start bringing a moved entry back to the device (prefetch or miss)."""
+        """Start bringing back a moved entry its unpack needs now (a miss: it goes, whatever the budget)."""
         self._flight.load(e)
         self._maybe_read_free(e.nbytes)  # after the climb allocated its device copy, if it did
 
@@ -327,22 +334,35 @@ class Store:
     #     The peak after an unpack does not count it: those bytes are the tensor in use, held by
     #     autograd with or without the engine.
 
+    # Note: [a prefetch asks the budget in force]
+    #     Free memory is read by a rule (``_budget``: after so many bytes saved or loaded, or so
+    #     many milliseconds), not on every unpack, so backward can allocate gradients that no
+    #     reading has seen until one of the prefetch's loads comes due. The prefetch took its room
+    #     once, as it started, and counted it down: a reading that found the budget lower did not
+    #     stop the loads after it, and the unpack returned over the budget. Now each load first
+    #     counts its bytes toward a reading (taken before its device copy is allocated: resident
+    #     and free then move by the same bytes, so the budget read is the same), and goes only if
+    #     it fits the budget in force then; what a reading shows already over goes before the unpack
+    #     returns (``_fit_fallen_budget``, after the prefetch too). Found by reading, after the
+    #     2026-12-03 soaks went over the budget "auto" with loads read back in backward; shown by
+    #     a test on the store.
+
     def _prefetch(self, seq: int) -> None:
-        """Start reloading the entries saved just before ``seq`` while they fit the budget."""
-        res, budget = self._res, self.budget.bytes
-        room = None if budget is None else budget - res.resident_bytes
+        """Start reloading the entries saved just before ``seq`` while they fit the budget in force."""
+        res = self._res
         for s in reversed(res.below):
             if s >= seq:
                 continue
             e = res.below[s]
             if e.residence is not Residence.AWAY or (e.load_gen and e.users_left <= 0):
                 continue  # on its way, or already served in this pass (a later unpack is a miss)
-            if room is not None:
-                if e.nbytes > room:
+            if self.budget.bytes is not None:
+                if self._follows:  # See Note: [a prefetch asks the budget in force]
+                    self._maybe_read_free(e.nbytes)
+                if e.nbytes > self.budget.bytes - res.resident_bytes:
                     return
-                room -= e.nbytes
             try:
-                self._load(e)
+                self._flight.load(e)
             except torch.cuda.OutOfMemoryError:
                 # A prefetch is a guess: no room on the device now is no error; the unpack that
                 # needs this tensor loads it (and raises, if there is still no room then).

@@ -27,7 +27,7 @@ from offload._budget import (
 )
 from offload._config import Config
 from offload._cost import MB
-from offload._entry import Residence
+from offload._entry import Residence, Tier
 from offload._pending import FromFuture
 from offload._stats import Counters
 from offload._store import Store
@@ -580,4 +580,51 @@ def test_tensors_not_moved_yet_go_when_the_budget_falls_in_backward(spill_dir, m
             assert [h.entry.residence for h in handles[:4]] == [Residence.AWAY] * 2 + [Residence.HOT] * 2, (
                 "just enough of the kept block left, the oldest"
             )
+    store.close()
+
+
+def test_a_budget_found_lower_by_a_reading_during_the_prefetch_is_held(spill_dir):
+    """Free memory is read by a rule (every so many bytes saved or loaded), not on every unpack,
+    so backward can allocate its gradients with no reading seeing it until a prefetch's load
+    comes due. The prefetch must stop at the budget that reading finds, not count down the room
+    it found at its start, and what that reading shows already over goes before the unpack
+    returns: a kept tensor not moved yet, the oldest. Every unpack exact, the store's invariants
+    checked, never over the budget in force, each moved tensor read back once. (With the prefetch
+    counting down its first room, it reads every moved tensor back at once, and the fit after it
+    has to move both kept tensors out; with that fit removed, one kept tensor stays 0.25 MB over:
+    both shown once, by hand.)"""
+    q = 256 * 1024
+    device = {"capacity": 7 * MB, "other": 0}
+    config = Config.from_user("auto", reserve_mb=3, device="cpu", min_offload_bytes=0, spill_dir=spill_dir)
+    stores: list[Store] = []
+
+    def free() -> int:
+        return max(0, device["capacity"] - device["other"] - sum(s.resident_bytes for s in stores))
+
+    # read after every two tensors' bytes, never by time: the test says when a reading comes due
+    memory = FreeMemory(read=free, reread_bytes=2 * q, reread_ms=math.inf)
+    store = Store(config, torch.device("cpu"), Counters(), memory=memory)
+    stores.append(store)
+    store.budget.set_planned(True)
+    kept = [torch.randn(256, 256) for _ in range(2)]  # 256 KiB each, saved first, not moved
+    moved = [torch.randn(256, 256) for _ in range(6)]  # then a block moved at once
+    handles = [store.pack(t) for t in kept] + [store.pack(t, eager=True) for t in moved]
+    for h in handles[2:]:  # the moved block's copies land before backward
+        h.entry.copies[Tier.DISK].filled.wait()
+    store.read_free()  # a step's reading: the device is free, the budget is 4 MB
+    assert store.gauges().budget_bytes == 4 * MB
+    device["other"] = 15 * q  # backward allocates its gradients (the budget is now 0.25 MB); no reading is due
+    for i in reversed(range(len(handles))):
+        assert torch.equal(store.unpack(handles[i]), (kept + moved)[i])
+        store.residency.check()
+        gauges = store.gauges()
+        assert gauges.peak_over_budget_bytes == 0, (
+            f"unpack {i}: {gauges.peak_over_budget_bytes} bytes over {gauges.budget_bytes}"
+        )
+        if i == 7:
+            assert gauges.budget_bytes == q, "the premise: the prefetch's reading found the budget fallen"
+            assert [h.entry.residence for h in handles[:2]] == [Residence.AWAY, Residence.HOT], (
+                "just enough of the kept tensors left, the oldest"
+            )
+    assert store.counters.reloaded_bytes == 7 * q, "each moved tensor (and the kept one that left) read back once"
     store.close()
