@@ -321,8 +321,8 @@ class Store:
     #     Before this, those tensors stayed over the budget until backward used them (found by
     #     reading, shown by a test on the store). A read back costs less than a device out of
     #     memory. It is not what made the 2026-12-03 soaks go over the budget "auto" on 11-12 of
-    #     500 steps: they still did with it, the excess sitting with loads read back in backward
-    #     (bench/results/shapes-cpu.md).
+    #     500 steps: that was a prefetch reading past a budget found lower during it (See Note:
+    #     [a prefetch asks the budget in force]; bench/results/shapes-cpu.md).
 
     # Note: [held for the next user]
     #     A storage with several users in backward (a norm output feeding two matmuls, the qkv
