@@ -235,9 +235,10 @@ class Store:
                     e.load_gen += 1
                     e.users_left = e.refs
                 self._fit_fallen_budget(e)
-                if e.residence is Residence.AWAY:
+                if e.residence is Residence.AWAY:  # a miss: it comes back now, whatever the budget
                     self.counters.prefetch_misses += 1
-                    self._load(e)
+                    self._maybe_read_free(e.nbytes)  # before its device copy, as a prefetch reads
+                    self._flight.load(e)
                 else:
                     self.counters.prefetch_hits += 1
                 if self.config.prefetch:
@@ -277,11 +278,6 @@ class Store:
             leaving += x.nbytes
             self._flight.evict(x)
         self._wait_leaving(excess)
-
-    def _load(self, e: Entry) -> None:
-        """Start bringing back a moved entry its unpack needs now (a miss: it goes, whatever the budget)."""
-        self._flight.load(e)
-        self._maybe_read_free(e.nbytes)  # after the climb allocated its device copy, if it did
 
     def _serve(self, e: Entry, h: Handle) -> torch.Tensor:
         """Hand ``h`` its view of the device copy, once the copy is usable on the current stream."""
@@ -340,12 +336,13 @@ class Store:
     #     reading has seen until one of the prefetch's loads comes due. The prefetch took its room
     #     once, as it started, and counted it down: a reading that found the budget lower did not
     #     stop the loads after it, and the unpack returned over the budget. Now each load first
-    #     counts its bytes toward a reading (taken before its device copy is allocated: resident
-    #     and free then move by the same bytes, so the budget read is the same), and goes only if
-    #     it fits the budget in force then; what a reading shows already over goes before the unpack
-    #     returns (``_fit_fallen_budget``, after the prefetch too). Found by reading, after the
-    #     2026-12-03 soaks went over the budget "auto" with loads read back in backward; shown by
-    #     a test on the store.
+    #     counts its bytes toward a reading, taken before the load (resident and free then both
+    #     leave its bytes out, where after it a load still climbing through the host would be
+    #     counted resident and not yet taken from free), and a prefetch goes only if it fits the
+    #     budget in force then; a miss reads the same way and goes whatever the budget. What a
+    #     reading shows already over goes before the unpack returns (``_fit_fallen_budget``,
+    #     after the prefetch too). Found by reading, after the 2026-12-03 soaks went over the
+    #     budget "auto" with loads read back in backward; shown by a test on the store.
 
     def _prefetch(self, seq: int) -> None:
         """Start reloading the entries saved just before ``seq`` while they fit the budget in force."""
@@ -356,11 +353,9 @@ class Store:
             e = res.below[s]
             if e.residence is not Residence.AWAY or (e.load_gen and e.users_left <= 0):
                 continue  # on its way, or already served in this pass (a later unpack is a miss)
-            if self.budget.bytes is not None:
-                if self._follows:  # See Note: [a prefetch asks the budget in force]
-                    self._maybe_read_free(e.nbytes)
-                if e.nbytes > self.budget.bytes - res.resident_bytes:
-                    return
+            self._maybe_read_free(e.nbytes)  # See Note: [a prefetch asks the budget in force]
+            if self.budget.bytes is not None and e.nbytes > self.budget.bytes - res.resident_bytes:
+                return
             try:
                 self._flight.load(e)
             except torch.cuda.OutOfMemoryError:
