@@ -138,6 +138,10 @@ class RegionProfile:
     selective_ms: float = 0.0
     """Wall time of the region's selective re-run in backward (its cheap ops), ms. 0: not measured,
     or the region cannot be split (``note`` says why): the planner then never runs it selectively."""
+    forward_flops: int = 0
+    """FLOPs of its forward's matmuls, attention and convolutions (torch's flop counter, on a step
+    that re-ran it to measure a selective run). The planner does not read it; the fits of times
+    across shapes do (``_fit``): times follow FLOPs. 0: not counted."""
     note: str = ""
     """Why the region cannot run selectively ("" where it can or nobody tried), for ``explain()``."""
     scope: Scope = Scope.REGION

@@ -122,6 +122,7 @@ class Measurement:
             largest_tensor_bytes=self.largest_tensor_bytes,
             backward_ms=max(0.0, raw_ms - self.recompute_ms - self.profiling_ms()) if raw_ms > 0 else 0.0,
             recompute_ms=self.recompute_ms,
+            forward_flops=0 if self.selective is None else self.selective.forward_flops,
             note=self.note,
             **self._selective_fields(),
         )

@@ -384,13 +384,20 @@ class Frame:
     #     to the caller of torch.autograd.grad unchanged (torch's own checkpoint relies on it);
     #     that backward's graph belongs to the re-run and is dropped with it.
     def _rerun(
-        self, mode: Any, timed: bool, inputs: Optional[tuple] = None, on_save: Optional[Callable] = None
+        self,
+        mode: Any,
+        timed: bool,
+        inputs: Optional[tuple] = None,
+        on_save: Optional[Callable] = None,
+        *,
+        whole: bool = False,
     ) -> tuple[list, float]:
         """Re-run the region with its forward's RNG and autocast state, under ``mode``, capturing
-        every save in order until the last (then it stops early). ``inputs``: (args, kwargs)
-        already rebuilt, else they are rebuilt here, inside the clock. Returns the saves and the
-        re-run's wall ms (``timed``: the devices synchronized around it, for profiling steps
-        only). ``on_save`` sees each save as it is captured (a profiling re-run counts them)."""
+        every save in order until the last (then it stops early, unless ``whole``: a profiling
+        re-run that counts every op). ``inputs``: (args, kwargs) already rebuilt, else they are
+        rebuilt here, inside the clock. Returns the saves and the re-run's wall ms (``timed``: the
+        devices synchronized around it, for profiling steps only). ``on_save`` sees each save as it
+        is captured (a profiling re-run counts them)."""
         captured: list = []
         total = len(self.meta)
 
@@ -398,7 +405,7 @@ class Frame:
             captured.append(t.detach())
             if on_save is not None:
                 on_save(t)
-            if len(captured) == total:
+            if len(captured) == total and not whole:
                 raise StopRecompute  # everything backward needs exists; skip the rest of the region
             return len(captured) - 1
 

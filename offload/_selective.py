@@ -48,6 +48,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -464,20 +465,44 @@ _NOTHING = SelectiveRun(dropped_bytes=0, cheap_bytes=0, stash_bytes=0, stashed_t
 """What a region run without grad drops: nothing."""
 
 
+def _attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of attention over (batch, heads, length, head dim) tensors: the two matmuls, scores
+    Q·Kᵀ and their product with V, as torch counts its fused kernels (every score, causal or not)."""
+    b, h, s_q, d = query.shape
+    s_k, d_v = key.shape[-2], value.shape[-1]
+    return 2 * b * h * s_q * s_k * (d + d_v)
+
+
+_FLOP_FORMULAS: dict = {
+    **{op: _attention_flops for op in _ops("_scaled_dot_product_flash_attention_for_cpu")},
+    **getattr(flop_counter, "flop_registry", {}),
+}
+"""FLOP formulas by op packet (matmuls, attention, convolutions): torch's, those ``FlopCounterMode``
+uses (each takes the op's arguments and ``out_val=`` its output), and where torch has none, ours
+(the CPU's fused attention, torch 2.13). torch's table is not in its module's ``__all__`` (torch
+2.1 to 2.13 have it); without it only ours count, and a region whose ops none of them counts has
+its times fitted on the shape's terms (``_fit``)."""
+
+
 class _ProfileMode(_Mode):
     """A profiling re-run's mode: runs every op; times the expensive ones (synchronizing CUDA) and
-    holds their outputs in order (the re-run's own, dropped with it)."""
+    holds their outputs in order (the re-run's own, dropped with it); counts the FLOPs of those
+    torch has a formula for (``flops``; None where a formula failed), off the clocks."""
 
     def __init__(self, cuda_devices: list) -> None:
         super().__init__()
         self.cuda_devices = cuda_devices
         self.expensive_ms = 0.0
+        self.counting_ms = 0.0
+        self.flops: int | None = 0
         self.calls: list[list[_Held]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not is_expensive(func):
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            self._count(func, args, kwargs, out)
+            return out
         synchronize_devices(self.cuda_devices)
         start = time.perf_counter()
         out = func(*args, **kwargs)
@@ -485,7 +510,20 @@ class _ProfileMode(_Mode):
         self.expensive_ms += (time.perf_counter() - start) * 1e3
         leaves, _ = tree_flatten(out)
         self.calls.append([_Held(t) for t in leaves if isinstance(t, torch.Tensor)])
+        self._count(func, args, kwargs, out)
         return out
+
+    def _count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        formula = _FLOP_FORMULAS.get(getattr(func, "overloadpacket", None))
+        if formula is None or self.flops is None:
+            return
+        start = time.perf_counter()
+        try:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        except Exception as e:  # noqa: BLE001 - a formula that does not fit these arguments
+            log.info("offload: no FLOP count for %s: %r", func, e)
+            self.flops = None
+        self.counting_ms += (time.perf_counter() - start) * 1e3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -503,6 +541,10 @@ class SelectiveProfile:
     """Why the region cannot be split ("" where it can)."""
     rerun_ms: float
     """Wall time of the measuring re-run itself, ms: the profiling step's backward includes it."""
+    forward_flops: int = 0
+    """FLOPs of the region's forward in the ops torch's flop counter has formulas for (matmuls,
+    attention, convolutions; see Note: [a profiling re-run runs to the end]). 0: not counted (a
+    formula failed, or the re-run did)."""
 
 
 class _ProfiledFrame(Frame):
@@ -550,20 +592,36 @@ class _ProfiledFrame(Frame):
     #     collector cannot see, so one region's activations would stay alive for ever, once per
     #     profiled input shape. Emptying ``captured`` and ``mode.calls`` when the re-run is done
     #     (or raised) opens it; the figures are computed from the local ``calls`` first.
+    # Note: [a profiling re-run runs to the end]
+    #     A recompute stops at the region's last save: what comes after it (a block's last matmul,
+    #     its residual add) backward does not need. The measuring re-run goes on to the end, so its
+    #     FLOP count is the whole forward's, as torch's counter gives it; its selective time is
+    #     still taken at the last save (the clock read there, the devices synchronized), which is
+    #     where a selective re-run stops.
     def _profile_selective(self) -> SelectiveProfile:
         saved: dict[int, int] = {}  # droppable saves: storage id -> nbytes
         reached = [0]  # expensive calls made before the latest save
+        at_last = [0.0, 0.0, 0.0]  # at the last save: the clock, and the mode's expensive and counting ms
+        count = [0]
         mode = _ProfileMode(self.rng.cuda_devices)
+        last = len(self.meta)
 
         def on_save(t: torch.Tensor) -> None:
             reached[0] = len(mode.calls)
             if droppable(t):
                 saved[storage_id(t)] = t.untyped_storage().nbytes()
+            count[0] += 1
+            if count[0] == last:
+                synchronize_devices(self.rng.cuda_devices)
+                at_last[:] = [time.perf_counter(), mode.expensive_ms, mode.counting_ms]
 
         args, kwargs = self._rebuild_args()
         inputs = {storage_id(a) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
         try:
-            _, total_ms = self._rerun(mode, timed=True, inputs=(args, kwargs), on_save=on_save)
+            _, total_ms = self._rerun(mode, timed=True, inputs=(args, kwargs), on_save=on_save, whole=True)
+            if count[0] < last:  # fewer saves than the forward made: the figures of the whole re-run
+                at_last[:] = [time.perf_counter(), mode.expensive_ms, mode.counting_ms]
+            tail_ms = (time.perf_counter() - at_last[0]) * 1e3
             calls = mode.calls[: reached[0]]
         finally:
             mode.calls = []  # See Note: [a profiling re-run holds nothing after it]
@@ -571,12 +629,13 @@ class _ProfiledFrame(Frame):
         stash = {storage_id(h.tensor): h.tensor.untyped_storage().nbytes() for h in held}
         written = next((i for i, call in enumerate(calls) if any(h.tensor._version != h.version for h in call)), None)
         return SelectiveProfile(
-            selective_ms=max(MIN_SELECTIVE_MS, total_ms - mode.expensive_ms),
+            selective_ms=max(MIN_SELECTIVE_MS, total_ms - tail_ms - at_last[1] - at_last[2]),
             cheap_bytes=sum(n for key, n in saved.items() if key not in inputs and key not in stash),
             expensive_bytes=sum(stash.values()),
             expensive_tensors=len(held),
             why_not="" if written is None else f"an op wrote in place into the output of expensive op {written}",
             rerun_ms=total_ms,
+            forward_flops=mode.flops or 0,
         )
 
 

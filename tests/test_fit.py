@@ -13,7 +13,17 @@ import math
 import pytest
 
 from offload._cost import RegionProfile
-from offload._fit import BYTE_BASES, BYTE_TOLERANCE, MAX_POINTS, TIME_BASES, TIME_TOLERANCE, FieldFit, ProfileFit, Shape
+from offload._fit import (
+    BYTE_BASES,
+    BYTE_TOLERANCE,
+    FLOP_TIME_BASES,
+    MAX_POINTS,
+    TIME_BASES,
+    TIME_TOLERANCE,
+    FieldFit,
+    ProfileFit,
+    Shape,
+)
 
 WIDTH, BATCH = 256, 4
 
@@ -144,6 +154,52 @@ def test_a_time_trend_within_the_tolerance_is_still_followed():
         (derived,), _ = fit.derive(shape(seq))
         assert derived.forward_ms == pytest.approx(block_ms(shape(seq)), rel=0.06), seq
     assert "forward ms ~ n+ns" in fit.describe()
+
+
+def block_flops(s: Shape) -> float:
+    """MiniGPT's block (width 256, SDPA) as torch's counter and ours count it: 18.75·d² FLOPs a
+    token in its matmuls, plus attention's 4·d·s."""
+    return s.n / WIDTH * (18.75 * WIDTH * WIDTH + 4 * WIDTH * s.s)
+
+
+def test_times_follow_the_flops_count_where_noise_hides_the_attention_term():
+    """Three timed shapes, each +-5 % off (one step each): leave-one-out on the shape's terms takes
+    [n], 12-14 % low at length 473. With the FLOPs counted (exact) at the same shapes, the times are
+    fitted on the FLOPs fit and are within the noise's mean everywhere."""
+
+    def block_ms(s: Shape) -> float:
+        return 1.74e-8 * block_flops(s)
+
+    noisy = ((131, 1.05), (250, 0.96), (509, 0.97))
+    plain, counted = ProfileFit(["blocks.0"]), ProfileFit(["blocks.0"])
+    for seq, noise in noisy:
+        p = RegionProfile(**{**profile(shape(seq)).__dict__, "forward_ms": block_ms(shape(seq)) * noise})
+        plain.add(shape(seq), [p])
+        counted.add(shape(seq), [RegionProfile(**{**p.__dict__, "forward_flops": round(block_flops(shape(seq)))})])
+    (far,), _ = plain.derive(shape(473))
+    assert far.forward_ms < 0.88 * block_ms(shape(473)), "the premise: without a count, the trend is lost"
+    assert "forward ms ~ n" in plain.describe()
+    for seq in (164, 217, 342, 399, 414, 438, 473):
+        (derived,), _ = counted.derive(shape(seq))
+        assert derived.forward_ms == pytest.approx(block_ms(shape(seq)), rel=0.02), seq
+        assert derived.forward_flops == round(block_flops(shape(seq))), "FLOPs are fitted exactly, like sizes"
+    assert "forward ms ~ flops(n+ns)" in counted.describe()
+    again = ProfileFit.from_dict(counted.to_dict(), ["blocks.0"])
+    assert again.derive(shape(400)) == counted.derive(shape(400)), "the counts travel with the plan cache"
+
+
+def test_a_count_arriving_later_refits_the_times():
+    """Times measured before any count (a "measure" step) are refitted on the FLOPs once counts
+    arrive; with one count the FLOPs are proportional to n, as the times alone would be."""
+    flops = FieldFit(BYTE_TOLERANCE, BYTE_BASES)
+    times = FieldFit(TIME_TOLERANCE, TIME_BASES, cross_validate=True, flops=flops)
+    for seq in (131, 250, 509):
+        times.add(shape(seq), 1.74e-8 * block_flops(shape(seq)))
+    assert times.model().basis in TIME_BASES
+    flops.add(shape(250), block_flops(shape(250)))
+    assert times.model().basis in FLOP_TIME_BASES
+    flops.add(shape(509), block_flops(shape(509)))
+    assert times.at(shape(473)) == pytest.approx(1.74e-8 * block_flops(shape(473)), rel=1e-6)
 
 
 def test_trial_fields_follow_their_primary_until_they_have_two_points():

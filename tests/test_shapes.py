@@ -8,6 +8,7 @@ must have predicted.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -224,6 +225,46 @@ def test_explain_says_where_a_plan_comes_from(spill_dir):
     train(model, [160], eng)
     assert "profiles: measured" in offload.explain(eng)
     eng.close()
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+def test_times_are_fitted_on_the_flops_counted_at_the_measured_shapes(attention, spill_dir):
+    """Each measured shape's trial re-run counts the blocks' FLOPs; with two shapes counted, the
+    count's fit has attention's n·s term (torch's formulas for the math path's bmm, ours for the
+    CPU's fused kernel), and the times are fitted on it (``_fit``)."""
+    model = make_model(dataclasses.replace(CONFIG, attention=attention, dropout=0.0))
+    eng = block_engine(model, 0.05, "selective", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
+    train(model, [160, 160, 160, 80, 120], eng)
+    plan = next(p for key, p in eng.plans.items() if key[0][0][1] == 120)
+    assert plan.origin.startswith("derived"), plan.origin
+    times = plan.origin.split("forward ms ~ ")[1].split(" | ")
+    blocks = [t for t in times if "flops" in t]
+    assert blocks and all("flops(n+ns)" in t for t in blocks), plan.origin
+    eng.close()
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+def test_the_trial_counts_each_blocks_flops_as_torchs_counter_does(attention, spill_dir):
+    """The recompute trial's re-run counts each block's FLOPs: for the math path what torch's
+    ``FlopCounterMode`` counts, and for the CPU's fused kernel (which torch's counter leaves out)
+    the same attention FLOPs as the math path's two batched matmuls."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = dataclasses.replace(CONFIG, attention=attention, dropout=0.0)
+    model = make_model(config)
+    eng = block_engine(model, 0.05, "selective", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
+    train(model, [160, 160], eng)
+    trial = next(p for p in eng.profiled_steps if p.stage == "recompute")
+    eng.close()
+    reference = make_model(dataclasses.replace(config, attention="math"))
+    x = torch.randn(BATCH, 160, config.n_embd)
+    expected = []
+    for block in reference.blocks:
+        with FlopCounterMode(display=False) as counter:
+            block(x)
+        expected.append(counter.get_total_flops())
+    assert [r.forward_flops for r in trial.regions] == expected
+    assert all(f > 0 for f in expected)
 
 
 def test_a_loop_of_new_lengths_searches_once_per_bucket_not_once_a_step(spill_dir, caplog):
