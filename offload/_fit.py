@@ -22,8 +22,9 @@ and where none does, the basis that misses least.
 
 Times follow FLOPs, and FLOPs are exact: a region re-run to measure a selective run has its
 matmuls, attention and convolutions counted (``RegionProfile.forward_flops``, torch's flop
-counter), fitted like a size (``BYTE_TOLERANCE``, the byte bases). Once a region has a count, its
-times are fitted on that count's fit ``f`` instead of on ``n·s``::
+counter), fitted like a size (``BYTE_TOLERANCE``, the byte bases). Once a region has counts at two
+shapes, its forward, backward and recompute times are fitted on that count's fit ``f`` instead of
+on ``n·s`` (the selective re-run, the cheap ops, stays on the shape's terms)::
 
     times, FLOPs counted   [f]   [1, f]   [n, f]   [1, n, f]     (``FLOP_TIME_BASES``)
 
@@ -105,6 +106,10 @@ _BYTE_FIELDS = (
 )
 _COUNT_FIELDS = ("num_tensors", "expensive_tensors")
 _TIME_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "selective_ms")
+_FLOP_TIMES = ("forward_ms", "backward_ms", "recompute_ms")
+"""Times fitted on the FLOPs once counted: those of the forward's matmuls and attention (backward
+is about twice them). Not ``selective_ms``: a selective re-run is the cheap ops, which the count
+leaves out (norms, activations, copies grow with ``n``; a softmax over scores with ``n·s``)."""
 _SIZES = ("saved_bytes", "input_bytes", "num_tensors", "largest_tensor_bytes")
 """What every profiling step measures (its times may not count: ``ProfileFit.add``)."""
 _PRIMARY = {
@@ -250,9 +255,14 @@ class FieldFit:
     def model(self) -> _Model:
         version = self.flops.version if self.flops is not None else None
         if self._model is None or self._model_version != version:
-            flops = self.flops.model() if self.flops else None
+            flops = self.flops.model() if self.flops is not None and self.flops.measured_at() >= 2 else None
             self._model, self._model_version = self._fit(flops), version
         return self._model
+
+    def measured_at(self) -> int:
+        """Distinct shapes with a value above 0: a FLOPs fit from fewer is proportional to ``n``,
+        which says nothing the shape's terms do not (and would take ``n·s`` from a time fit)."""
+        return len({_key(p) for p, v in self.points if v > 0})
 
     def _fit(self, flops: Optional[_Model]) -> _Model:
         points = [(p, v) for p, v in self.points if v > 0]
@@ -339,7 +349,10 @@ class _RegionFit:
         }
         flops = self.fields["forward_flops"]
         self.fields.update(
-            {f: FieldFit(TIME_TOLERANCE, TIME_BASES, cross_validate=True, flops=flops) for f in _TIME_FIELDS}
+            {
+                f: FieldFit(TIME_TOLERANCE, TIME_BASES, cross_validate=True, flops=flops if f in _FLOP_TIMES else None)
+                for f in _TIME_FIELDS
+            }
         )
         self.ratios: dict[str, list[tuple[Shape, float]]] = {f: [] for f in _PRIMARY}
 

@@ -26,29 +26,17 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
 
 from ._cost import RegionProfile, Scope
 from ._hooks import Eligibility
 from ._machines import Machine
 from ._profiler import AFTER_NAME, BEFORE_NAME
-from ._selective import MIN_SELECTIVE_MS, is_expensive
+from ._selective import MIN_SELECTIVE_MS, flop_formula, is_expensive
 
 __all__ = ["RegionCount", "StepCounter", "is_alias"]
 
 _MS_PER_S = 1e3
 _GB = 1e9
-
-_FLOP_ALIASES = {
-    name: target
-    for name, target in (
-        ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"),
-        ("_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward"),
-    )
-    if hasattr(torch.ops.aten, name)
-}
-"""Ops ``torch.utils.flop_counter`` has no formula for, counted with the formula of the same
-computation on another kernel (the CPU's flash attention is flash attention)."""
 
 
 def is_alias(func: Any) -> bool:
@@ -236,10 +224,7 @@ class StepCounter:
             self.counts[self.slot()].forward_dispatches += 1
         if is_alias(func):
             return
-        packet = func.overloadpacket
-        formula = flop_registry.get(packet)
-        if formula is None and packet.__name__ in _FLOP_ALIASES:
-            formula = flop_registry.get(getattr(torch.ops.aten, _FLOP_ALIASES[packet.__name__]))
+        formula = flop_formula(func)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         touched = sum(_nbytes(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
         ms = max(flops * self.flop_ms_per_flop, touched * self.ms_per_byte) + self.op_ms

@@ -48,9 +48,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
 
 from ._errors import OffloadError, inplace_error
 from ._recompute import Frame, RNGState, droppable, storage_id, synchronize_devices
@@ -60,6 +60,7 @@ __all__ = [
     "MIN_SELECTIVE_MS",
     "SelectiveProfile",
     "SelectiveRun",
+    "flop_formula",
     "is_compiled",
     "is_expensive",
     "profiled_checkpoint",
@@ -465,23 +466,28 @@ _NOTHING = SelectiveRun(dropped_bytes=0, cheap_bytes=0, stash_bytes=0, stashed_t
 """What a region run without grad drops: nothing."""
 
 
-def _attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> int:
-    """FLOPs of attention over (batch, heads, length, head dim) tensors: the two matmuls, scores
-    Q·Kᵀ and their product with V, as torch counts its fused kernels (every score, causal or not)."""
-    b, h, s_q, d = query.shape
-    s_k, d_v = key.shape[-2], value.shape[-1]
-    return 2 * b * h * s_q * s_k * (d + d_v)
-
-
-_FLOP_FORMULAS: dict = {
-    **{op: _attention_flops for op in _ops("_scaled_dot_product_flash_attention_for_cpu")},
-    **getattr(flop_counter, "flop_registry", {}),
+_FLOP_ALIASES = {
+    name: target
+    for name, target in (
+        ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward"),
+    )
+    if hasattr(torch.ops.aten, name)
 }
-"""FLOP formulas by op packet (matmuls, attention, convolutions): torch's, those ``FlopCounterMode``
-uses (each takes the op's arguments and ``out_val=`` its output), and where torch has none, ours
-(the CPU's fused attention, torch 2.13). torch's table is not in its module's ``__all__`` (torch
-2.1 to 2.13 have it); without it only ours count, and a region whose ops none of them counts has
-its times fitted on the shape's terms (``_fit``)."""
+"""Ops ``torch.utils.flop_counter`` has no formula for, counted with the formula of the same
+computation on another kernel (the CPU's flash attention is flash attention)."""
+
+
+def flop_formula(func: Any) -> Callable | None:
+    """The FLOP formula of an aten op: torch's (``FlopCounterMode``'s table, looked up at each call,
+    so a formula registered later counts; each takes the op's arguments and ``out_val=`` its
+    output), or that of the same computation on another kernel (``_FLOP_ALIASES``); None for an op
+    with no FLOPs to count."""
+    packet = getattr(func, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None and packet is not None and packet.__name__ in _FLOP_ALIASES:
+        formula = flop_registry.get(getattr(torch.ops.aten, _FLOP_ALIASES[packet.__name__]))
+    return formula
 
 
 class _ProfileMode(_Mode):
@@ -514,7 +520,7 @@ class _ProfileMode(_Mode):
         return out
 
     def _count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        formula = _FLOP_FORMULAS.get(getattr(func, "overloadpacket", None))
+        formula = flop_formula(func)
         if formula is None or self.flops is None:
             return
         start = time.perf_counter()
@@ -531,7 +537,8 @@ class SelectiveProfile:
     """What running a region selectively would cost, measured by re-running it once more."""
 
     selective_ms: float
-    """The re-run's wall time less its expensive ops' time, ms (at least ``MIN_SELECTIVE_MS``)."""
+    """The re-run's wall time up to the region's last save (where a selective re-run stops) less
+    its expensive ops' time and the FLOP counting, ms (at least ``MIN_SELECTIVE_MS``)."""
     cheap_bytes: int
     """Bytes of saves a selective run would drop (not inputs, parameters or expensive outputs)."""
     expensive_bytes: int
@@ -597,13 +604,17 @@ class _ProfiledFrame(Frame):
     #     its residual add) backward does not need. The measuring re-run goes on to the end, so its
     #     FLOP count is the whole forward's, as torch's counter gives it; its selective time is
     #     still taken at the last save (the clock read there, the devices synchronized), which is
-    #     where a selective re-run stops.
+    #     where a selective re-run stops. So on a "recompute" trial the code after a region's last
+    #     save runs once more, as the code before it already does (a region with side effects
+    #     belongs under policy="offload", which never re-runs). Should that code raise, the
+    #     figures up to the last save stand and the FLOPs are not counted.
     def _profile_selective(self) -> SelectiveProfile:
         saved: dict[int, int] = {}  # droppable saves: storage id -> nbytes
         reached = [0]  # expensive calls made before the latest save
         at_last = [0.0, 0.0, 0.0]  # at the last save: the clock, and the mode's expensive and counting ms
         count = [0]
-        mode = _ProfileMode(self.rng.cuda_devices)
+        devices = self.rng.cuda_devices  # on_save must not hold the frame: See Note: [recompute hooks hold no frame]
+        mode = _ProfileMode(devices)
         last = len(self.meta)
 
         def on_save(t: torch.Tensor) -> None:
@@ -612,13 +623,25 @@ class _ProfiledFrame(Frame):
                 saved[storage_id(t)] = t.untyped_storage().nbytes()
             count[0] += 1
             if count[0] == last:
-                synchronize_devices(self.rng.cuda_devices)
+                synchronize_devices(devices)
                 at_last[:] = [time.perf_counter(), mode.expensive_ms, mode.counting_ms]
 
         args, kwargs = self._rebuild_args()
         inputs = {storage_id(a) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
+        start = time.perf_counter()
         try:
-            _, total_ms = self._rerun(mode, timed=True, inputs=(args, kwargs), on_save=on_save, whole=True)
+            try:
+                _, total_ms = self._rerun(mode, timed=True, inputs=(args, kwargs), on_save=on_save, whole=True)
+            except Exception as e:  # noqa: BLE001 - after the last save: See Note: [a profiling re-run runs to the end]
+                if count[0] < last:
+                    raise
+                log.info(
+                    "offload: region %r raised after its last save when re-run; its FLOPs go uncounted: %r",
+                    self.name,
+                    e,
+                )
+                synchronize_devices(devices)
+                total_ms, mode.flops = (time.perf_counter() - start) * 1e3, None
             if count[0] < last:  # fewer saves than the forward made: the figures of the whole re-run
                 at_last[:] = [time.perf_counter(), mode.expensive_ms, mode.counting_ms]
             tail_ms = (time.perf_counter() - at_last[0]) * 1e3

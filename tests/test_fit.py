@@ -157,8 +157,8 @@ def test_a_time_trend_within_the_tolerance_is_still_followed():
 
 
 def block_flops(s: Shape) -> float:
-    """MiniGPT's block (width 256, SDPA) as torch's counter and ours count it: 18.75·d² FLOPs a
-    token in its matmuls, plus attention's 4·d·s."""
+    """A block's FLOPs, made up in MiniGPT's form (width 256): 18.75·d² a token in its matmuls
+    (the real block has about 24), plus attention's 4·d·s."""
     return s.n / WIDTH * (18.75 * WIDTH * WIDTH + 4 * WIDTH * s.s)
 
 
@@ -189,17 +189,48 @@ def test_times_follow_the_flops_count_where_noise_hides_the_attention_term():
 
 
 def test_a_count_arriving_later_refits_the_times():
-    """Times measured before any count (a "measure" step) are refitted on the FLOPs once counts
-    arrive; with one count the FLOPs are proportional to n, as the times alone would be."""
+    """Times measured before any count (a "measure" step) are refitted on the FLOPs once counts at
+    two shapes arrive. One count is proportional to n, which would only take n·s from the times:
+    until a second, the shape's terms stay (here [n, n·s], exact)."""
     flops = FieldFit(BYTE_TOLERANCE, BYTE_BASES)
     times = FieldFit(TIME_TOLERANCE, TIME_BASES, cross_validate=True, flops=flops)
     for seq in (131, 250, 509):
         times.add(shape(seq), 1.74e-8 * block_flops(shape(seq)))
-    assert times.model().basis in TIME_BASES
+    assert times.model().basis == ("n", "ns")
     flops.add(shape(250), block_flops(shape(250)))
-    assert times.model().basis in FLOP_TIME_BASES
+    assert times.model().basis == ("n", "ns"), "one count says nothing the shape's terms do not"
     flops.add(shape(509), block_flops(shape(509)))
+    assert times.model().basis in FLOP_TIME_BASES
     assert times.at(shape(473)) == pytest.approx(1.74e-8 * block_flops(shape(473)), rel=1e-6)
+
+
+def test_the_selective_time_stays_on_the_shapes_terms():
+    """A selective re-run is the cheap ops, which the FLOPs count leaves out: linear in n here,
+    and fitted so, while the forward beside it follows the count."""
+    fit = ProfileFit(["blocks.0"])
+    for seq in (131, 250, 509):
+        s = shape(seq)
+        p = profile(s, forward_flops=round(block_flops(s)), selective_ms=3e-6 * s.n, cheap_bytes=9 * s.n)
+        fit.add(s, [RegionProfile(**{**p.__dict__, "forward_ms": 1.74e-8 * block_flops(s)})])
+    (derived,), _ = fit.derive(shape(400))
+    assert derived.selective_ms == pytest.approx(3e-6 * shape(400).n, rel=1e-9)
+    assert derived.forward_ms == pytest.approx(1.74e-8 * block_flops(shape(400)), rel=1e-6)
+
+
+def test_counts_of_zero_from_a_damaged_cache_are_no_count():
+    fit = ProfileFit(["blocks.0"])
+    for seq in (131, 250, 509):
+        fit.add(shape(seq), [profile(shape(seq), forward_flops=round(block_flops(shape(seq))))])
+    data = fit.to_dict()
+    for point in data["regions"][0]["fields"]["forward_flops"]:
+        point[3] = 0
+    again = ProfileFit.from_dict(data, ["blocks.0"])
+    uncounted = ProfileFit(["blocks.0"])
+    for seq in (131, 250, 509):
+        uncounted.add(shape(seq), [profile(shape(seq))])
+    (derived,), _ = again.derive(shape(400))
+    (plain,), _ = uncounted.derive(shape(400))
+    assert derived.forward_ms == plain.forward_ms > 0, "fitted on the shape's terms, as with no count"
 
 
 def test_trial_fields_follow_their_primary_until_they_have_two_points():

@@ -267,6 +267,37 @@ def test_the_trial_counts_each_blocks_flops_as_torchs_counter_does(attention, sp
     assert all(f > 0 for f in expected)
 
 
+def test_a_region_raising_after_its_last_save_in_the_counting_re_run_keeps_its_selective_figures(spill_dir, caplog):
+    """The measuring re-run goes past the region's last save (to count every FLOP); should the code
+    there raise, the selective figures up to the last save stand, the FLOPs go uncounted, and the
+    step and training go on, gradients exact."""
+    config = dataclasses.replace(CONFIG, dropout=0.0)
+    seqs = [160, 160, 160, 160]
+    reference = train(make_model(config), seqs)
+    model = make_model(config)
+    block = model.blocks[1]
+    forward, calls = block.forward, [0]
+
+    def raising_in_the_third_call(*args, **kwargs):
+        out = forward(*args, **kwargs)  # re-runs that stop at the last save never come back here
+        calls[0] += 1
+        if calls[0] == 3:  # "measure", the trial's forward, then the trial's counting re-run
+            raise RuntimeError("after the last save")
+        return out
+
+    block.forward = raising_in_the_third_call
+    eng = block_engine(model, 0.05, "selective", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
+    with caplog.at_level(logging.INFO, logger="offload._selective"):
+        assert_same_history(train(model, seqs, eng), reference, "a region that raises after its last save")
+    trial = next(p for p in eng.profiled_steps if p.stage == "recompute")
+    eng.close()
+    assert calls[0] >= 3, "the premise: the counting re-run reached the code after the last save"
+    assert "raised after its last save" in caplog.text
+    flops = [r.forward_flops for r in trial.regions]
+    assert flops[1] == 0 and flops[0] > 0 and flops[2] > 0, flops
+    assert all(r.selective_measured() and r.note == "" for r in trial.regions), trial.regions
+
+
 def test_a_loop_of_new_lengths_searches_once_per_bucket_not_once_a_step(spill_dir, caplog):
     """Every derived shape is priced at its own profiles, but the planner's search runs once per
     ``SEARCH_BUCKET`` of shapes: with lengths that change every step it must not run every step
