@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench's shared modul
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import offload  # noqa: E402
 from hf_models import tiny_llama  # noqa: E402
@@ -78,6 +78,7 @@ from offload._fit import (  # noqa: E402
     FieldFit,
     Shape,
 )
+from offload._selective import flop_formula  # noqa: E402
 from offload.bench.measure import check_out, environment, median, out_dir, table, write_json  # noqa: E402
 from offload.bench.padding import Ragged, pad_to_longest  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402
@@ -547,13 +548,14 @@ def _within(shapes: list[dict]) -> dict:
         steps = [r["measured_step_ms"] for r in rounds]
         counts["lengths_step"] += s["step_miss"] <= STEP_TARGET
         counts["lengths_forward"] += s["forward_miss_worst"] <= FORWARD_TARGET
+        forwards = [[q["forward_measured"][k] for q in rounds] for k in range(len(rounds[0]["forward_measured"]))]
         for i, r in enumerate(rounds):
             measured = r["measured_step_ms"]
             counts["engines"] += 1
             counts["engines_step"] += abs(r["predicted_step_ms"] - measured) <= STEP_TARGET * measured
             counts["floor_step"] += abs(floor(steps, i) - measured) <= STEP_TARGET * measured
             for k, m in enumerate(r["forward_measured"]):
-                others = [q["forward_measured"][k] for q in rounds]
+                others = forwards[k]
                 counts["region_forwards"] += 1
                 counts["engines_forward"] += abs(r["forward_derived"][k] - m) <= FORWARD_TARGET * m
                 counts["floor_forward"] += abs(floor(others, i) - m) <= FORWARD_TARGET * m
@@ -789,19 +791,28 @@ FAR_LENGTHS = (399, 414, 438, 473)
 """curve: the lengths where a fit without the attention term was seen low (derive, 2026-12-03)."""
 
 
+class _CountFlops(TorchDispatchMode):
+    """FLOPs of every op run under it, looked up as the engine's trial re-run does (``flop_formula``:
+    torch's formulas, and the CPU's fused attention as flash attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_formula(func)
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
 def _forward_flops(block: Callable, seq: int) -> int:
-    """What torch's flop counter counts in one forward of ``block`` at ``seq``, the CPU's fused
-    attention included (the counter has no formula for it; the engine counts it as this does)."""
-
-    def cpu_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:  # shapes, as the counter passes them
-        return 2 * query[0] * query[1] * query[2] * key[-2] * (query[-1] + value[-1])
-
-    mapping = {}
-    if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        mapping[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = cpu_attention
-    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+    """FLOPs of one forward of ``block`` at ``seq``, as the engine counts them."""
+    with torch.no_grad(), _CountFlops() as counter:
         block(torch.randn(4, seq, 256))
-    return counter.get_total_flops()
+    return counter.flops
 
 
 def _fit_misses(ms: dict[int, float], flops: dict[int, int]) -> dict:

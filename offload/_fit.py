@@ -220,8 +220,8 @@ class FieldFit:
         """Times: from three points on, the basis that predicts each point best from the others
         (``_held_out_miss``), rather than the first within the tolerance (see the module docstring)."""
         self.flops = flops
-        """Times: the region's FLOPs fit; once it holds a point, ``FLOP_TIME_BASES`` are tried
-        instead of ``bases``, their ``f`` its value at each shape."""
+        """Times: the region's FLOPs fit; once it holds counts at two shapes, ``FLOP_TIME_BASES``
+        are tried instead of ``bases``, their ``f`` its value at each shape."""
         self.points: list[tuple[Shape, float]] = []
         self.version = 0
         """Counts the points added: a fit reading this one (``flops``) refits when it changed."""

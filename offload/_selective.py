@@ -531,6 +531,21 @@ class _ProfileMode(_Mode):
             self.flops = None
         self.counting_ms += (time.perf_counter() - start) * 1e3
 
+    def mark(self) -> _Mark:
+        """Where the re-run stands now: the devices synchronized, the clock, and the ms so far."""
+        synchronize_devices(self.cuda_devices)
+        return _Mark(time.perf_counter(), self.expensive_ms, self.counting_ms)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mark:
+    """A profiling re-run at one instant (``_ProfileMode.mark``)."""
+
+    at: float
+    """``time.perf_counter()``, the devices synchronized."""
+    expensive_ms: float
+    counting_ms: float
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SelectiveProfile:
@@ -611,40 +626,35 @@ class _ProfiledFrame(Frame):
     def _profile_selective(self) -> SelectiveProfile:
         saved: dict[int, int] = {}  # droppable saves: storage id -> nbytes
         reached = [0]  # expensive calls made before the latest save
-        at_last = [0.0, 0.0, 0.0]  # at the last save: the clock, and the mode's expensive and counting ms
-        count = [0]
-        devices = self.rng.cuda_devices  # on_save must not hold the frame: See Note: [recompute hooks hold no frame]
-        mode = _ProfileMode(devices)
+        saves = [0]
+        mode = _ProfileMode(self.rng.cuda_devices)  # on_save holds the mode, never the frame
         last = len(self.meta)
+        at_last: list[_Mark] = []  # where the re-run stood at the region's last save
 
         def on_save(t: torch.Tensor) -> None:
             reached[0] = len(mode.calls)
             if droppable(t):
                 saved[storage_id(t)] = t.untyped_storage().nbytes()
-            count[0] += 1
-            if count[0] == last:
-                synchronize_devices(devices)
-                at_last[:] = [time.perf_counter(), mode.expensive_ms, mode.counting_ms]
+            saves[0] += 1
+            if saves[0] == last:
+                at_last.append(mode.mark())
 
         args, kwargs = self._rebuild_args()
         inputs = {storage_id(a) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
-        start = time.perf_counter()
+        start = mode.mark()
         try:
             try:
                 _, total_ms = self._rerun(mode, timed=True, inputs=(args, kwargs), on_save=on_save, whole=True)
             except Exception as e:  # noqa: BLE001 - after the last save: See Note: [a profiling re-run runs to the end]
-                if count[0] < last:
+                if not at_last:
                     raise
                 log.info(
                     "offload: region %r raised after its last save when re-run; its FLOPs go uncounted: %r",
                     self.name,
                     e,
                 )
-                synchronize_devices(devices)
-                total_ms, mode.flops = (time.perf_counter() - start) * 1e3, None
-            if count[0] < last:  # fewer saves than the forward made: the figures of the whole re-run
-                at_last[:] = [time.perf_counter(), mode.expensive_ms, mode.counting_ms]
-            tail_ms = (time.perf_counter() - at_last[0]) * 1e3
+                total_ms, mode.flops = (mode.mark().at - start.at) * 1e3, None
+            stop = at_last[0] if at_last else mode.mark()  # fewer saves than the forward made: the whole re-run
             calls = mode.calls[: reached[0]]
         finally:
             mode.calls = []  # See Note: [a profiling re-run holds nothing after it]
@@ -652,7 +662,7 @@ class _ProfiledFrame(Frame):
         stash = {storage_id(h.tensor): h.tensor.untyped_storage().nbytes() for h in held}
         written = next((i for i, call in enumerate(calls) if any(h.tensor._version != h.version for h in call)), None)
         return SelectiveProfile(
-            selective_ms=max(MIN_SELECTIVE_MS, total_ms - tail_ms - at_last[1] - at_last[2]),
+            selective_ms=max(MIN_SELECTIVE_MS, (stop.at - start.at) * 1e3 - stop.expensive_ms - stop.counting_ms),
             cheap_bytes=sum(n for key, n in saved.items() if key not in inputs and key not in stash),
             expensive_bytes=sum(stash.values()),
             expensive_tensors=len(held),

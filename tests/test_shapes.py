@@ -16,6 +16,7 @@ import re
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import offload
 from offload._profiler import MAX_MEASURED_SHAPES, MAX_PLANS, SEARCH_BUCKET, SIZE_TOLERANCE
@@ -248,8 +249,6 @@ def test_the_trial_counts_each_blocks_flops_as_torchs_counter_does(attention, sp
     """The recompute trial's re-run counts each block's FLOPs: for the math path what torch's
     ``FlopCounterMode`` counts, and for the CPU's fused kernel (which torch's counter leaves out)
     the same attention FLOPs as the math path's two batched matmuls."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     config = dataclasses.replace(CONFIG, attention=attention, dropout=0.0)
     model = make_model(config)
     eng = block_engine(model, 0.05, "selective", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
