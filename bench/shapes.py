@@ -22,8 +22,10 @@ soak    Hugging Face's Trainer on a tiny Llama (4 layers, width 256) with a padd
 derive  MiniGPT and the tiny Llama: an engine trained over a few lengths plans lengths it never
         measured from its fit; a fresh engine profiling each of those lengths measures them. Saved
         bytes and forward ms per region, and the derived plan's predicted step against steps timed
-        under it. Each round trains a new engine and takes every length at once (rotated order),
-        so both sides of a length come from the same minute; medians over the rounds.
+        under it: as the engine read it when the length's first step began (at the pace of the
+        steps under plans before it), and the cost model's alone. Each round trains a new engine,
+        takes every length in a rotated order, then profiles each with a fresh engine, so both
+        sides of a length come from one round; medians over the rounds.
 pair    The dynamic-padding loop on MiniGPT under "auto" and under each fixed policy at the same
         budget, after their profiling, interleaved step by step (every policy takes each length in
         turn, the order rotated): step time of auto over the best fixed policy, the median of
@@ -416,6 +418,8 @@ def part_derive(args: argparse.Namespace) -> dict:
                 f"{100 * r['forward_median']:.1f} / {100 * r['forward_worst']:.1f}",
                 f"{100 * r['step_median']:.1f} / {100 * r['step_worst']:.1f}",
                 _within_cell(r["within"], "step"),
+                f"{r['within']['lengths_model_step']}/{r['within']['lengths']}, "
+                f"{r['within']['engines_model_step']}/{r['within']['engines']}",
                 _within_cell(r["within"], "forward"),
             ]
         )
@@ -427,6 +431,7 @@ def part_derive(args: argparse.Namespace) -> dict:
             "forward ms: median / worst %",
             "step: median / worst %",
             "step within 15 %: lengths, engines (floor)",
+            "the same, cost model alone (unpaced)",
             "forward within 20 %: lengths, engines (floor)",
         ],
         rows,
@@ -473,10 +478,13 @@ def _llama_step_fn(batch: int) -> Callable:
 
 
 def _derive_one(make: Callable, step: Callable, train_lengths: list[int], test_lengths: list[int], rounds: int) -> dict:
-    """Each round trains a new engine on ``train_lengths`` and at once, in a rotated order, takes
-    every test length: its derived plan, steps timed under it and a fresh engine's profiling of
-    it. Derived and measured sides of a length come from the same minute; each is the median
-    over the rounds, so neither a slow minute of the machine nor one noisy profiling step decides."""
+    """Each round trains a new engine on ``train_lengths``, then takes every test length in a
+    rotated order, one after another as a loop would: its derived plan and steps timed under it;
+    then a fresh engine profiles each length in the same order. (Not interleaved: the engine
+    times each step up to its next one, and a step that also held another engine's profiling
+    would be a disturbed one in what it paces its plans by.) Both sides of a length come from one
+    round, a minute or so apart; each is the median over the rounds, so neither a slow minute of
+    the machine nor one noisy profiling step decides."""
     model = make()
     budget_mb = 8
     samples: dict[int, list[dict]] = {seq: [] for seq in test_lengths}
@@ -485,7 +493,10 @@ def _derive_one(make: Callable, step: Callable, train_lengths: list[int], test_l
         for i, seq in enumerate(train_lengths):
             step(model, seq, 1000 * r + i, eng)
         shift = r * len(test_lengths) // max(1, rounds)
-        for j, seq in enumerate(test_lengths[shift:] + test_lengths[:shift]):
+        order = test_lengths[shift:] + test_lengths[:shift]
+        derived = []
+        for j, seq in enumerate(order):
+            pace = 1.0 if eng.plan is None else eng.plan.pace  # what the steps before this length measured
             times = []
             for k in range(STEPS_UNDER_PLAN):
                 start = time.perf_counter()
@@ -493,6 +504,10 @@ def _derive_one(make: Callable, step: Callable, train_lengths: list[int], test_l
                 times.append((time.perf_counter() - start) * 1e3)
             plan = eng.plan
             assert plan is not None
+            derived.append((plan, pace, times))
+        link = _link_line(eng)
+        eng.close()
+        for j, (seq, (plan, pace, times)) in enumerate(zip(order, derived, strict=True)):
             fresh = offload.engine(budget_mb, regions="auto", model=model)
             for k in range(3):  # "measure", "recompute", "offload"
                 step(model, seq, 1000 * r + 500 + 3 * j + k, fresh)
@@ -506,12 +521,13 @@ def _derive_one(make: Callable, step: Callable, train_lengths: list[int], test_l
                     "saved_measured": [m.saved_bytes for m in measured],
                     "forward_derived": [d.forward_ms for d in plan.regions],
                     "forward_measured": [m.forward_ms for m in measured],
-                    "predicted_step_ms": plan.predicted_step_ms,
+                    "predicted_step_ms": plan.paced(pace).predicted_step_ms,
+                    "model_step_ms": plan.paced(1.0).predicted_step_ms,
+                    "pace": pace,
                     "measured_step_ms": median(times[1:]),  # the first pays the new shape's allocations
-                    "link": _link_line(eng),
+                    "link": link,
                 }
             )
-        eng.close()
     shapes = [_derive_shape(seq, samples[seq]) for seq in test_lengths]
     return {
         "budget_mb": budget_mb,
@@ -524,6 +540,8 @@ def _derive_one(make: Callable, step: Callable, train_lengths: list[int], test_l
         "forward_worst": max(s["forward_miss_worst"] for s in shapes),
         "step_median": statistics.median(s["step_miss"] for s in shapes),
         "step_worst": max(s["step_miss"] for s in shapes),
+        "model_step_median": statistics.median(s["model_step_miss"] for s in shapes),
+        "model_step_worst": max(s["model_step_miss"] for s in shapes),
         "within": _within(shapes),
     }
 
@@ -547,12 +565,14 @@ def _within(shapes: list[dict]) -> dict:
         rounds = s["per_round"]
         steps = [r["measured_step_ms"] for r in rounds]
         counts["lengths_step"] += s["step_miss"] <= STEP_TARGET
+        counts["lengths_model_step"] += s["model_step_miss"] <= STEP_TARGET
         counts["lengths_forward"] += s["forward_miss_worst"] <= FORWARD_TARGET
         forwards = [[q["forward_measured"][k] for q in rounds] for k in range(len(rounds[0]["forward_measured"]))]
         for i, r in enumerate(rounds):
             measured = r["measured_step_ms"]
             counts["engines"] += 1
             counts["engines_step"] += abs(r["predicted_step_ms"] - measured) <= STEP_TARGET * measured
+            counts["engines_model_step"] += abs(r["model_step_ms"] - measured) <= STEP_TARGET * measured
             counts["floor_step"] += abs(floor(steps, i) - measured) <= STEP_TARGET * measured
             for k, m in enumerate(r["forward_measured"]):
                 others = forwards[k]
@@ -576,6 +596,7 @@ def _derive_shape(seq: int, rounds: list[dict]) -> dict:
     saved_d, saved_m = per_region("saved_derived"), per_region("saved_measured")
     forward_d, forward_m = per_region("forward_derived"), per_region("forward_measured")
     predicted = statistics.median(r["predicted_step_ms"] for r in rounds)
+    model = statistics.median(r["model_step_ms"] for r in rounds)
     measured = statistics.median(r["measured_step_ms"] for r in rounds)
     forward_miss = [(d - m) / m for d, m in zip(forward_d, forward_m, strict=True)]
     return {
@@ -592,6 +613,8 @@ def _derive_shape(seq: int, rounds: list[dict]) -> dict:
         "measured_step_ms": measured,
         "step_signed_miss": (predicted - measured) / measured,
         "step_miss": abs(predicted - measured) / measured,
+        "model_step_ms": model,
+        "model_step_miss": abs(model - measured) / measured,
         "per_round": rounds,
     }
 

@@ -384,7 +384,10 @@ def explain(what: Union[Engine, Plan, None]) -> str:
         raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")
     text = str(plan) + small
     if isinstance(what, Engine) and what._regions is not None:
-        text = f"{text}\nregions: {what._regions.why}\ntransfers priced at: {what._regions.link_note()}"
+        text = (
+            f"{text}\nregions: {what._regions.why}\ntransfers priced at: {what._regions.link_note()}"
+            f"\nstep times: {what._regions.pace_note()}"
+        )
     if isinstance(what, Engine) and what.profiling:
         return (
             f"{text}\n(provisional: these input shapes are still being profiled; "

@@ -279,6 +279,21 @@ class Plan:
     outside: tuple[RegionPlan, ...] = ()
     """The saves outside the regions (``Scope.BEFORE`` and ``Scope.AFTER``), planned with them:
     in the predicted peak, transfer and step like any region. Empty where none was measured."""
+    pace: float = 1.0
+    """What steps under this engine's plans measured against what their plans predicted, lately
+    (``_pace``): the three step times above are the cost model's times this. 1.0 for a plan not
+    yet checked against steps, and for one made by hand. The regions' figures stay the model's."""
+
+    def paced(self, pace: float) -> Plan:
+        """This plan with its step times read at ``pace`` instead of its own (the same decisions)."""
+        scale = pace / self.pace
+        return dataclasses.replace(
+            self,
+            baseline_step_ms=self.baseline_step_ms * scale,
+            predicted_step_ms=self.predicted_step_ms * scale,
+            predicted_overhead_ms=self.predicted_overhead_ms * scale,
+            pace=pace,
+        )
 
     def decision_after(self) -> Decision:
         """What happens to the saves after the last region (KEEP where none were planned)."""
@@ -303,6 +318,7 @@ class Plan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "fits_budget": self.fits_budget,
             "origin": self.origin,
+            "pace": self.pace,
             "regions": [_region_dict(r, finite) for r in self.regions],
             "outside": [_region_dict(r, finite) | {"scope": r.scope.value} for r in self.outside],
         }
@@ -340,6 +356,8 @@ class Plan:
             f"predicted overhead: {self.predicted_overhead_ms:.3f} ms "
             f"({percent:.1f}% of the {self.baseline_step_ms:.3f} ms baseline step)"
         )
+        if self.pace != 1.0:
+            lines.append(f"step times read at x{self.pace:.3g} the cost model's, as steps under plans measured")
         verdict = "" if self.budget_bytes is None else ("  (fits)" if self.fits_budget else "  (OVER BUDGET)")
         lines.append(f"predicted peak: {_mb(self.predicted_peak_bytes)} MB vs budget {budget}{verdict}")
         if self.origin:

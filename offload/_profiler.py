@@ -45,6 +45,7 @@ import torch
 from ._budget import replan_needed
 from ._cost import MachineProfile, RegionProfile
 from ._fit import ProfileFit, Shape
+from ._pace import StepPace
 from ._planner import Decision, Plan, build_plan, calibrate_link, check_inputs, link_usable, scale_link
 from ._policy import make_plan
 from ._session import Saved, Session
@@ -284,6 +285,8 @@ class Profiler:
         """Link scales measured and discarded as implausible."""
         self.misses = 0
         """Derived plans whose sizes or times missed what their step saw (each added it to the fit)."""
+        self.pace = StepPace()
+        """Steps under plans, timed against their plans: every plan read out is read at its pace."""
 
     # ------------------------------------------------------------------ queries
 
@@ -297,14 +300,19 @@ class Profiler:
         return fam
 
     def plan_for(self, key: tuple) -> Optional[Plan]:
-        """The plan held for ``key``, or None."""
+        """The plan held for ``key`` (read at the pace of steps under plans), or None."""
         fam = self._families.get(family_and_shape(key)[0])
         entry = None if fam is None else fam.plans.get(key)
-        return None if entry is None else entry.plan
+        return None if entry is None else self.paced(entry.plan)
 
     def plans(self) -> dict[tuple, Plan]:
-        """The plans held, by input signature (bounded: see ``MAX_PLANS``)."""
-        return {key: entry.plan for fam in self._families.values() for key, entry in fam.plans.items()}
+        """The plans held, by input signature (bounded: see ``MAX_PLANS``), read at the pace."""
+        return {key: self.paced(entry.plan) for fam in self._families.values() for key, entry in fam.plans.items()}
+
+    def paced(self, plan: Plan) -> Plan:
+        """``plan`` with its step times read at the pace steps under plans measured (``_pace``).
+        Plans are held at the cost model's own times; only what is read out is paced."""
+        return plan.paced(self.pace.factor())
 
     def profiling(self, key: Optional[tuple]) -> bool:
         """Whether the next step at ``key`` (None: before any step) would be a profiling step."""

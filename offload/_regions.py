@@ -295,7 +295,7 @@ class Regions:
             return None
         plan = self._profiler.plan_for(self._step.key)
         if plan is None and self._step.entry is not None:
-            plan = self._step.entry.plan  # a trial's provisional plan, derived
+            plan = self._profiler.paced(self._step.entry.plan)  # a trial's provisional plan, derived
         return plan
 
     @property
@@ -305,6 +305,10 @@ class Regions:
     def link_note(self) -> str:
         """How transfers are priced (the probe's figures, or as the offload trials calibrated them)."""
         return self._profiler.link_note()
+
+    def pace_note(self) -> str:
+        """At what pace plans read their step times (``_pace``), in words."""
+        return self._profiler.pace.describe()
 
     def profiling(self) -> bool:
         """True while the latest inputs still have profiling steps to run (or none ran yet)."""
@@ -462,6 +466,8 @@ class Regions:
     def _end_step(self, step: _Step, now: float) -> None:
         """What the step before this one leaves for the profiler."""
         if step.stage is None:
+            if step.entry is not None:
+                self._profiler.pace.add(step.entry.plan.predicted_step_ms, (now - step.start) * 1e3)
             if step.seen:
                 before, after = step.outside(self._session.saved())
                 sizes = [None if i not in step.seen else step.seen[i].sizes for i in range(len(self.regions))]

@@ -13,12 +13,15 @@ import logging
 import math
 import random
 import re
+import statistics
+import time
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import offload
+from offload._pace import WINDOW
 from offload._profiler import MAX_MEASURED_SHAPES, MAX_PLANS, SEARCH_BUCKET, SIZE_TOLERANCE
 from offload.models.gpt import GPTConfig, MiniGPT
 from test_regions import MACHINE, assert_same_history, block_engine, train_lengths
@@ -225,6 +228,40 @@ def test_explain_says_where_a_plan_comes_from(spill_dir):
     ), text
     train(model, [160], eng)
     assert "profiles: measured" in offload.explain(eng)
+    eng.close()
+
+
+def test_a_plan_reads_its_step_at_the_pace_steps_under_plans_took(spill_dir):
+    """A step that costs more than the cost model knows (here a slow data loader, three times
+    the predicted step; on a shared machine, the minute's speed): the plan's predicted step
+    follows what steps under plans measured, and an evaluation between two steps (timed with
+    the step before it) does not move it."""
+    model = make_model()
+    eng = block_engine(model, 0.05, "auto", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
+    train(model, [160, 160, 160, 80, 120, 140, 140], eng)
+    assert eng.recent_stages[-1] is None and not eng.profiling, list(eng.recent_stages)
+    slow_s = 3 * eng.plan.predicted_step_ms / 1e3
+    ends: list[float] = []
+
+    def slow_loader(e):
+        time.sleep(slow_s)
+        ends.append(time.perf_counter())
+
+    train_lengths(model, [140] * (WINDOW + 1), eng, size=BATCH, on_step=slow_loader, first_step=10, reset_stats=False)
+    step_ms = statistics.median((b - a) * 1e3 for a, b in zip(ends, ends[1:]))
+    plan = eng.plan
+    model_ms = plan.paced(1.0).predicted_step_ms
+    assert abs(model_ms - step_ms) > 0.5 * step_ms, "the premise: the cost model alone misses the step"
+    assert abs(plan.predicted_step_ms - step_ms) <= 0.25 * step_ms, (plan.predicted_step_ms, step_ms, plan.pace)
+    assert plan.decisions == eng.plans[next(reversed(eng.plans))].decisions
+    assert re.search(r"step times: x[0-9.]+ the cost model's", offload.explain(eng)), offload.explain(eng)
+    with torch.no_grad():  # an evaluation, then a checkpoint saved: ten steps' time
+        for _ in range(4):
+            with eng:
+                model(torch.randint(0, CONFIG.vocab_size, (BATCH, 140)))
+    time.sleep(10 * step_ms / 1e3)
+    train_lengths(model, [140], eng, size=BATCH, on_step=slow_loader, first_step=40, reset_stats=False)
+    assert eng.plan.pace == pytest.approx(plan.pace, rel=0.1), "one disturbed step among the latest"
     eng.close()
 
 
