@@ -9,6 +9,7 @@ must have predicted.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import random
@@ -248,7 +249,7 @@ def test_a_plan_reads_its_step_at_the_pace_steps_under_plans_took(spill_dir):
         ends.append(time.perf_counter())
 
     train_lengths(model, [140] * (WINDOW + 1), eng, size=BATCH, on_step=slow_loader, first_step=10, reset_stats=False)
-    step_ms = statistics.median((b - a) * 1e3 for a, b in zip(ends, ends[1:]))
+    step_ms = statistics.median((b - a) * 1e3 for a, b in itertools.pairwise(ends))
     plan = eng.plan
     model_ms = plan.paced(1.0).predicted_step_ms
     assert abs(model_ms - step_ms) > 0.5 * step_ms, "the premise: the cost model alone misses the step"
