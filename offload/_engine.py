@@ -185,7 +185,9 @@ class Engine:
     def plan(self) -> Optional[Plan]:
         """The plan in force for the latest step's input shapes (None before the first measured
         step's backward, or without regions). ``print(eng.plan)`` shows region, bytes, forward ms,
-        transfer ms, decision, and the predicted overhead and peak."""
+        transfer ms, decision, and the predicted overhead and peak. Its step times are read at the
+        pace of the latest steps under plans (``Plan.pace``), so each read is a new ``Plan``;
+        ``plan.regions`` is the same object for as long as the plan itself is."""
         return None if self._regions is None else self._regions.plan
 
     @property
@@ -216,7 +218,8 @@ class Engine:
     @property
     def plans(self) -> dict:
         """The plans held, keyed by the first region's input signature: the latest ``MAX_PLANS``
-        per input family (``offload._profiler``), measured or derived from a fit."""
+        per input family (``offload._profiler``), measured or derived from a fit, each read at
+        the pace of the latest steps under plans (``Plan.pace``)."""
         return {} if self._regions is None else dict(self._regions.plans)
 
     @property

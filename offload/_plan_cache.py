@@ -311,7 +311,7 @@ def _decode_region(stored: dict) -> RegionPlan:
 
 
 def _encode_plan(plan: Plan) -> dict:
-    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "pace"}
     fields["regions"] = [_encode_region(r) for r in plan.regions]
     fields["outside"] = [_encode_region(r) for r in plan.outside]
     return fields
@@ -319,6 +319,7 @@ def _encode_plan(plan: Plan) -> dict:
 
 def _decode_plan(stored: dict) -> Plan:
     plan = dict(stored)
+    plan.pop("pace", None)  # a live reading, never saved (older files: ignored)
     plan["regions"] = tuple(_decode_region(r) for r in plan["regions"])
     plan["outside"] = tuple(_decode_region(r) for r in plan["outside"])
     return Plan(**plan)

@@ -255,7 +255,8 @@ class RegionPlan:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
-    """Decisions for every region, with the step time and peak the cost model predicts."""
+    """Decisions for every region, with the step time and peak the cost model predicts (its step
+    times read at ``pace``)."""
 
     regions: tuple[RegionPlan, ...]
     policy: str
@@ -281,8 +282,10 @@ class Plan:
     in the predicted peak, transfer and step like any region. Empty where none was measured."""
     pace: float = 1.0
     """What steps under this engine's plans measured against what their plans predicted, lately
-    (``_pace``): the three step times above are the cost model's times this. 1.0 for a plan not
-    yet checked against steps, and for one made by hand. The regions' figures stay the model's."""
+    (``_pace``, engine-wide): the three step times above are the cost model's times this. 1.0
+    until two steps under plans were timed, and for a plan made by hand or predicted. The
+    baseline is scaled alike, though no step without the engine was timed. The regions' figures
+    stay the model's; the planner never sees the pace."""
 
     def paced(self, pace: float) -> Plan:
         """This plan with its step times read at ``pace`` instead of its own (the same decisions)."""

@@ -309,6 +309,10 @@ class Profiler:
         """The plans held, by input signature (bounded: see ``MAX_PLANS``), read at the pace."""
         return {key: self.paced(entry.plan) for fam in self._families.values() for key, entry in fam.plans.items()}
 
+    def step_timed(self, entry: ShapePlan, step_ms: float) -> None:
+        """A step under ``entry``'s plan took ``step_ms`` (See Note: [a step's span])."""
+        self.pace.add(entry.plan.predicted_step_ms, step_ms)
+
     def paced(self, plan: Plan) -> Plan:
         """``plan`` with its step times read at the pace steps under plans measured (``_pace``).
         Plans are held at the cost model's own times; only what is read out is paced."""

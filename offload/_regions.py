@@ -463,11 +463,17 @@ class Regions:
         if stage is not None:
             self._session.machine()  # measured (or read from the cache) now, not inside backward
 
+    # Note: [a step's span]
+    #     A step is timed from its first region's forward to the next step's first region (``now``):
+    #     the embedding, head, loss, backward, optimizer and the loop's own work included, so a
+    #     "step" is one forward with its backward (a micro-batch, under gradient accumulation).
+    #     ``other_ms`` (a profiling step's time outside its regions) and the pace of steps under
+    #     plans (``_pace``) are both read on this span, so they agree.
     def _end_step(self, step: _Step, now: float) -> None:
         """What the step before this one leaves for the profiler."""
         if step.stage is None:
-            if step.entry is not None:
-                self._profiler.pace.add(step.entry.plan.predicted_step_ms, (now - step.start) * 1e3)
+            if step.entry is not None and len(step.seen) == len(self.regions):  # every region ran
+                self._profiler.step_timed(step.entry, (now - step.start) * 1e3)
             if step.seen:
                 before, after = step.outside(self._session.saved())
                 sizes = [None if i not in step.seen else step.seen[i].sizes for i in range(len(self.regions))]
@@ -485,7 +491,7 @@ class Regions:
         elif (
             step.regions_ms is not None and step.stage is not Stage.OFFLOAD_TRIAL
         ):  # moving everything slows the rest too
-            # From its first region to now: the embedding, head, loss and the optimizer included.
+            # See Note: [a step's span]
             self._profiler.other_ms(step.key, max(0.0, (now - step.start) * 1e3 - step.regions_ms))
 
     def finish_measured_step(self) -> None:

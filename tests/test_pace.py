@@ -11,6 +11,7 @@ import math
 import pytest
 
 from offload._pace import MIN_STEPS, WINDOW, StepPace
+from offload._plan_cache import _decode_plan, _encode_plan
 from offload._policy import make_plan
 from test_planner import cuda_machine, uniform_regions
 
@@ -80,3 +81,13 @@ def test_a_paced_plan_scales_its_step_times_and_keeps_its_decisions():
     assert paced.to_dict()["pace"] == 1.25
     assert "x1.25 the cost model's" in str(paced)
     assert "cost model's" not in str(plan)
+
+
+def test_the_plan_cache_saves_the_cost_models_plan_not_the_pace(tmp_path):
+    """The pace is a live reading of this process's steps: a saved plan carries the model's own
+    times, and a stored pace (an older file, an edited one) is not read back."""
+    plan = make_plan(tuple(uniform_regions(3)), cuda_machine(10.0), 150 * MB, "auto", other_ms=7.0)
+    stored = _encode_plan(plan.paced(1.0))
+    assert "pace" not in stored
+    assert _decode_plan(stored) == plan
+    assert _decode_plan(stored | {"pace": 0}) == plan

@@ -241,7 +241,7 @@ def test_a_plan_reads_its_step_at_the_pace_steps_under_plans_took(spill_dir):
     eng = block_engine(model, 0.05, "auto", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
     train(model, [160, 160, 160, 80, 120, 140, 140], eng)
     assert eng.recent_stages[-1] is None and not eng.profiling, list(eng.recent_stages)
-    slow_s = 3 * eng.plan.predicted_step_ms / 1e3
+    slow_s = 3 * eng.plan.paced(1.0).predicted_step_ms / 1e3
     ends: list[float] = []
 
     def slow_loader(e):
@@ -254,7 +254,6 @@ def test_a_plan_reads_its_step_at_the_pace_steps_under_plans_took(spill_dir):
     model_ms = plan.paced(1.0).predicted_step_ms
     assert abs(model_ms - step_ms) > 0.5 * step_ms, "the premise: the cost model alone misses the step"
     assert abs(plan.predicted_step_ms - step_ms) <= 0.25 * step_ms, (plan.predicted_step_ms, step_ms, plan.pace)
-    assert plan.decisions == eng.plans[next(reversed(eng.plans))].decisions
     assert re.search(r"step times: x[0-9.]+ the cost model's", offload.explain(eng)), offload.explain(eng)
     with torch.no_grad():  # an evaluation, then a checkpoint saved: ten steps' time
         for _ in range(4):

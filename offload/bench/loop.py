@@ -309,7 +309,9 @@ def run_one(
         trace = [] if hooks is None else hooks.stop_trace()
         if variant.kind is Kind.NONE:
             activation_bytes = trainer.saved_bytes(engine_kwargs)
-        plan = None if engine is None else engine.plan
+        # the cost model's own step (pace 1): a plan read at the pace of these very steps would
+        # grade the prediction against itself
+        plan = None if engine is None or engine.plan is None else engine.plan.paced(1.0)
         return summary | dict(
             activation_bytes=activation_bytes,
             budget_mb=budget_mb,

@@ -34,7 +34,8 @@ Step attributes: ``offload.saved_bytes``, ``offload.offloaded_bytes``, ``offload
 saved bytes the plan measured for each region recomputed; only with a plan), ``offload.reload_wait_ms``,
 ``offload.evict_wait_ms``, ``offload.policy``, ``offload.budget_bytes`` (absent: no budget),
 ``offload.stage`` (with regions: the profiling stage, or "planned"), ``offload.plan.regions`` and
-``offload.plan.decisions`` (parallel lists), ``offload.plan.predicted_step_ms``,
+``offload.plan.decisions`` (parallel lists), ``offload.plan.predicted_step_ms`` (read at the
+pace of the latest steps under plans: ``Plan.pace``),
 ``offload.plan.fits_budget`` (on a step that followed a plan, not a profiling one),
 ``offload.backward`` (False: no backward unpacked from the engine before the next step began: an
 evaluation forward with grad on, or a step whose saves all passed through the engine; such a
