@@ -17,9 +17,9 @@ plan for free::
     a plan read            its step, baseline and overhead x the median of them (``Plan.pace``)
 
 The median, so that a step which also ran an evaluation, a checkpoint save, or a new shape's first
-allocations does not move it; ``MIN_STEPS`` before any is applied. The same factor scales every
-candidate plan, so decisions never change with it: it corrects what a plan says a step costs,
-not which plan is chosen.
+allocations does not move it; ``MIN_STEPS`` before any is applied. Plans are held, planned and
+cached at the cost model's own times and paced only as they are read out, so the planner never
+sees the pace: it corrects what a plan says a step costs, not which plan is chosen.
 """
 
 from __future__ import annotations

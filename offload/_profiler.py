@@ -285,7 +285,7 @@ class Profiler:
         """Link scales measured and discarded as implausible."""
         self.misses = 0
         """Derived plans whose sizes or times missed what their step saw (each added it to the fit)."""
-        self.pace = StepPace()
+        self._pace = StepPace()
         """Steps under plans, timed against their plans: every plan read out is read at its pace."""
 
     # ------------------------------------------------------------------ queries
@@ -307,16 +307,21 @@ class Profiler:
 
     def plans(self) -> dict[tuple, Plan]:
         """The plans held, by input signature (bounded: see ``MAX_PLANS``), read at the pace."""
-        return {key: self.paced(entry.plan) for fam in self._families.values() for key, entry in fam.plans.items()}
+        pace = self._pace.factor()
+        return {key: entry.plan.paced(pace) for fam in self._families.values() for key, entry in fam.plans.items()}
 
     def step_timed(self, entry: ShapePlan, step_ms: float) -> None:
         """A step under ``entry``'s plan took ``step_ms`` (See Note: [a step's span])."""
-        self.pace.add(entry.plan.predicted_step_ms, step_ms)
+        self._pace.add(entry.plan.predicted_step_ms, step_ms)
 
     def paced(self, plan: Plan) -> Plan:
         """``plan`` with its step times read at the pace steps under plans measured (``_pace``).
         Plans are held at the cost model's own times; only what is read out is paced."""
-        return plan.paced(self.pace.factor())
+        return plan.paced(self._pace.factor())
+
+    def pace_note(self) -> str:
+        """At what pace plans read their step times, in words, for ``explain()``."""
+        return self._pace.describe()
 
     def profiling(self, key: Optional[tuple]) -> bool:
         """Whether the next step at ``key`` (None: before any step) would be a profiling step."""

@@ -308,7 +308,7 @@ class Regions:
 
     def pace_note(self) -> str:
         """At what pace plans read their step times (``_pace``), in words."""
-        return self._profiler.pace.describe()
+        return self._profiler.pace_note()
 
     def profiling(self) -> bool:
         """True while the latest inputs still have profiling steps to run (or none ran yet)."""

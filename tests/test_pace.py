@@ -83,7 +83,7 @@ def test_a_paced_plan_scales_its_step_times_and_keeps_its_decisions():
     assert "cost model's" not in str(plan)
 
 
-def test_the_plan_cache_saves_the_cost_models_plan_not_the_pace(tmp_path):
+def test_the_plan_cache_saves_the_cost_models_plan_not_the_pace():
     """The pace is a live reading of this process's steps: a saved plan carries the model's own
     times, and a stored pace (an older file, an edited one) is not read back."""
     plan = make_plan(tuple(uniform_regions(3)), cuda_machine(10.0), 150 * MB, "auto", other_ms=7.0)

@@ -311,7 +311,8 @@ def run_one(
             activation_bytes = trainer.saved_bytes(engine_kwargs)
         # the cost model's own step (pace 1): a plan read at the pace of these very steps would
         # grade the prediction against itself
-        plan = None if engine is None or engine.plan is None else engine.plan.paced(1.0)
+        plan = None if engine is None else engine.plan
+        plan = None if plan is None else plan.paced(1.0)
         return summary | dict(
             activation_bytes=activation_bytes,
             budget_mb=budget_mb,
