@@ -265,6 +265,30 @@ def test_a_plan_reads_its_step_at_the_pace_steps_under_plans_took(spill_dir):
     eng.close()
 
 
+def test_only_steps_that_ran_every_region_feed_the_pace(spill_dir):
+    """A batch skipped mid-forward (an error caught, as loops that skip a bad batch do) is no
+    step: its span holds a part of a forward and no backward, and read as one it would pull the
+    pace far below what whole steps take."""
+    model = make_model()
+    eng = block_engine(model, 0.05, "auto", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
+    train(model, [160, 160, 160, 80, 120] + [140] * (WINDOW + 1), eng)
+    assert eng.recent_stages[-1] is None and not eng.profiling, list(eng.recent_stages)
+    before = eng.plan.pace
+
+    def bad_batch(module, args):
+        raise RuntimeError("a bad batch")
+
+    hook = model.blocks[-1].register_forward_pre_hook(bad_batch)
+    for i in range(WINDOW + 1):
+        x, y = torch.randint(0, CONFIG.vocab_size, (2, BATCH, 140), generator=torch.Generator().manual_seed(i))
+        with pytest.raises(RuntimeError, match="a bad batch"), eng:
+            model(x, y)
+    hook.remove()
+    train_lengths(model, [140], eng, size=BATCH, first_step=40, reset_stats=False)
+    assert eng.plan.pace == pytest.approx(before, rel=0.25), "the skipped batches are not steps"
+    eng.close()
+
+
 @pytest.mark.parametrize("attention", ["math", "sdpa"])
 def test_times_are_fitted_on_the_flops_counted_at_the_measured_shapes(attention, spill_dir):
     """Each measured shape's trial re-run counts the blocks' FLOPs; with two shapes counted, the
