@@ -1,0 +1,171 @@
+"""The two loops that first showed the planned engine failing on changing shapes, as a user wrote them.
+
+1. **Memory per shape**: MiniGPT (8 blocks, width 256, batch 4) under
+   ``offload.engine(budget_mb=20, policy="auto", regions=model.blocks)``, four steps at each of the
+   lengths 128, 160, 192, 224, 256, then 128 and 160 again; the process's RSS at rest after each
+   length (garbage collected, the heap trimmed), over its RSS before the first step.
+2. **Dynamic padding**: Hugging Face's ``Trainer`` on a tiny Llama (4 layers, width 256), 64 rows of
+   lengths 64-512 padded per batch of 2 (32 steps), ``OffloadCallback(budget_mb=8,
+   regions=model.model.layers)``: how many steps were profiling steps and how many ran under a plan.
+
+Only the public API both old and new engines have is used, so the same script measures any
+version of the package: ``PYTHONPATH=<a checkout of an old commit> python bench/shape_cases.py``
+gives the "before", the working tree the "after". Prints a table and a last-line JSON (written to
+``$OFFLOAD_BENCH_OUT/shape-cases.json``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+
+import offload  # noqa: E402
+from hf_models import tiny_llama  # noqa: E402
+from offload.bench.measure import environment  # noqa: E402
+from offload.models.gpt import GPTConfig, MiniGPT  # noqa: E402
+
+MB = 2**20
+
+
+def rest_rss() -> int:
+    """The resident set at rest: garbage collected, freed heap handed back to the OS."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return psutil.Process().memory_info().rss
+
+
+def memory_per_shape() -> tuple[float, list[dict]]:
+    torch.manual_seed(0)
+    model = MiniGPT(GPTConfig(n_layer=8, n_embd=256, n_head=4, seq_len=256, dropout=0.0))
+    eng = offload.engine(budget_mb=20, policy="auto", regions=model.blocks)
+    start = rest_rss()
+    rows, step = [], 0
+    for seq in (128, 160, 192, 224, 256, 128, 160):
+        for _ in range(4):
+            idx = torch.randint(0, 256, (4, seq + 1), generator=torch.Generator().manual_seed(step))
+            model.zero_grad(set_to_none=True)
+            with eng:
+                _, loss = model(idx[:, :-1], idx[:, 1:])
+            loss.backward()
+            del loss
+            step += 1
+        rows.append({"seq": seq, "rss_over_start_mb": (rest_rss() - start) / MB})
+    eng.close()
+    return start / MB, rows
+
+
+def _padding():
+    """This tree's ``offload/bench/padding.py``, read from its file: an older package on the path
+    may not have it."""
+    path = Path(__file__).resolve().parents[1] / "offload" / "bench" / "padding.py"
+    spec = importlib.util.spec_from_file_location("_shape_cases_padding", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Ragged, module.pad_to_longest
+
+
+def dynamic_padding() -> dict:
+    import transformers
+
+    from offload.integrations.hf import OffloadCallback
+
+    Ragged, pad_to_longest = _padding()
+
+    class Stages(transformers.TrainerCallback):
+        def __init__(self, offload_callback: OffloadCallback) -> None:
+            self.offload_callback = offload_callback
+            self.profiling: list[bool] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.profiling.append(self.offload_callback.engine.recent_stages[-1] is not None)
+
+    model = tiny_llama()
+    data = Ragged(64, 64, 512, vocab=512)
+    callback = OffloadCallback(budget_mb=8, regions=model.model.layers)
+    stages = Stages(callback)
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            output_dir=out,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            per_device_train_batch_size=2,
+            num_train_epochs=1,
+            learning_rate=1e-3,
+            seed=1234,
+            disable_tqdm=True,
+        )
+        trainer = transformers.Trainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            data_collator=pad_to_longest,
+            callbacks=[callback, stages],
+        )
+        trainer.train()
+    lengths = {len(row["input_ids"]) for row in data}
+    return {
+        "steps": len(stages.profiling),
+        "profiling_steps": sum(stages.profiling),
+        "steps_under_a_plan": len(stages.profiling) - sum(stages.profiling),
+        "distinct_row_lengths": len(lengths),
+    }
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    package = Path(offload.__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(package), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    start_mb, shapes = memory_per_shape()
+    padding = dynamic_padding()
+    print(f"offload from {package} (commit {commit}), torch {torch.__version__}")
+    print("seq   RSS at rest, MB over start")
+    for row in shapes:
+        print(f"{row['seq']:<5} {row['rss_over_start_mb']:+.1f}")
+    after_first = [r["rss_over_start_mb"] for r in shapes[1:]]
+    spread = (max(after_first) - min(after_first)) / (start_mb + min(after_first))
+    print(
+        f"RSS at rest after the first shape: {min(after_first):+.1f} to {max(after_first):+.1f} MB over a start of "
+        f"{start_mb:.0f} MB, a spread of {100 * spread:.1f} % of RSS"
+    )
+    print(
+        f"dynamic padding: {padding['profiling_steps']} of {padding['steps']} steps profiling, "
+        f"{padding['steps_under_a_plan']} under a plan ({padding['distinct_row_lengths']} distinct row lengths)"
+    )
+    payload = {
+        "package_commit": commit,
+        "environment": environment(torch.device("cpu")),
+        "start_rss_mb": start_mb,
+        "memory_per_shape": shapes,
+        "rest_rss_spread_after_first_shape": spread,
+        "dynamic_padding": padding,
+    }
+    out = Path(os.environ.get("OFFLOAD_BENCH_OUT", "out/bench"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shape-cases.json").write_text(json.dumps(payload, indent=1))
+    print(json.dumps(payload))
+
+
+if __name__ == "__main__":
+    main()
