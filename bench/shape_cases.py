@@ -38,6 +38,7 @@ from offload.bench.measure import environment  # noqa: E402
 from offload.models.gpt import GPTConfig, MiniGPT  # noqa: E402
 
 MB = 2**20
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def rest_rss() -> int:
@@ -161,10 +162,21 @@ def main() -> None:
         "rest_rss_spread_after_first_shape": spread,
         "dynamic_padding": padding,
     }
-    out = Path(os.environ.get("OFFLOAD_BENCH_OUT", "out/bench"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "shape-cases.json").write_text(json.dumps(payload, indent=1))
+    write_result(payload)
     print(json.dumps(payload))
+
+
+def write_result(payload: dict) -> Path:
+    """``payload`` to ``$OFFLOAD_BENCH_OUT/shape-cases.json`` (default ``out/bench``); a path in
+    this tree's committed ``bench/results/`` is refused (an older package's ``check_out`` would
+    guard the wrong tree, and the oldest have none)."""
+    out = Path(os.environ.get("OFFLOAD_BENCH_OUT") or "out/bench").resolve()
+    if out == RESULTS or RESULTS in out.parents:
+        raise ValueError(f"{str(out)!r} is in the committed results ({RESULTS}); write under out/bench/ and copy it")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "shape-cases.json"
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return path
 
 
 if __name__ == "__main__":

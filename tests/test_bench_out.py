@@ -111,3 +111,13 @@ def test_part_scripts_write_under_the_env_and_refuse_the_results(elsewhere, monk
     monkeypatch.setenv(measure.OUT_ENV, str(RESULTS))
     with pytest.raises(ValueError, match="committed results"):
         module.emit("test", "table", {"rows": []})
+
+
+def test_the_shape_cases_script_writes_under_the_env_and_refuses_the_results(elsewhere, monkeypatch):
+    """bench/shape_cases.py runs on older packages too, so it guards the results itself."""
+    module = _bench_script("shape_cases")
+    monkeypatch.setenv(measure.OUT_ENV, str(elsewhere / "mine"))
+    assert module.write_result({"rows": []}) == (elsewhere / "mine" / "shape-cases.json").resolve()
+    monkeypatch.setenv(measure.OUT_ENV, str(RESULTS))
+    with pytest.raises(ValueError, match="committed results"):
+        module.write_result({"rows": []})
