@@ -6,9 +6,11 @@
    length (garbage collected, the heap trimmed), over its RSS before the first step.
 2. **Dynamic padding**: Hugging Face's ``Trainer`` on a tiny Llama (4 layers, width 256), 64 rows of
    lengths 64-512 padded per batch of 2 (32 steps), ``OffloadCallback(budget_mb=8,
-   regions=model.model.layers)``: how many steps were profiling steps and how many ran under a plan.
+   regions=model.model.layers)``: how many steps were profiling steps and how many ran under a plan,
+   and the padded length of each step.
 
-Only the public API both old and new engines have is used, so the same script measures any
+Only what both old and new engines have is used (``Engine.recent_stages``, a debug view, tells
+a profiling step from one under a plan), so the same script measures any
 version of the package: ``PYTHONPATH=<a checkout of an old commit> python bench/shape_cases.py``
 gives the "before", the working tree the "after". Prints a table and a last-line JSON (written to
 ``$OFFLOAD_BENCH_OUT/shape-cases.json``).
@@ -100,6 +102,13 @@ def dynamic_padding() -> dict:
     data = Ragged(64, 64, 512, vocab=512)
     callback = OffloadCallback(budget_mb=8, regions=model.model.layers)
     stages = Stages(callback)
+    padded: list[int] = []  # each batch's padded length, as the collator made it
+
+    def collate(features: list) -> dict:
+        batch = pad_to_longest(features)
+        padded.append(batch["input_ids"].shape[1])
+        return batch
+
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
             output_dir=out,
@@ -116,16 +125,16 @@ def dynamic_padding() -> dict:
             model=model,
             args=args,
             train_dataset=data,
-            data_collator=pad_to_longest,
+            data_collator=collate,
             callbacks=[callback, stages],
         )
         trainer.train()
-    lengths = {len(row["input_ids"]) for row in data}
     return {
         "steps": len(stages.profiling),
         "profiling_steps": sum(stages.profiling),
         "steps_under_a_plan": len(stages.profiling) - sum(stages.profiling),
-        "distinct_row_lengths": len(lengths),
+        "padded_lengths": padded,
+        "distinct_padded_lengths": len(set(padded)),
     }
 
 
@@ -152,7 +161,7 @@ def main() -> None:
     )
     print(
         f"dynamic padding: {padding['profiling_steps']} of {padding['steps']} steps profiling, "
-        f"{padding['steps_under_a_plan']} under a plan ({padding['distinct_row_lengths']} distinct row lengths)"
+        f"{padding['steps_under_a_plan']} under a plan ({padding['distinct_padded_lengths']} distinct padded lengths)"
     )
     payload = {
         "package_commit": commit,
