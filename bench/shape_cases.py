@@ -18,8 +18,6 @@ gives the "before", the working tree the "after". Prints a table and a last-line
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import importlib.util
 import json
 import os
@@ -31,26 +29,16 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import offload  # noqa: E402
-from hf_models import tiny_llama  # noqa: E402
+from hf_models import cpu_trainer_args, tiny_llama  # noqa: E402
 from offload.bench.measure import environment  # noqa: E402
 from offload.models.gpt import GPTConfig, MiniGPT  # noqa: E402
+from process_memory import rest_rss  # noqa: E402
 
 MB = 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def rest_rss() -> int:
-    """The resident set at rest: garbage collected, freed heap handed back to the OS."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    return psutil.Process().memory_info().rss
 
 
 def memory_per_shape() -> tuple[float, list[dict]]:
@@ -110,17 +98,7 @@ def dynamic_padding() -> dict:
         return batch
 
     with tempfile.TemporaryDirectory() as out:
-        args = transformers.TrainingArguments(
-            output_dir=out,
-            use_cpu=True,
-            report_to=[],
-            save_strategy="no",
-            per_device_train_batch_size=2,
-            num_train_epochs=1,
-            learning_rate=1e-3,
-            seed=1234,
-            disable_tqdm=True,
-        )
+        args = cpu_trainer_args(out, 2, learning_rate=1e-3, logging_steps=500)
         trainer = transformers.Trainer(
             model=model,
             args=args,

@@ -66,12 +66,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench's shared modules, also when loaded by path
 
-import psutil  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import offload  # noqa: E402
-from hf_models import tiny_llama  # noqa: E402
+from hf_models import cpu_trainer_args, tiny_llama  # noqa: E402
 from offload._fit import (  # noqa: E402
     BYTE_BASES,
     BYTE_TOLERANCE,
@@ -84,6 +83,7 @@ from offload._selective import flop_formula  # noqa: E402
 from offload.bench.measure import check_out, environment, median, out_dir, table, write_json  # noqa: E402
 from offload.bench.padding import Ragged, pad_to_longest  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402
+from process_memory import rest_rss  # noqa: E402
 
 MB = 1 << 20
 TRAIN_LENGTHS = (250, 250, 250, 131, 389, 509)
@@ -93,16 +93,6 @@ powers of two: on this CPU a step at 256 or 512 runs 5-10 % faster a token than 
 146 at 509), so a fit trained on them priced every other length low."""
 STEPS_UNDER_PLAN = 3
 """derive: steps under each derived plan per round (the first, which allocates the new shape, not timed)."""
-
-
-def rest_rss() -> int:
-    """The resident set at rest: garbage collected, freed heap handed back to the OS."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    return psutil.Process().memory_info().rss
 
 
 class _MallInfo2(ctypes.Structure):
@@ -204,24 +194,6 @@ def part_leak(args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------------------------- soak
 
 
-def _trainer_args(out: str, batch: int):
-    import transformers
-
-    return transformers.TrainingArguments(
-        output_dir=out,
-        use_cpu=True,
-        report_to=[],
-        dataloader_num_workers=0,
-        save_strategy="no",
-        per_device_train_batch_size=batch,
-        num_train_epochs=1,
-        logging_steps=1,
-        learning_rate=1e-3,
-        seed=1234,
-        disable_tqdm=True,
-    )
-
-
 def part_soak(args: argparse.Namespace) -> dict:
     import transformers
 
@@ -270,7 +242,7 @@ def part_soak(args: argparse.Namespace) -> dict:
         with tempfile.TemporaryDirectory() as out:
             trainer = transformers.Trainer(
                 model=model,
-                args=_trainer_args(out, batch),
+                args=cpu_trainer_args(out, batch, learning_rate=1e-3, logging_steps=1),
                 train_dataset=data,
                 data_collator=pad_to_longest,
                 callbacks=callbacks,

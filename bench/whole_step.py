@@ -32,10 +32,12 @@ from pathlib import Path
 from typing import Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench's shared modules, also when loaded by path
 
 import torch  # noqa: E402
 
 import offload  # noqa: E402
+from hf_models import cpu_trainer_args  # noqa: E402
 from offload.bench.measure import check_out, environment, out_dir, table, write_json  # noqa: E402
 
 MB = 1 << 20
@@ -92,19 +94,7 @@ def _train(steps: int, with_engine: bool) -> dict:
                 moved.append(callback.engine.stats.offloaded_bytes - self.moved)
 
     with tempfile.TemporaryDirectory() as out:
-        args = transformers.TrainingArguments(
-            output_dir=out,
-            use_cpu=True,
-            report_to=[],
-            save_strategy="no",
-            per_device_train_batch_size=8,
-            num_train_epochs=1,
-            logging_steps=1000,
-            learning_rate=1e-4,
-            seed=1234,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-        )
+        args = cpu_trainer_args(out, 8, learning_rate=1e-4, logging_steps=1000)
         callbacks = [c for c in (callback, Clock()) if c is not None]
         transformers.Trainer(model=model, args=args, train_dataset=_Tokens(8 * steps), callbacks=callbacks).train()
     record: dict = {"step_ms": times}
