@@ -5,12 +5,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from offload.models import Block, GPTConfig, MiniGPT, batches, load_corpus
 from offload.models import corpus as corpus_module
+from offload.models.gpt import Rotary
 
 SMALL = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16)
 """A model small enough that every test here runs in milliseconds."""
@@ -76,6 +80,37 @@ def test_blocks_are_a_module_list_of_blocks():
 def test_rotary_buffers_are_not_in_state_dict():
     keys = _model().state_dict().keys()
     assert not any(key.endswith(("cos", "sin", "causal_mask")) for key in keys)
+
+
+def test_rotary_tables_are_the_angles_cos_and_sin_rounded_once():
+    """The tables are double precision's cos and sin rounded to float32 once (torch's float32 cos
+    misses that at some angles, and its first call in a process could read another result)."""
+    rotary = Rotary(32, 512)
+    positions = torch.arange(512, dtype=torch.float64)
+    inv_freq = torch.tensor([10_000.0 ** (-i / 32) for i in range(0, 32, 2)], dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    assert torch.equal(rotary.cos, angles.cos().float()) and torch.equal(rotary.sin, angles.sin().float())
+
+
+def test_every_process_builds_the_same_model():
+    """A model built in one process equals the same model built in another: a benchmark compares
+    configurations each run in a process of its own. Each process builds MiniGPT's rotary tables
+    first thing (torch's first float32 cos in a process was where they parted) and a second time."""
+    code = (
+        "import hashlib, torch\n"
+        "from offload.models.gpt import Rotary\n"
+        "a, b = Rotary(64, 256), Rotary(64, 256)\n"
+        "assert torch.equal(a.cos, b.cos) and torch.equal(a.sin, b.sin), 'two builds in one process differ'\n"
+        "print(hashlib.sha1(a.cos.numpy().tobytes() + a.sin.numpy().tobytes()).hexdigest())\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # the first cos parted only with more than one thread
+    # One after another: run side by side on two cores, the old tables parted far less often.
+    runs = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        for _ in range(12)
+    ]
+    assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs if run.returncode]
+    assert len({run.stdout for run in runs}) == 1, [run.stdout.strip() for run in runs]
 
 
 def test_same_seed_same_weights():
