@@ -389,6 +389,45 @@ def test_link_rates_and_the_bound_from_the_engine_stats():
     assert "-" in report.main_table(list(rows.values()), "cuda")
 
 
+def test_every_repeat_is_held_to_the_reference():
+    """Each repeat runs in a process of its own: one that trained differently fails the run, not
+    only the first (the demo once tabled "equal" over a second repeat whose every loss differed)."""
+    from offload.bench.config import RunSettings
+
+    run = RunSettings(layers=4, repeats=3)
+    same = {"checksums": {"w": [1, 2.0]}}
+    other = {"checksums": {"w": [1, 2.000001]}}
+
+    def repeat(loss: float, check: dict) -> dict:
+        return {
+            "steps": [_step(loss=1.0), _step(loss=loss)],
+            "summary": {"grad_check": check},
+            "error": None,
+            "skipped": None,
+        }
+
+    results = {
+        "none": [repeat(0.5, same) for _ in range(3)],
+        "offload-25%": [repeat(0.5, same), repeat(0.5 + 2**-20, other), repeat(0.5, same)],
+        "auto-25%": [repeat(0.5, same) for _ in range(3)],
+    }
+    rows = {r["config"]: r for r in report.summarize(run, [parse_variant(n) for n in results], results, None)}
+    assert rows["auto-25%"]["losses_match"] is True and rows["auto-25%"]["grads"] == "equal"
+    assert rows["offload-25%"]["losses_match"] is False and rows["offload-25%"]["max_loss_diff"] == 2**-20
+    assert rows["offload-25%"]["grads"].startswith("differs 1/1")
+    assert rows["none"]["losses_match"] is None and rows["none"]["grads"] == "ref"
+    assert report.failures(list(rows.values())) == [
+        f"offload-25%: first-step gradients: {rows['offload-25%']['grads']}"
+    ]
+    # the reference's own repeats are held to its first
+    results["none"][2] = repeat(0.5 + 2**-20, other)
+    rows = {r["config"]: r for r in report.summarize(run, [parse_variant(n) for n in results], results, None)}
+    assert rows["none"]["losses_match"] is False and rows["none"]["grads"].startswith("repeats differ: differs")
+    assert any(
+        line.startswith("none: first-step gradients: repeats differ") for line in report.failures(list(rows.values()))
+    )
+
+
 def test_the_gradient_check_sees_a_wrong_reload(tmp_path, capsys, monkeypatch):
     """A context that hands back saved tensors slightly changed must read "differs", not "equal"."""
     real = loop._make_context

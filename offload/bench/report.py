@@ -94,6 +94,18 @@ def _reference_grads(check: Optional[dict]) -> str:
     return f"check failed: {check['error']}" if check is not None and "error" in check else "ref"
 
 
+def _grads_of_repeats(is_reference: bool, checks: list[Optional[dict]], reference: Optional[dict]) -> str:
+    """The verdict on every repeat's first-step gradients (each repeat its own process): the first
+    that does not pass, else the first repeat's. The reference's later repeats are held to its first."""
+    if is_reference:
+        first = _reference_grads(checks[0] if checks else reference)
+        later = [_grads_verdict(c, reference) for c in checks[1:] if c is not None]
+        failed = next((f"repeats differ: {x}" for x in later if x not in GRADS_PASSED), None)
+        return first if first != "ref" or failed is None else failed
+    verdicts = [_grads_verdict(c, reference) for c in checks if c is not None] or ["-"]
+    return next((x for x in verdicts if x not in GRADS_PASSED), verdicts[0])
+
+
 GRADS_PASSED = ("ref", "equal", "-")
 """Gradient verdicts that pass: the reference's own, equal to it, or not checked (compiled, or the
 configuration did not run: its row says why)."""
@@ -136,10 +148,15 @@ def summarize(
         reload_ms, evict_ms = stats["reload_wait_ms"], stats["evict_wait_ms"]
         recomputed = run.layers if v.kind is Kind.CHECKPOINT else (stats["recomputed_regions"] or 0)
         moved = [(stats["offloaded_bytes"], out_gbps), (stats["reloaded_bytes"], back_gbps)]
-        losses = [s["loss"] for s in runs[0]["steps"]]
+        # Every repeat against the reference's first: each runs in a process of its own, and a
+        # repeat that trained differently must show (the reference's own later repeats included).
         reference = ref_losses[v.compiled]
-        compared = v.kind is not Kind.NONE and reference and len(losses) == len(reference)
-        loss_diffs = [abs(a - b) for a, b in zip(losses, reference, strict=False)]
+        repeats = [[s["loss"] for s in r["steps"]] for r in runs if r["steps"]]
+        if v.kind is Kind.NONE:
+            repeats = repeats[1:]
+        compared = bool(reference) and bool(repeats) and all(len(x) == len(reference) for x in repeats)
+        loss_diffs = [abs(a - b) for x in repeats for a, b in zip(x, reference, strict=False)]
+        losses_match = all(x == reference for x in repeats) if compared else None
         regions = (summary.get("plan") or {}).get("regions", [])
         ran = any(r["steps"] or r["summary"] or r["error"] for r in runs)
         rows.append(
@@ -158,11 +175,12 @@ def summarize(
                 **{f"{peak}_mb": _peak_mb(measured, f"{peak}_bytes") for peak in _PEAKS},
                 "engine_peak_mb": _peak_mb(steps, "peak_resident_bytes", empty=0) if v.kind is Kind.ENGINE else None,
                 **{f.replace("_bytes", "_mb"): _mb(x) if f.endswith("_bytes") else x for f, x in stats.items()},
-                "losses_match": losses == reference if compared else None,
-                "max_loss_diff": None if v.kind is Kind.NONE else max(loss_diffs, default=None),
-                "grads": _reference_grads(ref_grads)
-                if v == REFERENCE
-                else _grads_verdict(summary.get("grad_check"), ref_grads),
+                # the reference: None while its repeats agree (its cell reads "ref")
+                "losses_match": None if v.kind is Kind.NONE and losses_match else losses_match,
+                "max_loss_diff": max(loss_diffs, default=None),
+                "grads": _grads_of_repeats(
+                    v == REFERENCE, [(r["summary"] or {}).get("grad_check") for r in runs], ref_grads
+                ),
                 "runs_predicted_ms": runs_predicted_ms,
                 "predicted_ms": median(runs_predicted_ms),
                 "decisions": "".join(region["decision"][0].upper() for region in regions) or None,
@@ -247,7 +265,7 @@ def verdicts(rows: list[dict]) -> dict:
 
 
 def _losses(r: dict) -> str:
-    if r["kind"] == Kind.NONE.value:
+    if r["kind"] == Kind.NONE.value and r["losses_match"] is not False:
         return "ref"
     if r["losses_match"] is None:
         return "-"
