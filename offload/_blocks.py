@@ -92,7 +92,8 @@ def find_blocks(model: torch.nn.Module) -> Found:
         raise ValueError(
             f"regions='auto' found no repeated block in {type(model).__name__}: no nn.ModuleList or nn.Sequential "
             f"holds {MIN_BLOCKS} or more children of one type; pass the blocks yourself, e.g. regions=[model.a, "
-            f"model.b], or a filter regions=lambda module, name: ... with model="
+            f"model.b], or a filter regions=lambda module, name: ... with model=; or leave regions out: the engine "
+            f"then offloads saved tensors under the budget without planning blocks (policy='offload')"
         )
     params, container, blocks = max(stacks, key=lambda s: (s[0], len(s[2])))
     kind = type(blocks[0][1]).__name__

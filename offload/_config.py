@@ -54,13 +54,24 @@ AUTO_BUDGET = "auto"
 """The ``budget_mb`` that follows free memory (``offload._budget``)."""
 
 
+def _as_number(text: str) -> Optional[float]:
+    """``text`` read as a number of megabytes (``"512"``), or None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return int(value) if value.is_integer() else value
+
+
 def _check_budget(budget_mb: object, reserve_mb: object) -> tuple[Optional[float], Optional[float]]:
     """(budget MB, reserve MB): one of them None. A string budget must be "auto"; a reserve only goes with it."""
     if isinstance(budget_mb, str):
         if budget_mb != AUTO_BUDGET:
+            number = _as_number(budget_mb)
+            hint = f"budget_mb={number!r} (a number, not a string), " if number is not None else ""
             raise ValueError(
                 f"budget_mb={budget_mb!r}: the only string budget is {AUTO_BUDGET!r} (follow free memory); "
-                f"pass budget_mb='auto', a number of megabytes, or None for no limit"
+                f"pass {hint}budget_mb='auto', a number of megabytes, or None for no limit"
             )
         if reserve_mb is None:
             return None, float(DEFAULT_RESERVE_MB)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import difflib
 import logging
 import math
 from collections.abc import Sequence
@@ -69,7 +70,13 @@ def register_policy(cls: type) -> type:
 def get_policy(name: str) -> Policy:
     """A fresh instance of the policy registered as ``name`` (its default configuration)."""
     if name not in _REGISTRY:
-        raise ValueError(f"unknown policy {name!r}; valid policies are: {', '.join(policy_names())}")
+        close = difflib.get_close_matches(str(name).lower(), policy_names(), n=1)
+        hint = f"Did you mean policy={close[0]!r}? " if close else ""
+        raise ValueError(
+            f"unknown policy {name!r}; valid policies are: {', '.join(policy_names())}. {hint}"
+            f"Leave policy out for the default ('auto' with regions=, 'offload' without), or add one "
+            f"with offload.register_policy"
+        )
     return _REGISTRY[name]()
 
 

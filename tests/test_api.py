@@ -53,6 +53,12 @@ def test_bad_budget_is_refused_by_name(bad, error):
     assert repr(bad) in str(info.value) or str(float(bad)) in str(info.value), "the message shows the value given"
 
 
+@pytest.mark.parametrize("text, number", [("512", "512"), ("1.5", "1.5"), ("1e3", "1000")])
+def test_a_budget_in_a_string_is_shown_as_the_number_it_should_be(text, number):
+    with pytest.raises(ValueError, match=f"pass budget_mb={number} \\(a number, not a string\\)"):
+        offload.engine(budget_mb=text)
+
+
 @pytest.mark.parametrize("good", [None, 0, 0.25, 1, 512, 1e6])
 def test_good_budgets_are_taken(good):
     eng = offload.engine(budget_mb=good)

@@ -98,6 +98,13 @@ def test_unknown_policy_lists_the_valid_names_sorted():
     with pytest.raises(ValueError) as info:
         make_plan(uniform_regions(2), cuda_machine(50), None, policy="fastest")
     assert valid in str(info.value)
+    assert "Did you mean" not in str(info.value) and "register_policy" in str(info.value), "nothing close: the fix"
+
+
+def test_a_misspelt_policy_is_named_back():
+    with pytest.raises(ValueError, match="Did you mean policy='auto'") as info:
+        get_policy("Auto")
+    assert "'Auto'" in str(info.value)
 
 
 def test_duplicate_policy_name_is_rejected(scratch_registry):
