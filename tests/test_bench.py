@@ -428,6 +428,26 @@ def test_every_repeat_is_held_to_the_reference():
     )
 
 
+def test_the_optimizer_steps_on_one_thread_on_the_cpu(monkeypatch):
+    """Configurations are compared loss for loss across processes, and a two-thread AdamW update
+    parted between processes: the bench steps the optimizer on one thread, then gives the rest back."""
+    from offload.bench.config import RunSettings
+
+    torch.set_num_threads(2)  # what the demo runs with (the autouse fixture restores it)
+    seen = []
+    real = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    run = RunSettings(layers=2, hidden=32, heads=2, seq=16, batch=2, steps=1, warmup=0, dtype="fp32", device="cpu")
+    trainer = loop.Trainer(run, parse_variant("none"), torch.randint(0, 256, (4096,)), torch.device("cpu"))
+    trainer.step()
+    assert seen == [1] and torch.get_num_threads() == 2
+
+
 def test_the_gradient_check_sees_a_wrong_reload(tmp_path, capsys, monkeypatch):
     """A context that hands back saved tensors slightly changed must read "differs", not "equal"."""
     real = loop._make_context
