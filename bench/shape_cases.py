@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -119,12 +118,8 @@ def dynamic_padding() -> dict:
 def main() -> None:
     torch.set_num_threads(1)
     package = Path(offload.__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(package), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    env = environment(torch.device("cpu"))  # names the commit of the package's checkout
+    commit = env["git_commit"] or "unknown"
     start_mb, shapes = memory_per_shape()
     padding = dynamic_padding()
     print(f"offload from {package} (commit {commit}), torch {torch.__version__}")
@@ -143,7 +138,7 @@ def main() -> None:
     )
     payload = {
         "package_commit": commit,
-        "environment": environment(torch.device("cpu")),
+        "environment": env,
         "start_rss_mb": start_mb,
         "memory_per_shape": shapes,
         "rest_rss_spread_after_first_shape": spread,

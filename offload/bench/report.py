@@ -98,10 +98,10 @@ def _grads_of_repeats(is_reference: bool, checks: list[Optional[dict]], referenc
     """The verdict on every repeat's first-step gradients (each repeat its own process): the first
     that does not pass, else the first repeat's. The reference's later repeats are held to its first."""
     if is_reference:
-        first = _reference_grads(checks[0] if checks else reference)
+        own = _reference_grads(reference)
         later = [_grads_verdict(c, reference) for c in checks[1:] if c is not None]
-        failed = next((f"repeats differ: {x}" for x in later if x not in GRADS_PASSED), None)
-        return first if first != "ref" or failed is None else failed
+        failed = next((x for x in later if x not in GRADS_PASSED), None)
+        return own if own != "ref" or failed is None else f"repeats differ: {failed}"
     verdicts = [_grads_verdict(c, reference) for c in checks if c is not None] or ["-"]
     return next((x for x in verdicts if x not in GRADS_PASSED), verdicts[0])
 
