@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import torch
 
+from ._attach import attach
 from ._budget import FreeMemory
 from ._config import Config
 from ._cost import MB, MachineProfile
@@ -162,8 +163,8 @@ class Engine:
         if isinstance(fn, torch.nn.Module):
             module = fn
             self.watch(module)
-            module.forward = self(module.forward)
-            object.__setattr__(module, "offload_engine", self)  # a plain attribute, not a submodule
+            attach(module, "forward", self(module.forward))  # See Note: [a copy carries no engine]
+            attach(module, "offload_engine", self)
             return module
         if not callable(fn):
             raise TypeError(f"an offload engine decorates a function or an nn.Module, got {fn!r}")
@@ -177,8 +178,9 @@ class Engine:
         return cast(_Decorated, wrapper)  # functools.wraps: it reads as fn, called as fn
 
     def __deepcopy__(self, memo: dict) -> "Engine":
-        """Not copied: a copy of a decorated model shares its engine, as its copied ``forward``
-        (a closure over the engine, which deepcopy does not copy) always did."""
+        """Not copied: an engine owns threads, files and device memory, so a structure copied
+        with it shares it. A copied *model* carries no engine at all (See Note: [a copy carries
+        no engine] in ``offload._attach``)."""
         return self
 
     @property

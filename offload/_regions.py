@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ._attach import attach, detach
 from ._blocks import Found, find_blocks
 from ._cost import RegionProfile, Scope
 from ._measurement import ForwardClock, Measurement, finish_after_backward, span_ms
@@ -322,8 +323,9 @@ class Regions:
     def _install(self, index: int, name: str, module: torch.nn.Module) -> None:
         """Wrap the region's call (See Note: [a block compiled in place])."""
         attr = COMPILED_CALL if getattr(module, COMPILED_CALL, None) is not None else "forward"
-        self._wrapped.append(_Wrapped(module, index, name, attr, module.__dict__.get(attr)))
-        setattr(module, attr, self._wrap(index, name, module, getattr(module, attr)))
+        wrapper = self._wrap(index, name, module, getattr(module, attr))
+        previous = attach(module, attr, wrapper)  # See Note: [a copy carries no engine]
+        self._wrapped.append(_Wrapped(module, index, name, attr, previous))
 
     def rewrap_compiled(self) -> None:
         """Re-wrap the regions compiled in place since the engine wrapped them (at ``with eng:``)."""
@@ -597,7 +599,7 @@ class Regions:
 
 @dataclasses.dataclass(frozen=True)
 class _Wrapped:
-    """One region's wrapped attribute and what it held before (None: the class's own)."""
+    """One region's wrapped attribute and what the instance held before (``_attach``'s token)."""
 
     module: torch.nn.Module
     index: int
@@ -606,10 +608,7 @@ class _Wrapped:
     original: object
 
     def put_back(self) -> None:
-        if self.original is None:
-            self.module.__dict__.pop(self.attr, None)
-        else:
-            setattr(self.module, self.attr, self.original)
+        detach(self.module, self.attr, self.original)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -210,7 +210,7 @@ def test_the_decorator_form_gives_the_engine_back(spill_dir):
     got = run_step(model, x_input, loss_fn=torch.sum)
     assert_same(ref, got)
     assert eng.stats.offloaded_bytes > 0 and eng.stats.saved_tensors > 0
-    assert copy.deepcopy(model).offload_engine is eng  # a copy shares it, as its copied forward does
+    assert not hasattr(copy.deepcopy(model), "offload_engine")  # a copy carries no engine: tests/test_copies.py
     assert "offload_engine" not in model.state_dict() and "offload_engine" not in dict(model.named_modules())
     eng.close()
     assert files_under(spill_dir) == []

@@ -46,6 +46,7 @@ import torch
 
 import offload
 
+from .._attach import attach, detach
 from .._engine import check_keywords
 from ._figures import log_figures
 
@@ -68,10 +69,11 @@ class _Run:
 
     engine: offload.Engine
     model: torch.nn.Module
-    previous_forward: Optional[Any]
-    """The instance attribute ``forward`` held before (accelerate's autocast wrapper, ...); None: none."""
     logged: offload.Stats
     """The engine's stats at the previous log entry (or at train begin)."""
+    previous_forward: Any = None
+    """What the instance attribute ``forward`` held before (accelerate's autocast wrapper, ...), as
+    ``_attach.attach`` returned it (it stands for "none" too)."""
     wrapper: Any = None
     forwards_since_log: int = 0
 
@@ -79,10 +81,8 @@ class _Run:
         if self.model.__dict__.get("forward") is not self.wrapper:
             # Something wrapped our wrapper since; leave the chain alone (ours passes through now).
             logger.debug("model.forward was wrapped again after train begin; leaving it in place")
-        elif self.previous_forward is None:
-            del self.model.__dict__["forward"]
         else:
-            self.model.forward = self.previous_forward
+            detach(self.model, "forward", self.previous_forward)
 
 
 class OffloadCallback(transformers.TrainerCallback):
@@ -112,9 +112,9 @@ class OffloadCallback(transformers.TrainerCallback):
         self._finish()  # a previous train() that raised never reached on_train_end
         # The model it holds names the regions (and regions="auto" searches it).
         self.engine = offload.engine(**({"model": model} | self._engine_kwargs))
-        run = _Run(self.engine, model, model.__dict__.get("forward"), logged=self.engine.stats)
+        run = _Run(self.engine, model, logged=self.engine.stats)
         run.wrapper = self._wrap(run, model.forward)
-        model.forward = run.wrapper
+        run.previous_forward = attach(model, "forward", run.wrapper)  # See Note: [a copy carries no engine]
         self._run = run
 
     def on_log(self, args, state, control, logs=None, **kwargs):
