@@ -6,7 +6,10 @@ neither the inputs nor anything inside; a recomputed region would pin its inputs
 Here the inputs go through whatever saved-tensor hooks are outside (the engine's store, or
 another library's), so a recomputed region whose inputs are offloaded leaves nothing on the
 device. The results equal ``torch.utils.checkpoint(use_reentrant=False)``: the same forward re-run
-with the CPU and device RNG states and the autocast state of the original call.
+with the CPU and device RNG states and the autocast state of the original call. One thing
+differs, on purpose: the modules' state (``_module_state``). The re-run sees the buffers and
+numbers the forward saw, and leaves them as the forward left them, where torch's re-run updates
+BatchNorm's statistics a second time.
 
     forward:  inputs ──outer pack──▶ store (any tier)
               fn(inputs) under placeholder hooks: each save ──▶ Slot(i) + (shape, dtype) noted,
@@ -42,6 +45,7 @@ import torch
 
 from ._errors import OffloadError, inplace_error
 from ._hooks import users_own
+from ._module_state import ForwardStart, RegionState, modules_of
 from ._stats import record
 
 __all__ = [
@@ -148,8 +152,13 @@ class Frame:
         kwargs: dict,
         on_recompute: Optional[Callable] = None,
         count: Optional[Callable[[torch.Tensor], Optional[int]]] = None,
+        state: Optional[RegionState] = None,
     ) -> None:
         self.fn, self.name = fn, name
+        self.state = RegionState(modules_of(fn), name) if state is None else state
+        """The state of the modules the region runs, kept across its re-runs: See Note: [a re-run
+        leaves module state as the forward left it] (``_module_state``)."""
+        self._start = ForwardStart.empty()  # the forward's, once it ran
         self.on_recompute = on_recompute  # called with the recompute's wall time, ms (profiling)
         self.count = count
         """Profiling: what the engine would take of each save had the region run as is: None (it
@@ -207,10 +216,13 @@ class Frame:
         before = _fingerprints(self.args, self.kwargs)  # See Note: [arguments a forward changed]
         self.forward_saves = ForwardSaves()  # See Note: [saved values live while the forward runs]
         self.phase = FramePhase.FORWARD
+        start = self.state.forward_started()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_placeholder, self._unpack_placeholder):
                 with self._forward_mode():
                     out = self.fn(*self.args, **self.kwargs)
+            start.forward_ended()
+            self._start = start
             inputs = {
                 storage_id(a) for a in list(self.args) + list(self.kwargs.values()) if isinstance(a, torch.Tensor)
             }
@@ -245,6 +257,16 @@ class Frame:
 
     def _kept_storages(self) -> set:
         return set()
+
+    # Note: [a frame that cannot re-run holds nothing]
+    #     A re-run that raises (it saved other tensors than the forward, or replayed other ops)
+    #     leaves a backward that cannot finish. The frame then lets go of its inputs and of the
+    #     arguments of its first run: an argument the forward changed may hold a tensor of the
+    #     region's own graph (a cache it filled), whose saved variables hold the slots, which hold
+    #     this frame; that cycle runs through autograd's C++ graph, which Python's collector cannot
+    #     see, so the region's inputs (and their spill extents) would otherwise live for ever.
+    def _abandon(self) -> None:
+        self.args, self.kwargs, self.inputs, self.recomputed = (), {}, [], []
 
     # Note: [no backward past a region's inputs]
     #     A backward run inside the region's forward (torch.autograd.grad or .backward()) may go
@@ -424,7 +446,8 @@ class Frame:
                 synchronize_devices(self.rng.cuda_devices)
             start = time.perf_counter()
             args, kwargs = self._rebuild_args() if inputs is None else inputs
-            with self.rng.restored(), self.autocast.restored(), torch.enable_grad():
+            # See Note: [a re-run leaves module state as the forward left it]
+            with self.rng.restored(), self.autocast.restored(), self._start.rerun(), torch.enable_grad():
                 with torch.autograd.graph.saved_tensors_hooks(capture, unpack_captured), mode:
                     try:
                         self.fn(*args, **kwargs)
@@ -437,21 +460,25 @@ class Frame:
             captured.clear()  # the re-run's graph may outlive it: See Note: [recompute hooks hold no frame]
 
     def _recompute(self) -> None:
-        with record("offload::recompute"):
-            values, rerun_ms = self._rerun(self._rerun_mode(), timed=self.on_recompute is not None)
-        if self.on_recompute is not None:
-            self.on_recompute(rerun_ms)
-        if len(values) != len(self.meta) or any(
-            c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(values, self.meta, strict=True)
-        ):
-            got = [(tuple(c.shape), c.dtype) for c in values]
-            want = [(tuple(s), d) for s, d in self.meta]
-            raise OffloadError(
-                f"offload: recomputing region {self.name!r} saved {len(got)} tensors {got[:4]}... but its forward "
-                f"saved {len(want)} tensors {want[:4]}...; the region's forward must be deterministic in what it "
-                f"saves (no data-dependent branches on mutable state); exclude it from regions or fix the branch"
-                + self.changed_note()
-            )
+        try:
+            with record("offload::recompute"):
+                values, rerun_ms = self._rerun(self._rerun_mode(), timed=self.on_recompute is not None)
+            if self.on_recompute is not None:
+                self.on_recompute(rerun_ms)
+            if len(values) != len(self.meta) or any(
+                c.shape != shape or c.dtype != dtype for c, (shape, dtype) in zip(values, self.meta, strict=True)
+            ):
+                got = [(tuple(c.shape), c.dtype) for c in values]
+                want = [(tuple(s), d) for s, d in self.meta]
+                raise OffloadError(
+                    f"offload: recomputing region {self.name!r} saved {len(got)} tensors {got[:4]}... but its forward "
+                    f"saved {len(want)} tensors {want[:4]}...; the region's forward must be deterministic in what it "
+                    f"saves (no data-dependent branches on mutable state); exclude it from regions or fix the branch"
+                    + self.changed_note()
+                )
+        except OffloadError:
+            self._abandon()
+            raise
         self.phase, self.recomputed = FramePhase.RECOMPUTED, values
         self.gen += 1
         self.unserved = self.live
@@ -545,6 +572,10 @@ def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: A
         fn: the region's forward; it must save the same tensors (count, shapes, dtypes) when
             re-run, or backward raises ``OffloadError`` naming the region.
         name: the region's name in error messages and traces (default: ``fn``'s name).
+
+    Where ``fn`` is a module or a module's bound method, the re-run leaves the module's buffers and
+    plain-number attributes as this call left them (BatchNorm counts one batch, not two), and
+    sees them as this call found them; see ``offload._module_state``.
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable first argument, got {fn!r}")

@@ -39,6 +39,7 @@ from ._attach import attach, detach
 from ._blocks import Found, find_blocks
 from ._cost import RegionProfile, Scope
 from ._measurement import ForwardClock, Measurement, finish_after_backward, span_ms
+from ._module_state import RegionState
 from ._planner import Decision, Plan
 from ._profiler import AFTER_NAME, BEFORE_NAME, PROFILED_POLICIES, Measured, Profiler, ShapePlan, Stage
 from ._selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
@@ -283,6 +284,9 @@ class Regions:
         self.profiled: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
         """What each recent profiling step measured (``ProfiledStep``), oldest first."""
         self._step: Optional[_Step] = None  # the latest step begun (None before the first)
+        self._states = {name: RegionState((module,), name) for name, module in self.regions}
+        """Each region's modules' state across its re-runs, by name: See Note: [a re-run leaves module
+        state as the forward left it] (``_module_state``)."""
         self._wrapped: list[_Wrapped] = []
         for index, (name, module) in enumerate(self.regions):
             self._install(index, name, module)
@@ -425,7 +429,9 @@ class Regions:
     def _recompute(self, forward: Callable[..., Any], args: tuple, kwargs: dict, name: str, *, selective: bool) -> Any:
         """Run a region as a (selective) recompute and count what it dropped."""
         on_recompute = self._session.observers.recompute_timer(name)  # a traced step times it
-        out, run = selective_checkpoint(forward, args, kwargs, name, selective=selective, on_recompute=on_recompute)
+        out, run = selective_checkpoint(
+            forward, args, kwargs, name, selective=selective, on_recompute=on_recompute, state=self._states[name]
+        )
         self._session.count_recompute(run.dropped_bytes)
         return out
 
@@ -561,6 +567,7 @@ class Regions:
                 on_recompute=on_recompute,
                 on_selective=m.add_selective,
                 count=functools.partial(step.count, self._session.eligible),
+                state=self._states[name],
             )
             self._session.count_recompute(run.dropped_bytes)
             counted = Saved(run.counted_bytes, run.counted_tensors)  # the store saw only its inputs

@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from ._errors import OffloadError, inplace_error
+from ._module_state import RegionState
 from ._recompute import Frame, RNGState, droppable, storage_id, synchronize_devices
 
 __all__ = [
@@ -326,8 +327,9 @@ class _SelectiveFrame(Frame):
         args: tuple,
         kwargs: dict,
         on_recompute: Callable[[float], None] | None = None,
+        state: RegionState | None = None,
     ) -> None:
-        super().__init__(fn, name, args, kwargs, on_recompute)
+        super().__init__(fn, name, args, kwargs, on_recompute, state=state)
         self.stashed: list[_Stashed] = []
         self.stash_storages: dict[int, int] = {}  # storage id -> nbytes of the stash, once forward returned
         self.stash_bytes = 0
@@ -356,6 +358,10 @@ class _SelectiveFrame(Frame):
 
     def _kept_storages(self) -> set:
         return set(self.stash_storages)
+
+    def _abandon(self) -> None:
+        super()._abandon()  # See Note: [a frame that cannot re-run holds nothing]
+        self.stashed = []
 
     def _forward_done(self, input_storages: set) -> None:
         """See Note: [stash packed when the forward returns]."""
@@ -433,14 +439,16 @@ def selective_checkpoint(
     *,
     selective: bool = True,
     on_recompute: Callable[[float], None] | None = None,
+    state: RegionState | None = None,
 ) -> tuple[Any, SelectiveRun]:
     """Run ``fn(*args, **kwargs)`` as a recomputed region: selectively (expensive outputs stashed
     through the outer hooks, cheap ops re-run) or, with ``selective=False``, whole. Returns its
-    output and what it dropped. ``on_recompute`` gets each re-run's wall time in ms (profiling)."""
+    output and what it dropped. ``on_recompute`` gets each re-run's wall time in ms (profiling).
+    ``state``: the region's modules' state across its calls (``_module_state``; None: ``fn``'s own)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs), _NOTHING
     frame_type = _SelectiveFrame if selective else Frame
-    frame = frame_type(fn, name, args, kwargs, on_recompute)
+    frame = frame_type(fn, name, args, kwargs, on_recompute, state=state)
     out = frame.run()
     if isinstance(frame, _SelectiveFrame):
         run = SelectiveRun(
@@ -582,8 +590,9 @@ class _ProfiledFrame(Frame):
         on_recompute: Callable[[float], None] | None,
         on_selective: Callable[[SelectiveProfile], None] | None,
         count: Callable[[torch.Tensor], int | None] | None = None,
+        state: RegionState | None = None,
     ) -> None:
-        super().__init__(fn, name, args, kwargs, on_recompute, count)
+        super().__init__(fn, name, args, kwargs, on_recompute, count, state)
         self.on_selective = on_selective
 
     def _recompute(self) -> None:
@@ -682,6 +691,7 @@ def profiled_checkpoint(
     on_recompute: Callable[[float], None],
     on_selective: Callable[[SelectiveProfile], None],
     count: Callable[[torch.Tensor], int | None] | None = None,
+    state: RegionState | None = None,
 ) -> tuple[Any, SelectiveRun]:
     """A whole-region recompute of ``fn`` (the "recompute" profiling step) reporting each re-run's
     wall time in ms (``on_recompute``); with ``split``, its first recompute also measures what a
@@ -691,7 +701,7 @@ def profiled_checkpoint(
     ``SelectiveRun.counted_bytes`` and ``counted_tensors``)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs), _NOTHING
-    frame = _ProfiledFrame(fn, name, args, kwargs, on_recompute, on_selective if split else None, count)
+    frame = _ProfiledFrame(fn, name, args, kwargs, on_recompute, on_selective if split else None, count, state)
     out = frame.run()
     return out, SelectiveRun(
         dropped_bytes=frame.dropped_bytes,

@@ -57,9 +57,25 @@ def torch_ckpt(fn):
 WRAPPERS = {"plain": no_ckpt, "offload": offload_ckpt, "torch": torch_ckpt}
 
 
-def frames_alive() -> int:
+_FRAMES_BEFORE: set[int] = set()
+"""Ids of the recompute frames alive when the running test began (another test's, e.g. one kept by
+the cycle of Note: [a frame that cannot re-run holds nothing] through a changed argument)."""
+
+
+def _live_frames() -> set[int]:
     gc.collect()
-    return sum(type(o) is _recompute.Frame for o in gc.get_objects())
+    return {id(o) for o in gc.get_objects() if type(o) is _recompute.Frame}
+
+
+@pytest.fixture(autouse=True)
+def _frames_before():
+    _FRAMES_BEFORE.clear()
+    _FRAMES_BEFORE.update(_live_frames())
+
+
+def frames_alive() -> int:
+    """Recompute frames made by the running test and still alive (a leaked frame's id is not reused)."""
+    return len(_live_frames() - _FRAMES_BEFORE)
 
 
 def grads_of(build, x: torch.Tensor, wrap) -> torch.Tensor:
@@ -327,7 +343,7 @@ def test_saved_values_are_not_held_after_the_forward():
     out = offload.checkpoint(region, x)
     gc.collect()
     assert seen[0]() is None, "an intermediate the region saved outlived its forward"
-    frames = [o for o in gc.get_objects() if type(o) is _recompute.Frame]
+    frames = [o for o in gc.get_objects() if type(o) is _recompute.Frame and id(o) not in _FRAMES_BEFORE]
     assert len(frames) == 1 and frames[0].forward_values is None
     del frames
     out.sum().backward()

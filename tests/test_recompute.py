@@ -56,17 +56,19 @@ class DropBlock(nn.Module):
 
 
 class Flaky(nn.Module):
-    """Branches on a Python-side call counter: its recompute saves other tensors than its forward."""
+    """Branches on a call counter held in a list, state the re-run is not given back (only buffers
+    and plain-number attributes are: tests/test_module_state.py): its recompute saves other
+    tensors than its forward."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(WIDTH, WIDTH)
-        self.calls = 0
+        self.calls = [0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        self.calls[0] += 1
         y = self.fc(x)
-        if self.calls % 2 == 1:
+        if self.calls[0] % 2 == 1:
             return y.tanh()  # saves its output
         return y * 2.0  # saves nothing
 
@@ -135,9 +137,25 @@ def assert_same(got, want, what: str) -> None:
         assert torch.equal(a, b), f"{what}: grad of parameter {i} differs"
 
 
-def frames_alive() -> int:
+_FRAMES_BEFORE: set[int] = set()
+"""Ids of the recompute frames alive when the running test began (another test's, e.g. one kept by
+the cycle of Note: [a frame that cannot re-run holds nothing] through a changed argument)."""
+
+
+def _live_frames() -> set[int]:
     gc.collect()
-    return sum(type(o) is _recompute.Frame for o in gc.get_objects())
+    return {id(o) for o in gc.get_objects() if type(o) is _recompute.Frame}
+
+
+@pytest.fixture(autouse=True)
+def _frames_before():
+    _FRAMES_BEFORE.clear()
+    _FRAMES_BEFORE.update(_live_frames())
+
+
+def frames_alive() -> int:
+    """Recompute frames made by the running test and still alive (a leaked frame's id is not reused)."""
+    return len(_live_frames() - _FRAMES_BEFORE)
 
 
 def settle(eng) -> offload.Stats:
@@ -463,7 +481,7 @@ def test_frame_phases_through_forward_and_backward():
 
     def region(x):
         gc.collect()
-        (frame,) = [o for o in gc.get_objects() if type(o) is _recompute.Frame]
+        (frame,) = [o for o in gc.get_objects() if type(o) is _recompute.Frame and id(o) not in _FRAMES_BEFORE]
         seen["frame"] = weakref.ref(frame)
         seen["forward"] = (frame.phase, frame.forward_values is not None)
         h = x.sin()  # saved by sin (x) and by exp (its result)
