@@ -32,7 +32,7 @@ from ._observe import Observers
 from ._plan_cache import PlanCache
 from ._planner import Plan
 from ._probe import machine_key, probe
-from ._regions import AUTO, Regions, RegionsArg, resolve_regions
+from ._regions import AUTO, Regions, RegionsArg, refuse_foreign, resolve_regions
 from ._session import Session
 from ._sharded import Sharding, sharding_for
 from ._stats import Gauges, Stats
@@ -93,6 +93,8 @@ class Engine:
         self._last_step = _StepSaves(0, 0)
         """What the latest finished step saved (its tensors managed, and those under min_offload_bytes)."""
         self._warned_all_small = False
+        self._region_calls_at_start = 0  # the regions' calls when the latest step began
+        self._warned_idle = False  # warned that a step ran none of the regions
         if regions is not None and not self._regions_to_find:
             self._regions = Regions(resolve_regions(regions, model), config.policy, self._session, shared_inputs)
         if model is not None:
@@ -128,6 +130,7 @@ class Engine:
         self._session.enter()
         if outermost:
             self._step_start = self._saves_so_far()
+            self._region_calls_at_start = 0 if self._regions is None else self._regions.calls
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -138,6 +141,18 @@ class Engine:
             if self._last_step.all_small() and not self._warned_all_small:
                 self._warned_all_small = True
                 warnings.warn(f"offload: {self._all_small_note()}", UserWarning, stacklevel=2)
+            regions = self._regions
+            saved = self._last_step.managed + self._last_step.small
+            if regions is not None and saved and regions.calls == self._region_calls_at_start and not self._warned_idle:
+                self._warned_idle = True
+                warnings.warn(
+                    f"offload: the latest step saved {saved} tensor(s) but ran none of the engine's "
+                    f"{len(regions.regions)} regions (the first: {regions.regions[0][0]!r}), so nothing is profiled or "
+                    "planned and Engine.profiling stays True. regions= must name modules of the model you run: a "
+                    "copy of the model (copy.deepcopy) has blocks of its own; pass regions=model.blocks of that model",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     def _saves_so_far(self) -> _StepSaves:
         return _StepSaves(self._session.counters.saved_tensors, self._session.eligible.small_saves)
@@ -162,6 +177,8 @@ class Engine:
         """
         if isinstance(fn, torch.nn.Module):
             module = fn
+            if self._regions is not None:
+                refuse_foreign(self._regions.regions, module)
             self.watch(module)
             attach(module, "forward", self(module.forward))  # See Note: [a copy carries no engine]
             attach(module, "offload_engine", self)

@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import enum
 import functools
+import threading
 import time
 import weakref
 from collections.abc import Iterable
@@ -38,6 +39,7 @@ import torch
 from ._attach import attach, detach
 from ._blocks import Found, find_blocks
 from ._cost import RegionProfile, Scope
+from ._errors import OffloadError
 from ._measurement import ForwardClock, Measurement, finish_after_backward, span_ms
 from ._module_state import RegionState
 from ._planner import Decision, Plan
@@ -46,7 +48,16 @@ from ._selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selecti
 from ._session import ForwardMarks, Saved, Session
 from ._sharded import Sharding, declaring
 
-__all__ = ["AUTO", "CACHE_ARGUMENTS", "ProfiledStep", "Regions", "RegionsArg", "resolve_regions", "without_cache"]
+__all__ = [
+    "AUTO",
+    "CACHE_ARGUMENTS",
+    "ProfiledStep",
+    "Regions",
+    "RegionsArg",
+    "refuse_foreign",
+    "resolve_regions",
+    "without_cache",
+]
 
 COMPILED_NOTE = "compiled (torch.compile): one autograd Function that cannot be split; recomputed whole instead"
 """The note ``explain()`` shows for a compiled region a selective plan recomputes whole."""
@@ -99,7 +110,41 @@ def resolve_regions(regions: RegionsArg, model: Optional[torch.nn.Module]) -> Fo
         raise ValueError("regions= selected no module; pass e.g. regions=model.blocks, or regions='auto' with model=")
     if len({id(m) for _, m in found}) != len(found):
         raise ValueError("regions= lists the same module twice; each region must be a distinct module")
+    _refuse_nesting(found)
+    if model is not None:
+        refuse_foreign(found, model)
     return Found(found, why)
+
+
+def _refuse_nesting(found: list[tuple[str, torch.nn.Module]]) -> None:
+    """A region inside another would be recomputed or moved twice: refused, as a duplicate is."""
+    outer_of: dict[int, str] = {}  # id of a module inside a region -> that region's name
+    for name, m in found:
+        for inner in m.modules():
+            if inner is not m:
+                outer_of.setdefault(id(inner), name)
+    for name, m in found:
+        outer = outer_of.get(id(m))
+        if outer is not None:
+            raise ValueError(
+                f"regions= nests region {name!r} inside region {outer!r}; a region is kept, moved or re-run as a "
+                f"whole, so one inside another would be handled twice. Pass only the outer ones (e.g. "
+                f"regions=model.blocks) or only the inner ones"
+            )
+
+
+def refuse_foreign(found: list[tuple[str, torch.nn.Module]], model: torch.nn.Module) -> None:
+    """Regions given as modules must be ``model``'s own: a copy's blocks, say, would never run."""
+    own = {id(m) for m in model.modules()}
+    foreign = [(i, name, m) for i, (name, m) in enumerate(found) if id(m) not in own]
+    if foreign:
+        i, name, m = foreign[0]
+        raise ValueError(
+            f"regions= item {i} ({name}, a {type(m).__name__}) is not a submodule of the model "
+            f"({type(model).__name__}), so it would never run under this engine; {len(foreign)} of "
+            f"{len(found)} regions are another model's (a copy made with copy.deepcopy has its own blocks). "
+            "Pass the regions of the model you run, e.g. regions=model.blocks with model=model"
+        )
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
@@ -185,6 +230,10 @@ class _Step:
 
     key: tuple
     """The first region's input signature."""
+    thread: int
+    """The thread that began it: See Note: [one forward at a time]."""
+    forward_done: bool = False
+    """Its last region ran forward."""
     stage: Optional[Stage]
     """Its profiling stage; None: a plan is in force (or the policy measures nothing)."""
     entry: Optional[ShapePlan]
@@ -284,6 +333,8 @@ class Regions:
         self.profiled: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
         """What each recent profiling step measured (``ProfiledStep``), oldest first."""
         self._step: Optional[_Step] = None  # the latest step begun (None before the first)
+        self.calls = 0
+        """Region forwards run under the engine so far (the engine warns when a step ran none)."""
         self._states = {name: RegionState((module,), name) for name, module in self.regions}
         """Each region's modules' state across its re-runs, by name: See Note: [a re-run leaves module
         state as the forward left it] (``_module_state``)."""
@@ -355,6 +406,8 @@ class Regions:
             return region_step(*args, **kwargs)
 
         def region_step(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            self._refuse_another_thread(index, name)
             if index == 0:
                 self._begin_step(args, kwargs)
             step = self._step
@@ -367,6 +420,7 @@ class Regions:
                 out = self._planned(step, index, name, module, forward, args, kwargs)
             step.region_ends(self._session.saved())
             if index == len(self.regions) - 1:
+                step.forward_done = True
                 step.moved_in_forward = self._session.moved_bytes() - step.moved_at_start
                 after = Decision.KEEP if step.entry is None else step.entry.plan.decision_after()
                 if step.stage is Stage.OFFLOAD_TRIAL or (step.stage is None and after is Decision.OFFLOAD):
@@ -375,6 +429,26 @@ class Regions:
 
         region_forward.__wrapped__ = forward  # type: ignore[attr-defined]  # functions take attributes; Callable does not say so
         return region_forward
+
+    # Note: [one forward at a time]
+    #     A step of the regions is one record (``_Step``): the profiler's stage, the measurements,
+    #     what the step saw. Two threads running forwards through one engine's regions at once
+    #     would write into one record (a profiling step then holds 13 measurements for 14 regions).
+    #     So a region refuses to run while another thread is inside the engine with a forward that
+    #     has regions still to run; forwards from several threads one after another are fine (a
+    #     thread that left mid-forward, by an exception, holds nothing up), as is an engine without
+    #     regions shared by threads (its hook state is per thread).
+    def _refuse_another_thread(self, index: int, name: str) -> None:
+        step = self._step
+        me = threading.get_ident()
+        if step is None or step.thread == me or step.forward_done or not self._session.inside(step.thread):
+            return
+        raise OffloadError(
+            f"offload: region {name!r} ran on thread {me} while a forward that thread {step.thread} began has not "
+            f"finished its regions; an engine with regions= runs one forward at a time. Make one engine per thread "
+            f"(offload.engine(...) in each), or leave regions= out: an engine without regions serves several "
+            f"threads at once"
+        )
 
     def _planned(
         self,
@@ -453,6 +527,7 @@ class Regions:
         stage, entry = self._profiler.begin(key)
         step = _Step(
             key=key,
+            thread=threading.get_ident(),
             stage=stage,
             entry=entry,
             start=now,

@@ -85,6 +85,8 @@ class Session:
         self._store_lock = threading.Lock()
         self._planned = False
         self._local = threading.local()
+        self._inside: set[int] = set()  # threads inside the engine now
+        self._inside_lock = threading.Lock()
         self.observers = Observers()
         """Told of step boundaries and recomputes (``offload._observe``); empty: nothing is called."""
         self.marks: Optional[ForwardMarks] = None
@@ -148,6 +150,8 @@ class Session:
             stack = self._local.stack = []
         stack.append(ctx)
         if len(stack) == 1:
+            with self._inside_lock:
+                self._inside.add(threading.get_ident())
             self.marks = ForwardMarks(entered=self.saved())
             self.shared.new_forward()
         if self.observers and len(stack) == 1:
@@ -157,6 +161,8 @@ class Session:
         stack = self._local.stack
         stack.pop().__exit__(*exc)
         if not stack:
+            with self._inside_lock:
+                self._inside.discard(threading.get_ident())
             self._local.eager_to_end = False
             marks = self.marks
             if marks is not None and marks.closed is None:
@@ -169,6 +175,11 @@ class Session:
     def active(self) -> bool:
         """True while this thread is inside the engine (its hooks may be shadowed by inner ones)."""
         return bool(getattr(self._local, "stack", None))
+
+    def inside(self, thread: int) -> bool:
+        """True while thread ``thread`` (a ``threading.get_ident()``) is inside the engine."""
+        with self._inside_lock:
+            return thread in self._inside
 
     @contextlib.contextmanager
     def planned_per_rank(self):

@@ -1,0 +1,179 @@
+"""Regions given wrong, refused or named at once: nested regions, another model's regions, and
+one engine's regions run from two threads at the same time (See Note: [one forward at a time]).
+
+Each of these used to be accepted and then fail later with a wrong diagnosis, or never say anything.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+
+import offload
+from zoo import GPTLoss, assert_same, gpt, run_step
+
+
+def _net() -> torch.nn.Module:
+    return GPTLoss(gpt(dropout=0.0))
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 17))
+
+
+def _step(model, eng=None):
+    return run_step(model, _tokens, eng, loss_fn=lambda loss: loss, input_grad=False)
+
+
+# ---------------------------------------------------------------------------------- nesting
+
+
+@pytest.mark.parametrize("order", ["outer-first", "inner-first"])
+def test_nested_regions_are_refused_when_the_engine_is_built(order):
+    model = _net()
+    block = model.model.blocks[0]
+    regions = [block, block.attn] if order == "outer-first" else [block.attn, block]
+    with pytest.raises(ValueError, match=r"nests region 'model\.blocks\.0\.attn' inside region 'model\.blocks\.0'"):
+        offload.engine(budget_mb=0, model=model, regions=regions)
+
+
+def test_a_filter_that_picks_nested_modules_is_refused():
+    model = _net()
+    with pytest.raises(ValueError, match="nests region"):
+        offload.engine(budget_mb=0, model=model, regions=lambda m, name: name.startswith("model.blocks.0"))
+
+
+def test_nested_regions_without_the_model_are_refused_too():
+    model = _net()
+    with pytest.raises(ValueError, match="nests region"):
+        offload.engine(budget_mb=0, regions=[model.model.blocks[0], model.model.blocks[0].mlp])
+
+
+# ---------------------------------------------------------------------------------- another model
+
+
+def test_regions_of_a_copy_are_refused_with_the_model():
+    model = _net()
+    twin = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"item 0 .* is not a submodule of the model .* copy\.deepcopy"):
+        offload.engine(budget_mb=0, model=model, regions=twin.model.blocks)
+
+
+def test_regions_of_a_copy_are_refused_by_the_decorator():
+    model = _net()
+    twin = copy.deepcopy(model)
+    eng = offload.engine(budget_mb=0, regions=twin.model.blocks)
+    with pytest.raises(ValueError, match="not a submodule of the model"):
+        eng(model)
+    eng.close()
+
+
+def test_a_step_that_runs_none_of_the_regions_says_so_once(spill_dir):
+    model = _net()
+    twin = copy.deepcopy(model)
+    eng = offload.engine(budget_mb=0, min_offload_bytes=0, regions=twin.model.blocks, policy="auto")
+    with pytest.warns(UserWarning, match=r"ran none of the engine's 2 regions .*Engine\.profiling stays True"):
+        _step(model, eng)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        _step(model, eng)
+    assert eng.profiling
+    eng.close()
+
+
+def test_a_step_that_runs_the_regions_says_nothing(spill_dir):
+    model = _net()
+    eng = offload.engine(budget_mb=0, min_offload_bytes=0, regions=model.model.blocks, policy="offload")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            _step(model, eng)
+    eng.close()
+
+
+# ---------------------------------------------------------------------------------- threads
+
+
+def _two_threads(first, second):
+    """Run ``first`` on a thread until it is inside the model's second block, then ``second`` on
+    another thread, then let the first finish; returns each one's exception (or None)."""
+    errors: dict[str, BaseException | None] = {"first": None, "second": None}
+    inside, go_on = threading.Event(), threading.Event()
+
+    def run(name, fn):
+        try:
+            fn(inside, go_on)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            errors[name] = e
+
+    t1 = threading.Thread(target=run, args=("first", first))
+    t1.start()
+    assert inside.wait(30), "the first thread never reached the second block"
+    t2 = threading.Thread(target=run, args=("second", second))
+    t2.start()
+    t2.join(60)
+    go_on.set()
+    t1.join(60)
+    return errors
+
+
+def test_one_engine_with_regions_refuses_a_second_thread_mid_forward(spill_dir):
+    base = _net()
+    reference, model = copy.deepcopy(base), copy.deepcopy(base)
+    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="auto")
+    block = model.model.blocks[1]
+    original = block.mlp.forward
+
+    def pausing(x):
+        if threading.current_thread() is not threading.main_thread() and not pausing.paused:
+            pausing.paused = True
+            pausing.inside.set()
+            pausing.go_on.wait(30)
+        return original(x)
+
+    pausing.paused = False
+    block.mlp.forward = pausing
+
+    results = {}
+
+    def first(inside, go_on):
+        pausing.inside, pausing.go_on = inside, go_on
+        results["first"] = _step(model, eng)
+
+    def second(inside, go_on):
+        _step(model, eng)
+
+    errors = _two_threads(first, second)
+    assert isinstance(errors["second"], offload.OffloadError), errors
+    assert "one forward at a time" in str(errors["second"]) and "one engine per thread" in str(errors["second"])
+    assert errors["first"] is None, errors["first"]
+    assert_same(_step(reference), results["first"], "the first thread's step")
+    # One after another from two threads is fine, and the engine goes on planning.
+    for _ in range(4):
+        t = threading.Thread(target=lambda: results.update(last=_step(model, eng)))
+        t.start()
+        t.join(60)
+        assert_same(_step(reference), results["last"], "a step from another thread")
+    eng.close()
+
+
+def test_a_thread_that_raised_mid_forward_holds_nothing_up(spill_dir):
+    model = _net()
+    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="offload")
+    block = model.model.blocks[1]
+    original = block.forward
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("a bad batch")
+
+    block.forward = raising
+    t = threading.Thread(target=lambda: pytest.raises(RuntimeError, _step, model, eng))
+    t.start()
+    t.join(60)
+    block.forward = original
+    _step(model, eng)  # on this thread: no error
+    eng.close()
