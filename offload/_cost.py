@@ -88,7 +88,8 @@ class Scope(enum.Enum):
     """A module the engine wraps: any decision."""
     BEFORE = "before"
     """The saves before the first region and between regions (an embedding's, a residual's): the
-    engine cannot act on them as a unit, so they are kept, and counted."""
+    engine cannot act on them as a unit, so the store keeps them while the budget has room and
+    moves them first when it has not (``_planner.as_stored``); no policy decides them."""
     AFTER = "after"
     """The saves after the last region until backward (an LM head's logits and its loss): kept or
     moved as they are saved; there is no module to re-run."""

@@ -393,6 +393,18 @@ def engine(
     )
 
 
+def _held_note(stats: Stats) -> str:
+    """What re-run regions held beside the store, measured ("" where none ran)."""
+    if stats.peak_region_bytes == 0:
+        return ""
+    budget = "no budget" if stats.budget_bytes is None else f"budget {stats.budget_bytes / MB:.1f} MB"
+    return (
+        f"measured: the store held at most {stats.peak_resident_bytes / MB:.1f} MB ({budget}); with what recomputed "
+        f"and selective regions held themselves while they ran (their saves during their forward, their re-run's "
+        f"values in backward; the largest {stats.peak_region_bytes / MB:.1f} MB), {stats.peak_held_bytes / MB:.1f} MB"
+    )
+
+
 def explain(what: Union[Engine, Plan, None]) -> str:
     """The plan table of an engine (its latest plan) or of a ``Plan``, as text."""
     plan = what.plan if isinstance(what, Engine) else what
@@ -410,6 +422,9 @@ def explain(what: Union[Engine, Plan, None]) -> str:
             f"{text}\nregions: {what._regions.why}\ntransfers priced at: {what._regions.link_note()}"
             f"\nstep times: {what._regions.pace_note()}"
         )
+        held = _held_note(what.stats)
+        if held:
+            text = f"{text}\n{held}"
     if isinstance(what, Engine) and what.profiling:
         return (
             f"{text}\n(provisional: these input shapes are still being profiled; "

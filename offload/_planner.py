@@ -109,6 +109,7 @@ from ._cost import MB, MachineProfile, RegionProfile, Scope
 __all__ = [
     "MOVES_BYTES",
     "allowed",
+    "as_stored",
     "coerce",
     "SELECTIVE_DECISIONS",
     "Decision",
@@ -163,6 +164,33 @@ def allowed(region: RegionProfile, decision: Decision) -> bool:
     if region.scope is Scope.AFTER:
         return decision in (Decision.KEEP, Decision.OFFLOAD)
     return decision not in SELECTIVE_DECISIONS or region.selective_measured()
+
+
+# Note: [the saves outside the regions, as the store treats them]
+#     The engine acts on a region as a unit; the saves before the first region (and between
+#     regions) it does not: they go to the store like any saved tensor, which keeps them while the
+#     budget has room and, being the oldest, evicts them first when it does not. A plan must say
+#     the same, or ``explain()`` shows them kept, and the peak over the budget, while the engine
+#     moved them all. So a policy never chooses for them (``allowed``: KEEP), and every plan is
+#     built with ``as_stored``: kept where the peak fits the budget, else moved (OFFLOAD, as the
+#     store's eviction moves them; between-region saves are lumped in, though the store evicts
+#     those after older regions' saves). The saves after the last region, which a plan may
+#     offload itself (each leaves as it is made), are moved the same way where kept would not fit.
+def as_stored(
+    regions: Sequence[RegionProfile], decisions: Sequence[Decision], machine: MachineProfile, budget_bytes: int | None
+) -> tuple[Decision, ...]:
+    """``decisions`` with the saves outside the regions as the store treats them: See Note: [the
+    saves outside the regions, as the store treats them]."""
+    settled = [Decision.KEEP if r.scope is Scope.BEFORE else d for r, d in zip(regions, decisions, strict=True)]
+    if budget_bytes is None or not link_usable(machine):
+        return tuple(settled)
+    for scope in (Scope.BEFORE, Scope.AFTER):  # the oldest saves are evicted first
+        if _run_timeline(regions, settled, machine, budget_bytes).peak_bytes <= budget_bytes:
+            break
+        for i, region in enumerate(regions):
+            if region.scope is scope and settled[i] is Decision.KEEP and region.saved_bytes > 0:
+                settled[i] = Decision.OFFLOAD
+    return tuple(settled)
 
 
 def coerce(regions: Sequence[RegionProfile], decisions: Sequence[Decision]) -> tuple[Decision, ...]:
@@ -445,7 +473,7 @@ def _run_timeline(
                 f"region {region.name!r} cannot be {decision.value}: no selective run of it was measured "
                 f"(selective_ms is 0{'; ' + region.note if region.note else ''}); use RECOMPUTE"
             )
-        if not allowed(region, decision):
+        if not (allowed(region, decision) or (region.scope is Scope.BEFORE and decision is Decision.OFFLOAD)):
             raise ValueError(
                 f"{region.name!r} ({region.scope.value} the regions) cannot be {decision.value}: the saves outside "
                 f"the regions are never re-run, and those before or between them are kept"
@@ -673,6 +701,7 @@ def build_plan(
     policy_name: str,
     other_ms: float = 0.0,
 ) -> Plan:
+    decisions = as_stored(regions, decisions, machine, budget_bytes)
     timeline = _run_timeline(regions, decisions, machine, budget_bytes)
     region_plans = []
     for region, decision, exposed_ms in zip(regions, decisions, timeline.exposed_ms, strict=True):

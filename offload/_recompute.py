@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import enum
 import time
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -153,8 +154,12 @@ class Frame:
         on_recompute: Optional[Callable] = None,
         count: Optional[Callable[[torch.Tensor], Optional[int]]] = None,
         state: Optional[RegionState] = None,
+        on_held: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.fn, self.name = fn, name
+        self.on_held = on_held
+        """Told the bytes this frame holds itself (its inputs not counted) when its forward ends,
+        holding every save, and when a re-run ends, holding its values (``Stats.peak_region_bytes``)."""
         self.state = RegionState(modules_of(fn), name) if state is None else state
         """The state of the modules the region runs, kept across its re-runs: See Note: [a re-run
         leaves module state as the forward left it] (``_module_state``)."""
@@ -231,6 +236,8 @@ class Frame:
             self.changed = [name for name, fingerprint in before.items() if after.get(name) != fingerprint]
             kept = inputs | self._kept_storages()
             self.dropped_bytes = sum(n for key, n in self.forward_saves.dropped_storages.items() if key not in kept)
+            if self.on_held is not None:
+                self.on_held(sum(n for key, n in self.forward_saves.dropped_storages.items() if key not in inputs))
         except BaseException:
             self._forward_aborted()
             raise
@@ -339,11 +346,25 @@ class Frame:
         if self.phase is FramePhase.WAITING:
             self._recompute()  # RECOMPUTED once it returns, or it raised
         value = self.recomputed[slot.index]
+        if isinstance(value, weakref.ref):  # See Note: [a re-run's value goes with its first unpack]
+            value = value()
+            if value is None:
+                self._recompute()
+                value = self.recomputed[slot.index]
         if slot.seen_gen != self.gen:
             slot.seen_gen = self.gen
+            self.recomputed[slot.index] = weakref.ref(value)
             self._served_one()
         return value
 
+    # Note: [a re-run's value goes with its first unpack]
+    #     A re-run captures every save of the region at once, but backward needs each only until the
+    #     node that saved it has run. Held until the last slot was served, the region's whole
+    #     recomputed set would sit beside its gradients (on a CNN block, two activations more than
+    #     ``torch.utils.checkpoint`` at its peak). So a slot's value is held strongly only until its
+    #     first unpack in a pass, then weakly: a node that reads its saved tensors twice (a custom
+    #     Function reading ``ctx.saved_tensors`` again) still finds it while it holds it, and where
+    #     it was let go, the region is re-run again (correct, where torch's checkpoint raises).
     def _served_one(self) -> None:
         """One more live slot served (or dead) in this pass: after the last, drop the re-run's values."""
         self.unserved -= 1
@@ -455,6 +476,8 @@ class Frame:
                         pass
             if timed:
                 synchronize_devices(self.rng.cuda_devices)
+            if self.on_held is not None:
+                self.on_held(_held_bytes(captured, args, kwargs))
             return list(captured), (time.perf_counter() - start) * 1e3
         finally:
             captured.clear()  # the re-run's graph may outlive it: See Note: [recompute hooks hold no frame]
@@ -535,6 +558,13 @@ class StopRecompute(Exception):
 
 _ARG = object()
 """Placeholder for a tensor argument in a frame's stored argument template."""
+
+
+def _held_bytes(values: list, args: tuple, kwargs: dict) -> int:
+    """Bytes of the distinct storages among ``values`` a region holds itself: not its inputs'."""
+    inputs = {storage_id(a) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
+    held = {storage_id(v): v.untyped_storage().nbytes() for v in values if droppable(v)}
+    return sum(n for key, n in held.items() if key not in inputs)
 
 
 def storage_id(t: torch.Tensor) -> int:

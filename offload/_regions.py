@@ -504,7 +504,14 @@ class Regions:
         """Run a region as a (selective) recompute and count what it dropped."""
         on_recompute = self._session.observers.recompute_timer(name)  # a traced step times it
         out, run = selective_checkpoint(
-            forward, args, kwargs, name, selective=selective, on_recompute=on_recompute, state=self._states[name]
+            forward,
+            args,
+            kwargs,
+            name,
+            selective=selective,
+            on_recompute=on_recompute,
+            state=self._states[name],
+            on_held=self._session.region_held,
         )
         self._session.count_recompute(run.dropped_bytes)
         return out
@@ -643,6 +650,7 @@ class Regions:
                 on_selective=m.add_selective,
                 count=functools.partial(step.count, self._session.eligible),
                 state=self._states[name],
+                on_held=self._session.region_held,
             )
             self._session.count_recompute(run.dropped_bytes)
             counted = Saved(run.counted_bytes, run.counted_tensors)  # the store saw only its inputs

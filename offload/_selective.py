@@ -328,8 +328,9 @@ class _SelectiveFrame(Frame):
         kwargs: dict,
         on_recompute: Callable[[float], None] | None = None,
         state: RegionState | None = None,
+        on_held: Callable[[int], None] | None = None,
     ) -> None:
-        super().__init__(fn, name, args, kwargs, on_recompute, state=state)
+        super().__init__(fn, name, args, kwargs, on_recompute, state=state, on_held=on_held)
         self.stashed: list[_Stashed] = []
         self.stash_storages: dict[int, int] = {}  # storage id -> nbytes of the stash, once forward returned
         self.stash_bytes = 0
@@ -440,15 +441,17 @@ def selective_checkpoint(
     selective: bool = True,
     on_recompute: Callable[[float], None] | None = None,
     state: RegionState | None = None,
+    on_held: Callable[[int], None] | None = None,
 ) -> tuple[Any, SelectiveRun]:
     """Run ``fn(*args, **kwargs)`` as a recomputed region: selectively (expensive outputs stashed
     through the outer hooks, cheap ops re-run) or, with ``selective=False``, whole. Returns its
     output and what it dropped. ``on_recompute`` gets each re-run's wall time in ms (profiling).
-    ``state``: the region's modules' state across its calls (``_module_state``; None: ``fn``'s own)."""
+    ``state``: the region's modules' state across its calls (``_module_state``; None: ``fn``'s own).
+    ``on_held``: told the bytes the region holds itself (``Frame.on_held``)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs), _NOTHING
     frame_type = _SelectiveFrame if selective else Frame
-    frame = frame_type(fn, name, args, kwargs, on_recompute, state=state)
+    frame = frame_type(fn, name, args, kwargs, on_recompute, state=state, on_held=on_held)
     out = frame.run()
     if isinstance(frame, _SelectiveFrame):
         run = SelectiveRun(
@@ -591,8 +594,9 @@ class _ProfiledFrame(Frame):
         on_selective: Callable[[SelectiveProfile], None] | None,
         count: Callable[[torch.Tensor], int | None] | None = None,
         state: RegionState | None = None,
+        on_held: Callable[[int], None] | None = None,
     ) -> None:
-        super().__init__(fn, name, args, kwargs, on_recompute, count, state)
+        super().__init__(fn, name, args, kwargs, on_recompute, count, state, on_held)
         self.on_selective = on_selective
 
     def _recompute(self) -> None:
@@ -692,6 +696,7 @@ def profiled_checkpoint(
     on_selective: Callable[[SelectiveProfile], None],
     count: Callable[[torch.Tensor], int | None] | None = None,
     state: RegionState | None = None,
+    on_held: Callable[[int], None] | None = None,
 ) -> tuple[Any, SelectiveRun]:
     """A whole-region recompute of ``fn`` (the "recompute" profiling step) reporting each re-run's
     wall time in ms (``on_recompute``); with ``split``, its first recompute also measures what a
@@ -701,7 +706,7 @@ def profiled_checkpoint(
     ``SelectiveRun.counted_bytes`` and ``counted_tensors``)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs), _NOTHING
-    frame = _ProfiledFrame(fn, name, args, kwargs, on_recompute, on_selective if split else None, count, state)
+    frame = _ProfiledFrame(fn, name, args, kwargs, on_recompute, on_selective if split else None, count, state, on_held)
     out = frame.run()
     return out, SelectiveRun(
         dropped_bytes=frame.dropped_bytes,

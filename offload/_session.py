@@ -235,6 +235,15 @@ class Session:
             return self._store.budget.bytes
         return self.config.budget_bytes
 
+    def region_held(self, nbytes: int) -> None:
+        """A recomputed or selective region holds ``nbytes`` itself now (its forward's saves as the
+        forward ends, or its re-run's values): the peaks of ``Stats.peak_region_bytes`` and
+        ``Stats.peak_held_bytes``."""
+        counters = self.counters
+        counters.peak_region_bytes = max(counters.peak_region_bytes, nbytes)
+        resident = 0 if self._store is None else self._store.resident_bytes
+        counters.peak_held_bytes = max(counters.peak_held_bytes, resident + nbytes)
+
     def count_recompute(self, dropped_bytes: int = 0) -> None:
         self.counters.recomputed_regions += 1
         self.counters.recomputed_bytes += dropped_bytes

@@ -72,6 +72,16 @@ class Stats:
     """CUDA: time the host-to-device stream spent copying (CUDA events); 0 elsewhere."""
     recomputed_regions: int = 0
     """Region forwards run as recompute (inputs kept, the rest re-run in backward)."""
+    peak_region_bytes: int = 0
+    """The most bytes one recomputed or selective region held itself, outside the store: every
+    tensor its forward saved, held while that forward ran, or its re-run's values in backward
+    (distinct storages, its inputs not counted). Working memory, freed when the region is done;
+    ``torch.utils.checkpoint`` holds the re-run's values too, but not the forward's."""
+    peak_held_bytes: int = 0
+    """The most the engine held on the device at once: ``resident_bytes`` plus what a recomputed or
+    selective region held itself at that instant (read when such a region's forward or re-run
+    ends), and never less than ``peak_resident_bytes``. The budget bounds ``resident_bytes``; this
+    says what a re-run region's working set adds to it."""
     budget_bytes: Optional[int] = None
     """The byte budget in force now (a gauge): ``budget_mb`` in bytes, or with ``budget_mb="auto"``
     resident + free - reserve at the latest reading of free memory; None: no limit (or "auto"
@@ -138,6 +148,8 @@ class Counters:
     reload_wait_ms: float
     evict_wait_ms: float
     recomputed_regions: int
+    peak_region_bytes: int
+    peak_held_bytes: int
     recomputed_bytes: int
     shared_bytes: int
     shared_kept_bytes: int
@@ -160,4 +172,5 @@ class Counters:
         for name in _FROM_LINK:
             values[name] = getattr(gauges, name) - getattr(since, name)
         values["reload_wait_ms"] += gauges.stall_ms - since.stall_ms
+        values["peak_held_bytes"] = max(values["peak_held_bytes"], gauges.peak_resident_bytes)
         return Stats(**values)

@@ -572,3 +572,41 @@ def test_near_equal_plans_do_not_swap_with_measurement_noise():
 def test_stable_margin_is_checked():
     with pytest.raises(ValueError, match="stable_margin must be a number in \\[0, 1\\)"):
         AutoPolicy(stable_margin=1.5)
+
+
+def _with_outside(before_bytes: int, after_bytes: int) -> list[RegionProfile]:
+    from offload._cost import Scope
+
+    regions = uniform_regions(4)
+    before = RegionProfile(name="(before)", scope=Scope.BEFORE, saved_bytes=before_bytes, num_tensors=2)
+    after = RegionProfile(name="(after)", scope=Scope.AFTER, saved_bytes=after_bytes, num_tensors=2)
+    return [before, *regions, after]
+
+
+@pytest.mark.parametrize("policy", ["auto", "offload", "recompute"])
+def test_the_saves_before_the_regions_move_where_the_store_would_move_them(policy):
+    """See Note: [the saves outside the regions, as the store treats them]: at budget 0 the store
+    evicts them, so the plan moves them and fits; without a budget, or with room, they stay."""
+    regions = _with_outside(30 * MB, 40 * MB)
+    machine = cuda_machine(25.0)
+    at_zero = make_plan(regions, machine, 0, policy)
+    assert [r.decision for r in at_zero.outside] == [OFFLOAD, OFFLOAD]
+    kept = sum(r.resident_bytes for r in at_zero.regions if r.decision is not OFFLOAD)
+    assert at_zero.predicted_peak_bytes == kept, "only what the regions' own decisions keep (recompute: inputs)"
+    unlimited = make_plan(regions, machine, None, policy)
+    assert unlimited.outside[0].decision is KEEP
+    roomy = make_plan(regions, machine, 10_000 * MB, policy)
+    assert [r.decision for r in roomy.outside] == [KEEP, KEEP]
+
+
+def test_a_policy_may_not_choose_for_the_saves_before_the_regions():
+    class MoveAll(Policy):
+        name = "move-all-test"
+
+        def plan(self, regions, machine, budget_bytes):
+            return (OFFLOAD,) * len(regions)
+
+    regions = _with_outside(30 * MB, 40 * MB)
+    plan = make_plan(regions, cuda_machine(25.0), 10_000 * MB, MoveAll())
+    assert plan.outside[0].decision is KEEP, "room under the budget: the store keeps them, whatever a policy says"
+    assert plan.outside[1].decision is OFFLOAD, "the saves after the last region a plan may send out itself"

@@ -325,10 +325,11 @@ def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
     assert eng.plan.regions is first.regions
 
     text, explained = str(eng.plan), offload.explain(eng)
-    head, link, pace = explained.rsplit("\n", 2)
+    head, link, pace, held = explained.rsplit("\n", 3)
     assert head == f"{text}\nregions: regions=: {CONFIG.n_layer} modules given"
     assert link.startswith("transfers priced at: "), link  # the offload trial's reading (test_shapes.py)
     assert pace.startswith("step times: x"), pace  # the steps under plans so far (test_pace.py)
+    assert held.startswith("measured: the store held at most"), held  # the trials re-ran (test_region_memory.py)
     assert derived.regions != first.regions
     for i in range(CONFIG.n_layer):
         assert f"blocks.{i}" in text

@@ -134,3 +134,32 @@ def train_one(model, eng, step):
         for p in model.parameters():
             p -= 0.1 * p.grad
     return out
+
+
+@pytest.mark.parametrize("policy", ["auto", "offload"])
+def test_explain_says_what_the_store_does_with_the_saves_before_the_regions(policy, spill_dir):
+    """At budget 0 the store moves every save, those before the first region included (the oldest,
+    evicted first): the plan says so, and its peak fits, as the engine's own peak does (See Note:
+    [the saves outside the regions, as the store treats them])."""
+    before, _, _ = split_of_one_step()
+    assert before > 0, "the premise: the embedding saves before the first block"
+    model = make_model()
+    eng = engine(model, 0, spill_dir, policy=policy)
+    train(model, eng, steps=4)
+    outside = {r.scope: r for r in eng.plan.outside}
+    assert outside[Scope.BEFORE].decision is offload.Decision.OFFLOAD, str(eng.plan)
+    assert eng.plan.fits_budget and eng.plan.predicted_peak_bytes == 0, str(eng.plan)
+    assert eng.stats.peak_resident_bytes == 0
+    assert "(OVER BUDGET)" not in offload.explain(eng)
+    eng.close()
+
+
+def test_the_saves_before_the_regions_stay_where_the_budget_has_room(spill_dir):
+    before, per_block, after = split_of_one_step()
+    model = make_model()
+    eng = engine(model, 4 * (before + sum(per_block) + after) / 2**20, spill_dir)
+    train(model, eng, steps=4)
+    outside = {r.scope: r for r in eng.plan.outside}
+    assert outside[Scope.BEFORE].decision is offload.Decision.KEEP, str(eng.plan)
+    assert eng.stats.offloaded_bytes == 0
+    eng.close()
