@@ -383,7 +383,8 @@ def test_predict_command_prints_the_table_and_writes_json(tmp_path, capsys):
     argv = ["predict", "--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "64"]
     assert main(argv + ["--machine", "gh200", "--dtype", "fp32", "--out", str(tmp_path), "--longest"]) == 0
     out = capsys.readouterr().out
-    assert "prediction for gh200" in out and "selective" in out and "longest sequence within 96.0 GB" in out
+    usable = get_machine("gh200").usable_memory_bytes() / (1 << 20)
+    assert "prediction for gh200" in out and "selective" in out and f"longest sequence within {usable:,.0f} MiB" in out
     written = json.loads((tmp_path / "prediction.json").read_text())
     assert written["machine"]["name"] == "gh200"
     assert {p["policy"] for p in written["points"]} == set(POLICIES)
