@@ -68,9 +68,10 @@ class Assumptions:
     dispatch_overhead_us: float = 5.0
     """Host cost of one op dispatched under a Python ``TorchDispatchMode`` (a selective region's
     stash and replay modes), us; the planner's ``MachineProfile.dispatch_overhead_us``. Measured on
-    the CPU, not the GPU's host: ``_predict_machine._dispatch_overhead_us`` found 4.4-5.0 us on the
-    2-vCPU Xeon VM with torch 2.13 (``bench/results/predict-published.md``); a GPU machine's host
-    pays the same Python per op."""
+    a CPU, not on a GPU machine's host: ``_predict_machine._dispatch_overhead_us`` took 4.2-5.3 us
+    an op in the runs of ``bench/predict_published.py`` on the 2-vCPU Xeon VM with torch 2.13
+    (``bench/results/predict-published.md`` records its latest three); a GPU machine's host runs
+    the same Python per op."""
     context_mib: float = 400.0
     """Device memory the CUDA context takes before the first tensor, MiB: "around 400MB if CUDA
     >= 11.7 is used and lazy module loading enabled (default in PyTorch)" (a PyTorch maintainer,

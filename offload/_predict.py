@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -109,6 +109,7 @@ def predict(
     memory_bytes: Optional[int] = None,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     attention_source: str = "",
+    assume: Optional[Mapping[str, float]] = None,
 ) -> Prediction:
     """Predict one training step of ``model(*example_args, **example_kwargs)`` on ``machine``.
 
@@ -131,6 +132,8 @@ def predict(
     start = time.perf_counter()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     target = _machine(machine, dtype)
+    if assume:
+        target = target.with_assumptions(**dict(assume))
     fractions = _check_fractions(budgets)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; predict compares: {', '.join(POLICIES)}")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import offload
 from offload import MachineProfile, RegionProfile
 from offload.__main__ import main
 from offload._machines import get_machine
@@ -88,6 +89,7 @@ def test_optimizer_state_defaults_to_mixed_precision_and_is_settable():
     lean = OptimizerState(master_dtype=None, moment_dtype=torch.bfloat16)
     p = predict(model, ids, ids, machine="h100-sxm", regions=model.blocks, budgets=(1.0,), state=lean)
     assert p.state_bytes == params * (2 + 0 + 2 + 2)
+    assert offload.OptimizerState is OptimizerState, "public: the default is changed without a private import"
     given = predict(model, ids, ids, machine="h100-sxm", budgets=(1.0,), state_bytes_per_param=3.0)
     assert given.state_bytes == params * 3 and "(given)" in given.state
     fp32_model, _ = _gpt(torch.float32)
@@ -99,10 +101,15 @@ def test_optimizer_state_defaults_to_mixed_precision_and_is_settable():
         OptimizerState(moments=-1)
 
 
-def test_attention_is_a_documented_choice_by_name():
+def test_attention_and_the_machines_assumptions_are_set_by_name():
     model, ids = _gpt()
     by_name = predict(model, ids, ids, machine="h100-sxm", regions=model.blocks, attention="as-written")
     assert by_name.assumptions()[6].startswith("attention: as written")
+    assumed = predict(model, ids, ids, machine="h100-sxm", budgets=(1.0,), assume={"flops_fraction": 0.4})
+    assert assumed.machine.achieved_flops() == 989e12 * 0.4
+    assert assumed.assumptions()[0] == "compute: 0.4 of 989 TFLOP/s peak dense (given (0.4))"
+    with pytest.raises(ValueError, match="valid ones are: flops_fraction"):
+        predict(model, ids, ids, machine="h100-sxm", assume={"flop_fraction": 0.4})
     with pytest.raises(ValueError, match="valid choices are 'fused', 'as-written'"):
         predict(model, ids, ids, machine="h100-sxm", attention="flash")
 
