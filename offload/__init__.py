@@ -16,7 +16,7 @@ from ._hooks import no_offload
 from ._planner import Decision, Plan
 from ._policy import Policy, register_policy
 from ._policy import policy_names as policies
-from ._predict import Prediction, predict
+from ._predict import OptimizerState, Prediction, predict
 from ._probe import probe
 from ._recompute import checkpoint
 from ._sharded import sharded
@@ -28,6 +28,7 @@ __all__ = [
     "Engine",
     "MachineProfile",
     "OffloadError",
+    "OptimizerState",
     "Plan",
     "Policy",
     "Prediction",

@@ -3,6 +3,8 @@
     python -m offload probe [--device D] [--spill-dir P] [--refresh] [--json]
     python -m offload predict [--model minigpt | --hf-config config.json] [--machine h100-sxm | probe]
                               [--seq 4096] [--batch 1] [--dtype bf16] [--budgets 100,50,25,10] [--longest]
+                              [--attention auto|fused|as-written] [--grad-dtype D] [--master-dtype D|none]
+                              [--moment-dtype D] [--assume NAME=VALUE ...]
 
 Each command is one entry in ``_COMMANDS``: a help line, a function that adds its arguments to
 its sub-parser, and a function that runs it and returns the exit code. Bad input exits with 2.
@@ -22,8 +24,9 @@ import torch
 
 from ._cost import MB, MachineProfile, spill_where
 from ._errors import OffloadError
-from ._machines import machine_names
-from ._predict import POLICIES, Prediction, predict, write_plot
+from ._machines import Assumptions, get_machine, machine_names
+from ._predict import POLICIES, Attention, OptimizerState, Prediction, predict, write_plot
+from ._predict_state import DTYPES
 from ._probe import Figures, Source, probe, probe_report
 from .models import GPTConfig, MiniGPT
 
@@ -93,8 +96,13 @@ def _spare_cores_row(profile: MachineProfile) -> list[tuple[str, str]]:
     return [("spare cores", f"{profile.spare_cores:8d}     ({where})")]
 
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPES = DTYPES
 _DEFAULT_OUT = Path("out") / "predict"
+_ASSUMABLE = tuple(f.name for f in dataclasses.fields(Assumptions) if f.name != "flops_source")
+"""Assumptions ``--assume NAME=VALUE`` sets (``Machine.with_assumptions``)."""
+_HF_ATTENTION = {"eager": Attention.AS_WRITTEN}
+"""Hugging Face attention implementations counted otherwise than as a fused kernel; every other
+("sdpa", "flash_attention_2", ...) runs a fused kernel on the GPU, and the model is built with "sdpa"."""
 
 
 def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +126,37 @@ def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="auto", choices=POLICIES, help="the policy of that plan (default: auto)")
     parser.add_argument("--longest", action="store_true", help="search the longest sequence fitting device memory")
     parser.add_argument(
-        "--memory-gb", type=float, default=None, help="device memory for --longest (default: the machine's)"
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="device memory the step may use, GB (default: the machine's usable memory: what it reports, less the "
+        "CUDA context and the allocator's reserve)",
+    )
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", *(a.value for a in Attention)],
+        help="auto (default): as the Hugging Face config's _attn_implementation says (eager: as-written), else "
+        "fused; fused: SDPA as the target's flash kernel; as-written: what the model's code saves",
+    )
+    parser.add_argument(
+        "--grad-dtype", default=None, choices=sorted(_DTYPES), help="gradients' dtype (default: the parameters')"
+    )
+    parser.add_argument(
+        "--master-dtype",
+        default="fp32",
+        choices=[*sorted(_DTYPES), "none"],
+        help="optimizer's master copy of the parameters (default: fp32; none: no copy)",
+    )
+    parser.add_argument(
+        "--moment-dtype", default="fp32", choices=sorted(_DTYPES), help="dtype of Adam's two moments (default: fp32)"
+    )
+    parser.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=f"set one of the machine's assumptions, e.g. flops_fraction=0.45; names: {', '.join(_ASSUMABLE)}",
     )
     parser.add_argument(
         "--out",
@@ -127,8 +165,8 @@ def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
-    """The model on meta, and ``inputs_at(seq) -> (args, kwargs)``."""
+def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, Attention, str]:
+    """The model on meta, ``inputs_at(seq) -> (args, kwargs)``, and how attention is counted, with why."""
     dtype = _DTYPES[args.dtype]
     if args.hf_config is None:
         config = GPTConfig(
@@ -145,7 +183,9 @@ def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
             ids = torch.zeros(args.batch, seq, dtype=torch.long, device="meta")
             return (ids, ids), {}
 
-        return model, gpt_inputs
+        if args.attention == "auto":
+            return model, gpt_inputs, Attention.FUSED, "--attention auto: MiniGPT calls SDPA"
+        return model, gpt_inputs, Attention.of(args.attention), f"--attention {args.attention}"
     path = Path(args.hf_config)
     if not path.is_file():
         raise ValueError(f"--hf-config {path}: no such file; pass a local config.json (nothing is downloaded)")
@@ -153,14 +193,22 @@ def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
 
     config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
     config.use_cache = False
+    written = json.loads(path.read_text())
+    named = written.get("_attn_implementation") or written.get("attn_implementation")
+    if args.attention == "auto":
+        attention = _HF_ATTENTION.get(named, Attention.FUSED)
+        why = f'the config\'s "_attn_implementation": "{named}"' if named else "the config names none: sdpa"
+    else:
+        attention, why = Attention.of(args.attention), f"--attention {args.attention}"
+    implementation = "eager" if attention is Attention.AS_WRITTEN and named == "eager" else "sdpa"
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation).to(dtype)
 
     def hf_inputs(seq: int) -> tuple[tuple, dict]:
         ids = torch.zeros(args.batch, seq, dtype=torch.long, device="meta")
         return (), {"input_ids": ids, "labels": ids}
 
-    return model, hf_inputs
+    return model, hf_inputs, attention, f"{why}; the model built with {implementation!r} attention"
 
 
 def _run_predict(args: argparse.Namespace) -> int:
@@ -170,7 +218,16 @@ def _run_predict(args: argparse.Namespace) -> int:
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
         machine: Any = probe("cpu") if args.machine == "probe" else args.machine
-        model, inputs_at = _build(args)
+        if args.assume:
+            if args.machine == "probe":
+                raise ValueError("--assume sets a named machine's assumptions; --machine probe measures them")
+            machine = get_machine(args.machine).with_assumptions(**_assumed(args.assume))
+        state = OptimizerState(
+            grad_dtype=None if args.grad_dtype is None else _DTYPES[args.grad_dtype],
+            master_dtype=None if args.master_dtype == "none" else _DTYPES[args.master_dtype],
+            moment_dtype=_DTYPES[args.moment_dtype],
+        )
+        model, inputs_at, attention, why = _build(args)
         example_args, example_kwargs = inputs_at(args.seq)
         prediction: Prediction = predict(
             model,
@@ -180,6 +237,9 @@ def _run_predict(args: argparse.Namespace) -> int:
             budget_mb=args.budget_mb,
             policy=args.policy,
             budgets=budgets,
+            attention=attention,
+            attention_source=why,
+            state=state,
             longest_in=inputs_at if args.longest else None,
             memory_bytes=None if args.memory_gb is None else int(args.memory_gb * 1e9),
         )
@@ -198,6 +258,22 @@ def _run_predict(args: argparse.Namespace) -> int:
     keep_mb = prediction.points[0].peak_bytes / MB
     print(f"predicted in {prediction.wall_s:.1f} s; activation peak without the engine {keep_mb:,.0f} MB")
     return _EXIT_OK
+
+
+def _assumed(pairs: Sequence[str]) -> dict[str, float]:
+    """``--assume NAME=VALUE`` pairs as ``with_assumptions`` keywords; a ``ValueError`` names the
+    bad pair and the valid names."""
+    changes: dict[str, float] = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        name = name.strip()
+        if name not in _ASSUMABLE:
+            raise ValueError(f"--assume {pair!r}: unknown name {name!r}; valid names are: {', '.join(_ASSUMABLE)}")
+        try:
+            changes[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--assume {pair!r}: {value!r} is not a number; e.g. --assume {name}=0.5") from None
+    return changes
 
 
 def _io(disk: Figures) -> str:

@@ -37,11 +37,14 @@ Assumptions, all of them:
   its bytes on the device until it lands.
 - Reloads run on a separate back-link (full duplex: out and back never slow each other; on
   real PCIe both at once can cost either up to half, so a plan whose copies spill into backward
-  is optimistic). They go in reverse region order, at most one ahead of use: the reload of an
-  offloaded region is issued no earlier than the backward start of the offloaded region after
-  it (or the end of the forward, for the last one), no earlier than its own copy out has landed,
-  and otherwise as late as still lands it on time (an ideal prefetcher). A region's backward
-  cannot start before its reload lands; that wait is its exposed transfer time.
+  is optimistic). They go in reverse region order on that one link, at most one ahead of use:
+  the reload of an offloaded region starts no earlier than the backward start of the offloaded
+  region after it (or the end of the forward, for the last one), no earlier than its own copy
+  out has landed and no earlier than the reads before it are done, and otherwise as late as
+  still lands it on time (an ideal prefetcher). What has not landed when its backward asks is
+  read from then on (beside the backward where the budget leaves room, below); the backward's
+  wait for it is the region's exposed transfer time (Note: [a reload is one stream of reads on
+  one back-link]).
 - The per-tensor engine cost (``machine.per_tensor_overhead_us * num_tensors``) is paid on the
   compute stream, during the forward of each OFFLOAD region. A SELECTIVE_OFFLOAD region is an
   OFFLOAD region of its stash (``expensive_bytes``, ``expensive_tensors``) in every rule here, with
@@ -75,7 +78,7 @@ Assumptions, all of them:
   room the budget leaves beside what the kept regions hold is smaller than what the out-link has
   queued, the compute waits at the end of the region's forward until the queue fits the room (at
   budget 0, for every copy: the serial timeline); in backward a reload reads ahead only into the
-  room left, and the rest of it is waited for as backward asks for it. The room holds whole
+  room left, and the rest of it is read as backward asks for it. The room holds whole
   tensors (a region's ``largest_tensor_bytes``, where measured): with room for one of them or
   none, the rest's reads and the backward take turns; with room for three or more the prefetch
   runs the rest's reads beside the backward (half of that with two). Seen on MiniGPT, 4 x 256,
@@ -525,31 +528,33 @@ def _run_timeline(
 
     # Backward: reverse order; an offloaded region waits for its reload (see the docstring).
     prefetch_floor_ms = now_ms
+    back_link_free_ms = 0.0  # See Note: [a reload is one stream of reads on one back-link]
     for i in reversed(range(len(regions))):
         region, decision = regions[i], decisions[i]
         needed_ms = now_ms
         start_ms = needed_ms
         fp = footprints[i]
         held_bytes -= fp.resident_bytes  # region i's own inputs are held until its backward ends: counted below
-        if decision in MOVES_BYTES:
-            ahead_bytes = fp.moved_bytes  # what may be read back before its backward needs it
-            streamed = 0.0  # the share of its backward that the reads of the rest run beside
-            if not serial and budget_bytes is not None:
-                room_bytes = max(0, budget_bytes - held_bytes - fp.resident_bytes)
-                ahead_bytes = min(fp.moved_bytes, _whole_tensors(room_bytes, region.largest_tensor_bytes))
-                streamed = _streamed_share(room_bytes, region.largest_tensor_bytes)
-            back_ms = _link_ms(ahead_bytes, back_gb_per_s)
-            issue_ms = needed_ms if serial else max(copy_landed_ms[i], prefetch_floor_ms, needed_ms - back_ms)
-            start_ms = max(needed_ms, issue_ms + back_ms)
-            # the rest is read as backward asks for it: each read a wait, less what the room lets
-            # run beside the backward's compute
-            rest_ms = _link_ms(fp.moved_bytes - ahead_bytes, back_gb_per_s)
-            start_ms += rest_ms - streamed * min(rest_ms, region.backward_or_estimate_ms(BACKWARD_TO_FORWARD))
+        backward_ms = region.backward_or_estimate_ms(BACKWARD_TO_FORWARD)
+        if decision in MOVES_BYTES and serial:
+            start_ms = needed_ms + _link_ms(fp.moved_bytes, back_gb_per_s)
+            exposed_ms[i] += start_ms - needed_ms
+        elif decision in MOVES_BYTES:
+            back_room_bytes = None if budget_bytes is None else max(0, budget_bytes - held_bytes - fp.resident_bytes)
+            earliest_ms = max(copy_landed_ms[i], prefetch_floor_ms, back_link_free_ms)
+            start_ms, back_link_free_ms = _reload(
+                _link_ms(fp.moved_bytes, back_gb_per_s),
+                _link_ms(_ahead_bytes(fp.moved_bytes, back_room_bytes, region.largest_tensor_bytes), back_gb_per_s),
+                _streamed_share(back_room_bytes, region.largest_tensor_bytes),
+                earliest_ms,
+                needed_ms,
+                backward_ms,
+            )
             exposed_ms[i] += start_ms - needed_ms
             prefetch_floor_ms = start_ms
         rerun_ms = fp.rerun_ms + host[i][1]
         exposed_ms[i] += rerun_ms
-        now_ms = start_ms + rerun_ms + region.backward_or_estimate_ms(BACKWARD_TO_FORWARD)
+        now_ms = start_ms + rerun_ms + backward_ms
         if decision is not Decision.OFFLOAD:
             order = _FREE_AFTER if region.scope is Scope.AFTER else _FREE
             events.append((now_ms, order, -fp.resident_bytes))
@@ -571,15 +576,53 @@ def _whole_tensors(room_bytes: int, largest_bytes: int) -> int:
     return room_bytes // largest_bytes * largest_bytes
 
 
-def _streamed_share(room_bytes: int, largest_bytes: int) -> float:
-    """The share of an offloaded region's backward that its reads beyond the room run beside.
+def _ahead_bytes(moved_bytes: int, room_bytes: int | None, largest_bytes: int) -> int:
+    """Of a reload's ``moved_bytes``, the most that may be read before its backward asks: what
+    the room holds in whole tensors (``room_bytes`` None, no budget: all of them)."""
+    if room_bytes is None:
+        return moved_bytes
+    return min(moved_bytes, _whole_tensors(room_bytes, largest_bytes))
+
+
+def _streamed_share(room_bytes: int | None, largest_bytes: int) -> float:
+    """The share of an offloaded region's backward that its reads after the backward asked run beside.
     With room for one of its largest tensors or none, each read waits for the one before it to be
     used and freed: none (the reads and the compute take turns). With room for three or more the
     prefetch keeps a read in flight while backward uses the others: all of it. Two: half. 0 where
-    ``largest_bytes`` was not measured (the reads of the rest all wait, as before it was)."""
+    ``largest_bytes`` was not measured (the reads of the rest all wait, as before it was), 1 where
+    it was and there is no budget (``room_bytes`` None: room for any number)."""
     if largest_bytes <= 0:
         return 0.0
+    if room_bytes is None:
+        return 1.0
     return min(1.0, max(0.0, (room_bytes // largest_bytes - 1) / 2))
+
+
+# Note: [a reload is one stream of reads on one back-link]
+#     A region's reload is its moved bytes read in order over the one back-link. Reads start at
+#     ``earliest_ms``: its copy out has landed, the backward of the offloaded region after it has
+#     started (at most one region read ahead), and the back-link has finished the reads before
+#     it. Until its backward asks (``needed_ms``) at most the room's bytes are read (``ahead_ms``
+#     of link time, as late as still lands them on time); whatever is left, for want of room or
+#     of time, is read from then on, and runs beside the backward by the room's streamed share.
+#     Every byte counts once on the link, whether read ahead or beside, so more room or an
+#     earlier start never makes a step slower: the read ahead only takes bytes off the rest.
+#     (Before, the bytes read ahead had to land in full before the backward started while those
+#     beyond the room were read beside it, and the next region's read ahead shared the link with
+#     them for free: a smaller budget priced the same plan cheaper.)
+
+
+def _reload(
+    read_ms: float, ahead_ms: float, streamed: float, earliest_ms: float, needed_ms: float, backward_ms: float
+) -> tuple[float, float]:
+    """(backward start, back-link free), ms, of one region's reload of ``read_ms`` link time (see
+    Note: [a reload is one stream of reads on one back-link]); ``ahead_ms``: the link time of the
+    most the room lets read ahead; ``streamed``: ``_streamed_share``."""
+    read_before_ms = min(ahead_ms, max(0.0, needed_ms - earliest_ms))
+    rest_ms = read_ms - read_before_ms
+    rest_start_ms = max(needed_ms, earliest_ms)
+    start_ms = rest_start_ms + rest_ms - streamed * min(rest_ms, backward_ms)
+    return start_ms, rest_start_ms + rest_ms
 
 
 def simulate(

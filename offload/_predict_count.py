@@ -10,7 +10,8 @@ region, after them. It reads no clock; every time it keeps is a roofline on ``ma
                         run what it drops and what it stashes (``_selective``'s split);
                         unpack: which region the backward is in
     dispatch mode       op: FLOPs (``torch.utils.flop_counter``'s formulas), bytes touched, time
-                            max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + op cost
+                            max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + op cost;
+                            the storages it creates (``_predict_live``: the step's transients)
 
 Backward ops are charged to the region whose saved tensor was unpacked last (autograd unpacks a
 node's saves just before running it).
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 from ._cost import RegionProfile, Scope
 from ._hooks import Eligibility
 from ._machines import Machine
+from ._predict_live import LiveBytes
 from ._profiler import AFTER_NAME, BEFORE_NAME
 from ._selective import MIN_SELECTIVE_MS, flop_formula, is_expensive
 
@@ -161,6 +163,7 @@ class StepCounter:
         self.flop_ms_per_flop = _MS_PER_S / machine.achieved_flops()
         self.ms_per_byte = _MS_PER_S / (machine.achieved_memory_gb_per_s() * _GB)
         self.op_ms = machine.assumptions.op_overhead_us / _MS_PER_S
+        self.live = LiveBytes()
 
     def slot(self) -> int:
         w = self.where
@@ -196,6 +199,7 @@ class StepCounter:
     def pack(self, t: torch.Tensor) -> _Packed:
         slot = self.slot()
         count = self.counts[slot]
+        self.live.saved(t)
         if self.eligible(t):
             storage = t.untyped_storage()
             seen = self.seen.get(storage._cdata)
@@ -222,6 +226,10 @@ class StepCounter:
     def op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if self.where.phase is _Phase.FORWARD:
             self.counts[self.slot()].forward_dispatches += 1
+        inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.live.created(t, new_storage=t.untyped_storage()._cdata not in inputs)
         if is_alias(func):
             return
         formula = flop_formula(func)

@@ -11,9 +11,16 @@ fake steps at a few lengths.
                             attention is not fused) ──▶ per policy, a doubling then a bisection over
                             lengths ──▶ Longest
 
-Memory a step needs on the device, for "does it fit": the parameters, their gradients and the
-optimizer's state, plus the plan's predicted activation peak and the running region's own saves
-(``_working_bytes``). The temporaries of the op running at the peak are not counted.
+Memory a step needs on the device, for "does it fit" (``device_bytes``): the parameters, their
+gradients and the optimizer's state, plus what the engine holds carrying the plan out
+(``held_bytes``), the saves of a region being reloaded or re-run (``_working_bytes``), and the
+step's largest transient (``_predict_live``: the loss's logits and their gradient), against the
+device's usable memory (``Machine.usable_memory_bytes``).
+
+"auto" in the table is the fastest plan the planner finds at that budget or, priced at that budget,
+at any smaller budget of the table (Note: [the best plan never gets cheaper as the budget falls]),
+without rule 6's stability margin (``AutoPolicy.stable_margin``: a prediction has no measurement
+noise to be stable against).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 from ._cost import MachineProfile, RegionProfile, Scope
 from ._fit import ProfileFit, Shape
 from ._machines import Machine
-from ._planner import MOVES_BYTES, Plan
+from ._planner import MOVES_BYTES, Decision, Plan, build_plan
 from ._policy import AutoPolicy, make_plan
 from ._predict_step import Attention, fake_step
 from ._regions import RegionsArg
@@ -35,9 +42,12 @@ from ._regions import RegionsArg
 __all__ = [
     "BUDGET_FRACTIONS",
     "POLICIES",
+    "SELECTIVE_MEANS",
     "WITHOUT_ENGINE",
+    "DeviceMemory",
     "Longest",
     "PolicyPoint",
+    "device_bytes",
     "held_bytes",
     "longest_sequences",
     "plan_policy",
@@ -47,13 +57,23 @@ __all__ = [
 POLICIES = ("none", "checkpoint", "offload", "recompute", "selective", "auto")
 """The policies a prediction compares. "checkpoint" is ``torch.utils.checkpoint`` on every region
 without the engine: its inputs kept, one more forward in backward, which is what "recompute"
-costs in this model too (the engine's recompute may stop early; the prediction does not count on it)."""
+costs in this model too (the engine's recompute may stop early; the prediction does not count on it).
+"selective" is this engine's (``SELECTIVE_MEANS``), not Megatron-LM's selective recompute."""
+SELECTIVE_MEANS = (
+    "selective re-runs each region's cheap ops in backward (norms, activations, elementwise and rotary ops; "
+    "their outputs dropped) and keeps or moves the outputs of its matmuls and attention: not Megatron-LM's "
+    "selective recompute, which re-runs attention's core (scores, softmax, dropout, softmax x V) and keeps the rest"
+)
+"""What the "selective" rows re-run, said under the table so that nobody compares them with
+Megatron-LM's figures (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2)."""
 WITHOUT_ENGINE = ("none", "checkpoint")
 """The policies of ``POLICIES`` that run without the engine, so are priced without its host costs
 (``MachineProfile.without_host_costs``): the model as it is, and ``torch.utils.checkpoint``."""
 BUDGET_FRACTIONS = (1.0, 0.5, 0.25, 0.1)
 """The budgets of the policy table, as fractions of the activation peak without the engine."""
 
+_AUTO = AutoPolicy(stable_margin=0.0)
+""""auto" as a prediction prices it: the planner's search without rule 6's stability margin."""
 _LONGEST_CAP = 1 << 20
 """The longest sequence ``longest_sequences`` tries, tokens."""
 _FIT_LENGTHS = (4, 2, 1)
@@ -75,8 +95,15 @@ class PolicyPoint:
     where the plan moves bytes, since the store prefetches into any room left under the budget."""
     step_ms: float
     fits: bool
+    """The plan's peak fits its budget."""
     decisions: str
     """The plan's decisions, run-length coded: "keep x2, offload x6"."""
+    device_bytes: int = 0
+    """What the step needs of the device's memory under this plan: parameters, gradients, optimizer
+    state, ``held_bytes``, the working set of a region being reloaded or re-run, and the step's
+    largest transient (see the module docstring)."""
+    fits_device: bool = True
+    """``device_bytes`` fits the device's usable memory (``Machine.usable_memory_bytes``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,7 +116,7 @@ class Longest:
     peak_bytes: int
     """The plan's predicted activation peak at that length."""
     working_bytes: int
-    """The running region's own saves on top of it (``_working_bytes``)."""
+    """The running region's own saves and the step's largest transient on top of it."""
     step_ms: float
 
 
@@ -118,8 +145,8 @@ def plan_policy(
     engine_policy: Union[str, AutoPolicy] = "recompute" if policy == "checkpoint" else policy
     if policy in WITHOUT_ENGINE:
         link = link.without_host_costs()
-    if quick and policy == "auto":
-        engine_policy = AutoPolicy(max_search_moves=0)
+    if policy == "auto":
+        engine_policy = AutoPolicy(max_search_moves=0, stable_margin=0.0) if quick else _AUTO
     if engine_policy in ("none", "recompute", "selective"):
         plan = make_plan(profiles, link, None, engine_policy, other_ms=other_ms)
         fits = budget is None or plan.predicted_peak_bytes <= budget
@@ -137,25 +164,79 @@ def held_bytes(plan: Plan, keep_peak_bytes: int) -> int:
     return max(plan.predicted_peak_bytes, min(plan.budget_bytes, keep_peak_bytes))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceMemory:
+    """What a step needs of the device besides its activations, and what the device has."""
+
+    static_bytes: int
+    """Parameters, their gradients and the optimizer's state."""
+    transient_bytes: int
+    """The step's largest transient (``StepRun.transient_bytes``)."""
+    usable_bytes: int
+    """The device's usable memory (``Machine.usable_memory_bytes``)."""
+
+
+def _decisions_of(plan: Plan, profiles: Sequence[RegionProfile]) -> tuple[Decision, ...]:
+    """``plan``'s decision for each of ``profiles``, the saves outside the regions included."""
+    by_name = {r.name: r.decision for r in (*plan.outside, *plan.regions)}
+    return tuple(by_name[p.name] for p in profiles)
+
+
+def device_bytes(plan: Plan, profiles: Sequence[RegionProfile], keep_peak_bytes: int, memory: DeviceMemory) -> int:
+    """What the step needs of the device under ``plan`` (see the module docstring)."""
+    decisions = _decisions_of(plan, profiles)
+    working = _working_bytes([p for p, d in zip(profiles, decisions, strict=True) if d is not Decision.KEEP])
+    return memory.static_bytes + held_bytes(plan, keep_peak_bytes) + working + memory.transient_bytes
+
+
+# Note: [the best plan never gets cheaper as the budget falls]
+#     A plan that fits a budget fits every larger one, and costs no more there (the planner's time
+#     model only loses room as the budget falls: Note: [a reload is one stream of reads on one
+#     back-link]). So the fastest plan that fits a budget is never slower than the fastest that
+#     fits a smaller one. "auto" is a search, not the proven fastest: the plan it finds at a
+#     smaller budget can beat the one it finds at a larger. The table's "auto" takes, at each
+#     budget, the faster of its own plan and the plans found at the smaller budgets, priced at
+#     this one, so its step never falls as the budget falls.
+
+
 def policy_points(
-    profiles: Sequence[RegionProfile], link: MachineProfile, other_ms: float, fractions: Sequence[float]
+    profiles: Sequence[RegionProfile],
+    link: MachineProfile,
+    other_ms: float,
+    fractions: Sequence[float],
+    memory: Optional[DeviceMemory] = None,
 ) -> tuple[PolicyPoint, ...]:
+    """Every policy in ``POLICIES`` at every fraction of the peak without the engine; with
+    ``memory``, what each needs of the device and whether it fits."""
     keep_peak = make_plan(profiles, link, None, "none", other_ms=other_ms).predicted_peak_bytes
+    profiles = tuple(profiles)
     points = []
     for policy in POLICIES:
-        for fraction in fractions:
+        plans: dict[float, Plan] = {}
+        for fraction in sorted(set(fractions)):  # smallest budget first: See Note: [the best plan never ...]
             budget = int(keep_peak * fraction)
             plan = plan_policy(profiles, link, policy, budget, other_ms)
+            if policy == "auto":
+                for smaller in plans.values():
+                    priced = build_plan(profiles, _decisions_of(smaller, profiles), link, budget, "auto", other_ms)
+                    if priced.fits_budget and priced.predicted_step_ms < plan.predicted_step_ms:
+                        plan = priced
+            plans[fraction] = plan
+        for fraction in fractions:
+            plan = plans[fraction]
+            needed = 0 if memory is None else device_bytes(plan, profiles, keep_peak, memory)
             points.append(
                 PolicyPoint(
                     policy=policy,
                     budget_fraction=fraction,
-                    budget_bytes=budget,
+                    budget_bytes=int(keep_peak * fraction),
                     peak_bytes=plan.predicted_peak_bytes,
                     held_bytes=held_bytes(plan, keep_peak),
                     step_ms=plan.predicted_step_ms,
                     fits=plan.fits_budget,
                     decisions=_decisions(plan),
+                    device_bytes=needed,
+                    fits_device=memory is None or needed <= memory.usable_bytes,
                 )
             )
     return tuple(points)
@@ -173,10 +254,13 @@ def longest_sequences(
     free_bytes: int,
 ) -> tuple[Longest, ...]:
     """Per policy, the longest sequence whose predicted activation peak plus working set fits
-    ``free_bytes`` (device memory less parameters, gradients and optimizer state), searched over
-    profiles fitted (``_fit``) to fake steps at ``base_seq`` and fractions of it."""
+    ``free_bytes`` (usable device memory less parameters, gradients and optimizer state), searched
+    over profiles fitted (``_fit``) to fake steps at ``base_seq`` and fractions of it; the working
+    set is the largest region's saves plus the step's largest transient, taken as growing with the
+    sequence at the most bytes per token any of those steps had."""
     fit: Optional[ProfileFit] = None
     dims: tuple[int, ...] = ()
+    transient_per_token = 0.0  # the largest transient grows with the tokens (the loss's logits)
     for divisor in _FIT_LENGTHS:
         args, kwargs = inputs_at(max(2, base_seq // divisor))
         run = fake_step(model, args, kwargs, machine, regions, attention, loss_fn, min_offload_bytes)
@@ -188,6 +272,7 @@ def longest_sequences(
             )
         if fit is None:
             fit = ProfileFit([c.name for c in run.counts])
+        transient_per_token = max(transient_per_token, run.transient_bytes / dims[-2])
         shape = Shape.of(dims)
         fit.add(shape, [c.profile() for c in run.counts])
         fit.add_other(shape, sum(c.forward_ms + c.backward_ms for c in run.counts if c.scope is not Scope.REGION))
@@ -196,7 +281,7 @@ def longest_sequences(
 
     def plan_at(policy: str, seq: int, quick: bool) -> tuple[Plan, int]:
         profiles, other_ms = fit.derive(Shape.of((*dims[:-2], seq, dims[-1])))
-        working = _working_bytes(profiles)
+        working = _working_bytes(profiles) + int(transient_per_token * seq)
         return plan_policy(profiles, link, policy, max(0, free_bytes - working), other_ms, quick=quick), working
 
     def fits(policy: str, seq: int) -> bool:

@@ -12,9 +12,16 @@ and backward (no optimizer step) on meta inputs, and hands what happens to a
                             ``OffloadError`` naming it
     ──▶ ``StepRun``: a ``RegionCount`` per slot, the parameter bytes, the branches assumed
 
-On meta, ``scaled_dot_product_attention`` would take its math path and save sequence² scores;
-with ``attention=Attention.FUSED`` (the default) it runs the fused kernel the target would (flash
-attention; the CPU's own flash kernel on a CPU machine).
+On meta, some ops take another path than the target device would, and save other tensors:
+
+    scaled_dot_product_attention  the math path, sequence² scores saved; with
+                                  ``attention=Attention.FUSED`` (the default) the fused kernel the
+                                  target runs instead (flash attention; the CPU's own flash kernel on
+                                  a CPU machine), grouped-query k and v passed as they are, as flash
+                                  takes them on CUDA (no expansion to every query head)
+    dropout                       bernoulli_ then mul, the noise saved in the activation's dtype; on
+                                  a CUDA target ``native_dropout`` instead, as CUDA runs it: a 1-byte
+                                  bool mask saved (Note: [what the target's dropout saves])
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import os
+import sysconfig
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -45,13 +53,29 @@ _SDPA_FOR_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for
 
 
 class Attention(enum.Enum):
-    """How ``scaled_dot_product_attention`` runs in the fake step."""
+    """How ``scaled_dot_product_attention`` runs in the fake step (``predict(attention=...)`` takes
+    the member or its value, ``"fused"`` or ``"as-written"``)."""
 
     FUSED = "fused"
     """The fused kernel the target runs (flash; efficient attention with a mask): saves q, k, v,
     the output and the log-sum-exp, no sequence² scores."""
     AS_WRITTEN = "as-written"
-    """Whatever the meta device does: the math path, scores and probabilities saved."""
+    """Whatever the meta device does: the math path, scores and probabilities saved (what a model
+    whose config asks for ``"eager"`` attention saves, as it never calls SDPA)."""
+
+    @classmethod
+    def of(cls, value: Attention | str) -> Attention:
+        """``value`` as a member; a ``ValueError`` names the choices where it is none of them."""
+        if isinstance(value, Attention):
+            return value
+        for member in cls:
+            if value == member.value:
+                return member
+        raise ValueError(
+            f"attention={value!r}; valid choices are {', '.join(repr(m.value) for m in cls)} "
+            "(or offload._predict.Attention): 'fused' for SDPA as the target's flash kernel, 'as-written' for "
+            "what the model's own code saves"
+        )
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
@@ -83,12 +107,28 @@ def _to_meta(value: Any) -> Any:
 _ASSUMED_BOOL = True
 
 
+_NOT_THE_MODEL = (
+    os.path.dirname(os.path.abspath(torch.__file__ or "torch")) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+)
+"""Frames in these directories are never the model's: torch's and this package's."""
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_PACKAGES = ("site-packages", "dist-packages")
+
+
 def _caller() -> str:
-    """file:line of the innermost frame outside torch and offload: who read the scalar."""
+    """file:line of the innermost frame outside torch, offload and the standard library: the
+    model's line that read the scalar. Frames are told apart by the directory of their module
+    (a model kept under a directory named "offload" or "torch" is still the model's), and frozen
+    modules (``<frozen runpy>``) are the interpreter's."""
     for frame in reversed(traceback.extract_stack()):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" not in path and "/offload/" not in path:
-            return f"{Path(path).name}:{frame.lineno} ({frame.name})"
+        if frame.filename.startswith("<"):
+            continue
+        path = os.path.abspath(frame.filename)
+        stdlib = path.startswith(_STDLIB) and not any(name in path for name in _PACKAGES)
+        if path.startswith(_NOT_THE_MODEL) or stdlib:
+            continue
+        return f"{path}:{frame.lineno} ({frame.name})"
     return "?"
 
 
@@ -118,18 +158,36 @@ class _Observe(TorchDispatchMode):
         return out
 
 
-class _FusedAttention(TorchFunctionMode):
-    """Runs ``F.scaled_dot_product_attention`` as the fused kernel the target would run."""
+# Note: [what the target's dropout saves]
+#     ``F.dropout`` is composite where no fused kernel applies: on meta (and on a CPU) it draws the
+#     noise with ``bernoulli_``, scales it, and ``mul`` saves it for backward in the activation's
+#     dtype. CUDA runs ``native_dropout`` instead (``at::dropout`` takes it for a CUDA input with
+#     0 < p < 1), which saves a bool mask, one byte an element. For a CUDA target the fake step calls
+#     ``native_dropout`` itself, so what it counts is what the GPU saves.
 
-    def __init__(self, device_type: str) -> None:
+
+class _AsTarget(TorchFunctionMode):
+    """Runs the ops that take another path on meta than on the target as the target would:
+    ``F.scaled_dot_product_attention`` as its fused kernel (``fused``), ``F.dropout`` as CUDA's
+    ``native_dropout`` on a CUDA target."""
+
+    def __init__(self, device_type: str, fused: bool) -> None:
         super().__init__()
         self.device_type = device_type
+        self.fused = fused
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return self._fused(*args, **kwargs)
+        if func is F.scaled_dot_product_attention and self.fused:
+            return self._fused(*args, **kwargs)
+        if func is F.dropout and self.device_type == "cuda":
+            return self._dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _dropout(self, x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not (training and 0.0 < p < 1.0) or inplace:
+            return F.dropout(x, p, training, inplace)
+        return torch.ops.aten.native_dropout(x, p, True)[0]  # See Note: [what the target's dropout saves]
 
     def _fused(
         self,
@@ -142,15 +200,16 @@ class _FusedAttention(TorchFunctionMode):
         scale: Optional[float] = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
-        if enable_gqa and k.size(-3) != q.size(-3):
-            k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
-            v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
-        if self.device_type == "cpu" and _SDPA_FOR_CPU is not None and dropout_p == 0.0:
-            return _SDPA_FOR_CPU(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        # the flash kernels take grouped-query k and v with fewer heads as they are, and save them so
         if self.device_type == "cuda" and attn_mask is None:
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 q, k, v, dropout_p, is_causal, False, scale=scale
             )[0]
+        if self.device_type == "cpu" and _SDPA_FOR_CPU is not None and dropout_p == 0.0:
+            return _SDPA_FOR_CPU(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        if enable_gqa and k.size(-3) != q.size(-3):  # the others take every query head's k and v
+            k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+            v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
         if self.device_type == "cuda":
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale
@@ -186,6 +245,9 @@ class StepRun:
     parameter_bytes: int
     assumed: tuple[str, ...]
     """file:line of each branch on a boolean tensor, taken as true."""
+    transient_bytes: int = 0
+    """The most bytes the step held at once besides its saves and the parameters' gradients
+    (``_predict_live``): the running ops' tensors at their largest (an LM's loss)."""
 
 
 def fake_step(
@@ -227,9 +289,7 @@ def fake_step(
         handles.append(module.register_forward_hook(lambda m, a, out, i=index: step.region_ends(i)))
     meta_args, meta_kwargs = _to_meta(args), _to_meta(kwargs)
     observe = _Observe(step)
-    modes: list[Any] = [observe]
-    if attention is Attention.FUSED:
-        modes.insert(0, _FusedAttention(machine.device_type))
+    modes: list[Any] = [_AsTarget(machine.device_type, fused=attention is Attention.FUSED), observe]
     try:
         with torch.autograd.graph.saved_tensors_hooks(step.pack, step.unpack):
             for mode in modes:
@@ -246,4 +306,6 @@ def fake_step(
         for handle in handles:
             handle.remove()
     parameter_bytes = sum(p.numel() * p.element_size() for p in fake.parameters())
-    return StepRun(tuple(step.counts), parameter_bytes, tuple(observe.assumed))
+    grads = step.live.ids_of(p.grad for p in fake.parameters() if p.grad is not None)
+    transient_bytes = step.live.transient_peak_bytes(excluded=grads)
+    return StepRun(tuple(step.counts), parameter_bytes, tuple(observe.assumed), transient_bytes)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from offload import MachineProfile
-from offload._machines import MACHINES, Assumptions, from_probe, get_machine, machine_names
+from offload._machines import MACHINES, from_probe, get_machine, machine_names
 
 # -- machines: plain numbers ------------------------------------------------------------------
 
@@ -16,14 +16,56 @@ def test_named_machines_carry_their_datasheet_figures():
     h100 = get_machine("h100-sxm")
     assert h100.peak_flops == 989e12
     assert h100.memory_gb_per_s == 3350
-    assert h100.memory_bytes == 80 * 10**9
     assert (h100.link_out_gb_per_s, h100.link_back_gb_per_s, h100.link_both_gb_per_s) == (64, 64, 128)
-    assert get_machine("gh200").link_out_gb_per_s == 450
-    assert get_machine("h200").memory_bytes == 141 * 10**9
     assert get_machine("a100-80gb-sxm").peak_flops == 312e12
     assert set(machine_names()) == {"a100-80gb-sxm", "h100-sxm", "h100-pcie", "h200", "gh200"}
     for machine in MACHINES.values():
         assert "http" in machine.source  # every figure names where it comes from
+        assert machine.memory_source
+
+
+def test_device_memory_is_what_the_device_reports_less_context_and_allocator():
+    """Issue 40, item 5: nvidia-smi's total in MiB, not the datasheet's decimal GB, and "fits" is
+    against that less the CUDA context and the caching allocator's reserve, both named."""
+    mib = 1 << 20
+    assert get_machine("h100-sxm").memory_bytes == 81559 * mib
+    assert get_machine("h100-pcie").memory_bytes == 81559 * mib
+    assert get_machine("h200").memory_bytes == 143771 * mib
+    assert get_machine("a100-80gb-sxm").memory_bytes == 81920 * mib
+    assert "143771MiB" in get_machine("h200").memory_source and "http" in get_machine("h200").memory_source
+    h100 = get_machine("h100-sxm")
+    assert (h100.assumptions.context_mib, h100.assumptions.allocator_fraction) == (400.0, 0.05)
+    assert h100.usable_memory_bytes() == int(81559 * mib * 0.95 - 400 * mib)
+    roomy = h100.with_assumptions(context_mib=0, allocator_fraction=0)
+    assert roomy.usable_memory_bytes() == 81559 * mib
+    with pytest.raises(ValueError, match="allocator_fraction must be a number in \\[0, 1\\)"):
+        h100.with_assumptions(allocator_fraction=1.0)
+
+
+def test_gh200_moves_out_at_its_measured_slower_direction():
+    """Issue 40, item 4: NVLink-C2C as measured each way alone (device to host ~300 GB/s, host to
+    device ~346), not the datasheet's 450 each way; offload copies out first, at the slower one."""
+    gh200 = get_machine("gh200")
+    assert (gh200.link_out_gb_per_s, gh200.link_back_gb_per_s) == (300, 346)
+    assert gh200.assumptions.link_fraction == 1.0, "measured copies: no fraction taken off"
+    profile = gh200.machine_profile()
+    assert (profile.d2h_gb_per_s, profile.h2d_gb_per_s) == (300.0, 346.0)
+    assert "nvbandwidth/issues/23" in gh200.source
+
+
+def test_each_gpu_has_its_own_calibrated_compute_efficiency_with_its_source():
+    """Issue 40, item 1: not one flops_fraction for every GPU: A100 and H100 each carry the one
+    calibrated on published runs (bench/results/predict-published.md), which names them; the
+    Hopper machines without a published run of their own say they take the H100's."""
+    a100, h100 = get_machine("a100-80gb-sxm").assumptions, get_machine("h100-sxm").assumptions
+    assert a100.flops_fraction > h100.flops_fraction, "published bf16 runs reach more of the A100's peak"
+    for machine in (a100, h100):
+        assert "llm-foundry" in machine.flops_source and "calibrated" in machine.flops_source
+    for name in ("h200", "gh200", "h100-pcie"):
+        assumed = get_machine(name).assumptions
+        assert assumed.flops_fraction == h100.flops_fraction and "not calibrated" in assumed.flops_source
+    given = get_machine("h100-sxm").with_assumptions(flops_fraction=0.5)
+    assert given.assumptions.flops_source == "given (0.5)"
 
 
 def test_achieved_figures_are_peak_times_the_named_assumptions():
@@ -33,7 +75,7 @@ def test_achieved_figures_are_peak_times_the_named_assumptions():
     assert h200.achieved_link_gb_per_s() == (16.0, 16.0, 16.0)
     profile = h200.machine_profile()
     assert (profile.device_type, profile.d2h_gb_per_s, profile.h2d_gb_per_s) == ("cuda", 16.0, 16.0)
-    assert get_machine("h200").assumptions == Assumptions()  # the named record is unchanged
+    assert get_machine("h200").assumptions.flops_fraction == get_machine("h100-sxm").assumptions.flops_fraction
 
 
 def test_bad_assumptions_name_the_value_and_the_choices():
@@ -341,7 +383,8 @@ def test_predict_command_prints_the_table_and_writes_json(tmp_path, capsys):
     argv = ["predict", "--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "64"]
     assert main(argv + ["--machine", "gh200", "--dtype", "fp32", "--out", str(tmp_path), "--longest"]) == 0
     out = capsys.readouterr().out
-    assert "prediction for gh200" in out and "selective" in out and "longest sequence within 96.0 GB" in out
+    usable = get_machine("gh200").usable_memory_bytes() / (1 << 20)
+    assert "prediction for gh200" in out and "selective" in out and f"longest sequence within {usable:,.0f} MiB" in out
     written = json.loads((tmp_path / "prediction.json").read_text())
     assert written["machine"]["name"] == "gh200"
     assert {p["policy"] for p in written["points"]} == set(POLICIES)
