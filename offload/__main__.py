@@ -49,7 +49,9 @@ def _add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refresh", action="store_true", help="measure again, ignoring the cache")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--size-mb", type=int, default=64, help="MiB per timed transfer (default: 64)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (default: 3)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="readings per figure, whose median is taken (default: 5)"
+    )
 
 
 def _run_probe(args: argparse.Namespace) -> int:
@@ -282,8 +284,8 @@ def _io(disk: Figures) -> str:
 
 def _provenance(figures: Figures) -> str:
     if figures.source is Source.MEASURED:
-        return f"measured now ({figures.measured_at})"
-    return f"cached, measured {figures.measured_at} (--refresh measures again)"
+        return figures.describe()
+    return f"{figures.describe()} (--refresh measures again)"
 
 
 _COMMANDS: dict[str, _Command] = {

@@ -418,6 +418,9 @@ def explain(what: Union[Engine, Plan, None]) -> str:
         raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")
     text = str(plan) + small
     if isinstance(what, Engine) and what._regions is not None:
+        uncertain = what._regions.pace_uncertainty()
+        if uncertain:
+            text = f"{text}\n{uncertain}"
         text = (
             f"{text}\nregions: {what._regions.why}\ntransfers priced at: {what._regions.link_note()}"
             f"\nstep times: {what._regions.pace_note()}"

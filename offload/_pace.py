@@ -28,6 +28,8 @@ import collections
 import math
 import statistics
 
+from ._noise import Readings
+
 __all__ = ["MIN_STEPS", "WINDOW", "StepPace"]
 
 WINDOW = 16
@@ -60,6 +62,23 @@ class StepPace:
         if len(self._ratios) < MIN_STEPS:
             return 1.0
         return statistics.median(self._ratios)
+
+    def steady(self) -> bool:
+        """Whether the steps agree well enough to read a plan's times by (``_noise.MAX_SPREAD``);
+        True before ``MIN_STEPS``, when no pace is applied."""
+        return len(self._ratios) < MIN_STEPS or Readings(self._ratios).steady()
+
+    def uncertainty(self) -> str:
+        """For ``explain()``: "" where the steps agree, else how far apart they were, in words."""
+        if self.steady():
+            return ""
+        readings = Readings(self._ratios)
+        return (
+            f"note: these step times are uncertain: the latest {len(self._ratios)} steps under a plan took "
+            f"x{min(self._ratios):.3g}..x{max(self._ratios):.3g} what their plans predicted (their middle half "
+            f"{readings.spread:.0%} of the median apart: a busy or drifting machine); read the overhead and the "
+            f"baseline above as good to about that range"
+        )
 
     def describe(self) -> str:
         """For ``explain()``: the factor and what it rests on."""

@@ -20,8 +20,9 @@ How each figure is taken:
 - per-tensor overhead: the fixed cost of moving one saved tensor out and back through the engine
   itself (bookkeeping, events or a spill write and read and two thread hand-offs):
   a forward and backward through a chain of ops that each save one small (64 KiB) tensor on the
-  device, under an engine at budget 0 and at budget None; the difference per tensor, minus the
-  tensor's byte time at the measured bandwidths, best of ``repeats``, clamped at 0. The hook
+  device, under an engine that moves every save and one that only counts, run in ``repeats``
+  interleaved pairs; the median of the pairs' differences per tensor, minus the tensor's byte
+  time at the measured bandwidths, clamped at 0. The hook
   round trip alone is ~50x smaller on the CPU, where a spill file per tensor dominates; planning
   with it made small tensors look free to move.
 - spare cores (CPU only): the whole cores this process may run on (its affinity, in physical
@@ -29,6 +30,11 @@ How each figure is taken:
   torch's intra-op threads, read at the call and never cached. Where some are spare the planner
   lets spill writes and reads run beside the compute; where none are, it charges them to the step.
   The link key (and the plan cache's, which uses it) names the usable cores.
+
+Each figure is a median of several readings, and each section says how spread its readings were
+(``_noise.Readings``: the interquartile range over the median). A section whose readings spread
+wider than ``_noise.MAX_SPREAD`` is used by the call that measured it but not cached: the next
+engine measures again rather than plan for ever on one disturbed reading (``Figures.kept``).
 
 Results are cached in a JSON file (``$XDG_CACHE_HOME/offload/probe.json``, else
 ``~/.cache/offload/probe.json``) so that a restarted job does not measure again. Link figures are
@@ -53,11 +59,9 @@ import logging
 import math
 import os
 import platform
-import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import psutil
@@ -66,6 +70,7 @@ import torch
 from ._budget import cgroups_of
 from ._config import Config, parse_device
 from ._cost import MB, MachineProfile
+from ._noise import MAX_SPREAD, Readings
 from ._session import Session
 from ._spill import SpillFile
 
@@ -113,6 +118,19 @@ class Figures:
     """When they were measured (ISO 8601, local time with offset); "unknown" for an entry without it."""
     disk_io: str = ""
     """The disk section: "direct" or "buffered, pages dropped", as the spill tier's file went."""
+    spread: float = 0.0
+    """Measured now: the widest spread (``_noise.Readings.spread``) of the section's readings; 0 for
+    figures read from the cache (they were cached because their spread was within bounds)."""
+    kept: bool = True
+    """Measured now: whether the figures went into the cache (False: their readings spread wider
+    than ``_noise.MAX_SPREAD``, so the next call measures again)."""
+
+    def describe(self) -> str:
+        """In words, for ``python -m offload probe``."""
+        if self.source is Source.CACHED:
+            return f"cached, measured {self.measured_at}"
+        kept = "cached" if self.kept else f"not cached: wider than {MAX_SPREAD:.0%} of their median"
+        return f"measured now ({self.measured_at}); readings spread {self.spread:.0%} ({kept})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +150,7 @@ def probe(
     refresh: bool = False,
     cache_path: str | os.PathLike[str] | None = None,
     size_mb: int = 64,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> MachineProfile:
     """Measure (or read from the cache) the costs of moving activation bytes on this machine.
 
@@ -170,13 +188,13 @@ def probe_report(
     refresh: bool = False,
     cache_path: str | os.PathLike[str] | None = None,
     size_mb: int = 64,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> ProbeReport:
     """:func:`probe`'s figures, with where each section came from (cached or measured now) and when."""
     if isinstance(size_mb, bool) or not isinstance(size_mb, int) or size_mb <= 0:
         raise ValueError(f"size_mb={size_mb!r}: must be an integer > 0 (MiB per transfer), e.g. 64")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r}: must be an integer >= 1, e.g. 3")
+        raise ValueError(f"repeats={repeats!r}: must be an integer >= 1, e.g. 5")
     device = _resolve_device(device)
     spill_dir = _resolve_spill_dir(spill_dir)
     cache_file = Path(cache_path) if cache_path is not None else default_cache_path()
@@ -209,22 +227,33 @@ def probe_report(
     )
     measured: dict[tuple[str, str], dict[str, object]] = {}
     if disk is None:
-        write, read, direct = _measure_disk(spill_dir, nbytes, repeats)
+        write, read, direct, disk_spread = _measure_disk(spill_dir, nbytes, repeats)
         disk = {"disk_write_gb_per_s": write, "disk_read_gb_per_s": read}
         disk_io = _DIRECT_IO if direct else _BUFFERED_IO
-        disk_figures = dataclasses.replace(disk_figures, disk_io=disk_io)
-        measured["disk", disk_key] = {**disk, "disk_io": disk_io}
+        disk_figures = dataclasses.replace(
+            disk_figures, disk_io=disk_io, spread=disk_spread, kept=disk_spread <= MAX_SPREAD
+        )
+        if disk_figures.kept:
+            measured["disk", disk_key] = {**disk, "disk_io": disk_io}
     if link is None:
-        d2h, h2d = _measure_link(device, nbytes, repeats) if device.type == "cuda" else (0.0, 0.0)
+        d2h, h2d, link_spread = _measure_link(device, nbytes, repeats) if device.type == "cuda" else (0.0, 0.0, 0.0)
         out_gbps, back_gbps = (
             (d2h, h2d) if device.type == "cuda" else (disk["disk_write_gb_per_s"], disk["disk_read_gb_per_s"])
         )
-        link = {
-            "d2h_gb_per_s": d2h,
-            "h2d_gb_per_s": h2d,
-            "per_tensor_overhead_us": _measure_per_tensor_overhead_us(device, spill_dir, repeats, out_gbps, back_gbps),
-        }
-        measured["link", link_key] = dict(link)
+        overhead_us, overhead_spread = _measure_per_tensor_overhead_us(device, spill_dir, repeats, out_gbps, back_gbps)
+        link = {"d2h_gb_per_s": d2h, "h2d_gb_per_s": h2d, "per_tensor_overhead_us": overhead_us}
+        spread = max(link_spread, overhead_spread)
+        link_figures = dataclasses.replace(link_figures, spread=spread, kept=spread <= MAX_SPREAD)
+        if link_figures.kept:
+            measured["link", link_key] = dict(link)
+    for name, figures in (("disk", disk_figures), ("link and per-tensor", link_figures)):
+        if not figures.kept:
+            log.warning(
+                "probe: the %s readings spread %.0f%% of their median (a busy machine?); using their median now, "
+                "not caching it, so the next engine measures again",
+                name,
+                100 * figures.spread,
+            )
     if measured:
         _write_cache(cache_file, measured, size_mb=size_mb, measured_at=now)
     else:
@@ -354,8 +383,9 @@ def _device_name(device: torch.device) -> str:
 # Measurements
 
 
-def _measure_link(device: torch.device, nbytes: int, repeats: int) -> tuple[float, float]:
-    """(d2h, h2d) GB/s between pinned host memory and ``device``: median of ``repeats`` copies."""
+def _measure_link(device: torch.device, nbytes: int, repeats: int) -> tuple[float, float, float]:
+    """(d2h, h2d) GB/s between pinned host memory and ``device``, medians of ``repeats`` copies, and
+    the wider spread of the two directions' readings."""
     # Pinning is slow and may synchronize the device: allocate once, reuse for every copy.
     x_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     x_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -366,7 +396,7 @@ def _measure_link(device: torch.device, nbytes: int, repeats: int) -> tuple[floa
         x_device.copy_(x_host, non_blocking=True)
         stream.synchronize()
 
-        def median_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
+        def readings_ms(dst: torch.Tensor, src: torch.Tensor) -> Readings:
             times_ms = []
             for _ in range(repeats):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -375,20 +405,20 @@ def _measure_link(device: torch.device, nbytes: int, repeats: int) -> tuple[floa
                 end.record(stream)
                 end.synchronize()
                 times_ms.append(start.elapsed_time(end))
-            return statistics.median(times_ms)
+            return Readings(times_ms)
 
-        d2h_ms = median_ms(x_host, x_device)
-        h2d_ms = median_ms(x_device, x_host)
-    d2h, h2d = _gb_per_s(nbytes, d2h_ms / 1e3), _gb_per_s(nbytes, h2d_ms / 1e3)
+        d2h_ms = readings_ms(x_host, x_device)
+        h2d_ms = readings_ms(x_device, x_host)
+    d2h, h2d = _gb_per_s(nbytes, d2h_ms.median / 1e3), _gb_per_s(nbytes, h2d_ms.median / 1e3)
     log.info("probe %s: d2h %.2f GB/s, h2d %.2f GB/s (pinned, %d MiB)", device, d2h, h2d, nbytes // MB)
-    return d2h, h2d
+    return d2h, h2d, max(d2h_ms.spread, h2d_ms.spread)
 
 
-def _measure_disk(spill_dir: str, nbytes: int, repeats: int) -> tuple[float, float, bool]:
+def _measure_disk(spill_dir: str, nbytes: int, repeats: int) -> tuple[float, float, bool, float]:
     """(write, read) GB/s of the spill file in ``spill_dir``, as the disk tier does its I/O: medians of
     ``repeats`` writes and reads of ``nbytes`` random bytes (direct I/O where the filesystem has it,
-    else buffered with the pages dropped, so the page cache cannot flatter either figure); and
-    whether the I/O was direct."""
+    else buffered with the pages dropped, so the page cache cannot flatter either figure); whether
+    the I/O was direct; and the wider spread of the writes' and the reads' readings."""
     data = torch.from_numpy(np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8).copy())
     back = torch.empty(nbytes, dtype=torch.uint8)
     write_s, read_s = [], []
@@ -409,7 +439,8 @@ def _measure_disk(spill_dir: str, nbytes: int, repeats: int) -> tuple[float, flo
         spill.close()
     if not torch.equal(data, back):
         raise OSError(f"probe: the bytes read back from {spill_dir!r} differ from what was written")
-    write, read = (_gb_per_s(nbytes, statistics.median(s)) for s in (write_s, read_s))
+    writes, reads = Readings(write_s), Readings(read_s)
+    write, read = _gb_per_s(nbytes, writes.median), _gb_per_s(nbytes, reads.median)
     log.info(
         "probe %s: write %.2f GB/s, read %.2f GB/s (%s)",
         spill_dir,
@@ -417,13 +448,14 @@ def _measure_disk(spill_dir: str, nbytes: int, repeats: int) -> tuple[float, flo
         read,
         "direct I/O" if direct else "buffered, pages dropped",
     )
-    return write, read, direct
+    return write, read, direct, max(writes.spread, reads.spread)
 
 
 def _measure_per_tensor_overhead_us(
     device: torch.device, spill_dir: str, repeats: int, out_gb_per_s: float, back_gb_per_s: float
-) -> float:
-    """Fixed cost of moving one saved tensor out and back through the engine, microseconds, >= 0."""
+) -> tuple[float, float]:
+    """Fixed cost of moving one saved tensor out and back through the engine, microseconds, >= 0,
+    and the spread of the readings it is the median of."""
     x = torch.ones(_OVERHEAD_TENSOR_BYTES // 4, device=device, requires_grad=True)
     # As a region planned OFFLOAD runs: every save starts its copy out at once, nothing waits for
     # a budget, and backward prefetches. That is the cost the planner charges per moved tensor.
@@ -444,29 +476,25 @@ def _measure_per_tensor_overhead_us(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def step() -> None:
-        chain(counting)
+    def timed_s(session: Session) -> float:
+        t0 = time.perf_counter()
+        chain(session)
+        return time.perf_counter() - t0
 
-    def with_hooks() -> None:
-        chain(moving)
-
-    def best_s(fn: Callable[[], None]) -> float:
-        fn()  # warm-up
-        times_s = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times_s.append(time.perf_counter() - t0)
-        return min(times_s)  # the least disturbed run: noise only ever adds time
-
+    byte_s = sum(_OVERHEAD_TENSOR_BYTES / (gbps * _BYTES_PER_GB) for gbps in (out_gb_per_s, back_gb_per_s) if gbps > 0)
     try:
-        overhead_s = best_s(with_hooks) - best_s(step)
+        chain(counting)  # warm-up: the first runs pay for lazy setup (the spill file, threads)
+        chain(moving)
+        # Interleaved pairs, so a machine whose speed drifts slows both runs of a pair alike.
+        per_tensor_us = [
+            ((timed_s(moving) - timed_s(counting)) / _OVERHEAD_NUM_TENSORS - byte_s) * 1e6 for _ in range(repeats)
+        ]
     finally:
         for session in (moving, counting):
             if session.store is not None:
                 session.store.close()
-    byte_s = sum(_OVERHEAD_TENSOR_BYTES / (gbps * _BYTES_PER_GB) for gbps in (out_gb_per_s, back_gb_per_s) if gbps > 0)
-    return max(0.0, (overhead_s / _OVERHEAD_NUM_TENSORS - byte_s) * 1e6)
+    readings = Readings(per_tensor_us)
+    return max(0.0, readings.median), readings.spread
 
 
 def _gb_per_s(nbytes: int, seconds: float) -> float:

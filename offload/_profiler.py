@@ -323,6 +323,10 @@ class Profiler:
         """At what pace plans read their step times, in words, for ``explain()``."""
         return self._pace.describe()
 
+    def pace_uncertainty(self) -> str:
+        """ "" where the steps under plans agree, else a note on how far apart they were (``explain()``)."""
+        return self._pace.uncertainty()
+
     def profiling(self, key: Optional[tuple]) -> bool:
         """Whether the next step at ``key`` (None: before any step) would be a profiling step."""
         if self.policy not in PROFILED_POLICIES:

@@ -366,6 +366,10 @@ class Regions:
         """At what pace plans read their step times (``_pace``), in words."""
         return self._profiler.pace_note()
 
+    def pace_uncertainty(self) -> str:
+        """ "" where steps under plans agree with each other, else a note saying how far apart they were."""
+        return self._profiler.pace_uncertainty()
+
     def profiling(self) -> bool:
         """True while the latest inputs still have profiling steps to run (or none ran yet)."""
         step = self._step

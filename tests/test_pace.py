@@ -63,6 +63,21 @@ def test_describe_names_the_factor_and_its_range():
     assert "x1.3 " in text and "latest 3 steps" in text and "x1.2..x1.5" in text
 
 
+def test_steps_that_disagree_make_the_times_uncertain_and_say_by_how_much():
+    """Under load the steps under plans read x0.357..x11.5 their plans: explain must not print one
+    confident figure from that (issue: explain's times under load)."""
+    pace = StepPace()
+    for measured in (120.0, 110.0, 115.0, 125.0):
+        pace.add(100.0, measured)
+    assert pace.steady() and pace.uncertainty() == ""
+    noisy = StepPace()
+    for measured in (35.7, 363.0, 1150.0, 90.0, 600.0):
+        noisy.add(100.0, measured)
+    assert not noisy.steady()
+    note = noisy.uncertainty()
+    assert "uncertain" in note and "x0.357..x11.5" in note and "latest 5 steps" in note
+
+
 def test_a_paced_plan_scales_its_step_times_and_keeps_its_decisions():
     regions = tuple(uniform_regions(4, saved_bytes=100 * MB, forward_ms=5.0))
     plan = make_plan(regions, cuda_machine(10.0), 150 * MB, "auto", other_ms=7.0)

@@ -32,22 +32,27 @@ FAKE_DISK = (3.0, 6.0)
 FAKE_OVERHEAD_US = 1.5
 
 
+class _Calls(dict):
+    spread = 0.0
+
+
 @pytest.fixture
 def calls(monkeypatch):
-    """Replace the three measurements with fakes that count their calls."""
-    counts = {"link": 0, "disk": 0, "overhead": 0}
+    """Replace the three measurements with fakes that count their calls; ``counts.spread`` is the
+    spread of the readings each reports (0: they agreed)."""
+    counts = _Calls(link=0, disk=0, overhead=0)
 
     def fake_link(device, nbytes, repeats):
         counts["link"] += 1
-        return FAKE_LINK
+        return (*FAKE_LINK, counts.spread)
 
     def fake_disk(spill_dir, nbytes, repeats):
         counts["disk"] += 1
-        return (*FAKE_DISK, True)
+        return (*FAKE_DISK, True, counts.spread)
 
     def fake_overhead(device, spill_dir, repeats, out_gb_per_s, back_gb_per_s):
         counts["overhead"] += 1
-        return FAKE_OVERHEAD_US
+        return FAKE_OVERHEAD_US, counts.spread
 
     monkeypatch.setattr(_probe, "_measure_link", fake_link)
     monkeypatch.setattr(_probe, "_measure_disk", fake_disk)
@@ -64,8 +69,9 @@ def test_cpu_probe_measures_disk_and_has_no_link(tmp_path, monkeypatch):
     real = _probe._measure_per_tensor_overhead_us
 
     def overhead(device, spill_dir, repeats, out_gb_per_s, back_gb_per_s):
-        seen.append((out_gb_per_s, back_gb_per_s, real(device, spill_dir, repeats, out_gb_per_s, back_gb_per_s)))
-        return seen[-1][2]
+        us, spread = real(device, spill_dir, repeats, out_gb_per_s, back_gb_per_s)
+        seen.append((out_gb_per_s, back_gb_per_s, us))
+        return us, spread
 
     monkeypatch.setattr(_probe, "_measure_per_tensor_overhead_us", overhead)
     profile = probe("cpu", spill_dir=spill, cache_path=tmp_path / "probe.json", size_mb=SIZE_MB, repeats=1)
@@ -384,7 +390,7 @@ def test_cli_says_whether_figures_are_measured_now_or_cached_and_when(tmp_path, 
 )
 def test_cli_disk_rows_name_the_spill_files_io(tmp_path, monkeypatch, calls, direct, label):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(_probe, "_measure_disk", lambda spill_dir, nbytes, repeats: (*FAKE_DISK, direct))
+    monkeypatch.setattr(_probe, "_measure_disk", lambda spill_dir, nbytes, repeats: (*FAKE_DISK, direct, 0.0))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["probe", "--device", "cpu", "--spill-dir", str(tmp_path)]) == 0
@@ -428,6 +434,38 @@ def test_the_disk_is_measured_through_the_spill_tiers_own_file(tmp_path, monkeyp
             super().close()
 
     monkeypatch.setattr(_probe, "SpillFile", Spy)
-    write, read, direct = _probe._measure_disk(str(tmp_path), 1 << 20, 1)
+    write, read, direct, _ = _probe._measure_disk(str(tmp_path), 1 << 20, 1)
     assert write > 0 and read > 0
     assert closed_with == [direct] and isinstance(direct, bool)
+
+
+def test_figures_whose_readings_spread_wide_are_used_but_not_cached(tmp_path, calls):
+    """One disturbed reading must not be planned with by every engine after it: a section whose
+    readings spread wider than MAX_SPREAD is measured again by the next call, and says so."""
+    from offload._noise import MAX_SPREAD
+    from offload._probe import probe_report
+
+    cache = tmp_path / "probe.json"
+    calls.spread = MAX_SPREAD * 2
+    report = probe_report("cpu", spill_dir=tmp_path, cache_path=cache)
+    assert report.profile.per_tensor_overhead_us == FAKE_OVERHEAD_US, "the median is used now"
+    assert not report.disk.kept and not report.link.kept
+    assert "not cached" in report.disk.describe() and f"{MAX_SPREAD * 2:.0%}" in report.disk.describe()
+    probe_report("cpu", spill_dir=tmp_path, cache_path=cache)
+    assert (calls["disk"], calls["overhead"]) == (2, 2), "measured again: nothing was cached"
+    calls.spread = MAX_SPREAD / 2
+    probe_report("cpu", spill_dir=tmp_path, cache_path=cache)
+    probe_report("cpu", spill_dir=tmp_path, cache_path=cache)
+    assert (calls["disk"], calls["overhead"]) == (3, 3), "readings that agree are cached"
+
+
+def test_readings_median_and_spread():
+    from offload._noise import Readings
+
+    steady = Readings([4.1, 4.3, 4.4, 4.6, 9.8])
+    assert steady.median == 4.4 and steady.steady()
+    noisy = Readings([0.4, 1.7, 2.2, 4.1, 20.0])
+    assert noisy.median == 2.2 and not noisy.steady()
+    assert Readings([3.0]).spread == 0.0
+    with pytest.raises(ValueError):
+        Readings([])
