@@ -143,15 +143,15 @@ def _check_spill_dir(spill_dir: object) -> Optional[Path]:
     path = Path(spill_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise ValueError(f"spill_dir {str(path)!r} exists and is not a directory; pass a directory path")
-    if not path.exists():
-        try:
-            path.mkdir(parents=True, mode=0o700)
-        except OSError as e:
-            raise ValueError(f"spill_dir {str(path)!r} does not exist and cannot be created: {e}") from e
-    if not os.access(path, os.W_OK | os.X_OK):
+    # A missing spill_dir is made by the first spill and removed at close (``_spill``), so nothing
+    # is made here: checking the settings leaves the disk as it was. Its nearest existing
+    # ancestor must let this process make it.
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        where = "is" if existing == path else f"does not exist, and its parent {str(existing)!r} is"
         raise ValueError(
-            f"spill_dir {str(path)!r} is not writable by this process; pass a writable directory "
-            f"or None for a private temporary one"
+            f"spill_dir {str(path)!r} {where} not a writable directory for this process; pass a writable "
+            f"directory or None for a private temporary one"
         )
     return path
 

@@ -393,6 +393,39 @@ def engine(
     )
 
 
+def _no_plan_note(eng: Engine) -> str:
+    """What an engine without a plan does with each save, and what it did so far."""
+    config, stats = eng.config, eng.stats
+    if config.reserve_bytes is not None:
+        budget = f"free device memory less a reserve of {config.reserve_bytes / MB:g} MB"
+    elif stats.budget_bytes is None:
+        budget = "no budget (it only counts)"
+    else:
+        budget = f"a budget of {stats.budget_bytes / MB:g} MB"
+    so_far = (
+        f"so far: {stats.saved_tensors} tensors ({stats.saved_bytes / MB:.1f} MB) taken, {stats.offloaded_bytes / MB:.1f} MB "
+        f"moved off the device, at most {stats.peak_resident_bytes / MB:.1f} MB held there"
+    )
+    if eng._regions is None:
+        return (
+            f"no plan: this engine has no regions=, so it decides per saved tensor, not per block. Every save of at "
+            f"least {config.min_offload_bytes} bytes goes to its store, which keeps the newest on the device under "
+            f"{budget} and moves the oldest beyond it (prefetching them back in backward); {so_far}. Pass regions= "
+            "(regions='auto' with model=, or regions=model.blocks) to have each block kept, moved or recomputed by "
+            "its measured cost"
+        )
+    if config.policy in ("recompute", "none"):
+        what = "recomputed in backward" if config.policy == "recompute" else "kept as it runs"
+        return (
+            f"no plan: policy {config.policy!r} measures nothing; every one of the {len(eng._regions.regions)} regions "
+            f"is {what}, and the store holds the rest under {budget}; {so_far}"
+        )
+    return (
+        f"no plan yet: the regions are planned after their first profiling step (policy {config.policy!r}); until "
+        f"then the store holds every save under {budget}; {so_far}"
+    )
+
+
 def _held_note(stats: Stats) -> str:
     """What re-run regions held beside the store, measured ("" where none ran)."""
     if stats.peak_region_bytes == 0:
@@ -410,10 +443,9 @@ def explain(what: Union[Engine, Plan, None]) -> str:
     plan = what.plan if isinstance(what, Engine) else what
     small = f"\n{what._all_small_note()}" if isinstance(what, Engine) and what._last_step.all_small() else ""
     if plan is None:
-        return (
-            "no plan yet: an engine plans with regions= and a policy that measures ('auto', 'offload' or "
-            f"'selective'), after its profiling steps; 'recompute' and 'none' make no plan{small}"
-        )
+        if isinstance(what, Engine):
+            return _no_plan_note(what) + small
+        return "no plan: explain() of None (an engine's plan before it made one)"
     if not isinstance(plan, Plan):
         raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")
     text = str(plan) + small

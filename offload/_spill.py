@@ -22,7 +22,9 @@ Security: a private directory (``mkdtemp``, 0700), the file 0600 with a random n
 ``O_EXCL | O_NOFOLLOW | O_CLOEXEC``; nothing about a tensor is in a name. The directory goes on
 ``close()``, when this object is collected, and at interpreter exit (``weakref.finalize``); the
 file is emptied first, so where the OS refuses the removal (a warning names the directory) no
-tensor bytes stay on disk.
+tensor bytes stay on disk. A ``spill_dir`` that did not exist is made (0700) when the first spill
+needs it, and what was made goes with the file, where it is empty then: nothing is left behind
+that was not there before.
 """
 
 from __future__ import annotations
@@ -230,12 +232,18 @@ class SpillFile:
             return self._file
         if self._closed:
             raise FileNotFoundError(errno.ENOENT, "the engine was closed; its spill file is gone")
-        directory = tempfile.mkdtemp(prefix="offload-", dir=None if self._parent is None else str(self._parent))
+        made = [] if self._parent is None else _make_parents(self._parent)
+        try:
+            directory = tempfile.mkdtemp(prefix="offload-", dir=None if self._parent is None else str(self._parent))
+        except OSError:
+            _remove_empty(made)
+            raise
         try:
             os.chmod(directory, 0o700)
             file = _open_file(directory)
         except OSError:
             _remove_tree(directory)
+            _remove_empty(made)
             raise
         if _filesystem_type(Path(directory)) == "tmpfs":
             log.warning(
@@ -245,7 +253,7 @@ class SpillFile:
             )
         self._dir, self._file = directory, file
         self._executor = concurrent.futures.ThreadPoolExecutor(self._workers, thread_name_prefix="offload-spill")
-        self._finalizer = weakref.finalize(self, _close_file, file.fd, directory)
+        self._finalizer = weakref.finalize(self, _close_file, file.fd, directory, made)
         return file
 
     def write(self, data: torch.Tensor) -> tuple[Extent, Pending]:
@@ -295,7 +303,33 @@ class SpillFile:
         self._extents = FreeRanges()
 
 
-def _close_file(fd: int, directory: str) -> None:
+def _make_parents(path: Path) -> list[str]:
+    """Make ``path`` and its missing parents (0700); the directories made, deepest last."""
+    missing: list[str] = []
+    for parent in (path, *path.parents):
+        if parent.exists():
+            break
+        missing.append(str(parent))
+    made: list[str] = []
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:  # another engine made it meanwhile: not ours to remove
+            continue
+        made.append(directory)
+    return made
+
+
+def _remove_empty(made: list[str]) -> None:
+    """Remove the directories ``_make_parents`` made, deepest first, where they are empty."""
+    for directory in reversed(made):
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty (another engine's files, the user's), or gone: leave it
+            return
+
+
+def _close_file(fd: int, directory: str, made: list[str]) -> None:
     try:
         os.ftruncate(fd, 0)  # emptied first: if its name cannot be removed, no tensor bytes stay on disk
     except OSError:
@@ -306,3 +340,4 @@ def _close_file(fd: int, directory: str) -> None:
         pass
     if _is_own_dir(directory):
         _remove_tree(directory)
+    _remove_empty(made)

@@ -7,6 +7,7 @@ the message alone. Every use of an engine is checked against the model without i
 from __future__ import annotations
 
 import copy
+import stat
 import dataclasses
 import math
 import os
@@ -110,10 +111,15 @@ def test_unwritable_spill_dir_is_refused_with_its_path(tmp_path):
 
 
 def test_missing_spill_dir_is_created_private(tmp_path):
+    """Made by the first spill (not by checking the settings), private, and gone with close():
+    tests/test_spill_security.py::test_a_missing_spill_dir_is_made_when_needed_and_removed_at_close."""
     path = tmp_path / "new" / "spill"
-    eng = offload.engine(0, spill_dir=path)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=path)
+    run_step(mlp(), x_input, eng)
     assert path.is_dir()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     eng.close()
+    assert not path.parent.exists()
 
 
 # ---------------------------------------------------------------------------------- ways to apply
@@ -449,4 +455,26 @@ def test_a_step_with_managed_saves_does_not_warn(spill_dir):
         run_step(mlp(width=16), lambda: torch.randn(4, 16), eng)
     assert eng.stats.saved_tensors > 0
     assert "min_offload_bytes" not in offload.explain(eng)
+    eng.close()
+
+
+def test_explain_without_regions_says_what_the_engine_does(spill_dir):
+    """Not "no plan yet" for ever: an engine without regions decides per saved tensor, and says so
+    with its figures so far."""
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    run_step(mlp(), x_input, eng)
+    text = offload.explain(eng)
+    assert "no regions=" in text and "no plan yet" not in text
+    stats = eng.stats
+    assert f"{stats.saved_tensors} tensors" in text and f"{stats.offloaded_bytes / 2**20:.1f} MB moved" in text
+    assert "budget of 0 MB" in text and "regions='auto'" in text
+    eng.close()
+
+
+def test_explain_of_a_policy_that_measures_nothing(spill_dir):
+    model = mlp()
+    eng = offload.engine(None, model=model, regions=[model[0], model[2]], policy="recompute", spill_dir=spill_dir)
+    run_step(model, x_input, eng)
+    text = offload.explain(eng)
+    assert "policy 'recompute' measures nothing" in text and "2 regions is recomputed" in text
     eng.close()

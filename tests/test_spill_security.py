@@ -343,3 +343,45 @@ def test_directory_removed_at_interpreter_exit(spill_dir):
     assert private.parent == spill_dir
     assert not private.exists(), f"left behind: {files_under(private)}"
     assert list(spill_dir.iterdir()) == []
+
+
+def test_a_missing_spill_dir_is_made_when_needed_and_removed_at_close(tmp_path):
+    """Create what you remove: checking the settings makes nothing; the first spill makes the
+    directory (and its missing parents), and close() removes what it made."""
+    import offload
+
+    missing = tmp_path / "a" / "b" / "spill"
+    eng = offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=missing)
+    assert not (tmp_path / "a").exists(), "building the engine made nothing"
+    x = torch.randn(64, 64, requires_grad=True)
+    with eng:
+        y = x.sin().cos().sum()
+    y.backward()
+    assert missing.is_dir() and eng.stats.spilled_bytes > 0
+    eng.close()
+    assert not (tmp_path / "a").exists(), "close() removes the directories the engine made"
+
+
+def test_a_spill_dir_that_existed_stays(tmp_path):
+    import offload
+
+    spill = tmp_path / "mine"
+    spill.mkdir()
+    eng = offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=spill)
+    x = torch.randn(64, 64, requires_grad=True)
+    with eng:
+        y = x.sin().sum()
+    y.backward()
+    eng.close()
+    assert spill.is_dir() and list(spill.iterdir()) == []
+
+
+def test_a_spill_dir_under_a_read_only_parent_is_refused(tmp_path):
+    import offload
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ValueError, match=r"does not exist, and its parent .* is not a writable directory"):
+        offload.engine(budget_mb=0, spill_dir=locked / "spill")
