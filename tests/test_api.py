@@ -7,10 +7,10 @@ the message alone. Every use of an engine is checked against the model without i
 from __future__ import annotations
 
 import copy
-import stat
 import dataclasses
 import math
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
