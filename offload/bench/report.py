@@ -383,7 +383,8 @@ Engine table: the budget, the most bytes the engine held at once (profiling step
 plan (one letter per block: Keep, Offload, Recompute, Selective) and the planner's predicted step
 time. Verdict table: auto / best is auto's step time over the best fixed policy's in the same
 repeat (median over repeats; per repeat listed); "within noise" when those ratios fall on both
-sides of 1 with their median within 5 % of it. table.md has every column (peak RSS, optimizer peak, link GB/s, the cost-model bound)."""
+sides of 1 with their median within 5 % of it. table.md has every column (peak RSS, optimizer
+peak, link GB/s, the cost-model bound)."""
 
 
 _MARKERS = "osD^v<>pP*Xh"
