@@ -404,7 +404,8 @@ def _no_plan_note(eng: Engine) -> str:
         budget = f"a budget of {stats.budget_bytes / MB:g} MB"
     so_far = (
         f"so far: {stats.saved_tensors} tensors ({stats.saved_bytes / MB:.1f} MB) taken, "
-        f"{stats.offloaded_bytes / MB:.1f} MB moved off the device, at most {stats.peak_resident_bytes / MB:.1f} MB held there"
+        f"{stats.offloaded_bytes / MB:.1f} MB moved off the device, "
+        f"at most {stats.peak_resident_bytes / MB:.1f} MB held there"
     )
     if eng._regions is None:
         return (
