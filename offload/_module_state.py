@@ -21,9 +21,11 @@ Note: [a re-run leaves module state as the forward left it]
     the version counter cannot tell what a forward wrote (BatchNorm writes its running statistics
     without bumping it). The start values a re-run begins from are kept only for the buffers a
     forward changes, which are learned: the first forward of a region in each train/eval setting
-    of its modules keeps every buffer and compares them when it ends (one device
-    synchronization); later forwards keep only the buffers learned to change (no compare, no
-    synchronization), and notice others only by a new tensor or a version bump. A buffer a later
+    of its modules keeps every buffer and compares them when it ends (one device synchronization
+    for them all); later forwards keep only the buffers learned to change (no compare, no
+    synchronization), and notice others only by a new tensor or a version bump. A frame made per
+    call (``offload.checkpoint``) has nothing to learn from: it keeps every buffer and compares
+    none. A buffer a later
     forward changes for the first time has no start value kept: that re-run starts from the value
     the forward left (as ``torch.utils.checkpoint``'s would), the state after it is still exact,
     and where the change was seen a warning says so once.
@@ -65,6 +67,13 @@ def _numbers(module: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in module.__dict__.items() if type(v) in _NUMBERS}
 
 
+def _set_numbers(module: torch.nn.Module, numbers: dict[str, Any]) -> None:
+    """Make ``module``'s plain-number attributes exactly ``numbers`` (ones added since go)."""
+    for k in [k for k in _numbers(module) if k not in numbers]:
+        del module.__dict__[k]
+    module.__dict__.update(numbers)
+
+
 @dataclasses.dataclass
 class _Buffer:
     """One buffer at the forward's start: the tensor registered, its version, and its value where kept."""
@@ -84,13 +93,9 @@ class _Buffer:
         now = self.now()
         return now is not self.tensor or self.tensor._version != self.version
 
-    def differs(self) -> bool:
-        """Changed in any way (compares values: synchronizes a device)."""
-        return self.replaced_or_bumped() or (self.value is not None and not torch.equal(self.value, self.tensor))
-
     @property
-    def key(self) -> tuple[int, str]:
-        return (id(self.module), self.name)
+    def key(self) -> tuple[torch.nn.Module, str]:
+        return (self.module, self.name)
 
 
 def _unique_modules(roots: tuple[torch.nn.Module, ...]) -> list[torch.nn.Module]:
@@ -118,29 +123,54 @@ def _write(module: torch.nn.Module, name: str, tensor: Optional[torch.Tensor], v
     tensor.data.copy_(value)  # See Note: [a re-run leaves module state as the forward left it]
 
 
+def _changed_by_value(buffers: list[_Buffer]) -> list[bool]:
+    """Per buffer (each with a start value kept), whether its value differs from its start: one
+    comparison per device, read with one synchronization. A tensor without values to compare (meta,
+    a fake tensor while tracing, another subclass) counts as changed."""
+    flags = [True] * len(buffers)
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, b in enumerate(buffers):
+        value, now = b.value, b.tensor
+        if value is None or b.replaced_or_bumped() or type(now) is not torch.Tensor or now.device.type == "meta":
+            continue
+        if value.shape == now.shape:
+            by_device.setdefault(now.device, []).append((i, torch.ne(value, now).any()))
+    for pairs in by_device.values():
+        differs = torch.stack([d for _, d in pairs]).tolist()
+        for (i, _), d in zip(pairs, differs, strict=True):
+            flags[i] = bool(d)
+    return flags
+
+
 class RegionState:
     """What one region's forwards change of its modules' state, learned per train/eval setting."""
 
-    def __init__(self, modules: tuple[torch.nn.Module, ...], name: str) -> None:
+    def __init__(self, modules: tuple[torch.nn.Module, ...], name: str, *, learn: bool = True) -> None:
         self.modules = modules
         self.name = name
-        self._changing: dict[tuple[bool, ...], set[tuple[int, str]]] = {}
-        """Per setting of the modules' ``training`` flags: (module id, buffer name) of the buffers
-        its forwards change (absent: not learned yet)."""
+        self.learn = learn
+        """Learn which buffers forwards change (a region, run every step). False for a frame made
+        per call (``offload.checkpoint``): it keeps every buffer and compares none, so a call never
+        waits for the device."""
+        self._changing: dict[tuple[bool, ...], set[tuple[torch.nn.Module, str]]] = {}
+        """Per setting of the modules' ``training`` flags: (module, buffer name) of the buffers its
+        forwards change (absent: not learned yet)."""
         self._warned = False
 
     def forward_started(self) -> ForwardStart:
         """The state now, as a forward of the region begins."""
         modules = _unique_modules(self.modules)
         setting = tuple(m.training for m in modules)
-        changing = self._changing.get(setting)
+        changing = self._changing.get(setting) if self.learn else None
         buffers = []
         for module, name, t in _buffers(modules):
             b = _Buffer(module, name, t, t._version)
             if changing is None or b.key in changing:
                 b.value = t.detach().clone()
             buffers.append(b)
-        return ForwardStart(self, setting, changing is None, buffers, [(m, _numbers(m)) for m in modules])
+        return ForwardStart(
+            self, setting, changing is None and self.learn, buffers, [(m, _numbers(m)) for m in modules]
+        )
 
     def learned(self, setting: tuple[bool, ...], learning: bool, changed: list[_Buffer]) -> None:
         """A forward ended having changed ``changed``; warn once where one had no start value kept."""
@@ -180,8 +210,8 @@ class ForwardStart:
     def forward_ended(self) -> None:
         """Learn what the forward changed; keep only what a re-run needs."""
         if self._learning:
-            changed = [b for b in self._buffers if b.differs()]
-        else:
+            changed = [b for b, c in zip(self._buffers, _changed_by_value(self._buffers), strict=True) if c]
+        else:  # the buffers learned to change, and any a new tensor or a version bump shows
             changed = [b for b in self._buffers if b.value is not None or b.replaced_or_bumped()]
         self._region.learned(self._setting, self._learning, changed)
         self._buffers = changed
@@ -199,13 +229,11 @@ class ForwardStart:
             elif now is not b.tensor:  # assigned anew by the forward: its start is the old tensor
                 b.module._buffers[b.name] = b.tensor
         for m, numbers in self._numbers:
-            m.__dict__.update(numbers)
+            _set_numbers(m, numbers)
         try:
             yield
         finally:  # every buffer, changed by the forward or not: a write that bumps no version is not seen
             for m, name, t, value in entered:
                 _write(m, name, t, value)
             for m, numbers in numbers_entered:
-                for k in [k for k, v in m.__dict__.items() if type(v) in _NUMBERS and k not in numbers]:
-                    del m.__dict__[k]
-                m.__dict__.update(numbers)
+                _set_numbers(m, numbers)

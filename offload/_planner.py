@@ -174,26 +174,42 @@ def allowed(region: RegionProfile, decision: Decision) -> bool:
 #     regions) it does not: they go to the store like any saved tensor, which keeps them while the
 #     budget has room and, being the oldest, evicts them first when it does not. A plan must say
 #     the same, or ``explain()`` shows them kept, and the peak over the budget, while the engine
-#     moved them all. So a policy never chooses for them (``allowed``: KEEP), and every plan is
-#     built with ``as_stored``: kept where the peak fits the budget, else moved (OFFLOAD, as the
-#     store's eviction moves them; between-region saves are lumped in, though the store evicts
-#     those after older regions' saves). The saves after the last region, which a plan may
-#     offload itself (each leaves as it is made), are moved the same way where kept would not fit.
+#     moved them all. So a policy never chooses for them (``allowed``: KEEP), and every step is
+#     priced, searched and planned with ``as_stored``: kept where the peak fits the budget and
+#     keeping costs no time, else moved (OFFLOAD, as the store's eviction moves them, past the
+#     budget or to make room for copies in flight; between-region saves are lumped in, though the
+#     store evicts those after older regions' saves). ``simulate`` prices it, so the
+#     policies' search sees what the plan will say. The saves after the last region are left as
+#     the policy decided: an OFFLOAD there makes the engine send them out as they are made, which
+#     the store alone would not do.
 def as_stored(
     regions: Sequence[RegionProfile], decisions: Sequence[Decision], machine: MachineProfile, budget_bytes: int | None
 ) -> tuple[Decision, ...]:
-    """``decisions`` with the saves outside the regions as the store treats them: See Note: [the
+    """``decisions`` with the saves before the regions as the store treats them: See Note: [the
     saves outside the regions, as the store treats them]."""
-    settled = [Decision.KEEP if r.scope is Scope.BEFORE else d for r, d in zip(regions, decisions, strict=True)]
-    if budget_bytes is None or not link_usable(machine):
-        return tuple(settled)
-    for scope in (Scope.BEFORE, Scope.AFTER):  # the oldest saves are evicted first
-        if _run_timeline(regions, settled, machine, budget_bytes).peak_bytes <= budget_bytes:
-            break
-        for i, region in enumerate(regions):
-            if region.scope is scope and settled[i] is Decision.KEEP and region.saved_bytes > 0:
-                settled[i] = Decision.OFFLOAD
-    return tuple(settled)
+    return _stored_timeline(regions, decisions, machine, budget_bytes)[0]
+
+
+def _stored_timeline(
+    regions: Sequence[RegionProfile], decisions: Sequence[Decision], machine: MachineProfile, budget_bytes: int | None
+) -> tuple[tuple[Decision, ...], _Timeline]:
+    kept = tuple(Decision.KEEP if r.scope is Scope.BEFORE else d for r, d in zip(regions, decisions, strict=True))
+    kept_timeline = _run_timeline(regions, kept, machine, budget_bytes)
+    moved = tuple(
+        Decision.OFFLOAD if r.scope is Scope.BEFORE and r.saved_bytes > 0 else d
+        for r, d in zip(regions, kept, strict=True)
+    )
+    if budget_bytes is None or moved == kept or not link_usable(machine):
+        return kept, kept_timeline
+    # The store evicts them for room whenever it needs room: past the budget, and for copies in
+    # flight that would otherwise wait. So they move where that fits, or is faster (kept on a tie).
+    moved_timeline = _run_timeline(regions, moved, machine, budget_bytes)
+    kept_fits, moved_fits = kept_timeline.peak_bytes <= budget_bytes, moved_timeline.peak_bytes <= budget_bytes
+    if moved_fits and (not kept_fits or moved_timeline.step_ms < kept_timeline.step_ms):
+        return moved, moved_timeline
+    if not kept_fits and moved_timeline.peak_bytes < kept_timeline.peak_bytes:
+        return moved, moved_timeline
+    return kept, kept_timeline
 
 
 def coerce(regions: Sequence[RegionProfile], decisions: Sequence[Decision]) -> tuple[Decision, ...]:
@@ -633,11 +649,12 @@ def simulate(
 ) -> tuple[float, int]:
     """(step_ms, peak_bytes) of one training step under ``decisions``, per the module docstring;
     with ``budget_bytes``, the compute waits where copies in flight would not fit in the room the
-    budget leaves.
+    budget leaves, and the saves before the regions move where they would not fit (See Note:
+    [the saves outside the regions, as the store treats them]).
 
     Raises ``ValueError`` for an OFFLOAD over an unusable (0 GB/s) link.
     """
-    timeline = _run_timeline(regions, decisions, machine, budget_bytes)
+    timeline = _stored_timeline(regions, decisions, machine, budget_bytes)[1]
     return timeline.step_ms, timeline.peak_bytes
 
 
@@ -744,8 +761,7 @@ def build_plan(
     policy_name: str,
     other_ms: float = 0.0,
 ) -> Plan:
-    decisions = as_stored(regions, decisions, machine, budget_bytes)
-    timeline = _run_timeline(regions, decisions, machine, budget_bytes)
+    decisions, timeline = _stored_timeline(regions, decisions, machine, budget_bytes)
     region_plans = []
     for region, decision, exposed_ms in zip(regions, decisions, timeline.exposed_ms, strict=True):
         fp = footprint(region, decision)

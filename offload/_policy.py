@@ -115,7 +115,9 @@ class OffloadPolicy(Policy):
     def plan(self, regions, machine, budget_bytes):
         n = len(regions)
         keep_all = (Decision.KEEP,) * n
-        if budget_bytes is None or simulate(regions, keep_all, machine)[1] <= budget_bytes:
+        # Priced at the budget: the saves before the regions move where they would not fit (See
+        # Note: [the saves outside the regions, as the store treats them] in ``_planner``).
+        if budget_bytes is None or simulate(regions, keep_all, machine, budget_bytes)[1] <= budget_bytes:
             return keep_all
         if not link_usable(machine):
             out_gb_per_s, back_gb_per_s = machine.offload_gb_per_s()
@@ -126,7 +128,7 @@ class OffloadPolicy(Policy):
         candidates = [
             coerce(regions, (Decision.OFFLOAD,) * (n - num_kept) + (Decision.KEEP,) * num_kept) for num_kept in range(n)
         ]
-        peaks = [simulate(regions, decisions, machine)[1] for decisions in candidates]
+        peaks = [simulate(regions, decisions, machine, budget_bytes)[1] for decisions in candidates]
         fitting = [decisions for decisions, peak in zip(candidates, peaks, strict=True) if peak <= budget_bytes]
         if fitting:
             return fitting[-1]  # the most regions kept hot

@@ -17,7 +17,7 @@ BatchNorm's statistics a second time.
     backward: unpack Slot(i) ──▶ first one in this pass? re-run fn once (RNG, autocast restored),
               capture every save in order (an autograd.grad inside the re-run unpacks them),
               check count/shape/dtype ──▶ value i
-              values are dropped once every live slot has been unpacked in this pass
+              each value goes when its slot dies (its node ran), all once every live slot was served
 
 A frame's phase (``FramePhase``) says what it holds::
 
@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import enum
 import time
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -117,7 +116,8 @@ class FramePhase(enum.Enum):
     """Nothing held but the inputs: the forward returned (or raised), or the last re-run's values
     were all served. The next unpack re-runs the region."""
     RECOMPUTED = "recomputed"
-    """The re-run's values are held until every live slot was unpacked in this pass (or died)."""
+    """The re-run's values are held, each until its slot dies, and none once every live slot was
+    unpacked in this pass (See Note: [a re-run's value goes with its slot])."""
 
 
 @dataclasses.dataclass
@@ -160,7 +160,7 @@ class Frame:
         self.on_held = on_held
         """Told the bytes this frame holds itself (its inputs not counted) when its forward ends,
         holding every save, and when a re-run ends, holding its values (``Stats.peak_region_bytes``)."""
-        self.state = RegionState(modules_of(fn), name) if state is None else state
+        self.state = RegionState(modules_of(fn), name, learn=False) if state is None else state
         """The state of the modules the region runs, kept across its re-runs: See Note: [a re-run
         leaves module state as the forward left it] (``_module_state``)."""
         self._start = ForwardStart.empty()  # the forward's, once it ran
@@ -189,6 +189,8 @@ class Frame:
         """Arguments (other than tensors) the forward changed: See Note: [arguments a forward changed]."""
         self.gen = 0
         self.live = 0  # slots autograd still holds
+        self.alive: list[bool] = []
+        """Per save, whether its slot is still held by autograd."""
         self.unserved = 0  # live slots not yet unpacked in this pass
 
     @property
@@ -236,8 +238,8 @@ class Frame:
             self.changed = [name for name, fingerprint in before.items() if after.get(name) != fingerprint]
             kept = inputs | self._kept_storages()
             self.dropped_bytes = sum(n for key, n in self.forward_saves.dropped_storages.items() if key not in kept)
-            if self.on_held is not None:
-                self.on_held(sum(n for key, n in self.forward_saves.dropped_storages.items() if key not in inputs))
+            if self.on_held is not None:  # not its inputs nor a selective stash: the store holds those
+                self.on_held(self.dropped_bytes)
         except BaseException:
             self._forward_aborted()
             raise
@@ -263,6 +265,10 @@ class Frame:
         """The forward raised: let go of whatever it held (a caught OOM retried must not leak it)."""
 
     def _kept_storages(self) -> set:
+        return set()
+
+    def _held_elsewhere(self) -> set:
+        """Storages among a re-run's values that something else holds (a selective stash, the store's)."""
         return set()
 
     # Note: [a frame that cannot re-run holds nothing]
@@ -329,6 +335,7 @@ class Frame:
                 self.counted_bytes += counted
                 self.counted_tensors += 1
         self.live += 1
+        self.alive.append(True)
         return _Slot(self, len(self.meta) - 1)
 
     def _unpack_placeholder(self, slot: _Slot) -> torch.Tensor:
@@ -346,25 +353,21 @@ class Frame:
         if self.phase is FramePhase.WAITING:
             self._recompute()  # RECOMPUTED once it returns, or it raised
         value = self.recomputed[slot.index]
-        if isinstance(value, weakref.ref):  # See Note: [a re-run's value goes with its first unpack]
-            value = value()
-            if value is None:
-                self._recompute()
-                value = self.recomputed[slot.index]
         if slot.seen_gen != self.gen:
             slot.seen_gen = self.gen
-            self.recomputed[slot.index] = weakref.ref(value)
             self._served_one()
         return value
 
-    # Note: [a re-run's value goes with its first unpack]
+    # Note: [a re-run's value goes with its slot]
     #     A re-run captures every save of the region at once, but backward needs each only until the
-    #     node that saved it has run. Held until the last slot was served, the region's whole
-    #     recomputed set would sit beside its gradients (on a CNN block, two activations more than
-    #     ``torch.utils.checkpoint`` at its peak). So a slot's value is held strongly only until its
-    #     first unpack in a pass, then weakly: a node that reads its saved tensors twice (a custom
-    #     Function reading ``ctx.saved_tensors`` again) still finds it while it holds it, and where
-    #     it was let go, the region is re-run again (correct, where torch's checkpoint raises).
+    #     node that saved it has run, when autograd lets go of the node's saved variables and so of
+    #     their slots. Held until the last slot was served, the region's whole recomputed set would
+    #     sit beside its gradients (on a CNN block, two activations more than
+    #     ``torch.utils.checkpoint`` at its peak). So a slot's value goes when the slot dies (and a
+    #     value whose slot died before the re-run is not kept at all); what a ``retain_graph=True``
+    #     backward keeps alive goes when every live slot was served. A node that reads its saved
+    #     tensors twice (a custom Function reading ``ctx.saved_tensors`` again) finds its value
+    #     there while it runs, where torch's checkpoint raises.
     def _served_one(self) -> None:
         """One more live slot served (or dead) in this pass: after the last, drop the re-run's values."""
         self.unserved -= 1
@@ -383,8 +386,11 @@ class Frame:
 
     def slot_dead(self, slot: _Slot) -> None:
         self.live -= 1
-        if slot.seen_gen != self.gen and self.phase is FramePhase.RECOMPUTED:
-            self._served_one()
+        self.alive[slot.index] = False
+        if self.phase is FramePhase.RECOMPUTED:
+            self.recomputed[slot.index] = None  # See Note: [a re-run's value goes with its slot]
+            if slot.seen_gen != self.gen:
+                self._served_one()
 
     def _rebuild_args(self):
         tensors = enumerate(self.inputs)
@@ -444,8 +450,12 @@ class Frame:
         captured: list = []
         total = len(self.meta)
 
+        own: dict[int, int] = {}  # storage id -> nbytes of the saves the region itself makes
+
         def capture(t: torch.Tensor) -> int:
             captured.append(t.detach())
+            if droppable(t):  # judged on the save itself: its detached alias would pass for an activation
+                own[storage_id(t)] = t.untyped_storage().nbytes()
             if on_save is not None:
                 on_save(t)
             if len(captured) == total and not whole:
@@ -477,7 +487,7 @@ class Frame:
             if timed:
                 synchronize_devices(self.rng.cuda_devices)
             if self.on_held is not None:
-                self.on_held(_held_bytes(captured, args, kwargs))
+                self.on_held(_held_bytes(own, args, kwargs, self._held_elsewhere()))
             return list(captured), (time.perf_counter() - start) * 1e3
         finally:
             captured.clear()  # the re-run's graph may outlive it: See Note: [recompute hooks hold no frame]
@@ -502,6 +512,8 @@ class Frame:
         except OffloadError:
             self._abandon()
             raise
+        # A slot that died before this re-run (its node ran, or never will) needs nothing.
+        values = [v if alive else None for v, alive in zip(values, self.alive, strict=True)]
         self.phase, self.recomputed = FramePhase.RECOMPUTED, values
         self.gen += 1
         self.unserved = self.live
@@ -560,11 +572,11 @@ _ARG = object()
 """Placeholder for a tensor argument in a frame's stored argument template."""
 
 
-def _held_bytes(values: list, args: tuple, kwargs: dict) -> int:
-    """Bytes of the distinct storages among ``values`` a region holds itself: not its inputs'."""
+def _held_bytes(own: dict[int, int], args: tuple, kwargs: dict, elsewhere: set) -> int:
+    """Bytes of the storages ``own`` (id -> nbytes) a region holds itself: not its inputs', nor
+    those in ``elsewhere`` (held by the store)."""
     inputs = {storage_id(a) for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)}
-    held = {storage_id(v): v.untyped_storage().nbytes() for v in values if droppable(v)}
-    return sum(n for key, n in held.items() if key not in inputs)
+    return sum(n for key, n in own.items() if key not in inputs and key not in elsewhere)
 
 
 def storage_id(t: torch.Tensor) -> int:

@@ -335,6 +335,8 @@ class _SelectiveFrame(Frame):
         self.stash_storages: dict[int, int] = {}  # storage id -> nbytes of the stash, once forward returned
         self.stash_bytes = 0
         """Bytes of distinct storages stashed through the outer hooks (set when forward returns)."""
+        self._from_store: set[int] = set()
+        """Storages of the stash the latest replay was handed (the store holds them, not this frame)."""
         self.needed = 0  # expensive calls before the region's last save: all a re-run reaches
         self.splittable = True
         self.why_not = ""
@@ -345,6 +347,7 @@ class _SelectiveFrame(Frame):
     def _rerun_mode(self):
         if not self.splittable:
             return super()._rerun_mode()
+        self._from_store = set()
         return _ReplayMode(self.name, self.stashed, self._unpack_stashed, self.changed_note)
 
     def _pack_placeholder(self, t: torch.Tensor) -> Any:
@@ -401,7 +404,12 @@ class _SelectiveFrame(Frame):
             )
         # A fresh alias: autograd gives the replayed op's output its own history, which must not
         # land on the stashed tensor (the store's, or the forward's own output).
-        return self._unpack_input(leaf.packed).detach()
+        value = self._unpack_input(leaf.packed).detach()
+        self._from_store.add(storage_id(value))
+        return value
+
+    def _held_elsewhere(self) -> set:
+        return self._from_store
 
 
 def _leaves(value: Any, is_leaf: Callable) -> list:

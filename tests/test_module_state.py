@@ -249,3 +249,62 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the comparison ops the module-state bookkeeping would run (a device synchronization
+    each time their result is read on CUDA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compares = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.ne, torch.ops.aten.equal):
+            self.compares += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_public_checkpoint_compares_no_buffer(spill_dir):
+    """``offload.checkpoint`` makes a frame per call, with nothing to learn from: it keeps every
+    buffer and compares none (on CUDA each compare read back is a synchronization)."""
+    block = cnn(blocks=1)[1]
+    x = torch.randn(2, 8, 12, 12, requires_grad=True)
+    counter = _CountOps()
+    with counter:
+        out = offload.checkpoint(block, x)
+    assert counter.compares == 0
+    out.sum().backward()
+    assert block.bn1.num_batches_tracked.item() == 1
+
+
+def test_a_region_compares_its_buffers_once_per_setting(spill_dir):
+    model = cnn(blocks=2)
+    eng = _engine(model, list(model)[1:3], "recompute")
+    counts = []
+    for _ in range(3):
+        counter = _CountOps()
+        with counter:
+            run_step(model, _cnn_input(2), eng)
+        counts.append(counter.compares)
+    assert counts[0] > 0 and counts[1:] == [0, 0], counts
+    eng.close()
+
+
+def test_predict_runs_offload_checkpoint_of_a_module_with_buffers():
+    """On the meta device a buffer has no values to compare: it counts as changed, and the
+    prediction runs (a value compare would raise: aten::equal has no meta kernel)."""
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = cnn(blocks=2)
+
+        def forward(self, x):
+            x = self.net[0](x)
+            for block in list(self.net)[1:3]:
+                x = offload.checkpoint(block, x)
+            return self.net[3:](x)
+
+    prediction = offload.predict(Checkpointed(), torch.randn(4, 3, 12, 12), machine="h100-sxm")
+    assert prediction.plan is not None or prediction.table

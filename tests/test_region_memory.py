@@ -93,6 +93,22 @@ def test_what_re_run_regions_hold_is_counted_and_shown(spill_dir):
     eng.close()
 
 
+def test_a_selective_regions_own_hold_is_what_it_drops_not_its_stash(spill_dir):
+    """The stash is the store's (in ``resident_bytes``): a selective block's own hold, at the end of
+    its forward and in its re-run, is what it drops and regenerates, counted once."""
+    model = Net()
+    eng = offload.engine(None, min_offload_bytes=0, model=model, regions=model.blocks, policy="selective")
+    while eng.profiling or eng.recent_stages[-1] is not None:
+        run_step(model, _input, eng)
+    assert all(d is offload.Decision.SELECTIVE for d in eng.plan.decisions), str(eng.plan)
+    eng.reset_stats()
+    run_step(model, _input, eng)
+    stats = eng.stats
+    per_block = stats.recomputed_bytes // BLOCKS  # the blocks are alike
+    assert per_block > 0 and stats.peak_region_bytes == per_block, (stats.peak_region_bytes, per_block)
+    eng.close()
+
+
 def test_an_engine_without_re_runs_holds_nothing_beside_the_store(spill_dir):
     model = Net()
     eng = offload.engine(0.5, min_offload_bytes=0, model=model, regions=model.blocks, policy="offload")
@@ -124,8 +140,10 @@ class TwiceBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(16, 16)
+        self.calls = [0]  # not a number attribute: module state puts those back (test_module_state.py)
 
     def forward(self, x):
+        self.calls[0] += 1
         return _ReadsTwice.apply(self.fc(x)) * 2.0
 
 
@@ -138,7 +156,11 @@ def test_a_node_that_reads_its_saved_tensors_twice(spill_dir):
     reference, model = copy.deepcopy(base), copy.deepcopy(base)
     for policy in ("recompute", "selective"):
         eng = offload.engine(None, min_offload_bytes=0, model=model, regions=[model[0], model[1]], policy=policy)
-        for step in range(3):
+        for step in range(4):
             make = lambda: torch.randn(4, 16)  # noqa: E731
+            before = [m.calls[0] for m in model[:2]]
             assert_same(run_step(reference, make), run_step(model, make, eng), f"{policy}, step {step}")
+            if not eng.profiling and eng.recent_stages[-1] is None:  # a step under a plan (or none to make)
+                runs = [m.calls[0] - b for m, b in zip(model[:2], before, strict=True)]
+                assert runs == [2, 2], f"{policy}, step {step}: {runs} forwards, not one re-run each"
         eng.close()
