@@ -75,7 +75,8 @@ class Store:
             follow = FollowFree(config.reserve_bytes, memory or default_free_memory(device))
         self.budget = Budget(config.budget_bytes, follow)
         self._follows = follow is not None
-        self.spill = SpillFile(config.spill_dir, config.spill_workers)
+        # A test's link may run the spill file's I/O on its own schedule (``offload._spill.Jobs``).
+        self.spill = SpillFile(config.spill_dir, config.spill_workers, jobs=getattr(link, "spill_jobs", None))
         self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link)
         self._tier = {t.tier: t for t in self.tiers}
         self._top = self.tiers[0]

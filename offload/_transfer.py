@@ -78,7 +78,9 @@ class Link(Protocol):
     """The transport between a device and host memory; ``offload.engine(link=...)`` takes one.
 
     Copies return pendings (``offload._pending.Pending``); ``h2d`` allocates its destination.
-    ``released`` is told when the engine lets a host buffer go (a test link may poison it).
+    ``released`` is told when the engine lets a host buffer go (a test link may poison it). A test
+    link may also offer ``spill_jobs`` (``offload._spill.Jobs``): the store's spill file then runs
+    its writes and reads through it.
     """
 
     def batch(self) -> contextlib.AbstractContextManager[None]: ...
