@@ -21,7 +21,8 @@ import torch.nn as nn
 import offload
 import offload._arena
 import offload._spill
-from links import EmulatedCudaLink, LandsOnCue, Reads, ThreadedLink, link_named
+from hb import detecting
+from links import LandsOnCue, Reads, ThreadedLink, link_named
 from zoo import MB, wait_clean
 
 
@@ -47,7 +48,19 @@ def _engine(link, **kwargs):
     return offload.engine(device="cpu", min_offload_bytes=0, link=link, **kwargs)
 
 
-@pytest.fixture(params=["deferred-1", "deferred-4", "threaded", "deferred-4-start", "threaded-start", "emulated"])
+@pytest.fixture(
+    params=[
+        "deferred-1",
+        "deferred-4",
+        "threaded",
+        "deferred-4-start",
+        "threaded-start",
+        "emulated",
+        "emulated-adversarial3-0",
+        pytest.param("emulated-timed2q50", marks=pytest.mark.slow),
+        pytest.param("emulated-adversarial8-2", marks=pytest.mark.slow),
+    ]
+)
 def link(request):
     with link_named(request.param) as made:
         yield made
@@ -249,19 +262,17 @@ def test_engines_one_after_another_share_pinned_slabs(monkeypatch):
     shared = offload._arena.PinnedSlabs()
     held = []
     for _ in range(2):
-        link = EmulatedCudaLink(slabs=shared)
-        eng = _engine(link, budget_mb=0)
-        assert all(torch.equal(a, b) for a, b in zip(want, _grads(model, x, eng), strict=True))
-        held.append(wait_clean(eng).host_bytes)
-        eng.close()
-        link.close()
+        with detecting(slabs=shared) as link:
+            eng = _engine(link, budget_mb=0)
+            assert all(torch.equal(a, b) for a, b in zip(want, _grads(model, x, eng), strict=True))
+            held.append(wait_clean(eng).host_bytes)
+            eng.close()
         assert eng.stats.host_bytes == 0 and shared.idle_bytes == held[-1], "closed: its slabs wait in the pool"
     assert counts.slabs == 1 and held[0] == held[1] > 0, "the second engine pinned nothing"
     shared.clear()
     assert shared.idle_bytes == 0
-    link = EmulatedCudaLink()
-    eng = _engine(link, budget_mb=0)
-    _grads(model, x, eng)
-    eng.close()
-    link.close()
+    with detecting() as link:
+        eng = _engine(link, budget_mb=0)
+        _grads(model, x, eng)
+        eng.close()
     assert counts.slabs == 2, "an engine of its own pins its own"

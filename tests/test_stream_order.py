@@ -1,12 +1,13 @@
-"""CudaLink's ordering on the CPU: the real link over emulated streams (``tests/links.py``).
+"""CudaLink's ordering on the CPU: the real link over emulated streams (``tests/hb.py``).
 
-No GPU here, so ``CudaLink`` runs over ``EmulatedStreams``: CUDA's stream and event semantics on
-threads, with every tracked access (a copy's read and write, an allocation's fill, a producer's
-write on a side stream, a host write) checked against the earlier ones by happens-before, so a
-pair of accesses to the same bytes that nothing orders is a race, found whatever the timing, and
-the gradients show it too (the racing op writes 0xFF). Oracle: the model without the engine,
+No GPU here, so ``CudaLink`` runs over ``EmulatedStreams``: CUDA's stream, event and caching
+allocator semantics simulated on the test's thread, with every tracked access (a copy's read and
+write, an allocation's fill, a producer's write on a side stream, a host write, a host op on a
+reload, a free) checked against the earlier ones by happens-before (vector clocks), so a pair of
+accesses to the same bytes that nothing orders is a race, found whatever the timing, and the
+gradients show it too (the racing op writes 0xFF). Oracle: the model without the engine,
 bitwise. Each test here names the guard it checks, and was run once with that guard removed: it
-failed.
+failed. ``test_races.py`` runs the spill-heavy scenarios and removes every guard in turn.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def _assert_equal(want, got, what: str) -> None:
 @pytest.fixture
 def streams():
     made = EmulatedStreams(side_delay_s=0.001)
-    yield made
+    with made.watching():
+        yield made
     made.close()
 
 
