@@ -159,7 +159,9 @@ class _File:
         while written < len(view):
             written += os.pwrite(self.fd, view[written:], offset + written)
 
-    def read(self, extent: Extent, out: torch.Tensor) -> torch.Tensor:
+    def read(self, extent: Extent, out: torch.Tensor) -> None:
+        # Returns nothing: a future's result lives as long as the future, which the store keeps as
+        # a reader of the disk copy (See Note: [a pending does not hold its destination] in _transfer).
         dst = out.numpy()
         bounce = self._bounce()
         done = 0
@@ -178,7 +180,6 @@ class _File:
             done += n
         if not self.direct:
             os.posix_fadvise(self.fd, extent.offset, extent.size, os.POSIX_FADV_DONTNEED)
-        return out
 
 
 class Jobs(Protocol):

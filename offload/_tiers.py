@@ -108,7 +108,7 @@ class DeviceTier(_Tier):
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _release(self, copy: Copy) -> None:
-        copy.data, copy.filled = None, FINISHED  # a reload's pending holds its destination too
+        copy.data, copy.filled = None, FINISHED  # See Note: [a pending does not hold its destination]
 
 
 class HostTier(_Tier):

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
@@ -159,7 +160,8 @@ class _CopyEvent:
     """A copy's completion event, as a pending. ``order_compute`` is the GPU-side wait at use.
 
     For an h2d it also knows the destination and the stream it was allocated on, and records any
-    other stream that uses it: See Note: [a reload used on another stream].
+    other stream that uses it: See Note: [a reload used on another stream]. It knows the
+    destination weakly: See Note: [a pending does not hold its destination].
     """
 
     __slots__ = ("event", "link", "dst", "alloc_stream")
@@ -168,7 +170,15 @@ class _CopyEvent:
     def __init__(
         self, event: Any, link: "CudaLink", dst: Optional[torch.Tensor] = None, alloc_stream: Any = None
     ) -> None:
-        self.event, self.link, self.dst, self.alloc_stream = event, link, dst, alloc_stream
+        # Note: [a pending does not hold its destination]
+        #     An h2d's pending is also kept as a reader of the host copy it reads (See Note:
+        #     [keep-alive until the copy event]), until that copy's next reader or its release. Held
+        #     strongly here, the destination would outlive the store dropping it (after its last
+        #     user, for the budget, a give-back under budget_mb="auto"): two copies' worth of device
+        #     memory, and a give-back freeing nothing. The device copy holds the tensor; this only
+        #     needs it while that copy is in use, to record other streams on it.
+        self.event, self.link, self.alloc_stream = event, link, alloc_stream
+        self.dst = None if dst is None else weakref.ref(dst)
 
     def done(self) -> bool:
         return self.event.query()
@@ -181,8 +191,9 @@ class _CopyEvent:
 
     def order_compute(self) -> None:
         current = self.link.wait_on_compute(self.event)
-        if self.dst is not None and current != self.alloc_stream:
-            self.link.streams.record_stream(self.dst, current)
+        dst = None if self.dst is None else self.dst()
+        if dst is not None and current != self.alloc_stream:
+            self.link.streams.record_stream(dst, current)
 
 
 class _Direction:

@@ -515,6 +515,10 @@ class EmulatedStreams:
                 self._memories[key] = memory
             return memory
 
+    def live_reload_destinations(self) -> int:
+        """Device blocks ``empty`` handed out whose storage is still alive (weak references)."""
+        return sum(1 for memory in self._memories.values() if memory.handed_out and memory.weak() is not None)
+
     @staticmethod
     def _pinned(t: torch.Tensor) -> bool:
         """The host arena carves its blocks out of slabs of at least ``SLAB_BYTES`` (pinned on a

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -49,6 +49,8 @@ class Outcome:
     sources_gone: int
     moved: bool
     """The run moved tensors off the device and back (or, without backward, off): it reached the link."""
+    error: Optional[str] = None
+    """What the scenario raised, if it did (a removed guard can break the engine outright)."""
 
     @property
     def caught(self) -> bool:
@@ -345,15 +347,16 @@ def run_scenario(name: str, schedule: Schedule, spill_dir) -> Outcome:
     A scenario that raises (a removed guard can break the engine outright) counts as not equal."""
     link = EmulatedCudaLink(schedule=schedule)
     equal = moved = False
+    error = None
     try:
         with link.emulated.watching():
             equal, moved = SCENARIOS[name](link, spill_dir)
-    except Exception:  # noqa: BLE001 - reported as a difference; the detector's verdict is what counts
-        equal = False
+    except Exception as raised:  # noqa: BLE001 - reported, not raised: the detector's verdict is what counts
+        error = f"{type(raised).__name__}: {raised}"
     finally:
         link.close()
     gc.collect()
-    return Outcome(equal, list(link.races), link.sources_gone, moved)
+    return Outcome(equal, list(link.races), link.sources_gone, moved, error)
 
 
 def _params(schedules) -> list:
@@ -458,8 +461,9 @@ def _wait_on_the_wrong_stream(monkeypatch) -> None:
         current = streams.current()
         with streams.using(self.alloc_stream if self.alloc_stream is not None else current):
             self.link.wait_on_compute(self.event)
-        if self.dst is not None and current != self.alloc_stream:
-            streams.record_stream(self.dst, current)
+        dst = None if self.dst is None else self.dst()
+        if dst is not None and current != self.alloc_stream:
+            streams.record_stream(dst, current)
 
     monkeypatch.setattr(offload._transfer._CopyEvent, "order_compute", order_compute)
 
@@ -521,7 +525,7 @@ def test_each_guard_removed_is_caught(guard, clean_runs, spill_dir, monkeypatch)
         GUARDS[guard](patched)
         for schedule in schedules:
             outcomes[schedule] = run_scenario(name, Schedule.named(schedule), spill_dir)
-    caught = {schedule: o for schedule, o in outcomes.items() if o.caught}
+    caught = {schedule: o for schedule, o in outcomes.items() if o.caught and o.moved and o.error is None}
     assert caught, f"removing '{guard}' went unseen in {name} under {', '.join(schedules)}"
     if guard == "wait at the point of use":
         assert any(o.equal for o in caught.values()), "a run whose gradients came out equal was caught too"
