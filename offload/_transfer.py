@@ -210,21 +210,27 @@ class _Direction:
         self._last: Any = None
 
     def enter(self, batch: object, fences: list) -> Any:
-        """The side stream, made to wait for every fence of ``fences`` it has not waited for yet."""
+        """The side stream, made to wait for every fence of ``fences`` it has not waited for yet.
+
+        A busy span starts after those waits: waiting for compute is not the link being busy, and
+        a span begun before them would make the achieved GB/s understate the link."""
         if self.stream is None:
             self.stream = self.streams.new_stream()
+        opening = False
         if self.batch is not batch:
             self.batch, self.waited = batch, []
-            self._open_span()
+            opening = True
         elif self._last is not None and self._last.query():
             # The stream ran dry inside this batch (the host waited between two copies, e.g. for
             # spill writes to make host room): that idle gap is not busy time.
             self._close_span()
-            self._open_span()
+            opening = True
         for fence in fences:
             if not any(fence is waited for waited in self.waited):
                 self.stream.wait_event(fence)
                 self.waited.append(fence)
+        if opening:
+            self._open_span()
         return self.stream
 
     def _open_span(self) -> None:

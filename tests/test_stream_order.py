@@ -240,3 +240,64 @@ def test_a_reload_used_on_another_stream_is_recorded_there_ready_or_not(streams)
     assert stats.reloaded_bytes >= 3 * NBYTES and streams.races == []
     assert len(foreign) >= 3, "reloads were used on a stream other than their own (the path under test)"
     assert all(foreign), f"{foreign.count(False)} of {len(foreign)} uses on another stream were not recorded there"
+
+
+# ---------------------------------------------------------------------------------- busy time
+
+
+class ProducedLate(torch.autograd.Function):
+    """tanh(x), its output written by a long kernel on the compute stream (``KERNEL_MS`` of
+    virtual time), as a layer's forward would be. Saves it."""
+
+    @staticmethod
+    def forward(ctx, x, streams: EmulatedStreams):
+        out = torch.full_like(x, float("nan"))
+        values, raw = x.tanh(), out.data
+        streams.write_on(streams.compute, raw, lambda: raw.copy_(values), "a long kernel", duration_ms=KERNEL_MS)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * (1 - out * out), None
+
+
+KERNEL_MS = 10.0
+COPY_MS = 1.0
+
+
+def test_copy_busy_time_is_the_copies_not_the_waits_for_compute():
+    """A side stream's busy time is what its copies take, not what it waits for: each copy out
+    waits for a fence behind a long compute kernel, and the d2h busy time must still be one copy's
+    time per copy (the streams' times are virtual, so the sum is exact). The start of a busy span
+    is recorded after the stream's waits (``_Direction.enter``); recorded before them, each span
+    would hold a kernel's worth of waiting."""
+    streams = EmulatedStreams(side_delay_s=COPY_MS / 1e3)
+    with streams.watching():
+        x = torch.rand(SIZE) - 0.5
+
+        def step(eng=None):
+            h = x.clone().requires_grad_(True)
+            with eng if eng is not None else torch.enable_grad():
+                y = h
+                for _ in range(6):
+                    y = ProducedLate.apply(y, streams)
+                loss = y.sum()
+            loss.backward()
+            return h.grad.clone()
+
+        want = step()
+        link = EmulatedCudaLink(streams)
+        eng = _engine(link, 2 * NBYTES / MB, prefetch=False)
+        got = step(eng)
+        stats = wait_clean(eng)
+        eng.close()
+    streams.close()
+    assert streams.races == [], streams.races[:3]
+    assert torch.equal(want, got)
+    assert link.d2h_count >= 4 and link.h2d_count >= 4, "copies went out and came back (the path under test)"
+    assert stats.d2h_busy_ms == pytest.approx(link.d2h_count * COPY_MS, abs=1e-9), (
+        f"{link.d2h_count} copies out of {COPY_MS} ms each, busy {stats.d2h_busy_ms} ms"
+    )
+    assert stats.h2d_busy_ms == pytest.approx(link.h2d_count * COPY_MS, abs=1e-9)
