@@ -276,3 +276,50 @@ def test_engines_one_after_another_share_pinned_slabs(monkeypatch):
         _grads(model, x, eng)
         eng.close()
     assert counts.slabs == 2, "an engine of its own pins its own"
+
+
+class _PinsAndEmpties(_CountsSlabs):
+    """Stands in for ``torch`` inside ``offload._arena`` with pinning on: slabs are plain memory
+    (no device here), and every emptying of the caching host allocator is counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emptied = 0
+        stand_in = self
+
+        class _Accelerator:
+            @staticmethod
+            def empty_host_cache() -> None:
+                stand_in.emptied += 1
+
+        self.accelerator = _Accelerator()
+
+    def empty(self, *args, **kwargs):
+        self.slabs += bool(kwargs.pop("pin_memory", False))
+        return torch.empty(*args, **kwargs)
+
+
+def test_emptying_the_pinned_cache_stays_out_of_acquire(monkeypatch):
+    """At its cap with idle slabs too small for a request, the arena drops them for a larger one;
+    the caching host allocator is emptied (process-wide, and it synchronizes the device), and the
+    copies settled first, only once the step is over (``return_unpinned``, from the store as the
+    next step starts), never in ``acquire``, which runs under the store's lock in a pack (See
+    Note: [emptying the pinned cache])."""
+    stand_in = _PinsAndEmpties()
+    monkeypatch.setattr(offload._arena, "torch", stand_in)
+    settled = []
+    slab = offload._arena.SLAB_BYTES
+    arena = offload._arena.HostArena(2 * slab, pin=True, settle=lambda: settled.append(True))
+    blocks = [arena.acquire(slab * 5 // 8) for _ in range(2)]  # one 64 MiB slab each: the cap
+    assert all(b is not None for b in blocks) and arena.held_bytes == 2 * slab
+    for block in blocks:
+        arena.release(block)
+    large = arena.acquire(slab * 3 // 2)  # fits in no idle slab: they go for one of 2 x 64 MiB
+    assert large is not None and arena.held_bytes == 2 * slab
+    assert stand_in.emptied == 0 and settled == [], "acquire emptied the pinned cache (hot path)"
+    assert arena.pinned_bytes == 4 * slab, "the dropped slabs' pages are still pinned, and counted"
+    arena.return_unpinned()
+    assert stand_in.emptied == 1 and settled == [True] and arena.pinned_bytes == 2 * slab
+    arena.release(large)
+    arena.clear()
+    assert stand_in.emptied == 2 and arena.pinned_bytes == 0
