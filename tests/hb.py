@@ -58,7 +58,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import offload._arena
+import offload._tiers
 from offload._transfer import CudaLink
 
 POISON = 0xFF
@@ -177,10 +177,12 @@ class Race:
 class Memory:
     """A storage the detector tracks, while it lives, and the accesses to it not yet covered."""
 
-    __slots__ = ("name", "nbytes", "device", "alloc", "handed_out", "recorded", "accesses", "weak")
+    __slots__ = ("name", "nbytes", "device", "alloc", "handed_out", "recorded", "accesses", "weak", "pageable")
 
     def __init__(self, name: str, nbytes: int, device: bool, alloc: Any, handed_out: bool) -> None:
         self.name, self.nbytes, self.device, self.alloc, self.handed_out = name, nbytes, device, alloc, handed_out
+        self.pageable = False
+        """Host memory the host tier took when its pinned arena was full (``HostTier.alloc``)."""
         self.recorded: list = []  # streams record_stream named
         self.accesses: list[Access] = []
         self.weak: Any = None
@@ -326,7 +328,23 @@ class _HostOps(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.sim._busy:
             self.sim._host_op(func, args, kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten.empty.memory_format and out.dtype is torch.uint8 and _called_from(HOST_ALLOC):
+            self.sim.host_memory(out, what="pageable memory").pageable = True
+        return out
+
+
+HOST_ALLOC = offload._tiers.HostTier.alloc.__code__
+"""Where the host tier falls back to pageable memory (its arena full): an allocation made there
+directly, not through the arena's slabs, is pageable."""
+
+
+def _called_from(code) -> bool:
+    """Whether the nearest frame of the engine on this thread's stack runs ``code``."""
+    frame = sys._getframe(2)
+    while frame is not None and "/offload/" not in frame.f_code.co_filename:
+        frame = frame.f_back
+    return frame is not None and frame.f_code is code
 
 
 class EmulatedStreams:
@@ -452,7 +470,7 @@ class EmulatedStreams:
         return self.fills_new_memory
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        stream = self.current()
+        stream, called = self.current(), self.now
         src_memory, dst_memory = self._memory_of(src), self._memory_of(dst)
         src_like, dst_like = _layout(src), _layout(dst)
         src_span, dst_span = _span(src), _span(dst)
@@ -479,9 +497,8 @@ class EmulatedStreams:
             with self._internal():
                 self._force(item)
             with self._lock:
-                stall = max(0.0, item.finish - self.now)
-                self.pageable_stall_ms += stall
-                self.now += stall
+                self.pageable_stall_ms += max(0.0, item.finish - called)
+                self.now = max(self.now, item.finish)
                 _merge(self.host_clock, item.clock)
 
     def record_stream(self, tensor: torch.Tensor, stream: EmulatedStream) -> None:
@@ -519,11 +536,10 @@ class EmulatedStreams:
         """Device blocks ``empty`` handed out whose storage is still alive (weak references)."""
         return sum(1 for memory in self._memories.values() if memory.handed_out and memory.weak() is not None)
 
-    @staticmethod
-    def _pinned(t: torch.Tensor) -> bool:
-        """The host arena carves its blocks out of slabs of at least ``SLAB_BYTES`` (pinned on a
-        device); a smaller host storage is the pageable fallback (``HostTier.alloc``)."""
-        return t.untyped_storage().nbytes() >= offload._arena.SLAB_BYTES
+    def _pinned(self, t: torch.Tensor) -> bool:
+        """Host memory is the arena's (pinned on a device) unless the host tier allocated it itself."""
+        memory = self._memories.get(t.untyped_storage()._cdata)
+        return memory is None or not memory.pageable
 
     def _freed(self, key: int, memory: Memory) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ started a copy from a source not yet filled, reads 0xFF and the gradients differ
 from __future__ import annotations
 
 import gc
+import logging
 import time
 
 import pytest
@@ -22,7 +23,7 @@ import offload
 import offload._arena
 import offload._spill
 from hb import detecting
-from links import LandsOnCue, Reads, ThreadedLink, link_named
+from links import EmulatedCudaLink, EmulatedStreams, LandsOnCue, Reads, ThreadedLink, link_named
 from zoo import MB, wait_clean
 
 
@@ -323,3 +324,37 @@ def test_emptying_the_pinned_cache_stays_out_of_acquire(monkeypatch):
     arena.release(large)
     arena.clear()
     assert stand_in.emptied == 2 and arena.pinned_bytes == 0
+
+
+def _pageable_run(host_budget_mb: float, spill_dir, budget_mb: float = 0) -> tuple:
+    """The MLP at ``budget_mb``, its copies 1 ms each (virtual), under ``host_budget_mb``: what the
+    pageable fallback cost (copies from pageable memory, virtual ms the host waited for them)."""
+    model, x = _model(), torch.randn(256, 128)
+    want = _grads(model, x)
+    streams = EmulatedStreams(side_delay_s=0.001)
+    link = EmulatedCudaLink(streams)
+    with streams.watching():
+        eng = _engine(link, budget_mb=budget_mb, host_budget_mb=host_budget_mb, spill_dir=spill_dir)
+        got = _grads(model, x, eng)
+        stats = wait_clean(eng, spill_dir)
+        eng.close()
+    link.close()
+    assert streams.races == [], streams.races[:1]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    return stats, streams.pageable_copies, streams.pageable_stall_ms, streams.now
+
+
+def test_the_pageable_fallback_makes_the_host_wait_for_the_copy_stream(spill_dir, caplog):
+    """A read back from disk finds the pinned tier full and lands in pageable memory; its copy to
+    the device then stages through pinned memory, so the host waits until the h2d stream reaches
+    it: every copy queued there before, and the fence that stream waits on, i.e. compute's work
+    up to the reload (cudaMemcpyAsync from pageable memory; ``copy_kernel_cuda`` records no event
+    it could wait on instead). On the emulated link that wait is measured in virtual time; with
+    the host tier roomy enough, it is zero."""
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        capped, copies, stall_ms, _ = _pageable_run(0.25, spill_dir, budget_mb=0.5)
+    assert capped.spilled_bytes > 0 and copies > 0, "reads back from disk landed in pageable memory"
+    assert stall_ms >= copies * 1.0, "each one held the host for at least its own 1 ms copy"
+    assert any("pageable" in r.getMessage() for r in caplog.records), "the fallback is said once"
+    roomy, none, no_stall_ms, _ = _pageable_run(4.0, spill_dir, budget_mb=0.5)
+    assert roomy.spilled_bytes == 0 and none == 0 and no_stall_ms == 0.0
