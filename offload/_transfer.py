@@ -46,6 +46,14 @@ Note: [reload destination on the compute stream]
     after the allocation (See Note: [fences before a copy]), writes it, and the compute stream
     waits on the copy's event at the point of use, never earlier.
 
+Note: [every wait unconditional under the sanitizer]
+    The wait at use is skipped when the copy's event has already completed (``query()``): the
+    stream is then ordered after it anyway. PyTorch's CUDA sanitizer (``TORCH_CUDA_SANITIZER=1``)
+    sees stream waits and synchronizations but not a query's answer, so to it a skipped wait reads
+    as a race. With ``always_wait`` (``OFFLOAD_ALWAYS_WAIT=1``, and on by itself under the
+    sanitizer) the stream waits at every use, done or not: what the sanitizer checks is then the
+    protocol itself.
+
 Note: [a reload used on another stream]
     Autograd runs each backward node on its forward's stream, so a destination allocated on one
     stream (the unpack that missed it, or the one whose prefetch started it) may be used on
@@ -61,6 +69,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional, Protocol
@@ -72,7 +81,16 @@ from ._pending import Pending
 if TYPE_CHECKING:
     from ._arena import PinnedSlabs
 
-__all__ = ["CudaLink", "CudaStreams", "Link", "Streams"]
+__all__ = ["ALWAYS_WAIT_ENV", "CudaLink", "CudaStreams", "Link", "Streams"]
+
+ALWAYS_WAIT_ENV = "OFFLOAD_ALWAYS_WAIT"
+"""Set to 1, every wait at use is a stream wait (See Note: [every wait unconditional under the sanitizer])."""
+SANITIZER_ENV = "TORCH_CUDA_SANITIZER"
+"""PyTorch's switch for its CUDA sanitizer (``torch.cuda._sanitizer``): it turns ``always_wait`` on too."""
+
+
+def _always_wait_from_env() -> bool:
+    return os.environ.get(ALWAYS_WAIT_ENV, "") == "1" or bool(os.environ.get(SANITIZER_ENV))
 
 
 class Link(Protocol):
@@ -268,12 +286,19 @@ class CudaLink:
 
     ``slabs``: pinned slabs the engine's host arena shares with other engines made one after
     another (``offload._arena.PinnedSlabs``); None: it pins its own and unpins them at close.
+    ``always_wait``: wait at every use, even for a copy already done (See Note: [every wait
+    unconditional under the sanitizer]); None: from the environment.
     """
 
     def __init__(
-        self, device: torch.device, streams: Optional[Streams] = None, slabs: Optional["PinnedSlabs"] = None
+        self,
+        device: torch.device,
+        streams: Optional[Streams] = None,
+        slabs: Optional["PinnedSlabs"] = None,
+        always_wait: Optional[bool] = None,
     ) -> None:
         self.device = device
+        self.always_wait = _always_wait_from_env() if always_wait is None else always_wait
         self.streams: Streams = streams if streams is not None else CudaStreams(device)
         self.slabs = slabs
         self._d2h = _Direction(self.streams)
@@ -355,7 +380,7 @@ class CudaLink:
         """Make the current stream wait for ``event`` (GPU-side); time the stall if there is one.
         Returns the current stream."""
         compute = self.streams.current()
-        if event.query():
+        if not self.always_wait and event.query():  # See Note: [every wait unconditional under the sanitizer]
             return compute
         before, after = self.streams.event(timing=True), self.streams.event(timing=True)
         before.record(compute)

@@ -832,8 +832,15 @@ class EmulatedCudaLink(CudaLink):
     (``spill_jobs``), and a host block the engine gives back is overwritten with 0xFF by the host at
     once (tracked: a copy or job still using it races it)."""
 
-    def __init__(self, streams: Optional[EmulatedStreams] = None, slabs=None, schedule: Optional[Schedule] = None):
-        super().__init__(torch.device("cpu"), streams=streams or EmulatedStreams(schedule), slabs=slabs)
+    def __init__(
+        self,
+        streams: Optional[EmulatedStreams] = None,
+        slabs=None,
+        schedule: Optional[Schedule] = None,
+        always_wait: Optional[bool] = None,
+    ):
+        streams = streams or EmulatedStreams(schedule)
+        super().__init__(torch.device("cpu"), streams=streams, slabs=slabs, always_wait=always_wait)
         self.emulated: EmulatedStreams = self.streams  # type: ignore[assignment]  # the one passed above
         self.spill_jobs = self.emulated.jobs
         self.d2h_count = self.h2d_count = 0

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import hb
 import offload
 import offload._transfer
 from links import EmulatedCudaLink, EmulatedStreams
@@ -301,3 +302,42 @@ def test_copy_busy_time_is_the_copies_not_the_waits_for_compute():
         f"{link.d2h_count} copies out of {COPY_MS} ms each, busy {stats.d2h_busy_ms} ms"
     )
     assert stats.h2d_busy_ms == pytest.approx(link.h2d_count * COPY_MS, abs=1e-9)
+
+
+# ---------------------------------------------------------------------------------- the sanitizer's switch
+
+
+@pytest.mark.parametrize("switch", [None, "argument", "OFFLOAD_ALWAYS_WAIT", "TORCH_CUDA_SANITIZER"])
+def test_under_the_switch_every_use_waits_on_its_copy(switch, monkeypatch):
+    """PyTorch's CUDA sanitizer sees stream waits, not ``Event.query()``: a wait at use skipped
+    because the copy was done would read to it as a race. Under the switch (the argument, or the
+    environment: ours, or the sanitizer's own) the compute stream waits at every use of a reload,
+    done or not; without it, a copy already done is not waited for (See Note: [every wait
+    unconditional under the sanitizer])."""
+    if switch in ("OFFLOAD_ALWAYS_WAIT", "TORCH_CUDA_SANITIZER"):
+        monkeypatch.setenv(switch, "1")
+    waits: list[bool] = []  # per wait on the compute stream: was its event already done?
+    real = hb.EmulatedStream.wait_event
+
+    def wait_event(self, event):
+        if self is self.sim.compute and event._record is not None:
+            waits.append(self.sim._visible(event._record))
+        real(self, event)
+
+    monkeypatch.setattr(hb.EmulatedStream, "wait_event", wait_event)
+    streams = EmulatedStreams(side_delay_s=0.0001)  # copies land long before their use
+    model, x = TanhChain(8), torch.randn(SIZE)
+    with streams.watching():
+        want = _grads(copy.deepcopy(model), x)
+        link = EmulatedCudaLink(streams, always_wait=True if switch == "argument" else None)
+        eng = _engine(link, 4 * NBYTES / MB)
+        got = _grads(model, x, eng)
+        stats = wait_clean(eng)
+        eng.close()
+    streams.close()
+    assert streams.races == [] and stats.reloaded_bytes > 0
+    _assert_equal(want, got, f"switch {switch}")
+    if switch is None:
+        assert not any(waits), "without the switch a copy already done is not waited for"
+    else:
+        assert sum(waits) >= 3, "under the switch the copies already done are waited for too"
