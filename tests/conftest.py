@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -13,8 +14,14 @@ cores than computing (a 300-step soak: ~80 s with 2 threads under load, ~4 s wit
 engine runs share the setting, so exact comparisons are unaffected. Benchmarks (bench/) set their own."""
 
 
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+"""cuBLAS reads this when it starts: strict determinism on CUDA (the CUDA tests compare bitwise
+under ``torch.use_deterministic_algorithms(True)``) needs it set before the process's first matmul."""
+
+
 def pytest_configure(config):
     torch.set_num_threads(INTRA_OP_THREADS)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
 
 
 @pytest.fixture
