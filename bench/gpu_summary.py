@@ -19,7 +19,7 @@ PART_ORDER = ("env", "probe", "step", "predict", "tests", "overhead", "layers")
 PART_KEYS = ("part", "status", "rc", "seconds", "limit_s", "output")  # of NAME.part.json; the parts table's columns
 STEP_KEYS = (
     "config step_ms ratio act_peak_mb act_ratio opt_peak_mb offloaded_mb d2h_gb_per_s h2d_gb_per_s exposed_wait_ms "
-    "bound_ms over_bound grads losses_match error skipped"
+    "bound_ms over_bound grads losses_match first_loss_match error skipped"
 ).split()
 """What summary.json keeps of each row of the step part's summary.json (offload.bench's records)."""
 
