@@ -90,7 +90,7 @@ SANITIZER_ENV = "TORCH_CUDA_SANITIZER"
 
 
 def _always_wait_from_env() -> bool:
-    return os.environ.get(ALWAYS_WAIT_ENV, "") == "1" or bool(os.environ.get(SANITIZER_ENV))
+    return os.environ.get(ALWAYS_WAIT_ENV, "") == "1" or SANITIZER_ENV in os.environ  # as torch reads it
 
 
 class Link(Protocol):

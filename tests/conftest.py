@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 
 import pytest
 import torch
@@ -22,6 +23,17 @@ under ``torch.use_deterministic_algorithms(True)``) needs it set before the proc
 def pytest_configure(config):
     torch.set_num_threads(INTRA_OP_THREADS)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+
+
+DEADLINE_ENV = "OFFLOAD_TEST_DEADLINE"
+"""Unix time after which no further test starts (each is skipped, saying why): bench/gpu_check.sh
+sets it so a part of CUDA tests ends within its share of the part's limit, with its XML whole."""
+
+
+def pytest_runtest_setup(item):
+    deadline = os.environ.get(DEADLINE_ENV)
+    if deadline and time.time() > float(deadline):
+        pytest.skip(f"not run: past the part's time limit ({DEADLINE_ENV})")
 
 
 @pytest.fixture
