@@ -28,6 +28,10 @@ Accesses, each checked against the earlier ones of the same memory (a storage, w
     a freed storage        device memory: a write by the stream it was allocated on, after the
                            streams ``record_stream`` named; host memory: a host write
 
+A copy up from pageable memory (the host tier's fallback when its pinned arena is full) makes the
+host wait until its stream reaches it, as ``cudaMemcpyAsync`` staging pageable memory does; that
+wait is counted (``pageable_copies``, ``pageable_stall_ms`` of virtual time).
+
 Two accesses to overlapping bytes, one of them a write, neither ordered before the other by the
 clocks, are a race: recorded with both accesses' stacks (``races``), and the copy or write that
 found it writes 0xFF instead of its data, so the gradients show it too. A copy whose source or
