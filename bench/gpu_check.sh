@@ -1,30 +1,38 @@
 #!/usr/bin/env bash
-# Device checks in one command, for a machine with one CUDA GPU (sized for an H200: at most 260 s
-# of parts, so the whole fits a 5-minute call with start-up to spare):
+# Device checks in one command, for a machine with one CUDA GPU (sized for an H200: at most 320 s
+# of parts, each designed to end within 60 % of its limit, so the whole fits a 6-minute call and
+# usually ends in about 3):
 #
 #   bash bench/gpu_check.sh OUTDIR          # from anywhere; no install, no internet needed
 #
 # Parts, in order of value, each under its own `timeout` (limit in seconds); a part that fails or
 # times out is recorded and the next one runs:
-#   env       15  nvidia-smi, python / torch / CUDA versions, CUDA available?    -> env.json, gpu.csv
-#   probe     15  python -m offload probe --json --refresh                       -> probe.json
-#   step     110  python -m offload.bench --preset h200 (the 7B-class comparison) -> step/
-#   predict   20  python bench/predict.py --part step: offload.predict of the step part's model and
-#                 configurations (a named machine, the probe's link), beside what step measured -> predict.json
-#   tests     60  python -m pytest -m cuda <the test files with cuda tests>        -> tests.xml
-#   overhead  20  python bench/overhead.py --device cuda                          -> overhead.json
-#   layers    20  python bench/layers.py --device cuda (the transfer/recompute fit) -> layers.json
-# Each part is sized to fit its limit whatever the GPU's speed: step and overhead get a time limit of
-# their own a few seconds short of the part's (--time-limit-s: a configuration, or an interleaved round,
-# that would end past it is skipped and the part still reports), their engines share pinned slabs
-# instead of pinning afresh, the tests part collects only the files with CUDA tests, and the probe is
-# measured once (its cache under OUTDIR/cache, keyed by one intra-op thread in every part, the tests'
-# setting). A timeout sends SIGINT first (-s INT), so pytest writes its XML and the scripts write what
-# they measured; SIGKILL follows KILL_AFTER_S later.
+#   env        15  nvidia-smi, python / torch / CUDA versions, CUDA available?    -> env.json, gpu.csv
+#   probe      15  python -m offload probe --json --refresh                       -> probe.json
+#   step      120  python -m offload.bench --preset h200 (the 7B-class comparison; each configuration's
+#                  loss and gradients checked bitwise at the timed shape first)    -> step/
+#   predict    20  python bench/predict.py --part step: offload.predict of the step part's model and
+#                  configurations (a named machine, the probe's link), beside what step measured -> predict.json
+#   tests      60  python -m pytest -m cuda <the test files with cuda tests>        -> tests.xml
+#   sanitizer  40  the stream-protocol CUDA tests again under PyTorch's CUDA sanitizer
+#                  (TORCH_CUDA_SANITIZER=1; the engine waits at every use there) -> sanitizer.xml
+#   overhead   20  python bench/overhead.py --device cuda                          -> overhead.json
+#   layers     30  python bench/layers.py --device cuda (the transfer/recompute fit) -> layers.json
+# Each part is designed to end within FIT_PERCENT (60 %) of its limit whatever the GPU's speed: step,
+# overhead and layers get a time limit of their own, that share of the part's less the start-up it
+# does not count (--time-limit-s: a configuration, an interleaved round or a layer case that would end
+# past it is skipped, the part still reports, and the rest of the limit covers giving pinned memory
+# back and the last writes); the pytest parts start no test past that share (OFFLOAD_TEST_DEADLINE,
+# tests/conftest.py: the rest are skipped, saying why); step and layers share pinned slabs among their
+# engines instead of pinning afresh; the pytest parts collect only the files with CUDA tests; the probe
+# is measured once (its cache under OUTDIR/cache, keyed by one intra-op thread in every part, the
+# tests' setting). A timeout sends SIGINT first (-s INT), so pytest writes its XML and the scripts
+# write what they measured; SIGKILL follows KILL_AFTER_S later. tests/test_gpu_check.py checks the
+# shares against the limits, and the CPU dry run's part times against them.
 # Each part leaves NAME.log and NAME.part.json (status, rc, seconds, limit) the moment it ends,
-# and after each part summary.json and summary.md are rewritten whole (bench/gpu_summary.py:
-# every part's status and key figures, hardware, versions, date; written to a temporary file and
-# renamed, so a reader never sees one cut short).
+# and after each part summary.json and summary.md are rewritten whole (bench/gpu_summary.py: first
+# which parts passed and, for each that did not, why; then every part's key figures, hardware,
+# versions, date; written to a temporary file and renamed, so a reader never sees one cut short).
 #
 # Without CUDA the GPU parts are skipped: exit 0 within seconds (1 if python / torch are broken),
 # and summary.json says "cuda": false.
@@ -54,18 +62,28 @@ KILL_AFTER_S=5  # SIGKILL this long after the SIGINT of a timeout (pytest writes
 # on the CPU (GPU_CHECK_DEVICE=cpu) one thread also keeps OpenMP from spin-waiting against other tenants.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export XDG_CACHE_HOME="$OUT/cache"  # the probe's cache: this run's own, and it comes back with OUTDIR
-# The parts' own time limits. step's counts from its first configuration, after its start-up
-# (imports, CUDA initialization, the probe's cache read), which the other 15 s of the part cover;
-# overhead's from the script's start, 3 s short of the part's (its exit, a signal's delivery).
-STEP_TIME_LIMIT_S=95
-OVERHEAD_TIME_LIMIT_S=17
+# The parts' limits, and the share of each a part is designed to end within.
+FIT_PERCENT=60
+ENV_LIMIT_S=15 PROBE_LIMIT_S=15 STEP_LIMIT_S=120 PREDICT_LIMIT_S=20 TESTS_LIMIT_S=60 SANITIZER_LIMIT_S=40
+OVERHEAD_LIMIT_S=20 LAYERS_LIMIT_S=30
+# fit LIMIT STARTUP: the part's own time limit, FIT_PERCENT of LIMIT less the STARTUP seconds the
+# part spends before its clock starts (imports, CUDA initialization, the probe's cache read).
+fit() { echo $(($1 * FIT_PERCENT / 100 - $2)); }
+STEP_TIME_LIMIT_S=$(fit "$STEP_LIMIT_S" 12)
+OVERHEAD_TIME_LIMIT_S=$(fit "$OVERHEAD_LIMIT_S" 4)
+LAYERS_TIME_LIMIT_S=$(fit "$LAYERS_LIMIT_S" 6)
+# A pytest part starts no test past this many seconds (pytest and CUDA start within the rest).
+TESTS_DEADLINE_S=$(fit "$TESTS_LIMIT_S" 0)
+SANITIZER_DEADLINE_S=$(fit "$SANITIZER_LIMIT_S" 0)
+# Under the sanitizer: the tests of the stream protocol, not those that remove a guard on purpose.
+SANITIZER_SELECT="not guard_removed"
 
 STEP_ARGS=(--preset h200 --time-limit-s "$STEP_TIME_LIMIT_S")
 # The CPU cannot train the h200 shapes in a part's time: it runs the CPU demo preset, as much as fits.
 [ "$DEVICE" = cpu ] && STEP_ARGS=(--preset demo --time-limit-s "$STEP_TIME_LIMIT_S")
 OVERHEAD_ARGS=(--device "$DEVICE" --steps 10 --repeats 5 --warmup 1 --time-limit-s "$OVERHEAD_TIME_LIMIT_S")
-LAYER_ARGS=(--device "$DEVICE")
-# Nor the layers part its CPU sizes (about a minute on 2 cores): tiny ones (bench/layers.py has no time limit).
+LAYER_ARGS=(--device "$DEVICE" --time-limit-s "$LAYERS_TIME_LIMIT_S")
+# Nor the layers part its CPU sizes (about a minute on 2 cores): tiny ones, all of which fit.
 [ "$DEVICE" = cpu ] && LAYER_ARGS+=(--sizes tiny)
 if [ "$QUICK" = 1 ]; then
     STEP_ARGS=(--preset tiny --in-process --time-limit-s "$STEP_TIME_LIMIT_S")
@@ -136,7 +154,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 else
     echo "n/a (no nvidia-smi)" >"$OUT/gpu.csv"
 fi
-run_part env 15 env.json -- "$PY" -c '
+run_part env "$ENV_LIMIT_S" env.json -- "$PY" -c '
 import json, sys, torch
 from offload.bench.measure import environment, write_json
 cuda = torch.cuda.is_available()
@@ -147,22 +165,33 @@ print(json.dumps(env))
 if grep -q '"cuda": true' "$OUT/env.json" 2>/dev/null; then CUDA_OK=1; fi
 
 if [ "$DEVICE" = cuda ] && [ -z "${CUDA_OK:-}" ]; then
-    for part in probe step predict tests overhead layers; do skip_part "$part" "no CUDA device here (torch.cuda.is_available() is False)"; done
+    for part in probe step predict tests sanitizer overhead layers; do
+        skip_part "$part" "no CUDA device here (torch.cuda.is_available() is False)"
+    done
     echo "summary: $OUT/summary.md (no CUDA: GPU parts skipped, $((SECONDS - START_S))s)"
     exit "$FAILED"  # 0 unless the env part itself failed (python or torch broken)
 fi
 
 # --- the checks, most valuable first -----------------------------------------------------------
-run_part probe 15 probe.json -- \
+run_part probe "$PROBE_LIMIT_S" probe.json -- \
     sh -c "'$PY' -m offload probe --json --refresh --device '$DEVICE' >'$OUT/probe.json'"
-run_part step 110 step/ -- "$PY" -m offload.bench "${STEP_ARGS[@]}" --out "$OUT/step"
-run_part predict 20 predict.json -- "$PY" bench/predict.py --part step --step-dir "$OUT/step" --out "$OUT"
+run_part step "$STEP_LIMIT_S" step/ -- "$PY" -m offload.bench "${STEP_ARGS[@]}" --out "$OUT/step"
+run_part predict "$PREDICT_LIMIT_S" predict.json -- \
+    "$PY" bench/predict.py --part step --step-dir "$OUT/step" --out "$OUT"
 # Only the files with CUDA tests: collecting all of tests/ imports transformers, lightning and dynamo.
 mapfile -t CUDA_TEST_FILES < <(grep -l 'mark\.cuda' tests/test_*.py)
-run_part tests 60 tests.xml -- \
+run_part tests "$TESTS_LIMIT_S" tests.xml -- env OFFLOAD_TEST_DEADLINE=$(($(date +%s) + TESTS_DEADLINE_S)) \
     "$PY" -m pytest -q -m cuda "${CUDA_TEST_FILES[@]}" -p no:cacheprovider --junitxml "$OUT/tests.xml"
-run_part overhead 20 overhead.json -- "$PY" bench/overhead.py "${OVERHEAD_ARGS[@]}" --json-out "$OUT/overhead.json"
-run_part layers 20 layers.json -- "$PY" bench/layers.py "${LAYER_ARGS[@]}" --json-out "$OUT/layers.json"
+# The sanitizer sees stream waits, not Event.query(): under it the engine waits at every use
+# (OFFLOAD_ALWAYS_WAIT, on by itself under TORCH_CUDA_SANITIZER; see offload/_transfer.py).
+run_part sanitizer "$SANITIZER_LIMIT_S" sanitizer.xml -- env TORCH_CUDA_SANITIZER=1 OFFLOAD_ALWAYS_WAIT=1 \
+    OFFLOAD_TEST_DEADLINE=$(($(date +%s) + SANITIZER_DEADLINE_S)) \
+    "$PY" -m pytest -q -m cuda "${CUDA_TEST_FILES[@]}" -k "$SANITIZER_SELECT" -p no:cacheprovider \
+    --junitxml "$OUT/sanitizer.xml"
+run_part overhead "$OVERHEAD_LIMIT_S" overhead.json -- \
+    "$PY" bench/overhead.py "${OVERHEAD_ARGS[@]}" --json-out "$OUT/overhead.json"
+run_part layers "$LAYERS_LIMIT_S" layers.json -- \
+    "$PY" bench/layers.py "${LAYER_ARGS[@]}" --json-out "$OUT/layers.json"
 
 echo "summary: $OUT/summary.md ($((SECONDS - START_S))s in all)"
 exit "$FAILED"

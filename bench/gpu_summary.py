@@ -1,8 +1,10 @@
 """The summary of a ``bench/gpu_check.sh`` run: ``python bench/gpu_summary.py OUTDIR [SECONDS]``.
 
-Reads what the parts left in OUTDIR and writes ``summary.json`` and ``summary.md`` (every part's
-status, its key figures, hardware, versions, date), each to a temporary file renamed into place.
-Standard library only, no torch: it must run even when torch does not import.
+Reads what the parts left in OUTDIR and writes ``summary.json`` and ``summary.md``, each to a
+temporary file renamed into place. Their first lines (``verdict``) say which parts passed and, for
+each that did not, why (a configuration's failure, the failed tests, the log's last line), so one
+look decides the one rerun a GPU window allows; then every part's status and key figures,
+hardware, versions, date. Standard library only, no torch: it must run even when torch does not import.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-PART_ORDER = ("env", "probe", "step", "predict", "tests", "overhead", "layers")
+PART_ORDER = ("env", "probe", "step", "predict", "tests", "sanitizer", "overhead", "layers")
+PASSED = ("ok", "no-tests")
+"""Part statuses that pass (``no-tests``: pytest collected none, e.g. no CUDA test selected)."""
+REASONS_SHOWN = 3
+"""Reasons given per failed part in the verdict (the rest are counted; the sections list them all)."""
 PART_KEYS = ("part", "status", "rc", "seconds", "limit_s", "output")  # of NAME.part.json; the parts table's columns
 STEP_KEYS = (
     "config step_ms ratio act_peak_mb act_ratio opt_peak_mb offloaded_mb d2h_gb_per_s h2d_gb_per_s exposed_wait_ms "
-    "bound_ms over_bound grads losses_match error skipped"
+    "bound_ms over_bound grads losses_match first_loss_match error skipped"
 ).split()
 """What summary.json keeps of each row of the step part's summary.json (offload.bench's records)."""
 
@@ -56,7 +62,10 @@ def _figures(out: Path) -> dict:
     """Each part's key figures; None for a part that left no readable output."""
     figures = dict.fromkeys(PART_ORDER[1:])  # every part but env, which the summary holds whole
     figures.update(
-        probe=_load(out / "probe.json"), tests=_tests(out / "tests.xml"), predict=_load(out / "predict.json")
+        probe=_load(out / "probe.json"),
+        tests=_tests(out / "tests.xml"),
+        sanitizer=_tests(out / "sanitizer.xml"),
+        predict=_load(out / "predict.json"),
     )
     if step := _load(out / "step" / "summary.json"):
         figures["step"] = {
@@ -76,21 +85,81 @@ def _figures(out: Path) -> dict:
         }
     if layers := _load(out / "layers.json"):
         winners = {f"{row['layer']}-{row['size']}": row["winner"] for row in layers["rows"]}
-        figures["layers"] = {"transfer_fit": layers.get("transfer_fit"), "winners": winners}
+        figures["layers"] = {
+            "transfer_fit": layers.get("transfer_fit"),
+            "winners": winners,
+            "finished": layers.get("finished", True),
+            "skipped": layers.get("skipped") or {},
+        }
     return figures
+
+
+def _last_line(out: Path, name: str) -> str:
+    try:
+        lines = [line.strip() for line in (out / f"{name}.log").read_text(errors="replace").splitlines()]
+    except OSError:
+        return "no log"
+    return next((line for line in reversed(lines) if line), "empty log")[:200]
+
+
+def _reasons(part: dict, figures: dict, out: Path) -> list[str]:
+    """Why ``part`` did not pass, most telling first: what the part itself said failed, else its
+    log's last line."""
+    name = part["part"]
+    reasons: list[str] = []
+    if name == "step" and figures.get("step"):
+        reasons = list(figures["step"].get("failures") or [])
+    elif name in ("tests", "sanitizer") and figures.get(name):
+        tests = figures[name]
+        reasons = [f"{len(tests['failed'])} of {tests['tests']} failed"] + tests["failed"] if tests["failed"] else []
+    reasons = reasons or [_last_line(out, name)]
+    if part["status"] == "timeout":
+        reasons.insert(0, f"timed out at its limit of {part['limit_s']} s")
+    return reasons
+
+
+def verdict(parts: list[dict], figures: dict, out: Path) -> dict:
+    """Which parts passed, and why each other did not (``REASONS_SHOWN`` reasons each at most)."""
+    passed = [p["part"] for p in parts if p and p["status"] in PASSED]
+    skipped = {p["part"]: p["output"] for p in parts if p and p["status"] == "skipped"}
+    failed = {
+        p["part"]: {"status": p["status"], "why": _reasons(p, figures, out)}
+        for p in parts
+        if p and p["status"] not in PASSED and p["status"] != "skipped"
+    }
+    return {"passed": passed, "failed": failed, "skipped": skipped, "parts": len([p for p in parts if p])}
+
+
+def verdict_lines(v: dict) -> list[str]:
+    """The verdict as the first lines of summary.md."""
+    failed, skipped = v["failed"], v["skipped"]
+    head = f"**{'FAILED' if failed else 'PASSED'}: {len(v['passed'])} of {v['parts']} parts passed"
+    head += f"; failed: {', '.join(failed)}" if failed else ""
+    head += f"; skipped: {', '.join(skipped)}**" if skipped else "**"
+    lines = [head]
+    for name, f in failed.items():
+        shown = f["why"][:REASONS_SHOWN]
+        more = f" (and {len(f['why']) - len(shown)} more)" if len(f["why"]) > len(shown) else ""
+        lines.append(f"- {name} {f['status']}: {'; '.join(shown)}{more}")
+    if skipped:
+        lines.append(f"- skipped: {next(iter(skipped.values()))}")
+    return lines
 
 
 def summarize(out: Path, seconds) -> dict:
     parts = {p.name.removesuffix(".part.json"): _load(p) for p in out.glob("*.part.json")}
     env = _load(out / "env.json") or {}
+    ordered = [parts.pop(name) for name in PART_ORDER if name in parts] + list(parts.values())
+    figures = _figures(out)
     return {
+        "verdict": verdict(ordered, figures, out),
         "cuda": bool(env.get("cuda")),
         "written_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "seconds": seconds,
         "gpu": (out / "gpu.csv").read_text().strip() if (out / "gpu.csv").exists() else None,
         "env": env,
-        "parts": [parts.pop(name) for name in PART_ORDER if name in parts] + list(parts.values()),
-        "figures": _figures(out),
+        "parts": ordered,
+        "figures": figures,
     }
 
 
@@ -137,9 +206,10 @@ def markdown(summary: dict, out: Path) -> str:
             _row(PREDICT_HEADER),
             "|" + "---|" * len(PREDICT_HEADER),
         ] + [_row(predict_cells(r)) for r in predicted.get("rows", [])]
-    if tests := figures["tests"]:
-        counts = ", ".join(f"{tests[key]} {key}" for key in ("tests", "failures", "errors", "skipped"))
-        sections["CUDA tests"] = [counts] + [f"- FAILED {name}" for name in tests["failed"]]
+    for part, heading in (("tests", "CUDA tests"), ("sanitizer", "CUDA tests under the sanitizer")):
+        if tests := figures[part]:
+            counts = ", ".join(f"{tests[key]} {key}" for key in ("tests", "failures", "errors", "skipped"))
+            sections[heading] = [counts] + [f"- FAILED {name}" for name in tests["failed"]]
     if over := figures["overhead"]:
         per_tensor_us = ", ".join(f"{name} {us}" for name, us in over["per_tensor_us"].items())
         step_line = "not measured (stopped before the training steps)"
@@ -155,9 +225,11 @@ def markdown(summary: dict, out: Path) -> str:
             f"fit: transfer ms = {fit['ms_per_mb']} x saved MB + {fit['ms_per_tensor']} x saved tensors "
             f"(round trip {fit['round_trip_gb_per_s']} GB/s)",
             f"winners: {winners}",
-        ]
+        ] + [f"not run (time limit): {', '.join(figures['layers']['skipped'])}"] * bool(figures["layers"]["skipped"])
     lines = [
         "# offload device check",
+        "",
+        *verdict_lines(summary["verdict"]),
         "",
         f"- written (UTC): {summary['written_utc']}; {summary['seconds']} s so far; CUDA available: {summary['cuda']}",
         f"- GPU (nvidia-smi name, memory, driver): {summary['gpu'] or 'n/a'}",

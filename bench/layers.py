@@ -1,6 +1,7 @@
 """Per layer: the cost of moving its saved activations out and back, versus recomputing it.
 
     python bench/layers.py [--device cpu|cuda] [--sizes cpu|cuda|tiny] [--only LAYER,...] [--json-out PATH]
+                           [--time-limit-s S]
     pytest bench -q          # the same ``LayerBench`` timed by pytest-benchmark (test_layers.py)
 
     keep       x ──fwd──▶ out ──bwd──▶ grads              (no engine: the reference step)
@@ -10,6 +11,12 @@
 
 Each runner collects one result per case ({kind: median ms, "transfer_ms", "facts"}) and ends in
 ``report``, which tables them and writes the JSON. bench/README.md defines every figure.
+
+``python bench/layers.py`` runs the smallest size of every layer first, then the next size, and
+rewrites the JSON after each case (``"finished": false`` until the last); ``--time-limit-s``
+skips the cases that would end past it (judged by the longest so far) and says which; SIGINT
+stops it with every finished case written. On CUDA the cases' engines share one pool of pinned
+slabs (``offload._arena.PinnedSlabs``) instead of pinning and unpinning their own.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
 import offload  # noqa: E402
+from offload._arena import PinnedSlabs  # noqa: E402
+from offload._transfer import CudaLink  # noqa: E402
 from offload.bench import measure  # noqa: E402
 from offload.bench.config import MB  # noqa: E402
 from offload.models.gpt import Block, CausalSelfAttention, GPTConfig, SwiGLU  # noqa: E402
@@ -87,6 +96,8 @@ SIZE_PRESETS: dict[str, tuple[Size, ...]] = {
 }
 
 ROUNDS = {"cpu": (1, 7), "cuda": (2, 10)}  # (warm-up rounds, timed rounds) per variant
+FINAL_WRITE_S = 2.0
+"""Seconds ``--time-limit-s`` keeps for the last table, the JSON and giving the pinned slabs back."""
 LAYER_DTYPES = {"cpu": torch.float32, "cuda": torch.bfloat16}  # what training uses on each device type
 KINDS = ("keep", "offload", "recompute")
 """The timed variants, in timing order: each keep runs just before its offload (the paired reference)."""
@@ -117,9 +128,11 @@ def size_preset(device: torch.device) -> str:
 
 
 def cases(device: torch.device) -> list[Case]:
+    """Every layer at the smallest size, then every layer at the next: a run cut short by its time
+    limit has measured every layer at some size, the cheapest first."""
     if (preset := size_preset(device)) not in SIZE_PRESETS:
         raise ValueError(f"{SIZES_ENV}={preset!r} is not a size preset; valid: {', '.join(SIZE_PRESETS)}")
-    return [Case(layer, size) for layer in LAYERS for size in SIZE_PRESETS[preset]]
+    return [Case(layer, size) for size in SIZE_PRESETS[preset] for layer in LAYERS]
 
 
 def layer_rounds(device: torch.device) -> tuple[int, int]:
@@ -133,9 +146,10 @@ def layer_dtype(device: torch.device) -> torch.dtype:
 class LayerBench:
     """One layer at one size on one device, and the three functions the runners time. The input is
     a non-leaf (``x_leaf.clone()``), as inside a model; gradients are cleared before each step; the
-    offload engine is made once and reused across steps, as in training."""
+    offload engine is made once and reused across steps, as in training; ``slabs``: the pinned
+    memory it shares with the other cases' engines (CUDA)."""
 
-    def __init__(self, case: Case, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, case: Case, device: torch.device, seed: int = 0, slabs: Optional[PinnedSlabs] = None) -> None:
         self.case, self.device, self.dtype = case, device, layer_dtype(device)
         torch.manual_seed(seed)
         with torch.device(device):
@@ -143,7 +157,8 @@ class LayerBench:
             self.x_leaf = torch.randn(case.shape, dtype=self.dtype, requires_grad=True)
         with torch.no_grad():
             self.grad_out = torch.randn_like(self.module(self.x_leaf))
-        self.engine = offload.engine(budget_mb=0, min_offload_bytes=0, device=device)
+        link = CudaLink(device, slabs=slabs) if slabs is not None and device.type == "cuda" else None
+        self.engine = offload.engine(budget_mb=0, min_offload_bytes=0, device=device, link=link)
 
     def _step_under(self, engine) -> None:
         self.module.zero_grad(set_to_none=True)
@@ -203,13 +218,16 @@ class LayerBench:
         self.engine.close()
 
 
-def time_case(case: Case, device: torch.device) -> dict:
-    """One case's result from the interleaved runner (``python bench/layers.py``)."""
+def time_case(
+    case: Case, device: torch.device, slabs: Optional[PinnedSlabs] = None, deadline: Optional[float] = None
+) -> dict:
+    """One case's result from the interleaved runner (``python bench/layers.py``); ``deadline``
+    (``time.perf_counter()`` seconds) cuts its timed rounds short (``measure.timed``)."""
     warmup, rounds = layer_rounds(device)
-    bench = LayerBench(case, device)
+    bench = LayerBench(case, device, slabs=slabs)
     try:
         steps = {kind: bench.step(kind) for kind in KINDS}
-        times, _ = measure.timed(steps, rounds=rounds, warmup=warmup, device=device)
+        times, _ = measure.timed(steps, rounds=rounds, warmup=warmup, device=device, deadline=deadline)
         facts = bench.facts()
     finally:
         bench.close()
@@ -292,10 +310,13 @@ def report(
     runner: str,
     say: Callable[[str], None],
     json_out: Optional[Path] = None,
+    finished: bool = True,
+    skipped: Optional[dict[str, str]] = None,
 ) -> dict:
     """Table the results and the fit through ``say``, and write the JSON to ``json_out``, by default
     ``layers-<device>.json`` under ``$OFFLOAD_BENCH_OUT`` (else ``out/bench``), never into the
-    committed bench/results/ unless ``json_out`` was checked with ``--overwrite-results``."""
+    committed bench/results/ unless ``json_out`` was checked with ``--overwrite-results``.
+    ``finished``: every case asked for ran or was skipped (``skipped``: case id -> why)."""
     rows = [layer_row(case, device, result) for case, result in results.items()]
     warmup, rounds = layer_rounds(device)
     fit = transfer_fit(rows)
@@ -310,6 +331,8 @@ def report(
         "env": env,
         "transfer_fit": fit,
         "rows": rows,
+        "finished": finished,
+        "skipped": skipped or {},
     }
     say(f"layers on {measure.describe_machine(env)}")
     say(measure.records_table(COLUMNS, rows, left=3))
@@ -344,6 +367,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--overwrite-results", action="store_true", help="let --json-out replace a committed file in bench/results/"
     )
+    parser.add_argument(
+        "--time-limit-s",
+        type=float,
+        help="skip the cases that would end past this many seconds from the start (judged by the longest so far)",
+    )
     args = parser.parse_args(argv)
     try:
         json_out = None if args.json_out is None else measure.check_out(args.json_out, args.overwrite_results)
@@ -351,18 +379,44 @@ def main(argv=None) -> int:
         parser.error(str(error))
     if args.sizes:
         os.environ[SIZES_ENV] = args.sizes
+    started = time.perf_counter()
+    deadline = None if args.time_limit_s is None else started + args.time_limit_s - FINAL_WRITE_S
     device = parse_device(args.device)
     measure.set_threads(args.threads)
+    measure.remember_sigint()
     only = set(args.only.split(",")) if args.only else None
-    results = {}
-    for case in cases(device):
-        if only and case.layer not in only:
-            continue
-        results[case] = time_case(case, device)
-        print(f"  {case.id}: " + ", ".join(f"{k} {results[case][k]:.2f} ms" for k in KINDS), file=sys.stderr)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    print(json.dumps(report(results, device, "bench/layers.py", say=print, json_out=json_out)))
+    todo = [case for case in cases(device) if not only or case.layer in only]
+    results: dict[Case, dict] = {}
+    skipped: dict[str, str] = {}
+    slabs = PinnedSlabs() if device.type == "cuda" else None  # one pool of pinned slabs for every case
+    longest_s = 0.0
+
+    def partial() -> None:  # after each case: a time limit or SIGINT keeps what was measured
+        report(results, device, "bench/layers.py", say=lambda line: None, json_out=json_out, finished=False)
+
+    try:
+        for index, case in enumerate(todo):
+            if deadline is not None and time.perf_counter() + longest_s > deadline:
+                why = f"not run: it would pass the time limit (longest case {longest_s:.1f} s)"
+                skipped.update({later.id: why for later in todo[index:]})
+                break
+            case_started = time.perf_counter()
+            results[case] = time_case(case, device, slabs, deadline)
+            longest_s = max(longest_s, time.perf_counter() - case_started)
+            print(f"  {case.id}: " + ", ".join(f"{k} {results[case][k]:.2f} ms" for k in KINDS), file=sys.stderr)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            partial()
+    except KeyboardInterrupt:  # a part's timeout (SIGINT): the JSON holds every case that finished
+        print(f"layers: interrupted after {len(results)} of {len(todo)} cases", file=sys.stderr)
+        return 130
+    finally:
+        if slabs is not None:
+            slabs.clear(settle=torch.cuda.synchronize)
+    payload = report(results, device, "bench/layers.py", say=print, json_out=json_out, skipped=skipped)
+    for case_id, why in skipped.items():
+        print(f"layers: skipped {case_id}: {why}", file=sys.stderr)
+    print(json.dumps(payload))
     return 0
 
 

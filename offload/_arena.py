@@ -17,6 +17,17 @@ killer. When a new slab would break the cap, idle slabs go first; if that is not
 ``acquire`` returns None and the caller makes room (spills older host copies) or keeps the tensor.
 Not thread-safe: the store's lock guards it.
 
+Note: [emptying the pinned cache]
+    Giving pinned pages back to the OS empties the caching host allocator of the whole process
+    (``torch.accelerator.empty_host_cache``), and its ``cudaFreeHost`` synchronizes the device;
+    before it the arena waits for every copy in flight (``settle``). In ``acquire``, under the
+    store's lock in a pack, that would stall the step. So a slab dropped there (to make room under
+    the cap for a larger one) only leaves the arena: its pages stay in the caching host allocator
+    (``unreturned_bytes``, still in ``pinned_bytes``), which may hand them back to this arena's
+    next slab of that size, until ``return_unpinned()`` at the next step's start
+    (``Store.step_started``) or ``clear()``. Until then what is pinned may pass the cap by those
+    pages; the RAM reserve is never passed (available RAM does not count them as free).
+
 Engines made one after another (a benchmark's configurations) can share their idle slabs through
 ``PinnedSlabs``, passed on their links: an arena then hands its idle slabs there instead of
 unpinning them, and takes one of the size it wants from there before it pins a new one.
@@ -153,6 +164,8 @@ class HostArena:
         self._shared = shared
         """Where idle slabs go instead of being unpinned, and new ones come from first (or None)."""
         self._slabs: list[_Slab] = []
+        self.unreturned_bytes = 0
+        """Pinned bytes of slabs dropped in ``acquire``, still cached by torch until ``return_unpinned``."""
         self.failed = False
         """True once pinning failed: later requests get None at once (the caller spills or keeps)."""
         self._warned_low_ram = False
@@ -161,6 +174,12 @@ class HostArena:
     def held_bytes(self) -> int:
         """Bytes of every slab the arena holds: what is really pinned, in use or idle."""
         return sum(s.nbytes for s in self._slabs)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory on this arena's account: its slabs and what it dropped but has not
+        yet given back (See Note: [emptying the pinned cache])."""
+        return self.held_bytes + self.unreturned_bytes
 
     @property
     def in_use_bytes(self) -> int:
@@ -205,7 +224,7 @@ class HostArena:
                 if tensor is not None:
                     return self._add(tensor)
         if self._room_bytes() < wanted:
-            self.trim()
+            self.unreturned_bytes += self._drop_idle()  # See Note: [emptying the pinned cache]
         room = self._room_bytes()
         if room < smallest:
             if not self._warned_low_ram and self.ram_room_bytes() < smallest:  # RAM, not the user's cap
@@ -242,24 +261,38 @@ class HostArena:
         """Give a block back; its slab stays for reuse until ``trim`` or ``clear``."""
         block.slab.ranges.give(block.offset, block.size)
 
-    def trim(self) -> None:
-        """Drop every slab with nothing handed out, and give their pinned pages back to the OS (or
-        the idle slabs to the ``PinnedSlabs`` this arena shares)."""
+    def _drop_idle(self) -> int:
+        """Drop every slab with nothing handed out (to the ``PinnedSlabs`` this arena shares, if
+        any); returns the pinned bytes dropped that only torch's cache holds now."""
         idle = [s for s in self._slabs if s.used_bytes == 0]
         if not idle:
-            return
+            return 0
         self._slabs = [s for s in self._slabs if s.used_bytes != 0]
+        cached = 0
         for slab in idle:
             if self._shared is not None and slab.tensor is not None:
                 self._shared.give(slab.tensor, self._pin)
+            elif self._pin:
+                cached += slab.nbytes
             slab.tensor = None
-        if self._pin and self._shared is None:
+        return cached
+
+    def return_unpinned(self) -> None:
+        """Give the pinned pages of slabs dropped earlier back to the OS. Synchronizes the device:
+        call it outside the hot path (See Note: [emptying the pinned cache])."""
+        if self.unreturned_bytes:
             # The caching host allocator frees a block only once the events recorded on it (by the
             # copies that used it) have completed: wait for those copies, or the pages would stay
-            # pinned while no longer counted. Rare: only when the arena is at its cap and must
-            # change the sizes it holds, and at close.
+            # pinned while no longer counted.
             self._settle()
             _empty_host_cache()
+            self.unreturned_bytes = 0
+
+    def trim(self) -> None:
+        """Drop every slab with nothing handed out, and give their pinned pages back to the OS (or
+        the idle slabs to the ``PinnedSlabs`` this arena shares). Synchronizes the device."""
+        self.unreturned_bytes += self._drop_idle()
+        self.return_unpinned()
 
     def clear(self) -> None:
         """Drop idle slabs (blocks still handed out keep theirs until released and trimmed)."""

@@ -140,9 +140,10 @@ class Session:
     # ------------------------------------------------------------------ the hook stack (per thread)
 
     def enter(self) -> None:
-        """Install the hooks on this thread (nested entries stack); with budget_mb="auto", read free memory."""
+        """Install the hooks on this thread (nested entries stack); tell the store a step starts
+        (with budget_mb="auto" it reads free memory; it gives back pinned pages dropped last step)."""
         if self._store is not None:
-            self._store.read_free()
+            self._store.step_started()
         ctx = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
         ctx.__enter__()
         stack = getattr(self._local, "stack", None)

@@ -215,16 +215,35 @@ class ShardedHandle:
             log.exception("offload: releasing a shared saved tensor failed")
 
 
+FLAT_GATHER_BACKENDS = frozenset(("nccl", "gloo", "xccl"))
+"""Backends whose all-gather writes into one flat tensor (their process groups implement
+``_allgather_base``); any other gets the list form."""
+
+
+def _backend_of(group: Any, device: torch.device) -> str:
+    """The backend ``group`` runs collectives on ``device`` with ("cpu:gloo,cuda:nccl" names one per device)."""
+    name = str(torch.distributed.get_backend(group)).lower()
+    for part in name.split(","):
+        kind, _, backend = part.partition(":")
+        if backend and kind == device.type:
+            return backend
+    return name
+
+
 def _all_gather_into(buffer: torch.Tensor, piece: torch.Tensor, group: Any) -> Any:
     """Every rank's ``piece`` into ``buffer`` (rank order), async: straight into one flat buffer
-    where the backend can (NCCL's list form gathers into a flat copy of its own, then copies out)."""
+    where the backend can (NCCL's list form gathers into a flat copy of its own, then copies out).
+
+    The form is chosen by backend, never by trying one and retrying with the other: a collective
+    that raised on one rank (an NCCL error) may have gone through on the others, and a second
+    collective there would meet no partner (See Note: [collectives in one order on every rank])."""
     dist = torch.distributed
-    single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    try:
-        return single(buffer, piece, group=group, async_op=True)
-    except (RuntimeError, NotImplementedError):  # a backend without the flat form
-        parts = list(buffer.view(-1, piece.numel()).unbind(0))
-        return dist.all_gather(parts, piece, group=group, async_op=True)
+    if _backend_of(group, piece.device) in FLAT_GATHER_BACKENDS:
+        # torch 2.13 names the flat form all_gather_single (all_gather_into_tensor warns); 2.11 has only the old name.
+        flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return flat(buffer, piece, group=group, async_op=True)
+    parts = list(buffer.view(-1, piece.numel()).unbind(0))
+    return dist.all_gather(parts, piece, group=group, async_op=True)
 
 
 # Note: [a gather finished on another stream]

@@ -18,6 +18,11 @@ data stays readable through the descriptor.
     write: [worker] chunk of data ──copy──▶ aligned bounce buffer ──pwrite(offset)──▶ file ─▶ done
     read:  [worker] file ──pread(offset)──▶ aligned bounce buffer ──copy──▶ out ─▶ done
 
+Where the jobs run is a seam (``Jobs``): worker threads by default (``WorkerThreads``). Each job
+names the memory it reads or writes, so a test's runner can run jobs on its own schedule and
+check every job's accesses against the streams' (``tests/hb.py``); the store takes one from a
+link that offers it (``spill_jobs``).
+
 Security: a private directory (``mkdtemp``, 0700), the file 0600 with a random name, opened with
 ``O_EXCL | O_NOFOLLOW | O_CLOEXEC``; nothing about a tensor is in a name. The directory goes on
 ``close()``, when this object is collected, and at interpreter exit (``weakref.finalize``); the
@@ -32,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import shutil
@@ -42,7 +48,7 @@ import threading
 import uuid
 import weakref
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 import psutil
@@ -51,7 +57,7 @@ import torch
 from ._pending import FromFuture, Pending, failed
 from ._ranges import ALIGN_BYTES, FreeRanges, round_up
 
-__all__ = ["ALIGN_BYTES", "Extent", "SpillFile"]
+__all__ = ["ALIGN_BYTES", "Extent", "Jobs", "SpillFile", "WorkerThreads"]
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +161,9 @@ class _File:
         while written < len(view):
             written += os.pwrite(self.fd, view[written:], offset + written)
 
-    def read(self, extent: Extent, out: torch.Tensor) -> torch.Tensor:
+    def read(self, extent: Extent, out: torch.Tensor) -> None:
+        # Returns nothing: a future's result lives as long as the future, which the store keeps as
+        # a reader of the disk copy (See Note: [a pending does not hold its destination] in _transfer).
         dst = out.numpy()
         bounce = self._bounce()
         done = 0
@@ -174,7 +182,39 @@ class _File:
             done += n
         if not self.direct:
             os.posix_fadvise(self.fd, extent.offset, extent.size, os.POSIX_FADV_DONTNEED)
-        return out
+
+
+class Jobs(Protocol):
+    """Where the spill file's writes and reads run. ``submit`` starts ``run`` (it raises the
+    ``OSError`` of a failed write or read) and returns its future; ``reads`` / ``writes`` name the
+    memory the job reads (a write's source) or writes (a read's destination)."""
+
+    def submit(
+        self, run: Callable[[], object], *, reads: Optional[torch.Tensor], writes: Optional[torch.Tensor]
+    ) -> concurrent.futures.Future: ...
+
+    def shutdown(self) -> None:
+        """Wait for every job submitted (the spill file is closing)."""
+
+
+class WorkerThreads:
+    """``Jobs`` on a pool of worker threads, started with the first job."""
+
+    def __init__(self, workers: int) -> None:
+        self._workers = workers
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    def submit(
+        self, run: Callable[[], object], *, reads: Optional[torch.Tensor], writes: Optional[torch.Tensor]
+    ) -> concurrent.futures.Future:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(self._workers, thread_name_prefix="offload-spill")
+        return self._executor.submit(run)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
 
 def _open_file(directory: str) -> _File:
@@ -191,15 +231,15 @@ def _open_file(directory: str) -> _File:
 
 
 class SpillFile:
-    """One private spill file and the worker threads that write and read it; opened lazily."""
+    """One private spill file and the jobs that write and read it (``WorkerThreads`` of
+    ``workers`` threads, unless ``jobs`` is given); opened lazily."""
 
-    def __init__(self, parent: Optional[Path], workers: int) -> None:
+    def __init__(self, parent: Optional[Path], workers: int, jobs: Optional[Jobs] = None) -> None:
         self._parent = parent
-        self._workers = workers
+        self._jobs: Jobs = jobs if jobs is not None else WorkerThreads(workers)
         self._dir: Optional[str] = None
         self._file: Optional[_File] = None
         self._extents = FreeRanges()
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._finalizer: Optional[weakref.finalize] = None
         self._closed = False
 
@@ -252,7 +292,6 @@ class SpillFile:
                 directory,
             )
         self._dir, self._file = directory, file
-        self._executor = concurrent.futures.ThreadPoolExecutor(self._workers, thread_name_prefix="offload-spill")
         self._finalizer = weakref.finalize(self, _close_file, file.fd, directory, made)
         return file
 
@@ -272,17 +311,17 @@ class SpillFile:
             return Extent(0, 0, nbytes), failed(error)
         size = round_up(nbytes)
         offset = self._extents.take(size)
-        # The file grows as needed (its ranges have no limit), and opening it made the executor.
-        assert offset is not None and self._executor is not None
+        assert offset is not None  # the file grows as needed: its ranges have no limit
         extent = Extent(offset, size, nbytes)
-        return extent, FromFuture(self._executor.submit(file.write, extent, data))
+        job = functools.partial(file.write, extent, data)
+        return extent, FromFuture(self._jobs.submit(job, reads=data, writes=None))
 
     def read(self, extent: Extent, out: torch.Tensor) -> Pending:
         """Start reading a spilled copy into the CPU uint8 tensor ``out``."""
-        if self._file is None or self._executor is None:
+        if self._file is None:
             why = "the spill file was removed by close(); run backward before closing the engine"
             return failed(FileNotFoundError(errno.ENOENT, why))
-        return FromFuture(self._executor.submit(self._file.read, extent, out))
+        return FromFuture(self._jobs.submit(functools.partial(self._file.read, extent, out), reads=None, writes=out))
 
     def free(self, extent: Extent) -> None:
         """The extent's copy is no longer needed (no write or read of it in flight)."""
@@ -292,9 +331,7 @@ class SpillFile:
     def close(self) -> None:
         """Wait for I/O in flight, then close and remove the file and its directory."""
         self._closed = True
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._jobs.shutdown()
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None

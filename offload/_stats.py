@@ -49,7 +49,8 @@ class Stats:
     throughout). With ``budget_mb="auto"`` the budget moves within a step, so this, not
     ``budget_bytes`` at the end, says whether every instant kept to it."""
     host_bytes: int = 0
-    """Host memory the host tier holds now (CUDA: pinned slabs, in use or idle; a gauge)."""
+    """Host memory the host tier holds now (CUDA: pinned slabs, in use or idle, and those dropped
+    in this step whose pages go back as the next starts; a gauge)."""
     host_in_use_bytes: int = 0
     """Of ``host_bytes``, what holds copies now; the rest is idle, kept for reuse (a gauge)."""
     spill_bytes: int = 0

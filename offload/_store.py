@@ -75,7 +75,8 @@ class Store:
             follow = FollowFree(config.reserve_bytes, memory or default_free_memory(device))
         self.budget = Budget(config.budget_bytes, follow)
         self._follows = follow is not None
-        self.spill = SpillFile(config.spill_dir, config.spill_workers)
+        # A test's link may run the spill file's I/O on its own schedule (``offload._spill.Jobs``).
+        self.spill = SpillFile(config.spill_dir, config.spill_workers, jobs=getattr(link, "spill_jobs", None))
         self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link)
         self._tier = {t.tier: t for t in self.tiers}
         self._top = self.tiers[0]
@@ -100,10 +101,20 @@ class Store:
             largest, self._largest_new_bytes = self._largest_new_bytes, 0
         return largest
 
+    def step_started(self) -> None:
+        """The engine is entered (a step starts): read free memory, and give back the pinned pages
+        of host slabs dropped during the last step, out of the hot path (See Note: [emptying the
+        pinned cache] in _arena)."""
+        self.read_free()
+        host = self._host
+        if host is not None and host.arena.unreturned_bytes:
+            with self._lock:
+                host.arena.return_unpinned()
+
     def read_free(self) -> None:
-        """Read free memory now (the engine calls this as a step starts); nothing with a fixed budget.
-        Here and not on ``Budget``: a reading pairs free memory with ``resident_bytes`` at the same
-        instant, so it takes the store's lock, as a reading inside pack or unpack holds it."""
+        """Read free memory now; nothing with a fixed budget. Here and not on ``Budget``: a reading
+        pairs free memory with ``resident_bytes`` at the same instant, so it takes the store's lock,
+        as a reading inside pack or unpack holds it."""
         if self.budget.follows_free_memory:
             with self._lock:
                 self.budget.read(self.resident_bytes)
@@ -131,7 +142,7 @@ class Store:
             resident_bytes=self.resident_bytes,
             peak_resident_bytes=self._res.peak_resident_bytes,
             peak_over_budget_bytes=self._res.peak_over_budget_bytes,
-            host_bytes=0 if host is None else host.arena.held_bytes,
+            host_bytes=0 if host is None else host.arena.pinned_bytes,
             host_in_use_bytes=0 if host is None else host.in_use_bytes,
             spill_bytes=self._tier[Tier.DISK].used_bytes,
             spill_files=self.spill.files,

@@ -42,7 +42,13 @@ def as_bytes(data: Union[torch.UntypedStorage, Block, torch.Tensor]) -> torch.Te
     """A device or host copy's memory as a 1-D uint8 tensor: the original is kept as its
     UntypedStorage, a host copy as an arena ``Block`` (or a pageable tensor)."""
     if isinstance(data, torch.UntypedStorage):
-        return torch.empty(0, dtype=torch.uint8, device=data.device).set_(data)
+        # Note: [a view is no write]
+        #     This view touches no data, but a dispatch mode sees ``set_`` return its storage as
+        #     written, on the current stream: to PyTorch's CUDA sanitizer that is a write racing a
+        #     copy in flight on a side stream (a second copy out started in one batch, after its
+        #     fence; a stats reading while the copy runs). So the view is made out of their sight.
+        with torch._C._DisableTorchDispatch():
+            return torch.empty(0, dtype=torch.uint8, device=data.device).set_(data)
     if isinstance(data, Block):
         return data.tensor
     return data
@@ -108,7 +114,7 @@ class DeviceTier(_Tier):
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _release(self, copy: Copy) -> None:
-        copy.data, copy.filled = None, FINISHED  # a reload's pending holds its destination too
+        copy.data, copy.filled = None, FINISHED  # See Note: [a pending does not hold its destination]
 
 
 class HostTier(_Tier):

@@ -46,6 +46,14 @@ Note: [reload destination on the compute stream]
     after the allocation (See Note: [fences before a copy]), writes it, and the compute stream
     waits on the copy's event at the point of use, never earlier.
 
+Note: [every wait unconditional under the sanitizer]
+    The wait at use is skipped when the copy's event has already completed (``query()``): the
+    stream is then ordered after it anyway. PyTorch's CUDA sanitizer (``TORCH_CUDA_SANITIZER=1``)
+    sees stream waits and synchronizations but not a query's answer, so to it a skipped wait reads
+    as a race. With ``always_wait`` (``OFFLOAD_ALWAYS_WAIT=1``, and on by itself under the
+    sanitizer) the stream waits at every use, done or not: what the sanitizer checks is then the
+    protocol itself.
+
 Note: [a reload used on another stream]
     Autograd runs each backward node on its forward's stream, so a destination allocated on one
     stream (the unpack that missed it, or the one whose prefetch started it) may be used on
@@ -61,6 +69,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
@@ -71,14 +81,25 @@ from ._pending import Pending
 if TYPE_CHECKING:
     from ._arena import PinnedSlabs
 
-__all__ = ["CudaLink", "CudaStreams", "Link", "Streams"]
+__all__ = ["ALWAYS_WAIT_ENV", "CudaLink", "CudaStreams", "Link", "Streams"]
+
+ALWAYS_WAIT_ENV = "OFFLOAD_ALWAYS_WAIT"
+"""Set to 1, every wait at use is a stream wait (See Note: [every wait unconditional under the sanitizer])."""
+SANITIZER_ENV = "TORCH_CUDA_SANITIZER"
+"""PyTorch's switch for its CUDA sanitizer (``torch.cuda._sanitizer``): it turns ``always_wait`` on too."""
+
+
+def _always_wait_from_env() -> bool:
+    return os.environ.get(ALWAYS_WAIT_ENV, "") == "1" or SANITIZER_ENV in os.environ  # as torch reads it
 
 
 class Link(Protocol):
     """The transport between a device and host memory; ``offload.engine(link=...)`` takes one.
 
     Copies return pendings (``offload._pending.Pending``); ``h2d`` allocates its destination.
-    ``released`` is told when the engine lets a host buffer go (a test link may poison it).
+    ``released`` is told when the engine lets a host buffer go (a test link may poison it). A test
+    link may also offer ``spill_jobs`` (``offload._spill.Jobs``): the store's spill file then runs
+    its writes and reads through it.
     """
 
     def batch(self) -> contextlib.AbstractContextManager[None]: ...
@@ -157,7 +178,8 @@ class _CopyEvent:
     """A copy's completion event, as a pending. ``order_compute`` is the GPU-side wait at use.
 
     For an h2d it also knows the destination and the stream it was allocated on, and records any
-    other stream that uses it: See Note: [a reload used on another stream].
+    other stream that uses it: See Note: [a reload used on another stream]. It knows the
+    destination weakly: See Note: [a pending does not hold its destination].
     """
 
     __slots__ = ("event", "link", "dst", "alloc_stream")
@@ -166,7 +188,15 @@ class _CopyEvent:
     def __init__(
         self, event: Any, link: "CudaLink", dst: Optional[torch.Tensor] = None, alloc_stream: Any = None
     ) -> None:
-        self.event, self.link, self.dst, self.alloc_stream = event, link, dst, alloc_stream
+        # Note: [a pending does not hold its destination]
+        #     An h2d's pending is also kept as a reader of the host copy it reads (See Note:
+        #     [keep-alive until the copy event]), until that copy's next reader or its release. Held
+        #     strongly here, the destination would outlive the store dropping it (after its last
+        #     user, for the budget, a give-back under budget_mb="auto"): two copies' worth of device
+        #     memory, and a give-back freeing nothing. The device copy holds the tensor; this only
+        #     needs it while that copy is in use, to record other streams on it.
+        self.event, self.link, self.alloc_stream = event, link, alloc_stream
+        self.dst = None if dst is None else weakref.ref(dst)
 
     def done(self) -> bool:
         return self.event.query()
@@ -179,8 +209,9 @@ class _CopyEvent:
 
     def order_compute(self) -> None:
         current = self.link.wait_on_compute(self.event)
-        if self.dst is not None and current != self.alloc_stream:
-            self.link.streams.record_stream(self.dst, current)
+        dst = None if self.dst is None else self.dst()
+        if dst is not None and current != self.alloc_stream:
+            self.link.streams.record_stream(dst, current)
 
 
 class _Direction:
@@ -197,21 +228,27 @@ class _Direction:
         self._last: Any = None
 
     def enter(self, batch: object, fences: list) -> Any:
-        """The side stream, made to wait for every fence of ``fences`` it has not waited for yet."""
+        """The side stream, made to wait for every fence of ``fences`` it has not waited for yet.
+
+        A busy span starts after those waits: waiting for compute is not the link being busy, and
+        a span begun before them would make the achieved GB/s understate the link."""
         if self.stream is None:
             self.stream = self.streams.new_stream()
+        opening = False
         if self.batch is not batch:
             self.batch, self.waited = batch, []
-            self._open_span()
+            opening = True
         elif self._last is not None and self._last.query():
             # The stream ran dry inside this batch (the host waited between two copies, e.g. for
             # spill writes to make host room): that idle gap is not busy time.
             self._close_span()
-            self._open_span()
+            opening = True
         for fence in fences:
             if not any(fence is waited for waited in self.waited):
                 self.stream.wait_event(fence)
                 self.waited.append(fence)
+        if opening:
+            self._open_span()
         return self.stream
 
     def _open_span(self) -> None:
@@ -249,12 +286,19 @@ class CudaLink:
 
     ``slabs``: pinned slabs the engine's host arena shares with other engines made one after
     another (``offload._arena.PinnedSlabs``); None: it pins its own and unpins them at close.
+    ``always_wait``: wait at every use, even for a copy already done (See Note: [every wait
+    unconditional under the sanitizer]); None: from the environment.
     """
 
     def __init__(
-        self, device: torch.device, streams: Optional[Streams] = None, slabs: Optional["PinnedSlabs"] = None
+        self,
+        device: torch.device,
+        streams: Optional[Streams] = None,
+        slabs: Optional["PinnedSlabs"] = None,
+        always_wait: Optional[bool] = None,
     ) -> None:
         self.device = device
+        self.always_wait = _always_wait_from_env() if always_wait is None else always_wait
         self.streams: Streams = streams if streams is not None else CudaStreams(device)
         self.slabs = slabs
         self._d2h = _Direction(self.streams)
@@ -336,7 +380,7 @@ class CudaLink:
         """Make the current stream wait for ``event`` (GPU-side); time the stall if there is one.
         Returns the current stream."""
         compute = self.streams.current()
-        if event.query():
+        if not self.always_wait and event.query():  # See Note: [every wait unconditional under the sanitizer]
             return compute
         before, after = self.streams.event(timing=True), self.streams.event(timing=True)
         before.record(compute)

@@ -503,3 +503,43 @@ def test_a_gradient_check_that_raised_fails_the_run(tmp_path, capsys, monkeypatc
 def _both(outer, inner):
     with outer, inner:
         yield
+
+
+def test_a_loss_that_differs_fails_the_run():
+    """The gradient check's loss is held to the reference's as its gradients are, and so is the
+    first timed step's loss (the same forward in every configuration): either differing fails."""
+    from offload.bench.config import RunSettings
+
+    run = RunSettings(layers=4)
+    check = {"checksums": {"w": [1, 2.0]}, "loss": 3.5}
+
+    def one(first_loss: float, check: dict) -> list[dict]:
+        steps = [_step(loss=first_loss), _step(loss=0.5)]
+        return [{"steps": steps, "summary": {"grad_check": check}, "error": None, "skipped": None}]
+
+    results = {
+        "none": one(1.0, check),
+        "offload-25%": one(1.0, check | {"loss": 3.5 + 2**-20}),
+        "auto-25%": one(1.0 + 2**-20, check),
+        "recompute-25%": one(1.0, check),
+    }
+    rows = {r["config"]: r for r in report.summarize(run, [parse_variant(n) for n in results], results, None)}
+    assert rows["offload-25%"]["grads"] == f"differs: loss {3.5 + 2**-20} vs 3.5"
+    assert rows["auto-25%"]["first_loss_match"] is False and rows["recompute-25%"]["first_loss_match"] is True
+    assert report.failures(list(rows.values())) == [
+        f"offload-25%: first-step gradients: differs: loss {3.5 + 2**-20} vs 3.5",
+        "auto-25%: the first step's loss differs from the reference's",
+    ]
+
+
+def test_the_h200_gradient_check_runs_at_the_timed_shape_with_the_timed_kernel():
+    """The h200 preset checks gradients at the shape it times (no shorter check batch), and on CUDA
+    with flash attention, the kernel its timed steps run (deterministic under strict determinism)."""
+    from torch.nn.attention import SDPBackend
+
+    from offload.bench.config import PRESETS, RunSettings
+
+    settings = RunSettings(**PRESETS["h200"].settings)
+    assert settings.check_grads and settings.check_seq is None and settings.attention == "sdpa"
+    assert loop.check_attention(torch.device("cuda"))[0] is SDPBackend.FLASH_ATTENTION
+    assert loop.check_attention(torch.device("cpu")) == [SDPBackend.MATH]

@@ -22,6 +22,7 @@ same program under hooks that snapshot each saved storage at pack time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -36,7 +37,11 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import offload  # noqa: E402
+from hb import FAST_SCHEDULES, SLOW_SCHEDULES, Schedule, detecting  # noqa: E402
 from links import DeferredLink, ThreadedLink  # noqa: E402
+
+SCHEDULES = FAST_SCHEDULES + SLOW_SCHEDULES
+"""The detector's schedules, one per program (by its seed)."""
 
 ROWS, COLS, VOCAB = 4, 6, 5
 """The base activation is ROWS x COLS (96 bytes in fp32): small enough that a run takes
@@ -53,8 +58,11 @@ CONFIGS = (
     (SMALL_BUDGET_MB, "deferred"),
     (0, "threaded"),
     (SMALL_BUDGET_MB, "threaded"),
+    (0, "emulated"),
+    (SMALL_BUDGET_MB, "emulated"),
 )
-"""(budget_mb, host tier link): None runs the CPU's disk tier."""
+"""(budget_mb, host tier link): None runs the CPU's disk tier; "emulated" is ``CudaLink`` under the
+race detector (``hb.detecting``), on a schedule drawn from the program's seed."""
 """(budget_mb, through the emulated CUDA host tier)."""
 MAX_OPS = 10
 EXAMPLES = int(os.environ.get("OFFLOAD_FUZZ_EXAMPLES", "60"))
@@ -269,14 +277,19 @@ def test_random_programs_match_no_engine(program):
     ref = _run(program)
     with tempfile.TemporaryDirectory(prefix="offload-fuzz-") as spill_dir:
         for budget, host_tier in CONFIGS:
-            link = {"deferred": DeferredLink(2), "threaded": ThreadedLink(0.001), None: None}[host_tier]
-            host = {"host_budget_mb": HOST_CAP_MB} if link is not None else {}
-            eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir, device="cpu", link=link, **host)
-            got = _run(program, eng)
-            where = f"budget_mb={budget}{f' (host tier, {host_tier} link)' if host_tier else ''}"
-            _assert_same(ref, got, where)
-            stats = eng.stats
-            eng.close()
+            with contextlib.ExitStack() as stack:
+                if host_tier == "emulated":
+                    schedule = SCHEDULES[program.seed % len(SCHEDULES)]
+                    link = stack.enter_context(detecting(Schedule.named(schedule)))
+                else:
+                    link = {"deferred": DeferredLink(2), "threaded": ThreadedLink(0.001), None: None}[host_tier]
+                host = {"host_budget_mb": HOST_CAP_MB} if link is not None else {}
+                eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir, device="cpu", link=link, **host)
+                got = _run(program, eng)
+                where = f"budget_mb={budget}{f' (host tier, {host_tier} link)' if host_tier else ''}"
+                _assert_same(ref, got, where)
+                stats = eng.stats
+                eng.close()
             if isinstance(link, ThreadedLink):
                 link.close()
                 assert link.sources_gone == 0, f"{where}: a copy's source was let go before the copy finished"

@@ -36,7 +36,9 @@ def _load_script(name: str):
 gpu_summary = _load_script("gpu_summary")
 
 SCRIPT = REPO_ROOT / "bench" / "gpu_check.sh"
-PARTS = ["env", "probe", "step", "predict", "tests", "overhead", "layers"]
+PARTS = ["env", "probe", "step", "predict", "tests", "sanitizer", "overhead", "layers"]
+FIT_SHARE = 0.6
+"""Each part is designed to end within this share of its limit (FIT_PERCENT in the script)."""
 ABSENT_ON_THE_GPU_MACHINE = (
     "matplotlib",
     "hypothesis",
@@ -70,7 +72,9 @@ def test_without_cuda_exits_0_within_a_minute_and_says_so(tmp_path):
     assert summary["parts"][0]["status"] == "ok" and {p["status"] for p in summary["parts"][1:]} == {"skipped"}
     assert summary["env"]["torch"] == torch.__version__ and summary["env"]["date_utc"]
     assert (tmp_path / "out" / "env.part.json").exists() and (tmp_path / "out" / "env.log").exists()
-    assert "CUDA available: False" in (tmp_path / "out" / "summary.md").read_text()
+    markdown = (tmp_path / "out" / "summary.md").read_text()
+    assert "CUDA available: False" in markdown
+    assert markdown.splitlines()[2].startswith("**PASSED: 1 of 8 parts passed; skipped: probe, step,"), markdown
 
 
 def test_a_broken_python_still_leaves_a_whole_summary(tmp_path):
@@ -137,8 +141,15 @@ def test_every_part_runs_on_the_cpu_at_tiny_sizes(tmp_path):
     out = tmp_path / "out"
     summary = json.loads((out / "summary.json").read_text())
     statuses = {p["part"]: p["status"] for p in summary["parts"]}
-    assert statuses == {**{p: "ok" for p in PARTS}, "tests": "ok"}, (statuses, proc.stdout[-3000:])
+    assert statuses == {p: "ok" for p in PARTS}, (statuses, proc.stdout[-3000:])
     assert proc.returncode == 0
+    over = {
+        p["part"]: f"{p['seconds']} s of {p['limit_s']}"
+        for p in summary["parts"]
+        if p["seconds"] > FIT_SHARE * p["limit_s"]
+    }
+    assert not over, f"parts past {FIT_SHARE:.0%} of their limit in the dry run: {over}"
+    assert summary["verdict"]["passed"] == PARTS and summary["verdict"]["failed"] == {}
     step = summary["figures"]["step"]
     assert step["finished"] and {r["config"] for r in step["rows"]} >= {"none", "checkpoint", "save_on_cpu", "auto-10%"}
     assert summary["figures"]["overhead"]["per_tensor_us"] and summary["figures"]["probe"]
@@ -156,6 +167,99 @@ def test_every_part_runs_on_the_cpu_at_tiny_sizes(tmp_path):
     assert "## Predicted beside measured" in (out / "summary.md").read_text()
     cache = json.loads((out / "cache" / "offload" / "probe.json").read_text())
     assert len(cache["link"]) == len(cache["disk"]) == 1, "the probe part measured; the step part read its figures"
+
+
+def _script_limits() -> dict[str, int]:
+    """Each part's limit, as the script sets it (``NAME_LIMIT_S=...``)."""
+    return {m[0].lower(): int(m[1]) for m in re.findall(r"([A-Z]+)_LIMIT_S=(\d+)", SCRIPT.read_text())}
+
+
+def test_every_part_has_its_limit_and_a_share_of_it_to_end_within():
+    """Every part runs under a named limit; those whose work grows with the GPU's speed (step,
+    overhead, layers, the pytest parts) are given a time limit of their own, ``fit``: at most
+    FIT_PERCENT of the part's limit. The fixed ones (env, probe, predict) are held to that share by
+    the CPU dry run."""
+    script = SCRIPT.read_text()
+    limits = _script_limits()
+    assert set(limits) == set(PARTS) and sum(limits.values()) <= 330, limits
+    assert re.search(r"^FIT_PERCENT=(\d+)$", script, re.M).group(1) == str(round(100 * FIT_SHARE))
+    for part in PARTS:
+        assert re.search(rf'^run_part {part} "\${part.upper()}_LIMIT_S" ', script, re.M), f"{part} runs under its limit"
+    own = dict(re.findall(r'^([A-Z]+)_(?:TIME_LIMIT|DEADLINE)_S=\$\(fit "\$([A-Z]+)_LIMIT_S" \d+\)$', script, re.M))
+    assert own == {
+        "STEP": "STEP",
+        "OVERHEAD": "OVERHEAD",
+        "LAYERS": "LAYERS",
+        "TESTS": "TESTS",
+        "SANITIZER": "SANITIZER",
+    }
+    fit = subprocess.run(
+        ["bash", "-c", "FIT_PERCENT=60; fit() { echo $(($1 * FIT_PERCENT / 100 - $2)); }; fit 120 12"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert int(fit.stdout) == 60
+
+
+def test_the_summary_says_first_which_parts_failed_and_why(tmp_path):
+    """One look decides the rerun: the first lines of summary.md (and summary.json's verdict) name
+    the parts that passed, and for each other its status and why: the step part's own failures,
+    the failed tests, a timeout and the log's last line."""
+    out = tmp_path / "out"
+    (out / "step").mkdir(parents=True)
+
+    def part(name: str, status: str, rc: int, seconds: int = 5, limit: int = 60) -> None:
+        record = {"part": name, "status": status, "rc": rc, "seconds": seconds, "limit_s": limit, "output": name}
+        (out / f"{name}.part.json").write_text(json.dumps(record))
+
+    for name in ("env", "probe", "predict", "tests", "overhead"):
+        part(name, "ok", 0)
+    part("step", "failed", 1)
+    why = "offload-25%: the first step's loss differs from the reference's"
+    (out / "step" / "summary.json").write_text(json.dumps({"finished": True, "results": [], "failures": [why]}))
+    part("sanitizer", "failed", 1)
+    (out / "sanitizer.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="0">'
+        '<testcase classname="tests.test_cuda" name="test_a"><failure message="CSAN"/></testcase>'
+        '<testcase classname="tests.test_cuda" name="test_b"/><testcase classname="tests.test_cuda" name="test_c"/>'
+        "</testsuite></testsuites>"
+    )
+    part("layers", "timeout", 124, seconds=30, limit=30)
+    (out / "layers.log").write_text("  linear-S: keep 1.00 ms\nlayers: interrupted after 3 of 21 cases\n\n")
+    assert gpu_summary.main([str(out), "99"]) == 0
+    lines = (out / "summary.md").read_text().splitlines()
+    assert lines[2] == "**FAILED: 5 of 8 parts passed; failed: step, sanitizer, layers**"
+    assert lines[3] == f"- step failed: {why}"
+    assert lines[4] == "- sanitizer failed: 1 of 3 failed; tests.test_cuda::test_a"
+    assert lines[5] == "- layers timeout: timed out at its limit of 30 s; layers: interrupted after 3 of 21 cases"
+    verdict = json.loads((out / "summary.json").read_text())["verdict"]
+    assert verdict["passed"] == ["env", "probe", "predict", "tests", "overhead"]
+    assert verdict["failed"]["step"] == {"status": "failed", "why": [why]}
+
+
+def test_an_interrupted_or_time_limited_layers_run_keeps_what_it_measured(tmp_path):
+    """The layers part writes its JSON after every case: a time limit skips the cases that would
+    not fit and says which; a SIGINT (the part's timeout) keeps every case that finished."""
+    out = tmp_path / "layers.json"
+    command = [sys.executable, "bench/layers.py", "--device", "cpu", "--sizes", "cpu", "--json-out", str(out)]
+    limited = subprocess.run(
+        command + ["--time-limit-s", "4", "--only", "linear,rmsnorm,layernorm"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert limited.returncode == 0, limited.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert payload["finished"] and payload["rows"] and payload["skipped"], payload["skipped"]
+    assert all("time limit" in why for why in payload["skipped"].values())
+    out.unlink()
+    proc = _interrupt_once(command, out.exists)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    assert payload["finished"] is False and payload["rows"], "the cases that finished"
 
 
 def test_a_failed_gradient_check_is_named_in_the_summary(tmp_path):

@@ -12,6 +12,7 @@ started a copy from a source not yet filled, reads 0xFF and the gradients differ
 from __future__ import annotations
 
 import gc
+import logging
 import time
 
 import pytest
@@ -21,7 +22,8 @@ import torch.nn as nn
 import offload
 import offload._arena
 import offload._spill
-from links import EmulatedCudaLink, LandsOnCue, Reads, ThreadedLink, link_named
+from hb import detecting
+from links import EmulatedCudaLink, EmulatedStreams, LandsOnCue, Reads, ThreadedLink, link_named
 from zoo import MB, wait_clean
 
 
@@ -47,7 +49,19 @@ def _engine(link, **kwargs):
     return offload.engine(device="cpu", min_offload_bytes=0, link=link, **kwargs)
 
 
-@pytest.fixture(params=["deferred-1", "deferred-4", "threaded", "deferred-4-start", "threaded-start", "emulated"])
+@pytest.fixture(
+    params=[
+        "deferred-1",
+        "deferred-4",
+        "threaded",
+        "deferred-4-start",
+        "threaded-start",
+        "emulated",
+        "emulated-adversarial3-0",
+        pytest.param("emulated-timed2q50", marks=pytest.mark.slow),
+        pytest.param("emulated-adversarial8-2", marks=pytest.mark.slow),
+    ]
+)
 def link(request):
     with link_named(request.param) as made:
         yield made
@@ -249,19 +263,98 @@ def test_engines_one_after_another_share_pinned_slabs(monkeypatch):
     shared = offload._arena.PinnedSlabs()
     held = []
     for _ in range(2):
-        link = EmulatedCudaLink(slabs=shared)
-        eng = _engine(link, budget_mb=0)
-        assert all(torch.equal(a, b) for a, b in zip(want, _grads(model, x, eng), strict=True))
-        held.append(wait_clean(eng).host_bytes)
-        eng.close()
-        link.close()
+        with detecting(slabs=shared) as link:
+            eng = _engine(link, budget_mb=0)
+            assert all(torch.equal(a, b) for a, b in zip(want, _grads(model, x, eng), strict=True))
+            held.append(wait_clean(eng).host_bytes)
+            eng.close()
         assert eng.stats.host_bytes == 0 and shared.idle_bytes == held[-1], "closed: its slabs wait in the pool"
     assert counts.slabs == 1 and held[0] == held[1] > 0, "the second engine pinned nothing"
     shared.clear()
     assert shared.idle_bytes == 0
-    link = EmulatedCudaLink()
-    eng = _engine(link, budget_mb=0)
-    _grads(model, x, eng)
-    eng.close()
-    link.close()
+    with detecting() as link:
+        eng = _engine(link, budget_mb=0)
+        _grads(model, x, eng)
+        eng.close()
     assert counts.slabs == 2, "an engine of its own pins its own"
+
+
+class _PinsAndEmpties(_CountsSlabs):
+    """Stands in for ``torch`` inside ``offload._arena`` with pinning on: slabs are plain memory
+    (no device here), and every emptying of the caching host allocator is counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emptied = 0
+        stand_in = self
+
+        class _Accelerator:
+            @staticmethod
+            def empty_host_cache() -> None:
+                stand_in.emptied += 1
+
+        self.accelerator = _Accelerator()
+
+    def empty(self, *args, **kwargs):
+        self.slabs += bool(kwargs.pop("pin_memory", False))
+        return torch.empty(*args, **kwargs)
+
+
+def test_emptying_the_pinned_cache_stays_out_of_acquire(monkeypatch):
+    """At its cap with idle slabs too small for a request, the arena drops them for a larger one;
+    the caching host allocator is emptied (process-wide, and it synchronizes the device), and the
+    copies settled first, only once the step is over (``return_unpinned``, from the store as the
+    next step starts), never in ``acquire``, which runs under the store's lock in a pack (See
+    Note: [emptying the pinned cache])."""
+    stand_in = _PinsAndEmpties()
+    monkeypatch.setattr(offload._arena, "torch", stand_in)
+    settled = []
+    slab = offload._arena.SLAB_BYTES
+    arena = offload._arena.HostArena(2 * slab, pin=True, settle=lambda: settled.append(True))
+    blocks = [arena.acquire(slab * 5 // 8) for _ in range(2)]  # one 64 MiB slab each: the cap
+    assert all(b is not None for b in blocks) and arena.held_bytes == 2 * slab
+    for block in blocks:
+        arena.release(block)
+    large = arena.acquire(slab * 3 // 2)  # fits in no idle slab: they go for one of 2 x 64 MiB
+    assert large is not None and arena.held_bytes == 2 * slab
+    assert stand_in.emptied == 0 and settled == [], "acquire emptied the pinned cache (hot path)"
+    assert arena.pinned_bytes == 4 * slab, "the dropped slabs' pages are still pinned, and counted"
+    arena.return_unpinned()
+    assert stand_in.emptied == 1 and settled == [True] and arena.pinned_bytes == 2 * slab
+    arena.release(large)
+    arena.clear()
+    assert stand_in.emptied == 2 and arena.pinned_bytes == 0
+
+
+def _pageable_run(host_budget_mb: float, spill_dir, budget_mb: float = 0) -> tuple:
+    """The MLP at ``budget_mb``, its copies 1 ms each (virtual), under ``host_budget_mb``: what the
+    pageable fallback cost (copies from pageable memory, virtual ms the host waited for them)."""
+    model, x = _model(), torch.randn(256, 128)
+    want = _grads(model, x)
+    streams = EmulatedStreams(side_delay_s=0.001)
+    link = EmulatedCudaLink(streams)
+    with streams.watching():
+        eng = _engine(link, budget_mb=budget_mb, host_budget_mb=host_budget_mb, spill_dir=spill_dir)
+        got = _grads(model, x, eng)
+        stats = wait_clean(eng, spill_dir)
+        eng.close()
+    link.close()
+    assert streams.races == [], streams.races[:1]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    return stats, streams.pageable_copies, streams.pageable_stall_ms, streams.now
+
+
+def test_the_pageable_fallback_makes_the_host_wait_for_the_copy_stream(spill_dir, caplog):
+    """A read back from disk finds the pinned tier full and lands in pageable memory; its copy to
+    the device then stages through pinned memory, so the host waits until the h2d stream reaches
+    it: every copy queued there before, and the fence that stream waits on, i.e. compute's work
+    up to the reload (cudaMemcpyAsync from pageable memory; ``copy_kernel_cuda`` records no event
+    it could wait on instead). On the emulated link that wait is measured in virtual time; with
+    the host tier roomy enough, it is zero."""
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        capped, copies, stall_ms, _ = _pageable_run(0.25, spill_dir, budget_mb=0.5)
+    assert capped.spilled_bytes > 0 and copies > 0, "reads back from disk landed in pageable memory"
+    assert stall_ms >= copies * 1.0, "each one held the host for at least its own 1 ms copy"
+    assert any("pageable" in r.getMessage() for r in caplog.records), "the fallback is said once"
+    roomy, none, no_stall_ms, _ = _pageable_run(4.0, spill_dir, budget_mb=0.5)
+    assert roomy.spilled_bytes == 0 and none == 0 and no_stall_ms == 0.0

@@ -359,7 +359,7 @@ def test_minigpt_with_dropout_equals_no_engine(attention, budget_mb, spill_dir):
     eng.close()
 
 
-@pytest.mark.parametrize("link", ["deferred-3", "threaded"])
+@pytest.mark.parametrize("link", ["deferred-3", "threaded", "emulated", "emulated-adversarial3-0"])
 def test_budget_0_moves_the_stash_through_the_host_tier(link, spill_dir):
     model = gpt()
     reference = copy.deepcopy(model)

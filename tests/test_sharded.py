@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import offload
+import offload._sharded
 
 WORKER = Path(__file__).with_name("shard_worker.py")
 LAUNCH_TIMEOUT_S = 300
@@ -164,3 +165,44 @@ def test_a_group_of_one_splits_nothing():
         assert stats.shared_bytes == 0 and stats.saved_bytes > 0, "saved whole, as without the declaration"
     finally:
         dist.destroy_process_group()
+
+
+class _Collectives:
+    """Stands in for ``torch.distributed``'s all-gathers (no process group here): the backend the
+    group reports, which form was called, and a flat form that fails as a real NCCL error would."""
+
+    def __init__(self, monkeypatch, backend: str, flat_fails: bool = False) -> None:
+        self.calls: list[str] = []
+
+        def flat(output, piece, group=None, async_op=False):
+            self.calls.append("flat")
+            if flat_fails:
+                raise RuntimeError("NCCL error: unhandled system error")
+
+        def as_list(parts, piece, group=None, async_op=False):
+            self.calls.append("list")
+
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+        monkeypatch.setattr(dist, "all_gather_into_tensor", flat)
+        monkeypatch.setattr(dist, "all_gather_single", flat, raising=False)
+        monkeypatch.setattr(dist, "all_gather", as_list)
+
+
+@pytest.mark.parametrize(
+    "backend, form", [("nccl", "flat"), ("gloo", "flat"), ("cpu:gloo,cuda:nccl", "flat"), ("mpi", "list")]
+)
+def test_the_gather_form_is_chosen_by_backend(backend, form, monkeypatch):
+    """One collective per gather, its form decided by the group's backend: a backend with the flat
+    form (``_allgather_base``: NCCL, Gloo) gets it, any other the list form, never one after the other."""
+    calls = _Collectives(monkeypatch, backend).calls
+    offload._sharded._all_gather_into(torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), None)
+    assert calls == [form]
+
+
+def test_a_failing_gather_raises_and_is_not_retried(monkeypatch):
+    """An NCCL error in the flat gather is raised, not answered by a second collective in the list
+    form: that one would meet no partner on the ranks where the first went through (a hang)."""
+    calls = _Collectives(monkeypatch, "nccl", flat_fails=True).calls
+    with pytest.raises(RuntimeError, match="NCCL error"):
+        offload._sharded._all_gather_into(torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), None)
+    assert calls == ["flat"]

@@ -11,6 +11,7 @@ thread pools, lazy imports, the largest shapes' first draws).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 import offload
+from hb import Schedule, detecting
 from links import DeferredLink, ThreadedLink
 
 STEPS = 300
@@ -146,18 +148,23 @@ def test_soak_cpu_spill(spill_dir):
     assert list(spill_dir.iterdir()) == []
 
 
-@pytest.mark.parametrize("link", ["deferred", "threaded"])
+@pytest.mark.parametrize("link", ["deferred", "threaded", "emulated"])
 def test_soak_host_tier(link, spill_dir):
-    """The CUDA path's host arena and host cap, emulated on the CPU over either stand-in link: the
-    arena reaches a size and stays, within its cap, and the cap sends the rest to disk."""
-    made = DeferredLink(2) if link == "deferred" else ThreadedLink(delay_s=0.0005)
-    cap = 4 * BUDGET_MB
-    eng = offload.engine(
-        BUDGET_MB, device="cpu", min_offload_bytes=0, link=made, host_budget_mb=cap, spill_dir=spill_dir
-    )
-    _soak(eng, STEPS, spill_dir, host_cap_bytes=int(cap * 2**20))
-    assert eng.stats.host_bytes <= cap * 2**20
-    eng.close()
+    """The CUDA path's host arena and host cap, emulated on the CPU over the stand-in links and
+    ``CudaLink`` under the race detector: the arena reaches a size and stays, within its cap, and
+    the cap sends the rest to disk."""
+    with contextlib.ExitStack() as stack:
+        if link == "emulated":
+            made = stack.enter_context(detecting(Schedule.named("adversarial3-0")))
+        else:
+            made = DeferredLink(2) if link == "deferred" else ThreadedLink(delay_s=0.0005)
+        cap = 4 * BUDGET_MB
+        eng = offload.engine(
+            BUDGET_MB, device="cpu", min_offload_bytes=0, link=made, host_budget_mb=cap, spill_dir=spill_dir
+        )
+        _soak(eng, STEPS, spill_dir, host_cap_bytes=int(cap * 2**20))
+        assert eng.stats.host_bytes <= cap * 2**20
+        eng.close()
     assert eng.stats.host_bytes == 0, "close() gives the arena's slabs back"
     assert list(spill_dir.iterdir()) == []
     if isinstance(made, ThreadedLink):

@@ -1,12 +1,13 @@
-"""CudaLink's ordering on the CPU: the real link over emulated streams (``tests/links.py``).
+"""CudaLink's ordering on the CPU: the real link over emulated streams (``tests/hb.py``).
 
-No GPU here, so ``CudaLink`` runs over ``EmulatedStreams``: CUDA's stream and event semantics on
-threads, with every tracked access (a copy's read and write, an allocation's fill, a producer's
-write on a side stream, a host write) checked against the earlier ones by happens-before, so a
-pair of accesses to the same bytes that nothing orders is a race, found whatever the timing, and
-the gradients show it too (the racing op writes 0xFF). Oracle: the model without the engine,
+No GPU here, so ``CudaLink`` runs over ``EmulatedStreams``: CUDA's stream, event and caching
+allocator semantics simulated on the test's thread, with every tracked access (a copy's read and
+write, an allocation's fill, a producer's write on a side stream, a host write, a host op on a
+reload, a free) checked against the earlier ones by happens-before (vector clocks), so a pair of
+accesses to the same bytes that nothing orders is a race, found whatever the timing, and the
+gradients show it too (the racing op writes 0xFF). Oracle: the model without the engine,
 bitwise. Each test here names the guard it checks, and was run once with that guard removed: it
-failed.
+failed. ``test_races.py`` runs the spill-heavy scenarios and removes every guard in turn.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import hb
 import offload
 import offload._transfer
 from links import EmulatedCudaLink, EmulatedStreams
@@ -51,7 +53,8 @@ def _assert_equal(want, got, what: str) -> None:
 @pytest.fixture
 def streams():
     made = EmulatedStreams(side_delay_s=0.001)
-    yield made
+    with made.watching():
+        yield made
     made.close()
 
 
@@ -238,3 +241,103 @@ def test_a_reload_used_on_another_stream_is_recorded_there_ready_or_not(streams)
     assert stats.reloaded_bytes >= 3 * NBYTES and streams.races == []
     assert len(foreign) >= 3, "reloads were used on a stream other than their own (the path under test)"
     assert all(foreign), f"{foreign.count(False)} of {len(foreign)} uses on another stream were not recorded there"
+
+
+# ---------------------------------------------------------------------------------- busy time
+
+
+class ProducedLate(torch.autograd.Function):
+    """tanh(x), its output written by a long kernel on the compute stream (``KERNEL_MS`` of
+    virtual time), as a layer's forward would be. Saves it."""
+
+    @staticmethod
+    def forward(ctx, x, streams: EmulatedStreams):
+        out = torch.full_like(x, float("nan"))
+        values, raw = x.tanh(), out.data
+        streams.write_on(streams.compute, raw, lambda: raw.copy_(values), "a long kernel", duration_ms=KERNEL_MS)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * (1 - out * out), None
+
+
+KERNEL_MS = 10.0
+COPY_MS = 1.0
+
+
+def test_copy_busy_time_is_the_copies_not_the_waits_for_compute():
+    """A side stream's busy time is what its copies take, not what it waits for: each copy out
+    waits for a fence behind a long compute kernel, and the d2h busy time must still be one copy's
+    time per copy (the streams' times are virtual, so the sum is exact). The start of a busy span
+    is recorded after the stream's waits (``_Direction.enter``); recorded before them, each span
+    would hold a kernel's worth of waiting."""
+    streams = EmulatedStreams(side_delay_s=COPY_MS / 1e3)
+    with streams.watching():
+        x = torch.rand(SIZE) - 0.5
+
+        def step(eng=None):
+            h = x.clone().requires_grad_(True)
+            with eng if eng is not None else torch.enable_grad():
+                y = h
+                for _ in range(6):
+                    y = ProducedLate.apply(y, streams)
+                loss = y.sum()
+            loss.backward()
+            return h.grad.clone()
+
+        want = step()
+        link = EmulatedCudaLink(streams)
+        eng = _engine(link, 2 * NBYTES / MB, prefetch=False)
+        got = step(eng)
+        stats = wait_clean(eng)
+        eng.close()
+    streams.close()
+    assert streams.races == [], streams.races[:3]
+    assert torch.equal(want, got)
+    assert link.d2h_count >= 4 and link.h2d_count >= 4, "copies went out and came back (the path under test)"
+    assert stats.d2h_busy_ms == pytest.approx(link.d2h_count * COPY_MS, abs=1e-9), (
+        f"{link.d2h_count} copies out of {COPY_MS} ms each, busy {stats.d2h_busy_ms} ms"
+    )
+    assert stats.h2d_busy_ms == pytest.approx(link.h2d_count * COPY_MS, abs=1e-9)
+
+
+# ---------------------------------------------------------------------------------- the sanitizer's switch
+
+
+@pytest.mark.parametrize("switch", [None, "argument", "OFFLOAD_ALWAYS_WAIT", "TORCH_CUDA_SANITIZER"])
+def test_under_the_switch_every_use_waits_on_its_copy(switch, monkeypatch):
+    """PyTorch's CUDA sanitizer sees stream waits, not ``Event.query()``: a wait at use skipped
+    because the copy was done would read to it as a race. Under the switch (the argument, or the
+    environment: ours, or the sanitizer's own) the compute stream waits at every use of a reload,
+    done or not; without it, a copy already done is not waited for (See Note: [every wait
+    unconditional under the sanitizer])."""
+    if switch in ("OFFLOAD_ALWAYS_WAIT", "TORCH_CUDA_SANITIZER"):
+        monkeypatch.setenv(switch, "1")
+    waits: list[bool] = []  # per wait on the compute stream: was its event already done?
+    real = hb.EmulatedStream.wait_event
+
+    def wait_event(self, event):
+        if self is self.sim.compute and event._record is not None:
+            waits.append(self.sim._visible(event._record))
+        real(self, event)
+
+    monkeypatch.setattr(hb.EmulatedStream, "wait_event", wait_event)
+    streams = EmulatedStreams(side_delay_s=0.0001)  # copies land long before their use
+    model, x = TanhChain(8), torch.randn(SIZE)
+    with streams.watching():
+        want = _grads(copy.deepcopy(model), x)
+        link = EmulatedCudaLink(streams, always_wait=True if switch == "argument" else None)
+        eng = _engine(link, 4 * NBYTES / MB)
+        got = _grads(model, x, eng)
+        stats = wait_clean(eng)
+        eng.close()
+    streams.close()
+    assert streams.races == [] and stats.reloaded_bytes > 0
+    _assert_equal(want, got, f"switch {switch}")
+    if switch is None:
+        assert not any(waits), "without the switch a copy already done is not waited for"
+    else:
+        assert sum(waits) >= 3, "under the switch the copies already done are waited for too"

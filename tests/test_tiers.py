@@ -22,9 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
 import offload._spill
+import offload._tiers
 from test_faults import SpillWrites
 from zoo import MB, assert_same, default_loss, files_under, mlp, run_step, wait_clean
 
@@ -318,3 +320,27 @@ def test_backward_after_close_is_an_offload_error(spill_dir, monkeypatch):
     with pytest.raises(offload.OffloadError, match=r"\(64, 128\) torch.float32 on cpu.*clos") as failure:
         default_loss(out).backward()
     assert "backward before clos" in str(failure.value), f"the fix is not named: {failure.value}"
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_storage_viewed_as_bytes_dispatches_no_write():
+    """PyTorch's CUDA sanitizer is a dispatch mode, and takes the storage ``set_`` returns as
+    written on the current stream; the store views the saved storages it moves as bytes while
+    copies of them may be in flight on side streams. The view reaches no dispatch mode (See Note:
+    [a view is no write]); it is still the storage's whole byte range."""
+    saved = torch.arange(6, dtype=torch.float32)
+    with _Ops() as seen:
+        view = offload._tiers.as_bytes(saved.untyped_storage())
+    assert seen.ops == []
+    assert view.dtype is torch.uint8 and view.numel() == 24 and view.data_ptr() == saved.data_ptr()

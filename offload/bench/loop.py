@@ -10,8 +10,9 @@ trains one step under a context; ``run_one`` trains a configuration and returns 
 
 The spill page cache is sampled at the end of forward, as the last block's backward starts and at
 the end of backward, its sampling time kept out of the step's. ``_grad_check`` first runs one step
-on the initial weights under strict determinism (no warn_only) and math attention, through an
-engine of its own, so the timed engine's profiling steps see the real kernels.
+on the initial weights under strict determinism (no warn_only), at the timed shape and on CUDA with
+the timed attention kernel (``check_attention``), through an engine of its own, so the timed
+engine's profiling steps see the real kernels.
 """
 
 from __future__ import annotations
@@ -203,11 +204,22 @@ def grad_checksums(model: torch.nn.Module) -> dict[str, Optional[list]]:
     return checksums
 
 
+def check_attention(device: torch.device) -> list:
+    """The attention kernels the gradient check may use. On CUDA flash attention, as the timed steps
+    use it (its backward is deterministic under strict determinism: ATen's
+    ``_flash_attention_backward`` reads the flag; the memory-efficient kernel's raises there and
+    cuDNN's is not deterministic at all), with math where flash cannot run; on the CPU math (the CPU's
+    fused kernel with dropout gave losses differing between processes)."""
+    if device.type == "cuda":
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    return [SDPBackend.MATH]
+
+
 @contextlib.contextmanager
-def _determinism(strict: bool) -> Iterator[None]:
-    """strict: deterministic kernels or an error, the math attention kernel, new memory NaN-filled
-    (what ``torch.use_deterministic_algorithms(True)`` does). Else: deterministic kernels where
-    torch has them, a warning elsewhere, and no NaN-filling (it would skew the timings)."""
+def _determinism(strict: bool, attention: Optional[list] = None) -> Iterator[None]:
+    """strict: deterministic kernels or an error, the ``attention`` kernels (default math), new
+    memory NaN-filled (what ``torch.use_deterministic_algorithms(True)`` does). Else: deterministic
+    kernels where torch has them, a warning elsewhere, and no NaN-filling (it would skew the timings)."""
     # fill_uninitialized_memory is a property of the class torch gives this module; stubs do not see it.
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
@@ -215,7 +227,7 @@ def _determinism(strict: bool) -> Iterator[None]:
     torch.use_deterministic_algorithms(True, warn_only=not strict)
     deterministic_flags.fill_uninitialized_memory = strict  # type: ignore[attr-defined]  # see above
     try:
-        with sdpa_kernel(SDPBackend.MATH) if strict else contextlib.nullcontext():
+        with sdpa_kernel(attention or [SDPBackend.MATH]) if strict else contextlib.nullcontext():
             yield
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
@@ -358,21 +370,21 @@ def _grad_check(
     slabs: Optional[PinnedSlabs] = None,
 ) -> dict:
     """One step on the initial weights under strict determinism, through its own context (an
-    engine of its own); the gradients' checksums, or the error strict determinism raised."""
+    engine of its own); its loss and the gradients' checksums, or the error strict determinism raised."""
     context, engine = _make_context(trainer, budget_mb, engine_kwargs, machine, slabs)
     run = trainer.run  # a batch of its own: the timed steps see the same batches whether or not a check ran
     generator = torch.Generator().manual_seed(run.seed + CHECK_SEED_OFFSET)
     x, y = (t.to(trainer.device) for t in next(batches(trainer.data, run.batch, run.check_seq or run.seq, generator)))
     torch.manual_seed(run.seed)
     try:
-        with _determinism(strict=True):
+        with _determinism(strict=True, attention=check_attention(trainer.device)):
             with context():
                 logits, _ = trainer.model(x)
                 # Cross-entropy from ops with deterministic CUDA kernels: strict mode raises on F.cross_entropy
                 # on CUDA (torch.use_deterministic_algorithms lists NLLLoss among the ops without one).
                 loss = -logits.float().log_softmax(-1).gather(-1, y.unsqueeze(-1)).mean()
             loss.backward()
-        return {"checksums": grad_checksums(trainer.model)}
+        return {"checksums": grad_checksums(trainer.model), "loss": loss.item()}
     except RuntimeError as error:
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
     finally:

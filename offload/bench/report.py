@@ -81,13 +81,14 @@ def _grads_verdict(check: Optional[dict], reference: Optional[dict]) -> str:
         return "reference check failed"
     ours, theirs = check["checksums"], reference["checksums"]
     differ = [n for n in theirs if ours.get(n) != theirs[n]]
+    loss = "" if check.get("loss") == reference.get("loss") else f"loss {check.get('loss')} vs {reference.get('loss')}"
     if not differ:
-        return "equal"
+        return f"differs: {loss}" if loss else "equal"
     worst = max(
         (abs(ours[n][1] - theirs[n][1]) / (theirs[n][1] or 1.0) for n in differ if ours.get(n) and theirs[n]),
         default=float("nan"),
     )
-    return f"differs {len(differ)}/{len(theirs)} (norm {worst:.1g})"
+    return f"differs {len(differ)}/{len(theirs)} (norm {worst:.1g})" + (f", {loss}" if loss else "")
 
 
 def _reference_grads(check: Optional[dict]) -> str:
@@ -112,14 +113,18 @@ configuration did not run: its row says why)."""
 
 
 def failures(rows: list[dict]) -> list[str]:
-    """Why a run must not read as passed, one line per configuration: it raised, or its first-step
-    gradient check failed (differs, raised, CUDA out of memory included, or its reference did)."""
+    """Why a run must not read as passed, one line per configuration: it raised, its gradient check
+    failed (its loss or gradients differ, it raised, CUDA out of memory included, or its reference
+    did), or its first step's loss differs from the reference's: that step's forward is the same
+    computation in every configuration, on every device, whatever the kernels' determinism."""
     out = []
     for r in rows:
         if r["error"]:
             out.append(f"{r['config']}: {r['error'].splitlines()[0][:200]}")
         elif r["grads"] not in GRADS_PASSED:
             out.append(f"{r['config']}: first-step gradients: {r['grads']}")
+        elif r.get("first_loss_match") is False:
+            out.append(f"{r['config']}: the first step's loss differs from the reference's")
     return out
 
 
@@ -157,6 +162,8 @@ def summarize(
         compared = bool(reference) and bool(repeats) and all(len(x) == len(reference) for x in repeats)
         loss_diffs = [abs(a - b) for x in repeats for a, b in zip(x, reference, strict=False)]
         losses_match = all(x == reference for x in repeats) if compared else None
+        firsts = [x[0] for x in repeats if x]
+        first_loss_match = all(x == reference[0] for x in firsts) if reference and firsts else None
         regions = (summary.get("plan") or {}).get("regions", [])
         ran = any(r["steps"] or r["summary"] or r["error"] for r in runs)
         rows.append(
@@ -178,6 +185,7 @@ def summarize(
                 # the reference: None while its repeats agree (its cell reads "ref")
                 "losses_match": None if v.kind is Kind.NONE and losses_match else losses_match,
                 "max_loss_diff": max(loss_diffs, default=None),
+                "first_loss_match": first_loss_match,
                 "grads": _grads_of_repeats(
                     v == REFERENCE, [(r["summary"] or {}).get("grad_check") for r in runs], ref_grads
                 ),
@@ -363,9 +371,10 @@ at the start (weight gradients included, alike everywhere); opt: the optimizer s
 moved: bytes offloaded per step. D2H / H2D GB/s: bytes over the side streams' busy time, where the
 engine reports it. wait: reload + evict wait on the compute stream. bound: max(reference step +
 recomputed blocks x reference forward ms per block, bytes out / probed out GB/s + bytes back /
-probed back GB/s). grads step 0: gradients of one step on the initial weights under strict
-determinism (math attention) against the reference's; losses: every step's against the
-reference's (a compiled configuration's against none+compile). engine peak: most engine-resident
+probed back GB/s). grads step 0: the loss and gradients of one step on the initial weights at the
+timed shape under strict determinism (CUDA: flash attention; CPU: math) against the reference's;
+losses: every step's against the reference's (a compiled configuration's against none+compile);
+the first step's must be equal (its forward is the same computation everywhere). engine peak: most engine-resident
 bytes at once over every step, profiling included. decisions: one letter per block (Keep, Offload,
 Recompute, Selective with its stash kept or moved). auto / best: the median over repeats of auto's
 step time over the best fixed policy's (the fastest that held the budget) in the same repeat; per
@@ -474,7 +483,7 @@ def _write_csv(path: Path, results: dict[str, list[dict]]) -> None:
 
 _ATOMICS_NOTE = (
     "note: without --deterministic, CUDA backward kernels may use atomics; losses can differ "
-    "after step 0 (the step-0 gradient check is strict either way)"
+    "after step 0 (the step-0 gradient check and the first step's loss are exact either way)"
 )
 
 
