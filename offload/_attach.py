@@ -16,7 +16,9 @@ Note: [a copy carries no engine]
     the class's own state, with each attached attribute put back to what the module held before
     the engine came (or left out where it held none). A copy is then the module as it was without
     the engine: its own parameters, no ``offload_engine``, and no hooks into an engine it does not
-    know. Wrap the copy to run it under an engine of its own. ``torch.nn.Module.__getstate__``
+    know. Wrap the copy to run it under an engine of its own. A wrapper another library set on top
+    of the engine's (it calls the engine's, so the original module) is left out of the copy too,
+    with a warning naming it. ``torch.nn.Module.__getstate__``
     already drops ``_compiled_call_impl`` from copies; that stays dropped.
 
     attach(m, "forward", wrapper) ──▶ m.__dict__: forward=wrapper, __getstate__=_CopyGuard
@@ -30,6 +32,7 @@ leave alone, as the Hugging Face callback does.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -57,6 +60,8 @@ class _CopyGuard:
         self._module = weakref.ref(module)  # the module holds the guard; no cycle back
         self.before: dict[str, Any] = {}
         """Attribute name -> what the module's ``__dict__`` held before the engine's first attach."""
+        self.set: dict[str, Any] = {}
+        """Attribute name -> what the engine set there last."""
 
     def __call__(self) -> dict:
         module = self._module()
@@ -68,6 +73,17 @@ class _CopyGuard:
         for name, before in self.before.items():
             if name not in state:
                 continue  # the class leaves it out of copies itself (_compiled_call_impl)
+            if state[name] is not self.set.get(name):
+                # Wrapped again since (accelerate's autocast, another library): that wrapper calls the
+                # engine's, which calls the original module; the copy must not. It loses that wrapper.
+                warnings.warn(
+                    f"offload: copying a {type(module).__name__} whose {name!r} was wrapped again after the engine "
+                    f"wrapped it ({state[name]!r:.60}); the copy gets the {name!r} it had before the engine, "
+                    "without that later wrapper (which calls the original module, not the copy): wrap the copy "
+                    "again as the original was",
+                    UserWarning,
+                    stacklevel=3,
+                )
             if before is _ABSENT:
                 del state[name]
             else:
@@ -84,6 +100,7 @@ def attach(module: torch.nn.Module, name: str, value: Any) -> Any:
         guard = _CopyGuard(module)
         object.__setattr__(module, _GETSTATE, guard)
     guard.before.setdefault(name, previous)
+    guard.set[name] = value
     object.__setattr__(module, name, value)  # not nn.Module's: an engine or a function is no submodule
     return previous
 
@@ -101,6 +118,9 @@ def detach(module: torch.nn.Module, name: str, previous: Any) -> None:
     before = guard.before.get(name, _ABSENT)
     if module.__dict__.get(name, _ABSENT) is before:
         guard.before.pop(name, None)
+        guard.set.pop(name, None)
+    else:
+        guard.set[name] = module.__dict__.get(name, _ABSENT)
     if not guard.before:
         del module.__dict__[_GETSTATE]
 

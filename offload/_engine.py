@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import threading
 import warnings
 from typing import Any, Callable, Optional, TypeVar, Union, cast
 
@@ -93,6 +94,7 @@ class Engine:
         self._last_step = _StepSaves(0, 0)
         """What the latest finished step saved (its tensors managed, and those under min_offload_bytes)."""
         self._warned_all_small = False
+        self._entering = threading.Lock()  # an engine with regions checks and enters under it
         self._region_calls_at_start = 0  # the regions' calls when the latest step began
         self._warned_idle = False  # warned that a step ran none of the regions
         if regions is not None and not self._regions_to_find:
@@ -127,7 +129,12 @@ class Engine:
         if self._regions is not None:
             self._regions.rewrap_compiled()  # a block.compile() since the last step
         outermost = not self._session.active()
-        self._session.enter()
+        if outermost and self._regions is not None:
+            with self._entering:  # See Note: [one forward at a time] (in ``_regions``)
+                self._regions.refuse_another_thread()
+                self._session.enter()
+        else:
+            self._session.enter()
         if outermost:
             self._step_start = self._saves_so_far()
             self._region_calls_at_start = 0 if self._regions is None else self._regions.calls

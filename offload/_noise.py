@@ -37,16 +37,21 @@ class Readings:
         return statistics.median(self.values)
 
     @property
-    def spread(self) -> float:
-        """Interquartile range over the median (0 for one or two readings' worth of agreement, inf
-        where the median is 0 and the readings differ)."""
+    def iqr(self) -> float:
+        """The interquartile range (0 for a single reading)."""
         if len(self.values) < 2:
             return 0.0
         q1, _, q3 = statistics.quantiles(self.values, n=4, method="inclusive")
-        median = self.median
+        return abs(q3 - q1)
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range over the median (0 for one or two readings' worth of agreement, inf
+        where the median is 0 and the readings differ)."""
+        iqr, median = self.iqr, self.median
         if median == 0:
-            return 0.0 if q3 == q1 else float("inf")
-        return abs(q3 - q1) / abs(median)
+            return 0.0 if iqr == 0 else float("inf")
+        return iqr / abs(median)
 
     def steady(self) -> bool:
         """Whether the readings agree well enough to build on (``spread <= MAX_SPREAD``)."""

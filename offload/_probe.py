@@ -486,15 +486,17 @@ def _measure_per_tensor_overhead_us(
         chain(counting)  # warm-up: the first runs pay for lazy setup (the spill file, threads)
         chain(moving)
         # Interleaved pairs, so a machine whose speed drifts slows both runs of a pair alike.
-        per_tensor_us = [
-            ((timed_s(moving) - timed_s(counting)) / _OVERHEAD_NUM_TENSORS - byte_s) * 1e6 for _ in range(repeats)
-        ]
+        pairs = [(timed_s(moving), timed_s(counting)) for _ in range(repeats)]
     finally:
         for session in (moving, counting):
             if session.store is not None:
                 session.store.close()
-    readings = Readings(per_tensor_us)
-    return max(0.0, readings.median), readings.spread
+    per_tensor_us = Readings([((m - c) / _OVERHEAD_NUM_TENSORS - byte_s) * 1e6 for m, c in pairs])
+    # Its spread is judged against a moved tensor's whole time, not against the difference itself:
+    # near zero a difference of two timings spreads without bound, and it is the whole round trip
+    # whose readings must agree for the figure to mean anything.
+    moved_us = Readings([m / _OVERHEAD_NUM_TENSORS * 1e6 for m, _ in pairs]).median
+    return max(0.0, per_tensor_us.median), per_tensor_us.iqr / moved_us
 
 
 def _gb_per_s(nbytes: int, seconds: float) -> float:

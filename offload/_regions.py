@@ -232,8 +232,6 @@ class _Step:
     """The first region's input signature."""
     thread: int
     """The thread that began it: See Note: [one forward at a time]."""
-    forward_done: bool = False
-    """Its last region ran forward."""
     stage: Optional[Stage]
     """Its profiling stage; None: a plan is in force (or the policy measures nothing)."""
     entry: Optional[ShapePlan]
@@ -411,7 +409,6 @@ class Regions:
 
         def region_step(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
-            self._refuse_another_thread(index, name)
             if index == 0:
                 self._begin_step(args, kwargs)
             step = self._step
@@ -424,7 +421,6 @@ class Regions:
                 out = self._planned(step, index, name, module, forward, args, kwargs)
             step.region_ends(self._session.saved())
             if index == len(self.regions) - 1:
-                step.forward_done = True
                 step.moved_in_forward = self._session.moved_bytes() - step.moved_at_start
                 after = Decision.KEEP if step.entry is None else step.entry.plan.decision_after()
                 if step.stage is Stage.OFFLOAD_TRIAL or (step.stage is None and after is Decision.OFFLOAD):
@@ -437,22 +433,25 @@ class Regions:
     # Note: [one forward at a time]
     #     A step of the regions is one record (``_Step``): the profiler's stage, the measurements,
     #     what the step saw. Two threads running forwards through one engine's regions at once
-    #     would write into one record (a profiling step then holds 13 measurements for 14 regions).
-    #     So a region refuses to run while another thread is inside the engine with a forward that
-    #     has regions still to run; forwards from several threads one after another are fine (a
-    #     thread that left mid-forward, by an exception, holds nothing up), as is an engine without
-    #     regions shared by threads (its hook state is per thread).
-    def _refuse_another_thread(self, index: int, name: str) -> None:
-        step = self._step
+    #     would write into one record (a profiling step then holds 13 measurements for 14 regions,
+    #     or a negative size outside the regions). So an engine with regions lets one thread in at
+    #     a time (``Engine.__enter__`` checks and enters under one lock: ``refuse_another_thread``).
+    #     Forwards from several threads one after another are fine. A profiling step awaits its
+    #     backward after its thread left the engine; when another thread's step begins before
+    #     that backward ended, the profiling step is not planned from (its backward was not
+    #     measured alone): its stage runs again (``_abandon``), and its backward's callback, bound to
+    #     it, finds it superseded. An engine without regions serves several threads at once.
+    def refuse_another_thread(self) -> None:
+        """Raise ``OffloadError`` where a thread other than this one is inside the engine."""
         me = threading.get_ident()
-        if step is None or step.thread == me or step.forward_done or not self._session.inside(step.thread):
-            return
-        raise OffloadError(
-            f"offload: region {name!r} ran on thread {me} while a forward that thread {step.thread} began has not "
-            f"finished its regions; an engine with regions= runs one forward at a time. Make one engine per thread "
-            f"(offload.engine(...) in each), or leave regions= out: an engine without regions serves several "
-            f"threads at once"
-        )
+        others = self._session.others_inside(me)
+        if others:
+            raise OffloadError(
+                f"offload: thread {me} entered an engine with regions= while thread {others[0]} is inside it; an "
+                f"engine with regions runs one forward at a time (its profiling and plans follow one sequence of "
+                f"steps). Make one engine per thread (offload.engine(...) in each), or leave regions= out: an "
+                f"engine without regions serves several threads at once"
+            )
 
     def _planned(
         self,
@@ -530,8 +529,11 @@ class Regions:
 
     def _begin_step(self, args: tuple, kwargs: dict) -> None:
         now = time.perf_counter()
-        self.finish_measured_step()  # a measured step whose backward never ran (or ran without its callback)
         last = self._step
+        if last is not None and last.phase is StepPhase.AWAITING_BACKWARD and last.thread != threading.get_ident():
+            self._abandon(last)  # See Note: [one forward at a time]
+        else:
+            self.finish_measured_step()  # a measured step whose backward never ran (or ran without its callback)
         if last is not None:
             self._end_step(last, now)
         key = _signature(args, kwargs)
@@ -588,11 +590,22 @@ class Regions:
             # See Note: [a step's span]
             self._profiler.other_ms(step.key, max(0.0, (now - step.start) * 1e3 - step.regions_ms))
 
-    def finish_measured_step(self) -> None:
-        """Plan from the last profiling step: at the end of its backward (a callback queued on the
-        autograd engine), or when the next step begins if that backward never ran."""
-        step = self._step
-        if step is None or step.phase is not StepPhase.AWAITING_BACKWARD:
+    def _abandon(self, step: _Step) -> None:
+        """A profiling step another thread's step overtook before its backward ended: its stage
+        runs again rather than plan from a backward not measured alone."""
+        step.phase = StepPhase.MEASURED
+        assert step.stage is not None  # only a profiling step awaits its backward
+        for m in step.measurements:
+            m.remove_hooks()
+        step.measurements = []  # as a step that never reached its last region: _end_step runs its stage again
+
+    def finish_measured_step(self, step: Optional[_Step] = None) -> None:
+        """Plan from the last profiling step (``step``, where its backward's callback names it): at
+        the end of its backward (a callback queued on the autograd engine), or when the next step
+        begins if that backward never ran. A step no longer the latest was overtaken: nothing."""
+        if step is None:
+            step = self._step
+        if step is None or step is not self._step or step.phase is not StepPhase.AWAITING_BACKWARD:
             return
         step.phase = StepPhase.MEASURED
         assert step.stage is not None  # only a profiling step awaits its backward
@@ -675,7 +688,7 @@ class Regions:
         step.measurements.append(m)
         if index == len(self.regions) - 1:
             step.phase = StepPhase.AWAITING_BACKWARD
-            finish_after_backward(out, self.finish_measured_step)
+            finish_after_backward(out, functools.partial(self.finish_measured_step, step))
         return out
 
 

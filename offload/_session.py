@@ -177,10 +177,10 @@ class Session:
         """True while this thread is inside the engine (its hooks may be shadowed by inner ones)."""
         return bool(getattr(self._local, "stack", None))
 
-    def inside(self, thread: int) -> bool:
-        """True while thread ``thread`` (a ``threading.get_ident()``) is inside the engine."""
+    def others_inside(self, me: int) -> list[int]:
+        """The threads other than ``me`` (a ``threading.get_ident()``) inside the engine now."""
         with self._inside_lock:
-            return thread in self._inside
+            return sorted(t for t in self._inside if t != me)
 
     @contextlib.contextmanager
     def planned_per_rank(self):

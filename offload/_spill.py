@@ -272,12 +272,7 @@ class SpillFile:
             return self._file
         if self._closed:
             raise FileNotFoundError(errno.ENOENT, "the engine was closed; its spill file is gone")
-        made = [] if self._parent is None else _make_parents(self._parent)
-        try:
-            directory = tempfile.mkdtemp(prefix="offload-", dir=None if self._parent is None else str(self._parent))
-        except OSError:
-            _remove_empty(made)
-            raise
+        made, directory = _make_private_directory(self._parent)
         try:
             os.chmod(directory, 0o700)
             file = _open_file(directory)
@@ -340,8 +335,32 @@ class SpillFile:
         self._extents = FreeRanges()
 
 
+_MAKE_TRIES = 3
+"""Tries at making the private directory where another engine's close may remove an empty parent
+this one just found (two engines sharing a spill_dir that did not exist)."""
+
+
+def _make_private_directory(parent: Optional[Path]) -> tuple[list[str], str]:
+    """The directories made for ``parent`` (missing ones, deepest last) and the private one inside."""
+    if parent is None:
+        return [], tempfile.mkdtemp(prefix="offload-")
+    for attempt in range(_MAKE_TRIES):
+        made = _make_parents(parent)
+        try:
+            return made, tempfile.mkdtemp(prefix="offload-", dir=str(parent))
+        except FileNotFoundError:  # an empty parent went with another engine's close: make it again
+            _remove_empty(made)
+            if attempt == _MAKE_TRIES - 1:
+                raise
+        except OSError:
+            _remove_empty(made)
+            raise
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
 def _make_parents(path: Path) -> list[str]:
-    """Make ``path`` and its missing parents (0700); the directories made, deepest last."""
+    """Make ``path`` and its missing parents (0700); the directories made, deepest last. One that
+    fails leaves none of those made behind."""
     missing: list[str] = []
     for parent in (path, *path.parents):
         if parent.exists():
@@ -353,6 +372,9 @@ def _make_parents(path: Path) -> list[str]:
             os.mkdir(directory, 0o700)
         except FileExistsError:  # another engine made it meanwhile: not ours to remove
             continue
+        except OSError:
+            _remove_empty(made)
+            raise
         made.append(directory)
     return made
 

@@ -86,7 +86,8 @@ __all__ = ["ALWAYS_WAIT_ENV", "CudaLink", "CudaStreams", "Link", "Streams"]
 ALWAYS_WAIT_ENV = "OFFLOAD_ALWAYS_WAIT"
 """Set to 1, every wait at use is a stream wait (See Note: [every wait unconditional under the sanitizer])."""
 SANITIZER_ENV = "TORCH_CUDA_SANITIZER"
-"""PyTorch's switch for its CUDA sanitizer (``torch.cuda._sanitizer``): it turns ``always_wait`` on too."""
+"""PyTorch's switch for its CUDA sanitizer (the ``_sanitizer`` module of ``torch.cuda``, not imported
+on a CPU build): it turns ``always_wait`` on too."""
 
 
 def _always_wait_from_env() -> bool:

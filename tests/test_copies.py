@@ -244,3 +244,23 @@ def test_a_model_copied_during_hf_training_is_its_own(tmp_path, spill_dir):
     model.eval()
     twin.eval()
     assert not torch.equal(twin(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_a_wrapper_set_on_top_of_the_engines_is_left_out_with_a_warning(spill_dir):
+    """accelerate wraps ``forward`` again after the engine did: that wrapper calls the engine's,
+    which calls the original module, so the copy cannot keep it; it says so."""
+    base = _net()
+    reference = copy.deepcopy(base)
+    model = offload.engine(budget_mb=0, min_offload_bytes=0)(copy.deepcopy(base))
+    inner = model.forward
+
+    def autocast_like(*args, **kwargs):
+        return inner(*args, **kwargs) * 1.0
+
+    model.forward = autocast_like
+    with pytest.warns(UserWarning, match="wrapped again after the engine wrapped it"):
+        twin = copy.deepcopy(model)
+    _assert_plain(twin)
+    assert_same(_step(reference), _step(twin), "the copy: its own forward")
+    assert all(p.grad is None for p in model.parameters())
+    model.offload_engine.close()

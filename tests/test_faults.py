@@ -455,18 +455,21 @@ def test_spill_dir_removed_mid_forward_still_reads_back(spill_dir, spill_writes,
 
 
 def test_spill_parent_removed_keeps_tensors_in_memory_until_it_returns(spill_dir, caplog):
-    """Not even a directory can be made (the spill_dir parent is gone): the step is exact with the
-    tensors kept in memory and one warning, never a raw OSError out of forward; then it spills again."""
+    """Not even a directory can be made (a file stands where the spill_dir was; a spill_dir merely
+    missing is made again by the first spill): the step is exact with the tensors kept in memory
+    and one warning, never a raw OSError out of forward; then it spills again."""
     ref = chain_step()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     shutil.rmtree(spill_dir)
+    spill_dir.write_bytes(b"")
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, chain_step(eng), "no spill directory")
-        stats = wait_clean(eng, spill_dir)
+        stats = wait_clean(eng)
         assert stats.spilled_bytes == stats.offloaded_bytes == 0 and stats.spill_files == 0
         assert stats.peak_resident_bytes > 0
         messages = warnings_from(caplog, "offload._store")
-        assert len(messages) == 1 and "spill" in messages[0] and os.strerror(errno.ENOENT) in messages[0], messages
+        assert len(messages) == 1 and "spill" in messages[0] and os.strerror(errno.ENOTDIR) in messages[0], messages
+        spill_dir.unlink()
         spill_dir.mkdir()
         eng.reset_stats()
         assert_same(ref, chain_step(eng), "spill directory back")

@@ -177,3 +177,74 @@ def test_a_thread_that_raised_mid_forward_holds_nothing_up(spill_dir):
     block.forward = original
     _step(model, eng)  # on this thread: no error
     eng.close()
+
+
+def test_two_threads_entering_together_one_is_refused_or_they_take_turns(spill_dir):
+    """Threads released together: the check and the entry happen under one lock, so each trial
+    either takes turns or refuses one thread before it saved anything; nothing else ever fails."""
+    import sys
+
+    base = _net()
+    reference = _step(copy.deepcopy(base))
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for trial in range(10):
+            model = copy.deepcopy(base)
+            eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks)
+            barrier = threading.Barrier(2)
+            outcomes: list = []
+
+            def run(model=model, eng=eng, barrier=barrier, outcomes=outcomes):
+                barrier.wait()
+                try:
+                    outcomes.append(_step(model, eng))
+                except offload.OffloadError as e:
+                    outcomes.append(e)
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    outcomes.append(("unexpected", e))
+
+            threads = [threading.Thread(target=run) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not [o for o in outcomes if isinstance(o, tuple)], (trial, outcomes)
+            done = [o for o in outcomes if not isinstance(o, offload.OffloadError)]
+            assert done, (trial, outcomes)
+            assert_same(reference, done[0], f"trial {trial}: the first step")
+            eng.close()
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def test_a_profiling_step_overtaken_before_its_backward_is_measured_again(spill_dir):
+    """Thread A's profiling step waits in its backward while thread B runs a whole step: A's step
+    is not planned from (its backward was not measured alone), and every step's gradients hold."""
+    base = _net()
+    model = copy.deepcopy(base)
+    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="auto")
+    in_backward, go_on = threading.Event(), threading.Event()
+    results = {}
+
+    def first():
+        torch.manual_seed(0)
+        with eng:
+            loss = model(_tokens())
+        loss.register_hook(lambda g: (in_backward.set(), go_on.wait(30), g)[-1])
+        loss.backward()
+        results["first"] = True
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert in_backward.wait(30)
+    assert eng.recent_stages[-1] == "measure"
+    results["second"] = _step(model, eng)  # another thread's whole step, while A's backward waits
+    go_on.set()
+    t.join(60)
+    assert results.get("first")
+    for _ in range(6):
+        _step(model, eng)
+    assert all(p.span_ms is not None for p in eng.profiled_steps), [p.span_ms for p in eng.profiled_steps]
+    assert list(eng.recent_stages)[:2] == ["measure", "measure"], "the overtaken stage ran again"
+    eng.close()

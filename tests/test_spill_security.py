@@ -385,3 +385,27 @@ def test_a_spill_dir_under_a_read_only_parent_is_refused(tmp_path):
     locked.mkdir(mode=0o500)
     with pytest.raises(ValueError, match=r"does not exist, and its parent .* is not a writable directory"):
         offload.engine(budget_mb=0, spill_dir=locked / "spill")
+
+
+def test_two_engines_sharing_a_missing_spill_dir(tmp_path):
+    """Two engines (two ranks on one node) share a spill_dir that did not exist: both spill, and
+    one closing first never takes the directory from under the other."""
+    import offload
+
+    missing = tmp_path / "shared" / "spill"
+    engines = [offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=missing) for _ in range(2)]
+
+    def step(eng):
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        with eng:
+            y = x.sin().cos().sum()
+        y.backward()
+        return x.grad
+
+    grads = [step(eng) for eng in engines]
+    assert all(eng.stats.spilled_bytes > 0 for eng in engines)
+    engines[0].close()  # the engine that made the directories: the other's files are still there
+    assert missing.is_dir()
+    assert torch.equal(step(engines[1]), grads[1])
+    engines[1].close()
+    assert list(missing.iterdir()) == []
