@@ -249,7 +249,7 @@ class Config:
         device = parse_device(device)
         if not isinstance(policy, str):
             raise TypeError(f"policy must be a policy name, one of {list(policy_names())}; got {policy!r}")
-        get_policy(policy)  # unknown name -> ValueError listing the valid ones
+        chosen = get_policy(policy)  # unknown name -> ValueError listing the valid ones
         if policy == "none" and (budget is not None or reserve is not None):
             raise ValueError(
                 f"policy='none' keeps everything and only counts, but budget_mb={budget_mb!r} was given; "
@@ -260,7 +260,7 @@ class Config:
                 f"plan_cache={plan_cache!r} keeps region plans and needs regions= (e.g. regions=model.blocks); "
                 f"without regions there is no plan to keep: drop plan_cache"
             )
-        if policy not in ("none", "offload") and not has_regions:
+        if chosen.needs_regions and not has_regions:
             raise ValueError(
                 f"policy={policy!r} chooses per region and needs regions= (e.g. regions=model.blocks); "
                 f"without regions use policy='offload'"

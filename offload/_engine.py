@@ -31,7 +31,8 @@ from ._config import Config
 from ._cost import MB, MachineProfile
 from ._observe import Observers
 from ._plan_cache import PlanCache
-from ._planner import Plan
+from ._planner import Decision, Plan
+from ._policy import get_policy
 from ._probe import machine_key, probe
 from ._regions import AUTO, Regions, RegionsArg, refuse_foreign, resolve_regions
 from ._session import Session
@@ -422,8 +423,11 @@ def _no_plan_note(eng: Engine) -> str:
             "(regions='auto' with model=, or regions=model.blocks) to have each block kept, moved or recomputed by "
             "its measured cost"
         )
-    if config.policy in ("recompute", "none"):
-        what = "recomputed in backward" if config.policy == "recompute" else "kept as it runs"
+    policy = get_policy(config.policy)
+    if not policy.measures:
+        what = {Decision.RECOMPUTE: "recomputed in backward", Decision.KEEP: "kept as it runs"}.get(
+            policy.unplanned, f"run as {policy.unplanned.value}"
+        )
         return (
             f"no plan: policy {config.policy!r} measures nothing; every one of the {len(eng._regions.regions)} regions "
             f"is {what}, and the store holds the rest under {budget}; {so_far}"

@@ -41,9 +41,37 @@ _STEP_DIGITS = 9
 
 
 class Policy(abc.ABC):
-    """Chooses one decision per region. Subclass, set ``name``, implement ``plan``."""
+    """Chooses one decision per region. Subclass, set ``name``, implement ``plan``, register it
+    (``offload.register_policy``) and pass ``policy=name`` to ``offload.engine``.
+
+    What the engine must run for a policy before it can plan is said by the class attributes below,
+    which the profiler and the regions ask instead of comparing names. The defaults are "auto"'s: a
+    policy of your own is profiled as "auto" is (sizes and times measured, a recompute trial where a
+    plan moves a block, an offload trial to price the link), so its ``plan`` gets every figure.
+    """
 
     name: ClassVar[str]
+    measures: ClassVar[bool] = True
+    """Plans from measured profiles, so the regions run profiling steps first. False: a fixed rule
+    that needs none ("none", "recompute"): every region takes ``plan``'s decision from the start."""
+    times: ClassVar[bool] = True
+    """Its decisions depend on measured times, not sizes alone: once a shape's sizes are known it
+    measures times too (trials), and later shapes far from the measured ones are measured again.
+    False ("offload"): sizes alone, which every step under a plan checks."""
+    trial_always: ClassVar[bool] = False
+    """Runs the recompute trial (which measures what recomputing and selective recompute cost) even
+    where its first plan keeps every block ("selective": its plan is fixed, its costs are not)."""
+    prices_link: ClassVar[bool] = True
+    """Calibrates the link with an offload trial where its plan moves bytes (``calibrate_link``)."""
+    plans_per_rank: ClassVar[bool] = True
+    """Each rank's decisions come from its own measurements, so ranks may decide differently: a save
+    declared shared (``offload.sharded``) inside its regions is refused. False: a rule every rank
+    applies alike to the same sizes."""
+    needs_regions: ClassVar[bool] = True
+    """Chooses per region, so an engine with it needs ``regions=``."""
+    unplanned: ClassVar[Decision] = Decision.KEEP
+    """What a region runs as while no plan is in force: throughout, for a policy that measures
+    nothing ("recompute": RECOMPUTE)."""
 
     @abc.abstractmethod
     def plan(
@@ -90,6 +118,9 @@ class NonePolicy(Policy):
     """Keep every region on the device: the model without the engine."""
 
     name = "none"
+    measures = False
+    plans_per_rank = False
+    needs_regions = False
 
     def plan(self, regions, machine, budget_bytes):
         if budget_bytes is not None:
@@ -111,6 +142,10 @@ class OffloadPolicy(Policy):
     """
 
     name = "offload"
+    times = False
+    prices_link = False
+    plans_per_rank = False
+    needs_regions = False
 
     def plan(self, regions, machine, budget_bytes):
         n = len(regions)
@@ -140,6 +175,9 @@ class RecomputePolicy(Policy):
     """Recompute every region in backward (full activation checkpointing), whatever the budget."""
 
     name = "recompute"
+    measures = False
+    plans_per_rank = False
+    unplanned = Decision.RECOMPUTE
 
     def plan(self, regions, machine, budget_bytes):
         return coerce(regions, (Decision.RECOMPUTE,) * len(regions))
@@ -153,6 +191,10 @@ class SelectivePolicy(Policy):
     recomputed whole. Whatever the budget, like "recompute"."""
 
     name = "selective"
+    trial_always = True
+    prices_link = False
+    plans_per_rank = False
+    unplanned = Decision.SELECTIVE
 
     def plan(self, regions, machine, budget_bytes):
         return _selective_or_recompute(regions)

@@ -47,7 +47,7 @@ from ._cost import MachineProfile, RegionProfile
 from ._fit import ProfileFit, Shape
 from ._pace import StepPace
 from ._planner import Decision, Plan, build_plan, calibrate_link, check_inputs, link_usable, scale_link
-from ._policy import make_plan
+from ._policy import Policy, get_policy, make_plan
 from ._session import Saved, Session
 
 __all__ = [
@@ -70,9 +70,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-PROFILED_POLICIES = ("auto", "offload", "selective")
-"""Policies whose decisions depend on measured sizes and times; "recompute" and "none" do not."""
 
 PROFILE_STEPS = 2
 """"measure" steps at a family's first shape when no trial follows. The first pays one-time costs
@@ -275,6 +272,8 @@ class Profiler:
         self.names = (BEFORE_NAME, *(name for name, _ in regions), AFTER_NAME)
         """The profiles' names, in their order: the saves before the regions, each region, the saves after."""
         self.policy = policy
+        self._policy: Policy = get_policy(policy)
+        """What the policy needs measured (``Policy.measures``, ``times``, ...), asked instead of its name."""
         self._session = session
         self._families: collections.OrderedDict[tuple, _Family] = collections.OrderedDict()
         self._link_scale: Optional[float] = None
@@ -329,7 +328,7 @@ class Profiler:
 
     def profiling(self, key: Optional[tuple]) -> bool:
         """Whether the next step at ``key`` (None: before any step) would be a profiling step."""
-        if self.policy not in PROFILED_POLICIES:
+        if not self._policy.measures:
             return False
         if key is None:
             return True
@@ -342,8 +341,8 @@ class Profiler:
     def _needs_measure(self, fam: _Family, shape: Shape) -> bool:
         if not fam.fit:
             return True
-        if self.policy == "offload" or len(fam.fit.measured) >= MAX_MEASURED_SHAPES:
-            return False  # "offload" plans from sizes, which every step under a plan checks
+        if not self._policy.times or len(fam.fit.measured) >= MAX_MEASURED_SHAPES:
+            return False  # a policy of sizes alone ("offload"): every step under a plan checks them
         if not fam.fit.measured:
             return True  # sizes only (a "measure" step that spilled): a trial measures the times
         distance = fam.fit.distance(shape)
@@ -403,7 +402,7 @@ class Profiler:
 
     def _calibration_due(self, plan: Plan) -> bool:
         return (
-            self.policy == "auto"
+            self._policy.prices_link
             and any(d is not Decision.KEEP for d in plan.decisions)
             and self._link_scale is None
             and link_usable(self._session.machine())
@@ -411,19 +410,18 @@ class Profiler:
 
     def _trials(self, fam: _Family, plan: Plan) -> list[Stage]:
         """The trial steps a plan calls for while the family has no trial times yet."""
-        if fam.fit.has("recompute_ms"):
+        policy = self._policy
+        if fam.fit.has("recompute_ms") or not policy.times:
             return []
-        if self.policy == "auto" and any(d is not Decision.KEEP for d in plan.decisions):
-            return [Stage.RECOMPUTE_TRIAL] + ([Stage.OFFLOAD_TRIAL] if self._calibration_due(plan) else [])
-        if self.policy == "selective":
-            return [Stage.RECOMPUTE_TRIAL]
-        return []
+        if not (policy.trial_always or any(d is not Decision.KEEP for d in plan.decisions)):
+            return []
+        return [Stage.RECOMPUTE_TRIAL] + ([Stage.OFFLOAD_TRIAL] if self._calibration_due(plan) else [])
 
     # ------------------------------------------------------------------ a step begins
 
     def begin(self, key: tuple) -> tuple[Optional[Stage], Optional[ShapePlan]]:
         """What the step at ``key`` is: (its profiling stage or None, the plan to follow or None)."""
-        if self.policy not in PROFILED_POLICIES:
+        if not self._policy.measures:
             return None, None
         family, shape = family_and_shape(key)
         fam = self._family(family)
@@ -474,7 +472,7 @@ class Profiler:
             # Its times count unless they are not the compute's own: the first step pays warm-up
             # costs, and under "auto" or "selective" (whose trials measure clean times) a step that
             # spilled ran beside its spill threads. "offload" never runs a trial: its steps spill alike.
-            fam.fit.add(shape, profiles, times=not first and (measured.clean or self.policy == "offload"))
+            fam.fit.add(shape, profiles, times=not first and (measured.clean or not self._policy.times))
             entry = self._entry(profiles, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
             trials = self._trials(fam, entry.plan)
             fam.queue = trials or ([Stage.MEASURE] * (PROFILE_STEPS - 1) if first else [])

@@ -43,7 +43,8 @@ from ._errors import OffloadError
 from ._measurement import ForwardClock, Measurement, finish_after_backward, span_ms
 from ._module_state import RegionState
 from ._planner import Decision, Plan
-from ._profiler import AFTER_NAME, BEFORE_NAME, PROFILED_POLICIES, Measured, Profiler, ShapePlan, Stage
+from ._policy import Policy, get_policy
+from ._profiler import AFTER_NAME, BEFORE_NAME, Measured, Profiler, ShapePlan, Stage
 from ._selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
 from ._session import ForwardMarks, Saved, Session
 from ._sharded import Sharding, declaring
@@ -324,6 +325,8 @@ class Regions:
         self.why = found.why
         """How the regions were chosen (``explain()`` prints it)."""
         self.policy = policy
+        self._policy: Policy = get_policy(policy)
+        """What the policy needs (``Policy.measures``, ``plans_per_rank``, ...), asked instead of its name."""
         self._session = session
         self._profiler = Profiler(self.regions, policy, session)
         self.recent_stages: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
@@ -371,7 +374,7 @@ class Regions:
     def profiling(self) -> bool:
         """True while the latest inputs still have profiling steps to run (or none ran yet)."""
         step = self._step
-        if step is not None and step.phase is StepPhase.AWAITING_BACKWARD and self.policy in PROFILED_POLICIES:
+        if step is not None and step.phase is StepPhase.AWAITING_BACKWARD and self._policy.measures:
             return True
         return self._profiler.profiling(None if step is None else step.key)
 
@@ -402,7 +405,7 @@ class Regions:
         def region_forward(*args: Any, **kwargs: Any) -> Any:
             if not (self._session.active() and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
-            if self.policy == "auto":
+            if self._policy.plans_per_rank:
                 with self._session.planned_per_rank():
                     return region_step(*args, **kwargs)
             return region_step(*args, **kwargs)
@@ -523,7 +526,7 @@ class Regions:
         step = self._step
         if step is not None and step.entry is not None:
             return step.entry.plan.regions[index].decision
-        return {"recompute": Decision.RECOMPUTE, "selective": Decision.SELECTIVE}.get(self.policy, Decision.KEEP)
+        return self._policy.unplanned
 
     # ------------------------------------------------------------------ step boundaries
 
