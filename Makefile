@@ -1,6 +1,7 @@
 # Build, test and demo targets. A fresh clone needs only python3:
 #   make test       create .venv, install torch and the package, run the tests
 #   make lint       ruff check, ruff format --check, mypy offload (installs the lint extra)
+#   make docs       build the documentation site into out/site, warnings as errors (installs the docs extra)
 #   make demo       run the built-in demo (offload.bench --demo)
 #   make bench      run the benchmarks in bench/, JSON under out/bench ($OFFLOAD_BENCH_OUT), never bench/results
 #   make gpu-check  run the device checks, results under out/gpu
@@ -15,8 +16,9 @@ TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,torch==
 VENV_PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.installed-lint
+DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: install test lint demo bench gpu-check clean
+.PHONY: install test lint docs demo bench gpu-check clean
 
 install: $(STAMP)
 
@@ -30,6 +32,11 @@ $(STAMP): pyproject.toml
 # mypy reads torch's and the extras' annotations, so the lint tools go into the test venv.
 $(LINT_STAMP): $(STAMP) pyproject.toml
 	$(VENV_PYTHON) -m pip install -e '.[lint]'
+	touch $@
+
+# The docs tools go into the same venv, after torch (the editable install would otherwise pull one).
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(VENV_PYTHON) -m pip install -e '.[docs]'
 	touch $@
 
 # Test files run on TEST_WORKERS processes (pytest-xdist; each test's torch on one thread, see
@@ -46,6 +53,11 @@ lint: $(LINT_STAMP)
 	$(VENV_PYTHON) -m mypy offload || status=1; \
 	exit $$status
 
+# --strict: a warning (a broken link or anchor, a page left out of the nav, a docstring mkdocstrings
+# cannot read) fails the build. The site goes to out/site (mkdocs.yml's site_dir).
+docs: $(DOCS_STAMP)
+	$(VENV_PYTHON) -m mkdocs build --strict
+
 demo: $(STAMP)
 	$(VENV_PYTHON) -m offload.bench --demo
 
@@ -56,5 +68,5 @@ gpu-check: $(STAMP)
 	PYTHON=$(VENV_PYTHON) bash bench/gpu_check.sh out/gpu
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .benchmarks
+	rm -rf build dist *.egg-info .pytest_cache .benchmarks out/site
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -exec rm -rf {} +

@@ -66,6 +66,19 @@ class Engine:
     Use it as a context manager around the forward pass, or as a decorator on a function or a
     module's ``forward``. One engine serves many steps; backward may run after the ``with`` ends.
     Build it with :func:`offload.engine`.
+
+    Examples:
+        At budget 0 every save leaves the device as it is made, and comes back for backward:
+
+        >>> import torch, offload
+        >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+        >>> eng = offload.engine(budget_mb=0, min_offload_bytes=0)
+        >>> with eng:
+        ...     loss = model(torch.randn(64, 256)).sum()
+        >>> loss.backward()
+        >>> eng.stats.offloaded_bytes == eng.stats.saved_bytes > 0
+        True
+        >>> eng.close()
     """
 
     def __init__(

@@ -30,8 +30,9 @@ on ``n·s`` (the selective re-run, the cheap ops, stays on the shape's terms)::
 
 so the curve of attention's n·s comes from two exact counts, not from noisy times: a [n, n·s] fit
 to three timed points, each one step's, extrapolates their noise, and leave-one-out (below) then
-prefers [n], which is 13-15 % low at MiniGPT's longest lengths (measured on a 2-vCPU AMD EPYC:
-per-token forward time rises 26 % from 131 to 509 tokens, its FLOPs per token 22 %).
+prefers [n], which is 13-15 % low at MiniGPT's longest lengths (measured on a 2-vCPU AMD EPYC,
+``bench/results/shapes-cpu.md``, "times fitted on the FLOPs counted": per-token forward time rises
+26 % from 131 to 509 tokens, its FLOPs per token 22 %).
 
 Times are noisy (each point is one step's), and a basis that lies within 20 % of every point can
 still miss a trend: ``[n]`` through a region whose attention grows as ``n·s`` is 20 % high at the
@@ -76,7 +77,8 @@ BYTE_TOLERANCE = 0.01
 """Largest relative miss at a measured point for a byte or tensor-count fit to be accepted over a
 richer basis. Sizes are exact and deterministic; 1 % leaves room for allocator rounding."""
 TIME_TOLERANCE = 0.20
-"""The same for times: CPU timings drift 10-20 % from step to step, and each point is one step's,
+"""The same for times: CPU timings drift from step to step (10-20 % on the 2-vCPU AMD EPYC of
+``bench/results/demo-cpu-selective.md``), and each point is one step's,
 so a richer basis that only fits that noise (and extrapolates it) is not taken."""
 MAX_POINTS = 16
 """Points kept per field, whatever the number of shapes seen."""

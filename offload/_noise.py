@@ -20,8 +20,9 @@ __all__ = ["MAX_SPREAD", "Readings"]
 
 MAX_SPREAD = 0.5
 """The widest interquartile range, as a share of the median, of readings a figure is built on.
-On a quiet machine repeated readings of one step or one copy lie within 10-20 % of each other;
-beyond half the median, something else was running."""
+Repeated readings of one step or one copy spread by the machine's drift (10-20 % on the 2-vCPU
+AMD EPYC of ``bench/results/demo-cpu-selective.md``); beyond half the median, something else was
+running."""
 
 
 class Readings:

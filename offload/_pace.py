@@ -4,11 +4,12 @@ Numbers in, a number out: nothing here touches torch.
 
 A plan's step time is the cost model's: profiles measured on a few profiling steps (or derived
 from them), transfer costs scaled by one "offload" trial. Each of those is one step's reading on a
-machine whose speed drifts from minute to minute (10-20 % on a shared CPU), and the trial's
-difference of two step times most of all. So one engine's predictions share one error for as long
-as it runs: in one derive run on a 2-vCPU guest (``bench/results/shapes-derive-cpu-8.json``), the
-median miss over twelve lengths was -21 % for one MiniGPT engine (every length low, by 13-40 %)
-and +5 % for another built alike; on the tiny Llama, -9 % for one and +15 % for another.
+machine whose speed drifts from minute to minute (10-20 % on the 2-vCPU AMD EPYC of
+``bench/results/demo-cpu-selective.md``), and the trial's difference of two step times most of
+all. So one engine's predictions share one error for as long as it runs: in one derive run on
+that machine (``bench/results/shapes-derive-amd-200c3bd.json``), the median miss over twelve
+lengths was -21 % for one MiniGPT engine (every length low, by 13-40 %) and +5 % for another built
+alike; on the tiny Llama, -9 % for one and +15 % for another.
 
 Every step under a plan is timed anyway (the next step's first region ends it), so it checks its
 plan for free::

@@ -82,7 +82,8 @@ Assumptions, all of them:
   tensors (a region's ``largest_tensor_bytes``, where measured): with room for one of them or
   none, the rest's reads and the backward take turns; with room for three or more the prefetch
   runs the rest's reads beside the backward (half of that with two). Seen on MiniGPT, 4 x 256,
-  batch 4, every block offloaded to disk, on the 2-vCPU CPU of ``bench/results``: at an 8 MB
+  batch 4, every block offloaded to disk, on the 2-vCPU Intel Xeon of ``bench/results/shapes-cpu.md``
+  ("derive with the room counted in whole tensors", 2026-12-03): at an 8 MB
   budget, backward waited on reads 14-17 ms a step at sequence 250 (largest tensor 2.9 MB, room
   for two), 45 ms at 331 (3.9 MB, two), 150-155 ms at 414 (4.9 MB, one), for 1.7x the bytes of
   250; at 414 with a 16 MB budget (room for three) 20 ms, with 24 MB (four) 10 ms. On a GPU and
@@ -622,10 +623,8 @@ def _streamed_share(room_bytes: int | None, largest_bytes: int) -> float:
 #     of link time, as late as still lands them on time); whatever is left, for want of room or
 #     of time, is read from then on, and runs beside the backward by the room's streamed share.
 #     Every byte counts once on the link, whether read ahead or beside, so more room or an
-#     earlier start never makes a step slower: the read ahead only takes bytes off the rest.
-#     (Before, the bytes read ahead had to land in full before the backward started while those
-#     beyond the room were read beside it, and the next region's read ahead shared the link with
-#     them for free: a smaller budget priced the same plan cheaper.)
+#     earlier start never makes a step slower: the read ahead only takes bytes off the rest
+#     (See Note: [the best plan never gets cheaper as the budget falls] in ``_predict_plan``).
 
 
 def _reload(

@@ -128,6 +128,19 @@ def predict(
     sequence fitting the device under each policy is searched. ``memory_bytes``: device memory the
     step may use (default: the machine's usable memory, ``Machine.usable_memory_bytes``). Raises
     ``OffloadError`` for an op that cannot run on meta tensors, naming it.
+
+    Examples:
+        A model built on the meta device allocates no weights; the prediction says whether a step
+        fits an H100 and what the plan for a 64 MB budget keeps:
+
+        >>> import torch, offload
+        >>> from offload.models import GPTConfig, MiniGPT
+        >>> with torch.device("meta"):
+        ...     model = MiniGPT(GPTConfig(n_layer=4, n_embd=512, n_head=8, seq_len=1024))
+        >>> tokens = torch.zeros(2, 1024, dtype=torch.long, device="meta")
+        >>> prediction = offload.predict(model, tokens, tokens, machine="h100-sxm", budget_mb=64)
+        >>> prediction.plan.fits_budget, prediction.points[0].fits_device
+        (True, True)
     """
     start = time.perf_counter()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

@@ -191,9 +191,9 @@ def device_bytes(plan: Plan, profiles: Sequence[RegionProfile], keep_peak_bytes:
 
 # Note: [the best plan never gets cheaper as the budget falls]
 #     A plan that fits a budget fits every larger one, and costs no more there (the planner's time
-#     model only loses room as the budget falls: Note: [a reload is one stream of reads on one
-#     back-link]). So the fastest plan that fits a budget is never slower than the fastest that
-#     fits a smaller one. "auto" is a search, not the proven fastest: the plan it finds at a
+#     model only loses room as the budget falls: See Note: [a reload is one stream of reads on one
+#     back-link] in ``_planner``). So the fastest plan that fits a budget is never slower than the
+#     fastest that fits a smaller one. "auto" is a search, not the proven fastest: the plan it finds at a
 #     smaller budget can beat the one it finds at a larger. The table's "auto" takes, at each
 #     budget, the faster of its own plan and the plans found at the smaller budgets, priced at
 #     this one, so its step never falls as the budget falls.
@@ -213,7 +213,8 @@ def policy_points(
     points = []
     for policy in POLICIES:
         plans: dict[float, Plan] = {}
-        for fraction in sorted(set(fractions)):  # smallest budget first: See Note: [the best plan never ...]
+        # Smallest budget first: See Note: [the best plan never gets cheaper as the budget falls].
+        for fraction in sorted(set(fractions)):
             budget = int(keep_peak * fraction)
             plan = plan_policy(profiles, link, policy, budget, other_ms)
             if policy == "auto":

@@ -23,8 +23,9 @@ How each figure is taken:
   device, under an engine that moves every save and one that only counts, run in ``repeats``
   interleaved pairs; the median of the pairs' differences per tensor, minus the tensor's byte
   time at the measured bandwidths, clamped at 0. The hook
-  round trip alone is ~50x smaller on the CPU, where a spill file per tensor dominates; planning
-  with it made small tensors look free to move.
+  round trip alone is far smaller on the CPU, where the spill write and read dominate (16.83
+  against 854.5 us per tensor on the 2-core Xeon VM of ``bench/results/cpu-xeon-2core.md``, then
+  with a spill file per tensor); planning with it made small tensors look free to move.
 - spare cores (CPU only): the whole cores this process may run on (its affinity, in physical
   cores on a host with hardware threads, capped by a cgroup CPU quota: ``usable_cores``) less
   torch's intra-op threads, read at the call and never cached. Where some are spare the planner

@@ -25,10 +25,9 @@ differ (a batch padded to its own longest sample, a curriculum). One family, one
 
 Why the later shapes are measured by a "recompute" step and not a "measure" one: a "measure" step
 holds the budget tensor by tensor, so on a CPU its spill threads share the cores with the forward
-(all of them where no core is spare, memory bandwidth and caches where one is) and slow it 2-3x
-(seen on MiniGPT 8x256 at a 20 MB budget: 65-85 ms against 20-35 ms per block); a recomputed
-region sends only its inputs to the store, so its times are the compute's own, the same kind of
-time the first shape's trial measured.
+(all of them where no core is spare, memory bandwidth and caches where one is) and slow it; a
+recomputed region sends only its inputs to the store, so its times are the compute's own, the same
+kind of time the first shape's trial measured.
 """
 
 from __future__ import annotations
@@ -97,20 +96,21 @@ SEARCH_BUCKET = 2 ** (1 / 8)
 (x1.09) share the decisions of one planner search, made at the bucket's largest shape (it saves
 the most, so its decisions fit the rest); each shape's plan is priced at its own profiles. A loop
 whose lengths change every step then searches a bounded number of times, not once a step (a
-search took ~10 ms for 6 regions here, and grows with the square of the regions)."""
+search's cost grows with the square of the regions)."""
 TIME_CHECK_TOLERANCE = 0.3
 """The same for a region's forward time (where the step's forward moved nothing: its compute
-alone). Wider than sizes: CPU timings drift 10-20 % from step to step, and every miss re-plans."""
+alone). Wider than sizes: CPU timings drift from step to step (10-20 % on the 2-vCPU AMD EPYC of
+``bench/results/demo-cpu-selective.md``), and every miss re-plans."""
 
 
 # Note: [a calibration that cannot lie]
 #     The probe times one large buffer with nothing else running; an "offload" trial step scales
 #     all transfer costs by what moving every region really cost it (``calibrate_link``). That
-#     figure comes from the difference of two noisy step times, and it has read absurd: a trial no
-#     slower than its reference gave x0.001, a 9 MB region moved in 0.013 ms (690 GB/s, over a disk
-#     that does well under 1 GB/s), and plans flipped between builds. A transfer cannot be much
-#     faster than the probe measured the link alone, and one many times slower says the step was
-#     disturbed: a scale outside ``PLAUSIBLE_LINK_SCALE`` is not planned on. The trial is run
+#     figure comes from the difference of two noisy step times, and can read absurd: a trial no
+#     slower than its reference gives ``calibrate_link``'s floor, x0.001, a link far faster than the
+#     disk under it, and a plan built on it would flip with the next build's reading. A transfer
+#     cannot be much faster than the probe measured the link alone, and one many times slower says
+#     the step was disturbed: a scale outside ``PLAUSIBLE_LINK_SCALE`` is not planned on. The trial is run
 #     again (``CALIBRATION_TRIES`` in all); if every one is implausible, the probe's own figures
 #     are used, and a warning says so.
 PLAUSIBLE_LINK_SCALE = (0.01, 100.0)
@@ -118,11 +118,11 @@ PLAUSIBLE_LINK_SCALE = (0.01, 100.0)
 that moved everything was no slower than the one that kept it (``calibrate_link`` then returns its
 floor, 1e-3), which the bytes it moved rule out, a timing fluke, not a link. A scale well under 1
 is plausible (the probe charges each small tensor a disk round trip that a step's spill threads
-overlap: x0.17-x0.4 measured on GPT-2 here); one above 100 says the step was disturbed."""
+overlap); one above 100 says the step was disturbed."""
 SCALE_GRID = 2**0.5
 """A calibrated scale is planned as the nearest power of this (x0.71, x1, x1.41, x2, ...): two
-builds of one setup measure it up to ~30 % apart (five MiniGPT builds here: 1.8 to 3.5 GB/s), and
-a plan should not follow that noise (see also ``AutoPolicy.stable_margin``)."""
+builds of one setup measure it apart by the noise of two step times, and a plan should not follow
+that noise (see also ``AutoPolicy.stable_margin``)."""
 
 
 def _on_grid(scale: float) -> float:

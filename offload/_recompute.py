@@ -618,6 +618,16 @@ def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: A
     Where ``fn`` is a module or a module's bound method, the re-run leaves the module's buffers and
     plain-number attributes as this call left them (BatchNorm counts one batch, not two), and
     sees them as this call found them; see ``offload._module_state``.
+
+    Examples:
+        >>> import torch, offload
+        >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> offload.checkpoint(block, x).sum().backward()  # keeps only x; re-runs block in backward
+        >>> grad, x.grad = x.grad, None
+        >>> block(x).sum().backward()
+        >>> torch.equal(grad, x.grad)  # the same gradient as without checkpointing
+        True
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable first argument, got {fn!r}")

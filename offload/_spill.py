@@ -3,13 +3,14 @@ on worker threads, with direct I/O so that spilled bytes really leave RAM.
 
 Why direct I/O. A buffered write leaves the file's pages in the page cache, dirty until the kernel
 writes them back and clean until it needs the memory, and a container's memory limit counts them:
-measured here at budget 0, the spill files held 98-100 % of the bytes spilled per step in the page
-cache. ``O_DIRECT`` moves the bytes between the disk and an aligned buffer of ours without the page
-cache. Where the filesystem refuses it (tmpfs, some network filesystems), each write is followed by
-``fdatasync`` and ``posix_fadvise(DONTNEED)`` on its range, and each read by ``DONTNEED``, on the
-worker thread; tmpfs keeps its warning (its pages are RAM).
+buffered spill files held all 198 MB a MiniGPT step spilled at budget 0 in the page cache, with
+direct I/O none of it (2-vCPU AMD EPYC, ``bench/results/disk-tier-cpu.md``). ``O_DIRECT`` moves
+the bytes between the disk and an aligned buffer of ours without the page cache. Where the
+filesystem refuses it (tmpfs, some network filesystems), each write is followed by ``fdatasync``
+and ``posix_fadvise(DONTNEED)`` on its range, and each read by ``DONTNEED``, on the worker thread;
+tmpfs keeps its warning (its pages are RAM).
 
-Why one file. A file per tensor cost about 0.56 ms per tensor here (create, write, read, unlink).
+Why one file. A file per tensor pays a create and an unlink per tensor besides its write and read.
 Extents are offsets into one file, multiples of ``ALIGN_BYTES``, taken first-fit and merged on
 release; they are reused across steps, so the file grows to the most bytes spilled at once and
 stays until ``close()``. An open file survives its directory being removed (a /tmp cleaner): the

@@ -324,12 +324,9 @@ class Store:
     #     where a plan keeps a block before one it offloads: backward reaches the offloaded block
     #     while the kept one is whole. The tensor being unpacked is not counted: it is in use, and
     #     if its copy out is still on its way its original serves this unpack and stays when the
-    #     copy lands (marked in use before anything is waited for).
-    #     Before this, those tensors stayed over the budget until backward used them (found by
-    #     reading, shown by a test on the store). A read back costs less than a device out of
-    #     memory. It is not what made the 2026-12-03 soaks go over the budget "auto" on 11-12 of
-    #     500 steps: that was a prefetch reading past a budget found lower during it (See Note:
-    #     [a prefetch asks the budget in force]; bench/results/shapes-cpu.md).
+    #     copy lands (marked in use before anything is waited for). A read back costs less than a
+    #     device out of memory. The prefetch's own loads keep to the budget in force too (See
+    #     Note: [a prefetch asks the budget in force]).
 
     # Note: [held for the next user]
     #     A storage with several users in backward (a norm output feeding two matmuls, the qkv
@@ -344,16 +341,15 @@ class Store:
     # Note: [a prefetch asks the budget in force]
     #     Free memory is read by a rule (``_budget``: after so many bytes saved or loaded, or so
     #     many milliseconds), not on every unpack, so backward can allocate gradients that no
-    #     reading has seen until one of the prefetch's loads comes due. The prefetch took its room
-    #     once, as it started, and counted it down: a reading that found the budget lower did not
-    #     stop the loads after it, and the unpack returned over the budget. Now each load first
+    #     reading has seen until one of the prefetch's loads comes due. So a prefetch never takes
+    #     its room once, as it starts (a reading that found the budget lower would not stop the
+    #     loads after it, and the unpack would return over the budget): each load first
     #     counts its bytes toward a reading, taken before the load (resident and free then both
     #     leave its bytes out, where after it a load still climbing through the host would be
     #     counted resident and not yet taken from free), and a prefetch goes only if it fits the
     #     budget in force then; a miss reads the same way and goes whatever the budget. What a
     #     reading shows already over goes before the unpack returns (``_fit_fallen_budget``,
-    #     after the prefetch too). Found by reading, after the 2026-12-03 soaks went over the
-    #     budget "auto" with loads read back in backward; shown by a test on the store.
+    #     after the prefetch too).
 
     def _prefetch(self, seq: int) -> None:
         """Start reloading the entries saved just before ``seq`` while they fit the budget in force."""

@@ -130,7 +130,8 @@ def test_trainer_equal_with_callback(accumulation, checkpointing, tmp_path, spil
     stats = callback.engine.stats  # readable after train end
     assert stats.saved_tensors > 0 and stats.offloaded_bytes > 0
     assert stats.offloaded_bytes == stats.saved_bytes  # budget 0: everything eligible moved
-    # and came back for backward; a storage two backward ops use is read back twice (see DESIGN.md)
+    # and came back for backward; a storage whose backward users are apart is read back once per
+    # user (See Note: [held for the next user] in offload/_store.py)
     assert stats.reloaded_bytes > 0  # came back for backward
     assert stats.peak_resident_bytes == 0
     assert files_under(spill_dir) == []  # closed at train end: no spill file left

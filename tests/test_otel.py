@@ -7,7 +7,6 @@ against the engine's own ``Stats`` for that step, and gradients against the mode
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF  # noqa: E402
 
+from doc_blocks import py_blocks  # noqa: E402
 from offload.integrations.otel import StepTracer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -342,17 +342,16 @@ def test_tracer_rejects_a_non_engine():
         StepTracer(object())
 
 
-def test_readme_traces_example(spans, spill_dir):
+def test_docs_traces_example(spans, spill_dir):
+    """docs/trainers.md's Traces example, as written, with the names its ``# supply:`` line assumes."""
     provider, exporter = spans
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Traces", 1)[1].split("\n## ", 1)[0]
-    (block,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
+    (block,) = py_blocks("docs/trainers.md", section="## Traces")
     model = _model()
     x, y = _batch()
     eng = offload.engine(budget_mb=0, policy="recompute", regions=model.blocks, model=model, spill_dir=spill_dir)
     namespace = {"offload": offload, "eng": eng, "model": model, "batches": [(x, y)], "tracer_provider": provider}
     try:
-        exec(compile(block, "README.md", "exec"), namespace)
+        exec(compile(block, str(ROOT / "docs/trainers.md"), "exec"), namespace)
     finally:
         namespace["tracing"].close()
         eng.close()

@@ -1,6 +1,7 @@
 """The planner with numbers alone: the cost model's arithmetic, the fixed policies, and "auto".
 
-No torch and no device: profiles are made up, or derived from DESIGN.md's transformer arithmetic.
+No torch and no device: profiles are made up, or derived from a transformer layer's arithmetic
+(``gpt_layer``: Korthikanti et al. 2022's saved bytes, Narayanan et al. 2021's forward FLOPs).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ def uniform_regions(n: int, saved_bytes: int = 100 * MB, forward_ms: float = 5.0
 
 
 def gpt_layer(name: str, *, h: int = 4096, s: int = 4096, b: int = 1, flop_per_s: float = 600e12) -> RegionProfile:
-    """One transformer layer per DESIGN.md: ~34*s*b*h bytes saved in bf16, 24*b*s*h^2*(1 + s/6h) FLOPs."""
+    """One transformer layer: ~34*s*b*h bytes saved in bf16 (Korthikanti et al. 2022, eq. 1, without the
+    attention scores a fused kernel never saves; bench/results/predict-published.md checks it per op) and
+    24*b*s*h^2*(1 + s/6h) forward FLOPs (a quarter of Narayanan et al. 2021's 96*b*s*h^2*(1 + s/6h) a
+    layer for forward, backward and recompute)."""
     forward_flops = 24 * b * s * h**2 * (1 + s / (6 * h))
     return RegionProfile(
         name=name,
@@ -305,8 +309,9 @@ def test_cheap_to_recompute_regions_are_recomputed_expensive_ones_offloaded():
 def test_7b_layer_offload_hides_over_a_fast_link_but_not_over_pcie():
     layers = [gpt_layer(f"layers.{i}") for i in range(8)]
     budget_bytes = 4 * layers[0].saved_bytes
-    # DESIGN.md: h + s/6 >= (17/12) P/B decides; at 340 GB/s the copy (~1.7 ms) beats the
-    # ~3.2 ms forward, at 50 GB/s (~11.4 ms) it does not.
+    # The copy of a layer's 34sbh bytes at B bytes/s hides behind its forward of 24bsh^2(1 + s/6h)
+    # FLOPs at P FLOP/s when 34sbh/B <= 24bsh^2(1 + s/6h)/P, i.e. h + s/6 >= (17/12) P/B: at 340 GB/s
+    # the copy (~1.7 ms) beats the ~3.2 ms forward, at 50 GB/s (~11.4 ms) it does not.
     assert layers[0].saved_bytes / 340e9 * 1e3 < layers[0].forward_ms < layers[0].saved_bytes / 50e9 * 1e3
 
     fast = make_plan(layers, cuda_machine(340.0), budget_bytes, policy="offload")
