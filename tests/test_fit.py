@@ -330,3 +330,20 @@ def test_a_richer_time_basis_must_beat_the_simpler_by_the_held_out_margin():
     for point in points:
         fit.add(*point)
     assert fit.model().basis == ("n",)
+
+
+def test_a_basis_the_points_do_not_separate_is_passed_over():
+    """Two shapes with the same element count (4 x 128 and 8 x 64 tokens) cannot give ``[1, n]``
+    both its terms: that basis is passed over (its normal equations are singular), and the next,
+    ``[n, n·s]``, explains the points exactly."""
+
+    def ms(s: Shape) -> float:
+        return 1e-9 * s.n * s.s
+
+    a, b = shape(128, batch=4), shape(64, batch=8)
+    assert a.n == b.n and a.s != b.s, "the premise"
+    fit = FieldFit(TIME_TOLERANCE, TIME_BASES)
+    fit.add(a, ms(a))
+    fit.add(b, ms(b))
+    assert fit.model().basis == ("n", "ns")
+    assert fit.at(shape(300, batch=2)) == pytest.approx(ms(shape(300, batch=2)), rel=1e-9)
