@@ -21,6 +21,7 @@ import torch
 
 from offload.bench import loop, measure, report, step
 from offload.bench.config import parse_variant
+from zoo import most_profiling_steps
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -266,7 +267,10 @@ def test_tiny_preset_runs_every_h200_configuration(tmp_path, capsys):
     Only what cannot depend on timing or on the machine's load is asserted: a memory peak read in
     process can read 0 on a busy machine (so its ratio None), and figures are bench/'s business;
     how the ratios are computed is checked with made-up numbers below."""
-    code = step.main(["--preset", "tiny", "--in-process", "--out", str(tmp_path)])
+    # As many warm-up steps as auto may profile (its trials a second round where their noise
+    # decides the plan): every budget then has a timed auto step to judge.
+    warmup = ["--warmup", str(most_profiling_steps("auto"))]
+    code = step.main(["--preset", "tiny", "--in-process", "--out", str(tmp_path), *warmup])
     payload = _last_json(capsys.readouterr().out)
     assert code == 0
     results = {r["config"]: r for r in payload["results"]}

@@ -13,10 +13,15 @@ import pytest
 import torch
 
 from offload.bench import report, step
+from zoo import most_profiling_steps
 
-TINY_SHAPE = "--layers 2 --hidden 32 --heads 2 --seq 16 --batch 2 --steps 2 --warmup 4 --min-offload-bytes 0".split()
-"""Four warm-up steps: a step that still profiles is not timed, and on a loaded machine auto's
-calibration can take a step more than its usual three (then a verdict needs a timed step left)."""
+TINY_SHAPE = "--layers 2 --hidden 32 --heads 2 --seq 16 --batch 2 --steps 2 --min-offload-bytes 0".split() + [
+    "--warmup",
+    str(most_profiling_steps("auto")),
+]
+"""As many warm-up steps as auto may profile at one shape: a step that still profiles is not timed,
+and on a loaded machine auto's calibration can take a step more than its usual three, its trials
+a round more (then a verdict needs a timed step left)."""
 
 
 @pytest.fixture(autouse=True)

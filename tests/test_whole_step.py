@@ -16,6 +16,7 @@ import offload
 from offload._cost import Scope
 from offload.models.gpt import GPTConfig, MiniGPT
 from test_regions import MACHINE, assert_same_history
+from zoo import most_profiling_steps
 
 CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=64, dropout=0.1, vocab_size=4096, attention="math")
 BATCH = 4
@@ -107,7 +108,8 @@ def test_a_budget_below_the_heads_saves_moves_them_and_holds(policy, spill_dir):
     (ordinary eviction would keep them, and move saves only once the logits overflow it)."""
     _, per_block, after = split_of_one_step()
     budget_mb = 0.8 * after / 2**20
-    reference = train(make_model())
+    steps = most_profiling_steps(policy) + 2  # the plan in force for the last two at least
+    reference = train(make_model(), steps=steps)
     model = make_model()
     eng = engine(model, budget_mb, spill_dir, policy=policy)
     at_last_block_end: list[offload.Stats] = []
@@ -116,7 +118,7 @@ def test_a_budget_below_the_heads_saves_moves_them_and_holds(policy, spill_dir):
     model.norm_f.register_forward_hook(lambda m, a, o: after_norm.append((at_last_block_end[-1], eng.stats)))
     history = []
     peaks = []
-    for step in range(5):
+    for step in range(steps):
         eng.reset_stats()
         history += train_one(model, eng, step)
         peaks.append(eng.stats.peak_resident_bytes)
