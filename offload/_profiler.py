@@ -148,9 +148,11 @@ CALIBRATION_TRIES = 2
 #       plan first, then fewest regions moved, then a fixed order of decisions. That order does
 #       not depend on the figures, so builds whose figures differ by their noise plan alike.
 #     - Where that choice differs from the plan the figures alone would give (the noise decides),
-#       the round is measured once more (``MAX_TRIAL_ROUNDS``) at the same inputs on the next step,
-#       the "offload" trial again against its own round's "recompute" trial (the pair runs on
-#       adjacent steps, under the same load), and the plan is made from the medians of the rounds.
+#       or where the one link reading (or readings too far apart to plan on) would turn the plan
+#       from what the probe's figures give (the reading decides), the round is measured once more
+#       (``MAX_TRIAL_ROUNDS``) at the same inputs on the next step, the "offload" trial again
+#       against its own round's "recompute" trial (the pair runs on adjacent steps, under the same
+#       load), and the plan is made from the medians of the rounds.
 #     - The link's level is the difference of two steps' spans, each off by the steps' noise (at
 #       least ``STEP_TO_STEP_NOISE``): where that leaves the reading uncertain by more than
 #       ``MAX_SPREAD`` (a small transfer in a long step, or a noisy step), it is not planned on, as
@@ -166,6 +168,10 @@ STEP_TO_STEP_NOISE = 0.1
 """How far two steps of one setup may lie apart on a quiet machine (10-20 %: ``_noise``), whatever
 the noise within each: an "offload" trial's link reading, the difference of two steps' spans, is
 known to within this share of a span at best."""
+ONE_ROUND_NOISE = MAX_SPREAD / 2
+"""What one trial round's figures may be off by, taken before a second round measures it: between
+a quiet machine's two steps (``STEP_TO_STEP_NOISE``) and a busy one's (``MAX_SPREAD``). Where a plan
+within it differs from the figures' own, the round is measured again."""
 MAX_NOISE_MARGIN = MAX_SPREAD
 """The widest noise (a share of the step) plans are taken as equal within: readings spread wider
 than ``MAX_SPREAD`` are not built on elsewhere either (``_noise``)."""
@@ -329,9 +335,11 @@ class _Family:
         differ by on a quiet machine (See Note: [a plan that holds still])."""
         if not self.rounds:
             return 0.0
-        # Between two steps at least STEP_TO_STEP_NOISE, whatever one step's own readings say; the
-        # median of several rounds' readings, less.
-        spreads = [STEP_TO_STEP_NOISE / math.sqrt(len(self.rounds))] + [trial.noise() for trial in self.rounds]
+        # Between two steps: with one round unknown (a whole step run slower shows in none of its
+        # own readings), ONE_ROUND_NOISE; with more, what their spans read, and at least
+        # STEP_TO_STEP_NOISE over the square root of their number (their medians are planned on).
+        between = ONE_ROUND_NOISE if len(self.rounds) == 1 else STEP_TO_STEP_NOISE / math.sqrt(len(self.rounds))
+        spreads = [between] + [trial.noise() for trial in self.rounds]
         spans = [trial.span_ms for trial in self.rounds if trial.span_ms]
         if len(spans) >= 2:
             spreads.append(Readings(spans).deviation)
@@ -637,20 +645,24 @@ class Profiler:
 
     def _decided_by_noise(self, fam: _Family, key: tuple, entry: ShapePlan) -> bool:
         """Whether another round is due (a round can run at the same inputs, and): the plan within
-        the noise differs from the one the figures alone give, or the link readings are too
-        uncertain to plan on and the plan at their median differs from the plan at the probe's."""
+        the noise differs from the one the figures alone give, or the link readings decide the plan
+        (it differs at their median and at the probe's figures) while one reading, or readings too
+        far apart to plan on, are all there is."""
         if len(fam.rounds) >= MAX_TRIAL_ROUNDS or fam.rounds[-1].key != key:
             return False
         budget = self._session.budget_in_force()
-        if not isinstance(self._policy(fam), str):
+        policy = self._policy(fam)
+        if not isinstance(policy, str):
             alone = make_plan(entry.profiles, self._machine(), budget, self.policy, other_ms=entry.other_ms)
             if alone.decisions != entry.plan.decisions:
                 return True
-        if not self.calibrations or self._pooled_uncertainty() <= MAX_SPREAD:
+        if not self.calibrations or (len(self.calibrations) > 1 and self._pooled_uncertainty() <= MAX_SPREAD):
             return False
-        read = scale_link(self._session.machine(), statistics.median(self.calibrations))
-        at_reading = make_plan(entry.profiles, read, budget, self._policy(fam), other_ms=entry.other_ms)
-        return at_reading.decisions != entry.plan.decisions
+        probe = self._session.machine()
+        read = scale_link(probe, statistics.median(self.calibrations))
+        at_reading = make_plan(entry.profiles, read, budget, policy, other_ms=entry.other_ms)
+        at_probe = make_plan(entry.profiles, probe, budget, policy, other_ms=entry.other_ms)
+        return at_reading.decisions != at_probe.decisions
 
     def _calibrate(self, fam: _Family, key: tuple, shape: Shape, measured: Measured) -> ShapePlan:
         """An "offload" trial: scale the probe's transfer costs by what moving every region cost
@@ -699,14 +711,14 @@ class Profiler:
         return noise * measured.span_ms / excess_ms
 
     def _pooled_uncertainty(self) -> float:
-        """How far off the median of the link readings may be: one reading's, from the noise of
-        the steps it is the difference of (``_uncertainty``); several readings', from how far they
-        lie apart (``Readings.deviation``) over the square root of their number."""
+        """How far off the link readings' median may be: one reading's, from the noise of the
+        steps it is the difference of (``_uncertainty``); several readings', how far they lie
+        apart (``Readings.deviation``: two, four times apart, 60 %)."""
         if not self.calibration_uncertainty:
             return math.inf
         if len(self.calibrations) == 1:
             return self.calibration_uncertainty[0]
-        return Readings(self.calibrations).deviation / math.sqrt(len(self.calibrations))
+        return Readings(self.calibrations).deviation
 
     def _accept_calibration(self, fam: _Family, scale: float, uncertainty: float) -> None:
         """See Note: [a calibration that cannot lie] and Note: [a plan that holds still]."""
