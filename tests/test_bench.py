@@ -68,6 +68,7 @@ def _read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # runs the benchmark harness
 def test_in_process_run_writes_everything(tmp_path, capsys):
     configs = ["none", "offload-25%", "auto-25%", "recompute"]
     code = step.main(TINY + ["--device", "cpu", "--in-process", "--configs", ",".join(configs), "--out", str(tmp_path)])
@@ -143,6 +144,7 @@ def test_each_configuration_in_its_own_process(tmp_path):
     assert len(_read_csv(tmp_path / "metrics.csv")) == 2 * 3
 
 
+@pytest.mark.slow  # runs the benchmark harness
 def test_a_failing_configuration_is_tabled_and_the_rest_run(tmp_path, capsys, monkeypatch):
     real_run_one = loop.run_one
 
@@ -174,6 +176,7 @@ class _JobClock:
         return self.now_s
 
 
+@pytest.mark.slow  # runs the benchmark harness
 def test_a_time_limit_skips_what_would_not_fit_and_still_reports(tmp_path, capsys, monkeypatch):
     """--time-limit-s: the first configuration runs; one that would end past the limit (judged by
     the longest so far) is skipped with the rest, tabled as such; the run still writes and reports."""
@@ -260,6 +263,7 @@ def test_cuda_tiny_run_losses_match(tmp_path, capsys):
     assert payload["env"]["gpu"]
 
 
+@pytest.mark.slow  # runs the benchmark harness
 def test_tiny_preset_runs_every_h200_configuration(tmp_path, capsys):
     """The h200 preset's configuration list at a tiny shape: every code path the GPU run takes, as
     far as the CPU allows; gradients of the first step equal the reference's in every one.
@@ -480,6 +484,7 @@ def test_the_optimizer_steps_on_one_thread_on_the_cpu(monkeypatch):
     assert seen == [1] and torch.get_num_threads() == 2
 
 
+@pytest.mark.slow  # runs the benchmark harness
 def test_the_gradient_check_sees_a_wrong_reload(tmp_path, capsys, monkeypatch):
     """A context that hands back saved tensors slightly changed must read "differs", not "equal"."""
     real = loop._make_context
@@ -509,6 +514,7 @@ def test_the_gradient_check_sees_a_wrong_reload(tmp_path, capsys, monkeypatch):
     assert "FAILED offload-25%: first-step gradients: differs" in captured.err
 
 
+@pytest.mark.slow  # runs the benchmark harness
 def test_a_gradient_check_that_raised_fails_the_run(tmp_path, capsys, monkeypatch):
     """A check that raised (strict determinism refusing a kernel, CUDA out of memory) is no pass."""
     real, calls = loop.grad_checksums, []

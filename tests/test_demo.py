@@ -80,6 +80,7 @@ def test_the_verdict_pairs_repeats_and_shows_both_plans():
     assert "NO" not in text.replace("holds budget", "")  # no bare "NO" a reader takes for auto failing
 
 
+@pytest.mark.slow  # runs the benchmark harness
 def test_demo_prints_a_reader_table_and_writes_its_json_to_a_file(tmp_path, capsys, monkeypatch):
     figures = []
     if importlib.util.find_spec("matplotlib") is not None:

@@ -23,6 +23,8 @@ from torch import nn
 import offload
 from links import DeferredLink, ThreadedLink
 
+pytestmark = pytest.mark.slow  # a soak: hundreds of steps; `-m "not slow"` leaves it out
+
 STEPS = 300
 WIDTH = 64
 BATCHES = (1, 3, 8, 16)
