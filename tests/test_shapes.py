@@ -68,6 +68,7 @@ def saved_by_blocks(model, seq: int, size: int = BATCH) -> list[int]:
     return measured
 
 
+@pytest.mark.slow  # a soak of changing shapes: 40-100 steps
 @pytest.mark.parametrize("policy", ["auto", "selective", "offload"])
 def test_dynamic_lengths_profile_a_few_steps_then_plan_every_shape(policy, spill_dir):
     seqs = lengths(40, 40, 160)
@@ -94,6 +95,7 @@ def train_batches(model, shapes, eng=None):
     return train_lengths(model, [seq for _, seq in shapes], eng, size=[rows for rows, _ in shapes], reset_stats=False)
 
 
+@pytest.mark.slow  # a soak of changing shapes: 40-100 steps
 @pytest.mark.parametrize("policy", ["auto", "offload"])
 def test_batch_and_length_both_change_every_step(policy, spill_dir):
     """Rows and length drawn anew every step: the fit is over elements and length, so what a
@@ -204,6 +206,7 @@ def test_a_derived_plan_whose_sizes_miss_refits_them(spill_dir, caplog):
     eng.close()
 
 
+@pytest.mark.slow  # a soak of changing shapes: 40-100 steps
 def test_state_is_bounded_whatever_the_number_of_shapes(spill_dir):
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=MAX_PLANS + 40)
     model = make_model(config)
@@ -237,6 +240,7 @@ def test_explain_says_where_a_plan_comes_from(spill_dir):
     eng.close()
 
 
+@pytest.mark.slow  # its steps wait for a slow loader: seconds of sleeps
 def test_a_plan_reads_its_step_at_the_pace_steps_under_plans_took(spill_dir):
     """A step that costs more than the cost model knows (here a slow data loader, three times
     the predicted step; on a shared machine, the minute's speed): the plan's predicted step
