@@ -1,7 +1,9 @@
 """The plan against the step it plans: predicted and measured, with what is saved outside the regions.
 
     python bench/whole_step.py gpt2    [--steps 8]     the Hugging Face GPT-2 case of issue #23
-    python bench/whole_step.py builds  [--builds 5]    one setup built five times: do the plans hold still?
+    python bench/whole_step.py builds  [--builds 10] [--neighbour-workers 2]
+                                                        one setup built ten times beside a noisy
+                                                        neighbour: do the plans hold still?
 
 gpt2    GPT-2 (4 layers, width 256, vocabulary 50,257, random init), batch 8 x 256 tokens, under
         the real ``Trainer`` with ``OffloadCallback(budget_mb=32, regions=model.transformer.h)``
@@ -11,8 +13,10 @@ gpt2    GPT-2 (4 layers, width 256, vocabulary 50,257, random init), batch 8 x 2
         (``PYTHONPATH=that/tree``) to compare before and after a change: it reads only the public
         API, and the plan's rows outside the regions where the plan has them.
 builds  MiniGPT 4 x 256 (the demo's shape), policy "auto" at a quarter of its saved bytes, each
-        build a fresh process: the decisions, and the transfer cost the calibrated plan charges
-        per region as GB/s (out and back over the region's bytes).
+        build a fresh process: the decisions, the profiling stages, the link readings of its
+        "offload" trials, and the transfer cost the calibrated plan charges per region as GB/s
+        (out and back over the region's bytes). ``--neighbour-workers N`` runs
+        ``noisy_neighbour.py --workers N --seed S`` beside the builds (0: none).
 
 Each part prints a table and ends with one JSON line; the JSON goes to
 ``$OFFLOAD_BENCH_OUT/whole-step-<part>.json`` (default ``out/bench``).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -168,27 +173,48 @@ budget_mb = 0.25 * counting.stats.saved_bytes / 2**20
 del loss
 counting.close()
 eng = offload.engine(budget_mb, regions=model.blocks, model=model)
-for step in range(6):
+for step in range(STEPS):
     model.zero_grad(set_to_none=True)
     with eng:
         _, loss = model(x[:, :-1], x[:, 1:])
     loss.backward()
 plan = eng.plan
+assert eng.recent_stages[-1] is None, list(eng.recent_stages)
+transfers = [line for line in offload.explain(eng).splitlines() if line.startswith("transfers priced at")]
 print(json.dumps({
     "stages": list(eng.recent_stages),
     "decisions": [d.value for d in plan.decisions],
+    "transfers": transfers[0] if transfers else None,
     "transfer_gb_per_s": [2 * r.saved_bytes / (r.transfer_ms * 1e6) for r in plan.regions],
     "budget_mb": budget_mb,
 }))
 """
 
 
+BUILD_STEPS = 10
+"""Steps per build: profiling at most (a "measure" step, then up to ``MAX_TRIAL_ROUNDS`` rounds of
+a "recompute" and an "offload" trial) and plans after."""
+
+
 def part_builds(args: argparse.Namespace) -> dict:
     builds = []
-    for _ in range(args.builds):
-        env = dict(os.environ, PYTHONPATH=str(Path(offload.__file__).resolve().parents[1]))
-        out = subprocess.run([sys.executable, "-c", _BUILD], capture_output=True, text=True, env=env, check=True)
-        builds.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    neighbour = None
+    if args.neighbour_workers:
+        script = Path(__file__).resolve().parent / "noisy_neighbour.py"
+        command = [sys.executable, str(script), "--workers", str(args.neighbour_workers)]
+        neighbour = subprocess.Popen(command + ["--seed", str(args.neighbour_seed)])
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # killed: the finally below stops the neighbour
+    started = time.time()
+    try:
+        for _ in range(args.builds):
+            env = dict(os.environ, PYTHONPATH=str(Path(offload.__file__).resolve().parents[1]))
+            code = f"STEPS = {BUILD_STEPS}\n" + _BUILD
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+            builds.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    finally:
+        if neighbour is not None:
+            neighbour.terminate()
+            neighbour.wait()
     rates = [statistics.median(b["transfer_gb_per_s"]) for b in builds]
     rows = [
         [
@@ -203,7 +229,12 @@ def part_builds(args: argparse.Namespace) -> dict:
     text = table(["build", "decisions", "calibrated GB/s (median region)", "stages"], rows)
     text += f"\n{distinct} distinct plan(s) in {len(builds)} builds"
     text += f"; calibrated GB/s from {min(rates):.3f} to {max(rates):.3f}"
-    return emit("builds", text, {"builds": builds, "distinct_plans": distinct, "gb_per_s": rates})
+    text += f"\n{args.builds} builds in {time.time() - started:.0f} s"
+    if args.neighbour_workers:
+        text += f", beside noisy_neighbour.py --workers {args.neighbour_workers} --seed {args.neighbour_seed}"
+    neighbour_note = {"workers": args.neighbour_workers, "seed": args.neighbour_seed}
+    payload = {"builds": builds, "distinct_plans": distinct, "gb_per_s": rates, "neighbour": neighbour_note}
+    return emit("builds", text, payload)
 
 
 PARTS = {"gpt2": part_gpt2, "builds": part_builds}
@@ -214,7 +245,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("part", choices=list(PARTS))
     parser.add_argument("--steps", type=int, default=8, help="gpt2: optimizer steps per run")
     parser.add_argument("--repeats", type=int, default=2, help="gpt2: interleaved runs of each")
-    parser.add_argument("--builds", type=int, default=5)
+    parser.add_argument("--builds", type=int, default=10)
+    parser.add_argument("--neighbour-workers", type=int, default=0, help="builds: noisy neighbours beside them")
+    parser.add_argument("--neighbour-seed", type=int, default=1)
     args = parser.parse_args(argv)
     PARTS[args.part](args)
     return 0

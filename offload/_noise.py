@@ -54,6 +54,19 @@ class Readings:
             return 0.0 if iqr == 0 else float("inf")
         return iqr / abs(median)
 
+    @property
+    def deviation(self) -> float:
+        """The median absolute deviation from the median, over the median: like ``spread``, but one
+        reading in three far off moves it nothing (0 for one reading, inf where the median is 0
+        and the readings differ). For few readings where one may be disturbed."""
+        if len(self.values) < 2:
+            return 0.0
+        median = self.median
+        mad = statistics.median(abs(v - median) for v in self.values)
+        if median == 0:
+            return 0.0 if mad == 0 else float("inf")
+        return mad / abs(median)
+
     def steady(self) -> bool:
         """Whether the readings agree well enough to build on (``spread <= MAX_SPREAD``)."""
         return self.spread <= MAX_SPREAD

@@ -234,10 +234,14 @@ class AutoPolicy(Policy):
     5. Nothing fits: search again from all-OFFLOAD and all-RECOMPUTE and return the least peak
        found (a local search: the least peak it finds, not a proven minimum).
     6. Stability: among every plan the search priced that fits, those within ``stable_margin`` of
-       the best predicted step are equal, and the first of them in a fixed order is returned:
-       fewest regions moved, then decisions region by region in the order KEEP, OFFLOAD,
-       SELECTIVE, SELECTIVE_OFFLOAD, RECOMPUTE. Two runs of one setup measure costs a few percent
-       apart; without this, two near-equal plans would swap between them.
+       the best predicted step are equal, and the first of them in a fixed order is returned: a
+       fixed policy's plan (the same plan whatever the figures, where it lies within the margin),
+       then fewest regions moved, then decisions region by region in the order KEEP, OFFLOAD,
+       SELECTIVE, SELECTIVE_OFFLOAD, RECOMPUTE. Two runs of one setup measure costs apart (a few
+       percent on a quiet machine, far more beside a busy neighbour: the profiler widens the
+       margin to the noise its trials measured); without this, near-equal plans would swap
+       between them, and a plan the search found by a path the noise chose would swap with its
+       neighbours of the same cost.
 
     Every prediction comes from ``_planner.simulate``; see its module for the cost model.
     Planning is pure Python: a few dozen regions take well under a second, ~80 a few seconds.
@@ -251,7 +255,8 @@ class AutoPolicy(Policy):
 
     stable_margin: float = 0.03
     """Rule 6: plans whose predicted steps lie within this fraction of the best are taken as equal.
-    Larger holds plans steadier across runs, at up to this much predicted step time; 0 turns it off."""
+    Larger holds plans steadier across runs, at up to this much predicted step time; 0 turns it off.
+    The engine's profiler passes the noise its trial steps measured where that is wider."""
 
     def __post_init__(self):
         moves = self.max_search_moves
@@ -295,7 +300,7 @@ class AutoPolicy(Policy):
                 )
                 other = search.improve(start, actions, self.max_search_moves)
                 best = min(best, other, key=search.rank)
-        return search.stable(best, self.stable_margin)
+        return search.stable(best, self.stable_margin, fixed)
 
 
 _PREFERENCE = (Decision.KEEP, Decision.OFFLOAD, Decision.SELECTIVE, Decision.SELECTIVE_OFFLOAD, Decision.RECOMPUTE)
@@ -332,14 +337,20 @@ class _Search:
         moved = sum(d is not Decision.KEEP for d in decisions)
         return (over_bytes, round(step_ms, _STEP_DIGITS), -moved if over_bytes else moved, peak_bytes)
 
-    def stable(self, best: tuple[Decision, ...], margin: float) -> tuple[Decision, ...]:
+    def stable(
+        self, best: tuple[Decision, ...], margin: float, fixed: Sequence[tuple[Decision, ...]] = ()
+    ) -> tuple[Decision, ...]:
         """Rule 6 of ``AutoPolicy``: the first, in a fixed order, of the priced plans that fit
-        within ``margin`` of ``best``'s step (``best`` itself where it does not fit)."""
+        within ``margin`` of ``best``'s step (``best`` itself where it does not fit); the fixed
+        policies' plans ``fixed`` come first in that order."""
         if not self.fits(best) or margin == 0:
             return best
         limit_ms = self.cost(best)[0] * (1 + margin)
         near = [d for d, (step_ms, peak) in self._costs.items() if peak <= self._budget_bytes and step_ms <= limit_ms]
-        return min(near, key=lambda d: (sum(x is not Decision.KEEP for x in d), [_PREFERENCE.index(x) for x in d]))
+        return min(
+            near,
+            key=lambda d: (d not in fixed, sum(x is not Decision.KEEP for x in d), [_PREFERENCE.index(x) for x in d]),
+        )
 
     def greedy(self, actions: tuple[Decision, ...]) -> tuple[Decision, ...]:
         """Rule 2 of ``AutoPolicy``: move regions off, least ms per freed byte first, until it fits."""

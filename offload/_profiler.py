@@ -11,7 +11,10 @@ differ (a batch padded to its own longest sample, a curriculum). One family, one
                                             ─▶ policy "auto" and something moves, or "selective":
                                  "recompute" (every region recomputed: clean times, the recompute
                                               and selective costs) ─▶ "offload" (once per engine,
-                                              with a link: calibrates the transfer costs)
+                                              with a link: calibrates the transfer costs); under
+                                              "auto", this round once more at the same inputs on
+                                              the next step where the plan depends on its noise
+                                              (Note: [a plan that holds still])
     a shape already planned      its plan (least recently used out beyond ``MAX_PLANS``)
     a shape the fit can reach    a plan derived from the fit, no profiling step (its decisions
                                  searched once per ``SEARCH_BUCKET`` of shapes); what the step then
@@ -37,16 +40,18 @@ import dataclasses
 import enum
 import logging
 import math
+import statistics
 from typing import Optional
 
 import torch
 
 from ._budget import replan_needed
-from ._cost import MachineProfile, RegionProfile
+from ._cost import MachineProfile, RegionProfile, Scope
 from ._fit import ProfileFit, Shape
+from ._noise import MAX_SPREAD, Readings
 from ._pace import StepPace
 from ._planner import Decision, Plan, build_plan, calibrate_link, check_inputs, link_usable, scale_link
-from ._policy import Policy, get_policy, make_plan
+from ._policy import AutoPolicy, Policy, get_policy, make_plan
 from ._session import Saved, Session
 
 __all__ = [
@@ -54,6 +59,7 @@ __all__ = [
     "BEFORE_NAME",
     "CALIBRATION_TRIES",
     "EXTRAPOLATION_LIMIT",
+    "MAX_TRIAL_ROUNDS",
     "MAX_MEASURED_SHAPES",
     "MAX_PLANS",
     "PLAUSIBLE_LINK_SCALE",
@@ -118,19 +124,56 @@ PLAUSIBLE_LINK_SCALE = (0.01, 100.0)
 that moved everything was no slower than the one that kept it (``calibrate_link`` then returns its
 floor, 1e-3), which the bytes it moved rule out, a timing fluke, not a link. A scale well under 1
 is plausible (the probe charges each small tensor a disk round trip that a step's spill threads
-overlap); one above 100 says the step was disturbed."""
-SCALE_GRID = 2**0.5
-"""A calibrated scale is planned as the nearest power of this (x0.71, x1, x1.41, x2, ...): two
-builds of one setup measure it apart by the noise of two step times, and a plan should not follow
-that noise (see also ``AutoPolicy.stable_margin``)."""
-
-
-def _on_grid(scale: float) -> float:
-    return SCALE_GRID ** round(math.log(scale, SCALE_GRID))
-
+overlap: x0.17-x0.4 measured on GPT-2 here); one above 100 says the step was disturbed."""
 
 CALIBRATION_TRIES = 2
 """Offload trials at most whose calibration is implausible before the probe's figures are used."""
+
+
+# Note: [a plan that holds still]
+#     Under "auto" a plan follows measured figures: the regions' times (a "recompute" trial) and
+#     the link's level (the "offload" trial after it). Each is one step's reading, and beside a
+#     busy neighbour one step can run at half speed or twice: builds of one setup planned offload
+#     on every block, recompute on every block, or a mix, by which step the neighbour hit
+#     (bench/results/whole-step-builds-cpu.md). So:
+#     - The noise is measured, not assumed. A "recompute" trial re-runs every region's forward in
+#       the step that ran it once: each region's recompute over its forward is one figure read
+#       twice in one step, and how far they deviate from their median (``Readings.deviation``) is
+#       the step's noise. Where two trial rounds ran, the deviation of their spans counts too.
+#     - Plans within that noise are equal: ``AutoPolicy``'s rule 6 takes, among the plans within
+#       the noise of the best predicted step (at least its own ``stable_margin``), a fixed policy's
+#       plan first, then fewest regions moved, then a fixed order of decisions. That order does
+#       not depend on the figures, so builds whose figures differ by their noise plan alike.
+#     - Where that choice differs from the plan the figures alone would give (the noise decides),
+#       or where the one link reading (or readings too far apart to plan on) would turn the plan
+#       from what the probe's figures give (the reading decides), the round is measured once more
+#       (``MAX_TRIAL_ROUNDS``) at the same inputs on the next step, the "offload" trial again
+#       against its own round's "recompute" trial (the pair runs on adjacent steps, under the same
+#       load), and the plan is made from the medians of the rounds.
+#     - The link's level is the difference of two steps' spans, each off by the steps' noise (at
+#       least ``STEP_TO_STEP_NOISE``): where that leaves the reading uncertain by more than
+#       ``MAX_SPREAD`` (a small transfer in a long step, or a noisy step), it is not planned on, as
+#       an implausible one is not: beside a busy neighbour this machine read x0.001 to x22 for one
+#       setup's link, and which of those a build met decided its plan.
+#     A loop whose inputs change on the next step measures no second round: its first round, and
+#     the fixed order within its noise, decide.
+MAX_TRIAL_ROUNDS = 2
+"""Trial rounds at most at a family's deciding inputs: the first, and one more where the noise
+decides the plan (Note: [a plan that holds still]). A second gives each figure a median of two
+and a spread between steps; each costs a "recompute" step (and an "offload" one with a link)."""
+STEP_TO_STEP_NOISE = 0.1
+"""How far two steps of one setup may lie apart on a quiet machine (10-20 %: ``_noise``), whatever
+the noise within each: an "offload" trial's link reading, the difference of two steps' spans, is
+known to within this share of a span at best."""
+ONE_ROUND_NOISE = MAX_SPREAD / 2
+"""What one trial round's figures may be off by, taken before a second round measures it: between
+a quiet machine's two steps (``STEP_TO_STEP_NOISE``) and a busy one's (``MAX_SPREAD``). Where a plan
+within it differs from the figures' own, the round is measured again."""
+MAX_NOISE_MARGIN = MAX_SPREAD
+"""The widest noise (a share of the step) plans are taken as equal within: readings spread wider
+than ``MAX_SPREAD`` are not built on elsewhere either (``_noise``)."""
+_TIME_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "selective_ms")
+"""The fields a trial round times: their median over the rounds is what the fit is given."""
 
 
 BEFORE_NAME = "(before the regions)"
@@ -212,6 +255,26 @@ class _RecomputeSpan:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Round:
+    """One trial round's "recompute" step at the family's deciding inputs (Note: [a plan that holds still])."""
+
+    key: tuple
+    profiles: tuple[RegionProfile, ...]
+    span_ms: Optional[float]
+
+    def noise(self) -> float:
+        """The deviation of each region's recompute over its forward (``Readings.deviation``: one
+        region far off, the first one's warm-up say, moves it nothing): one figure read twice in one
+        step (0 where fewer than two regions have both)."""
+        ratios = [
+            p.recompute_ms / p.forward_ms
+            for p in self.profiles
+            if p.scope is Scope.REGION and p.recompute_ms > 0 and p.forward_ms > 0
+        ]
+        return Readings(ratios).deviation if len(ratios) >= 2 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class _Searched:
     """One planner search for a bucket of derived shapes, and what it was searched under."""
 
@@ -239,6 +302,14 @@ class _Family:
         """Final plans a previous run left (``plan_cache=``), by the repr of their signature."""
         self.searched: collections.OrderedDict[tuple[int, int], _Searched] = collections.OrderedDict()
         """Decisions searched for derived shapes, by bucket (``SEARCH_BUCKET``)."""
+        self.rounds: list[_Round] = []
+        """The trial rounds at the family's first trial inputs (Note: [a plan that holds still])."""
+        self.repeat_at: Optional[tuple] = None
+        """The inputs whose next step, if it is the family's next step, runs another trial round."""
+        self.repeat_calibrates = False
+        """Whether that round's "recompute" trial is followed by an "offload" trial."""
+        self.repeating = False
+        """A repeated trial round is under way (its "recompute" trial queued or run, its "offload" trial not yet)."""
 
     def keep(self, key: tuple, entry: ShapePlan) -> None:
         self.plans[key] = entry
@@ -253,6 +324,33 @@ class _Family:
 
     def profiling(self) -> bool:
         return self.running or bool(self.queue)
+
+    def noise(self) -> float:
+        """How noisy the trial rounds' figures are, as a share of a step (0 before any round; at
+        most ``MAX_NOISE_MARGIN``): the deviation of each round's recompute over forward per region
+        (one figure read twice in one step), of the rounds' spans, and at least what two steps
+        differ by on a quiet machine (See Note: [a plan that holds still])."""
+        if not self.rounds:
+            return 0.0
+        # Between two steps: with one round unknown (a whole step run slower shows in none of its
+        # own readings), ONE_ROUND_NOISE; with more, what their spans read, and at least
+        # STEP_TO_STEP_NOISE over the square root of their number (their medians are planned on).
+        between = ONE_ROUND_NOISE if len(self.rounds) == 1 else STEP_TO_STEP_NOISE / math.sqrt(len(self.rounds))
+        spreads = [between] + [trial.noise() for trial in self.rounds]
+        spans = [trial.span_ms for trial in self.rounds if trial.span_ms]
+        if len(spans) >= 2:
+            spreads.append(Readings(spans).deviation)
+        return min(max(spreads), MAX_NOISE_MARGIN)
+
+    def round_profiles(self, key: tuple, profiles: tuple[RegionProfile, ...]) -> tuple[RegionProfile, ...]:
+        """``profiles`` with each time the median over the trial rounds at ``key`` where more than one ran."""
+        rounds = [trial.profiles for trial in self.rounds if trial.key == key]
+        if len(rounds) < 2:
+            return profiles
+        return tuple(
+            dataclasses.replace(p, **{f: statistics.median(getattr(r[i], f) for r in rounds) for f in _TIME_FIELDS})
+            for i, p in enumerate(profiles)
+        )
 
     def settle(self) -> None:
         """The family's profiling is over for now: drop what only it needed, and the plans made
@@ -282,6 +380,8 @@ class Profiler:
         """Link scales accepted (see Note: [a calibration that cannot lie])."""
         self.rejected_calibrations: list[float] = []
         """Link scales measured and discarded as implausible."""
+        self.calibration_uncertainty: list[float] = []
+        """How far off each of ``calibrations`` may be, as a share of it (See Note: [a plan that holds still])."""
         self.misses = 0
         """Derived plans whose sizes or times missed what their step saw (each added it to the fit)."""
         self._pace = StepPace()
@@ -334,7 +434,7 @@ class Profiler:
             return True
         family, shape = family_and_shape(key)
         fam = self._families.get(family)
-        if fam is None or fam.profiling():
+        if fam is None or fam.profiling() or fam.repeat_at == key:
             return True
         return key not in fam.plans and repr(key) not in fam.cached and self._needs_measure(fam, shape)
 
@@ -359,16 +459,31 @@ class Profiler:
             return f"x{self._link_scale:.3g} the probe's figures (the plan cache's calibration)"
         if not self.calibrations:
             return f"the probe's figures (every offload trial implausible{rejected})"
-        accepted = ", ".join(f"x{s:.3g}" for s in self.calibrations)
-        return f"x{self._link_scale:.3g} the probe's figures (offload trials read {accepted}{rejected})"
+        read = ", ".join(f"x{s:.3g}" for s in self.calibrations)
+        within = f"within {100 * self._pooled_uncertainty():.0f}%"
+        if self._pooled_uncertainty() > MAX_SPREAD:
+            return (
+                f"the probe's figures (offload trials read {read}, {within} only: too uncertain to plan on{rejected})"
+            )
+        return f"x{self._link_scale:.3g} the probe's figures (offload trials read {read}, {within}{rejected})"
 
     def _machine(self) -> MachineProfile:
         machine = self._session.machine()
         return machine if self._link_scale is None else scale_link(machine, self._link_scale)
 
-    def _entry(self, profiles: tuple[RegionProfile, ...], other_ms: float, origin: Origin, why: str) -> ShapePlan:
+    def _policy_for(self, fam: _Family) -> str | AutoPolicy:
+        """The policy plans are made with: under "auto", rule 6's margin widened to the noise of
+        the family's trials (See Note: [a plan that holds still])."""
+        margin = fam.noise()
+        if not isinstance(self._policy, AutoPolicy) or margin <= AutoPolicy.stable_margin:
+            return self.policy
+        return AutoPolicy(stable_margin=margin)
+
+    def _entry(
+        self, fam: _Family, profiles: tuple[RegionProfile, ...], other_ms: float, origin: Origin, why: str
+    ) -> ShapePlan:
         budget = self._session.budget_in_force()  # budget_mb, or with "auto" the latest reading
-        plan = make_plan(profiles, self._machine(), budget, self.policy, other_ms=other_ms)
+        plan = make_plan(profiles, self._machine(), budget, self._policy_for(fam), other_ms=other_ms)
         return ShapePlan(dataclasses.replace(plan, origin=why), profiles, other_ms, origin)
 
     def _derived(self, fam: _Family, shape: Shape) -> ShapePlan:
@@ -390,7 +505,7 @@ class Profiler:
         else:
             top = Shape(n=math.ceil(SEARCH_BUCKET ** (n_bucket + 1)), s=math.ceil(SEARCH_BUCKET ** (s_bucket + 1)))
             top_profiles, top_other_ms = fam.fit.derive(top)
-            top_plan = make_plan(top_profiles, machine, budget, self.policy, other_ms=top_other_ms)
+            top_plan = make_plan(top_profiles, machine, budget, self._policy_for(fam), other_ms=top_other_ms)
             chosen = {r.name: r.decision for r in (*top_plan.outside, *top_plan.regions)}
             decisions = tuple(chosen.get(p.name, Decision.KEEP) for p in top_profiles)
             fam.remember_search(bucket, _Searched(budget, self._link_scale, decisions))
@@ -433,13 +548,19 @@ class Profiler:
             entry = fam.cached.pop(repr(key))
             fam.keep(key, entry)
         stage: Optional[Stage] = None
+        if fam.repeat_at is not None and not fam.queue:
+            # See Note: [a plan that holds still]: another round only on the very next step at its inputs.
+            if key == fam.repeat_at:
+                fam.queue = [Stage.RECOMPUTE_TRIAL] + ([Stage.OFFLOAD_TRIAL] if fam.repeat_calibrates else [])
+                fam.repeating = True
+            fam.repeat_at = None
         if fam.queue:
             stage = fam.queue.pop(0)
         elif entry is not None:
             fam.plans.move_to_end(key)
             if replan_needed(entry.plan.budget_bytes, self._session.budget_in_force()):
                 # budget_mb="auto": free memory moved well away from the plan's budget
-                entry = self._entry(entry.profiles, entry.other_ms, entry.origin, entry.plan.origin)
+                entry = self._entry(fam, entry.profiles, entry.other_ms, entry.origin, entry.plan.origin)
                 fam.keep(key, entry)
                 log.info(
                     "offload: budget in force %s, re-planned inputs %s:\n%s", entry.plan.budget_bytes, key, entry.plan
@@ -473,7 +594,7 @@ class Profiler:
             # costs, and under "auto" or "selective" (whose trials measure clean times) a step that
             # spilled ran beside its spill threads. "offload" never runs a trial: its steps spill alike.
             fam.fit.add(shape, profiles, times=not first and (measured.clean or not self._policy.times))
-            entry = self._entry(profiles, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
+            entry = self._entry(fam, profiles, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
             trials = self._trials(fam, entry.plan)
             fam.queue = trials or ([Stage.MEASURE] * (PROFILE_STEPS - 1) if first else [])
         elif stage is Stage.RECOMPUTE_TRIAL:
@@ -483,18 +604,63 @@ class Profiler:
                     dataclasses.replace(p, **_sizes_of(s)) for s, p in zip(fam.sizes[1], profiles, strict=True)
                 )
             fam.recompute_span = _RecomputeSpan(shape, profiles, measured.span_ms)
-            fam.fit.add(shape, profiles, times=True)
-            entry = self._entry(profiles, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
+            in_round = isinstance(self._policy, AutoPolicy) and (not fam.rounds or fam.repeating)
+            if in_round:
+                fam.rounds.append(_Round(key, profiles, measured.span_ms))
+            timed = fam.round_profiles(key, profiles)
+            fam.fit.add(shape, timed, times=True)
+            entry = self._entry(fam, timed, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
             if not fam.queue and self._calibration_due(entry.plan):
                 fam.queue = [Stage.OFFLOAD_TRIAL]
+            if in_round and not fam.queue:
+                self._round_done(fam, key, entry, calibrated=False)
         else:
             entry = self._calibrate(fam, key, shape, measured)
+            if fam.rounds and (fam.repeating or len(fam.rounds) == 1) and not fam.queue:
+                self._round_done(fam, key, entry, calibrated=True)
         fam.keep(key, entry)
         if not fam.profiling():
             fam.settle()
             self._store_cached(family, fam)
         log.info("offload plan for inputs %s (after a %r step):\n%s", key, stage.value, entry.plan)
         return entry
+
+    def _round_done(self, fam: _Family, key: tuple, entry: ShapePlan, *, calibrated: bool) -> None:
+        """A trial round ended at ``key``: where the plan within its noise differs from the plan its
+        figures alone give, run another round on the next step at the same inputs (See Note: [a
+        plan that holds still])."""
+        fam.repeating = False
+        if self._decided_by_noise(fam, key, entry):
+            # Not where every reading was implausible: the probe's figures stand, a reading would not.
+            fam.repeat_at = key
+            fam.repeat_calibrates = calibrated and not (self.rejected_calibrations and not self.calibrations)
+            log.info(
+                "offload: the trials at inputs %s read %.0f%% noise, the link within %.0f%%: measuring them again",
+                key,
+                100 * fam.noise(),
+                100 * self._pooled_uncertainty(),
+            )
+
+    def _decided_by_noise(self, fam: _Family, key: tuple, entry: ShapePlan) -> bool:
+        """Whether another round is due (a round can run at the same inputs, and): the plan within
+        the noise differs from the one the figures alone give, or the link readings decide the plan
+        (it differs at their median and at the probe's figures) while one reading, or readings too
+        far apart to plan on, are all there is."""
+        if len(fam.rounds) >= MAX_TRIAL_ROUNDS or fam.rounds[-1].key != key:
+            return False
+        budget = self._session.budget_in_force()
+        policy = self._policy_for(fam)
+        if not isinstance(policy, str):
+            alone = make_plan(entry.profiles, self._machine(), budget, self.policy, other_ms=entry.other_ms)
+            if alone.decisions != entry.plan.decisions:
+                return True
+        if not self.calibrations or (len(self.calibrations) > 1 and self._pooled_uncertainty() <= MAX_SPREAD):
+            return False
+        probe = self._session.machine()
+        read = scale_link(probe, statistics.median(self.calibrations))
+        at_reading = make_plan(entry.profiles, read, budget, policy, other_ms=entry.other_ms)
+        at_probe = make_plan(entry.profiles, probe, budget, policy, other_ms=entry.other_ms)
+        return at_reading.decisions != at_probe.decisions
 
     def _calibrate(self, fam: _Family, key: tuple, shape: Shape, measured: Measured) -> ShapePlan:
         """An "offload" trial: scale the probe's transfer costs by what moving every region cost
@@ -515,23 +681,72 @@ class Profiler:
             keep_span_ms = trial.span_ms - sum(r.recompute_ms for r in trial.profiles)
             keep_span_ms *= _regions_ms(timed) / max(_regions_ms(trial.profiles), 1e-9)
             budget = self._session.budget_in_force()
-            _, scale = calibrate_link(timed, self._machine(), measured.span_ms - keep_span_ms, budget)
-            self._accept_calibration(fam, scale)
-        return self._entry(timed, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
+            excess_ms = measured.span_ms - keep_span_ms
+            _, scale = calibrate_link(timed, self._machine(), excess_ms, budget)
+            self._accept_calibration(fam, scale, self._uncertainty(fam, trial.profiles, measured, excess_ms))
+        timed = fam.round_profiles(key, timed)
+        return self._entry(fam, timed, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
 
-    def _accept_calibration(self, fam: _Family, scale: float) -> None:
-        """See Note: [a calibration that cannot lie]."""
+    def _uncertainty(
+        self, fam: _Family, recompute: tuple[RegionProfile, ...], measured: Measured, excess_ms: float
+    ) -> float:
+        """How far off an "offload" trial's excess over keeping may be, as a share of it: each of the
+        two steps it is the difference of may be off by their noise (the larger of the "recompute"
+        trial's, the "offload" trial's own: each region's forward there over its forward in the
+        other, and ``STEP_TO_STEP_NOISE``), times the step's span."""
+        if excess_ms <= 0 or measured.span_ms is None:
+            return math.inf
+        ratios = [
+            o.forward_ms / r.forward_ms
+            for r, o in zip(recompute, measured.profiles, strict=True)
+            if r.scope is Scope.REGION and r.forward_ms > 0 and o.forward_ms > 0
+        ]
+        noise = max(
+            STEP_TO_STEP_NOISE,
+            fam.rounds[-1].noise() if fam.rounds else 0.0,
+            Readings(ratios).deviation if len(ratios) >= 2 else 0.0,
+        )
+        return noise * measured.span_ms / excess_ms
+
+    def _pooled_uncertainty(self) -> float:
+        """How far off the link readings' median may be: one reading's, from the noise of the
+        steps it is the difference of (``_uncertainty``); several readings', how far they lie
+        apart (``Readings.deviation``: two, four times apart, 60 %)."""
+        if not self.calibration_uncertainty:
+            return math.inf
+        if len(self.calibrations) == 1:
+            return self.calibration_uncertainty[0]
+        return Readings(self.calibrations).deviation
+
+    def _accept_calibration(self, fam: _Family, scale: float, uncertainty: float) -> None:
+        """See Note: [a calibration that cannot lie] and Note: [a plan that holds still]."""
         low, high = PLAUSIBLE_LINK_SCALE
         if low <= scale <= high:
-            self._link_scale = _on_grid((self._link_scale or 1.0) * scale)
-            self.calibrations.append(scale)
+            # A later round's trial ran with the costs scaled already: its reading is relative to them.
+            self.calibrations.append((self._link_scale or 1.0) * scale)
+            self.calibration_uncertainty.append(uncertainty)
+            pooled = self._pooled_uncertainty()
+            self._link_scale = statistics.median(self.calibrations) if pooled <= MAX_SPREAD else 1.0
             log.info(
-                "offload: transfer costs calibrated x%.3g (planned as x%.3g) by a step that offloaded every region",
-                scale,
+                "offload: a step that offloaded every region read transfer costs x%.3g the probe's, within %.0f%%; "
+                "the trials so far (x%s) plan on x%.3g",
+                self.calibrations[-1],
+                100 * uncertainty,
+                ", x".join(f"{c:.3g}" for c in self.calibrations),
                 self._link_scale,
             )
             return
         self.rejected_calibrations.append(scale)
+        if self.calibrations:
+            log.warning(
+                "offload: a step that offloaded every region implied transfer costs x%.3g the figures planned "
+                "on, outside the plausible x%g..x%g; keeping x%.3g, what the earlier trials read",
+                scale,
+                low,
+                high,
+                self._link_scale,
+            )
+            return
         if len(self.rejected_calibrations) < CALIBRATION_TRIES:
             fam.queue.insert(0, Stage.OFFLOAD_TRIAL)
             log.warning(

@@ -17,10 +17,13 @@ import torch
 
 import offload
 from offload.models.gpt import GPTConfig, MiniGPT
+from zoo import most_profiling_steps
 
-STEPS = 4
+STEPS = most_profiling_steps("auto") + 1
+"""Profiling, then a step under the final plan."""
 BUDGET_MB = 0.3
-"""Below what the blocks save: "auto" profiles three steps (measure, recompute, offload trial)."""
+"""Below what the blocks save: "auto" profiles (measure, recompute, offload trial, and their round
+again where the noise decides the plan)."""
 MACHINE = offload.MachineProfile(
     device_type="cpu",
     device_name="test machine",

@@ -21,6 +21,7 @@ from offload._budget import (
     REPLAN_BELOW,
     REPLAN_MIN_GAIN_BYTES,
     FreeMemory,
+    _cgroup_left,
     device_free_bytes,
     memory_cgroups,
     replan_needed,
@@ -379,9 +380,31 @@ def test_cpu_reading_respects_the_containers_memory_limit(tmp_path, version):
 
 @pytest.mark.parametrize("version, limit", [(1, "9223372036854771712"), (2, "max")])
 def test_cpu_reading_without_a_container_limit_is_the_hosts(tmp_path, version, limit):
-    groups, _ = _fake_cgroups(tmp_path, version, limit, 10 * MB, 0)
+    """v2 writes "max"; v1 writes no limit as 2**63 - 1 rounded down to a page, a number: both read
+    as no limit at all (not as a limit of 9.2 EB that only happens to exceed the host's RAM)."""
+    groups, group = _fake_cgroups(tmp_path, version, limit, 10 * MB, 0)
+    assert _cgroup_left(group) is None, "no limit"
     cpu = torch.device("cpu")
     assert abs(device_free_bytes(cpu, groups) - device_free_bytes(cpu)) < 256 * MB  # both psutil's, a moment apart
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_cpu_reading_respects_a_limit_set_on_an_ancestor_cgroup(tmp_path, version):
+    """A limit on the pod (or the docker parent), none on the process's own group: the reading
+    walks up from the process's group and takes the tightest it finds."""
+    limit, usage = 2 * MB * 1024, MB * 1024
+    _, group = _fake_cgroups(tmp_path, version, "max" if version == 2 else "9223372036854771712", 10 * MB, 0)
+    parent = group.parent  # found only once it holds a limit: read the groups again below
+    names = ("memory.max", "memory.current") if version == 2 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    (parent / names[0]).write_text(f"{limit}\n")
+    (parent / names[1]).write_text(f"{usage}\n")
+    (parent / "memory.stat").write_text("anon 1\n")
+    proc = tmp_path / "proc_cgroup"
+    groups = memory_cgroups(proc, tmp_path / "cgroup")
+    assert groups[0] == group and parent in groups, groups
+    cpu = torch.device("cpu")
+    assert device_free_bytes(cpu) > limit - usage, "this machine has too little RAM for the test to mean anything"
+    assert device_free_bytes(cpu, groups) == limit - usage
 
 
 # ------------------------------------------------------------------------------- CUDA

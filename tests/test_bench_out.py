@@ -50,6 +50,7 @@ def test_the_results_dir_is_where_the_committed_results_are():
     assert measure.RESULTS_DIR == RESULTS and (RESULTS / "README.md").is_file()
 
 
+@pytest.mark.slow  # runs the benchmark harness
 def test_step_benchmark_defaults_to_out_then_the_env(elsewhere, monkeypatch):
     assert step.main(TINY + ["--device", "cpu", "--in-process", "--configs", "none"]) == 0
     assert (elsewhere / "out" / "bench" / "summary.json").is_file()

@@ -13,10 +13,15 @@ import pytest
 import torch
 
 from offload.bench import report, step
+from zoo import most_profiling_steps
 
-TINY_SHAPE = "--layers 2 --hidden 32 --heads 2 --seq 16 --batch 2 --steps 2 --warmup 4 --min-offload-bytes 0".split()
-"""Four warm-up steps: a step that still profiles is not timed, and on a loaded machine auto's
-calibration can take a step more than its usual three (then a verdict needs a timed step left)."""
+TINY_SHAPE = "--layers 2 --hidden 32 --heads 2 --seq 16 --batch 2 --steps 2 --min-offload-bytes 0".split() + [
+    "--warmup",
+    str(most_profiling_steps("auto")),
+]
+"""As many warm-up steps as auto may profile at one shape: a step that still profiles is not timed,
+and on a loaded machine auto's calibration can take a step more than its usual three, its trials
+a round more (then a verdict needs a timed step left)."""
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +80,7 @@ def test_the_verdict_pairs_repeats_and_shows_both_plans():
     assert "NO" not in text.replace("holds budget", "")  # no bare "NO" a reader takes for auto failing
 
 
+@pytest.mark.slow  # runs the benchmark harness
 def test_demo_prints_a_reader_table_and_writes_its_json_to_a_file(tmp_path, capsys, monkeypatch):
     figures = []
     if importlib.util.find_spec("matplotlib") is not None:

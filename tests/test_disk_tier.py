@@ -7,7 +7,9 @@ bytes spilled per step); direct I/O leaves none, and the fallback (fdatasync + D
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import sys
 
 import pytest
@@ -46,6 +48,35 @@ def eng_dir(eng) -> str:
     return eng.config.spill_dir
 
 
+def _takes_o_direct(directory) -> bool:
+    """Whether the filesystem under ``directory`` opens a file with ``O_DIRECT`` (EINVAL: it cannot)."""
+    path = os.path.join(directory, "o-direct-probe")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o600)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return False
+        raise
+    os.close(fd)
+    os.remove(path)
+    return True
+
+
+def _open_flags_under(directory) -> list[int]:
+    """The open flags (``/proc/self/fdinfo``) of this process's descriptors on files under ``directory``."""
+    flags = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            with open(f"/proc/self/fdinfo/{fd}") as info:
+                text = info.read()
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+        if target.startswith(str(directory) + os.sep):
+            flags.append(int(re.search(r"^flags:\s*([0-7]+)", text, re.MULTILINE).group(1), 8))
+    return flags
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered+dontneed"])
 def test_spilled_bytes_leave_the_page_cache(direct, tmp_path, monkeypatch):
     if not _real_disk(tmp_path):
@@ -60,8 +91,12 @@ def test_spilled_bytes_leave_the_page_cache(direct, tmp_path, monkeypatch):
         _step(model, eng, idx, readings)
     stats = wait_clean(eng, tmp_path)
     assert stats.spilled_bytes > 0
+    (flags,) = _open_flags_under(tmp_path)
+    assert bool(flags & os.O_DIRECT) == direct, f"the spill file's open flags: {flags:o}"
     for cached, spilled in readings:
         assert spilled > 0 and cached <= CACHED_SHARE_MAX * spilled, (cached, spilled)
+        if direct:
+            assert cached == 0, f"direct I/O leaves no page of the file cached: {cached} bytes"
     assert cached_bytes_under(str(tmp_path)) <= CACHED_SHARE_MAX * stats.spilled_bytes, "reads leave no pages either"
     eng.close()
 
@@ -84,3 +119,27 @@ def test_one_spill_file_reused_across_steps(tmp_path):
     assert sizes[1:] == sizes[:1] * 3, f"extents are reused, the file does not grow: {sizes}"
     eng.close()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_direct_io_is_used_where_the_filesystem_takes_it(tmp_path):
+    """Whatever the filesystem (tmpfs takes ``O_DIRECT`` on recent kernels too), where it opens a
+    file with ``O_DIRECT`` the spill file is opened so: the buffered fallback is for filesystems
+    that refuse it."""
+    if not _takes_o_direct(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT")
+    idx = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(0))
+    plain = _gpt()
+    _, loss = plain(idx, idx)
+    loss.backward()
+    model = _gpt()
+    eng = offload.engine(0, spill_dir=tmp_path, model=model)
+    with eng:
+        _, loss = model(idx, idx)
+    flags = _open_flags_under(tmp_path)
+    assert eng.stats.spilled_bytes > 0 and len(flags) == 1, flags
+    assert flags[0] & os.O_DIRECT, f"the spill file is opened without O_DIRECT: flags {flags[0]:o}"
+    loss.backward()
+    for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad)
+    eng.close()

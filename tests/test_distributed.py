@@ -96,10 +96,12 @@ def _check(results: list[dict]) -> None:
         assert torch.equal(results[0]["reference"]["grads"][0][name], results[1]["reference"]["grads"][0][name])
 
 
+@pytest.mark.slow  # a process group of worker processes
 def test_ddp(launched):
     _check(_results(launched, "ddp"))
 
 
+@pytest.mark.slow  # a process group of worker processes
 @pytest.mark.skipif(not _has_fsdp2(), reason="torch.distributed.fsdp.fully_shard (FSDP2) needs torch >= 2.6")
 def test_fsdp2(launched):
     results = _results(launched, "fsdp")

@@ -43,6 +43,8 @@ from links import DeferredLink, ThreadedLink  # noqa: E402
 SCHEDULES = FAST_SCHEDULES + SLOW_SCHEDULES
 """The detector's schedules, one per program (by its seed)."""
 
+pytestmark = pytest.mark.slow  # a fuzzer: many random programs; `-m "not slow"` leaves it out
+
 ROWS, COLS, VOCAB = 4, 6, 5
 """The base activation is ROWS x COLS (96 bytes in fp32): small enough that a run takes
 milliseconds, big enough for slices, strides and broadcasts."""

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import offload  # noqa: E402
 from test_regions import MACHINE, RERUNS, SLOW_DISK  # noqa: E402
-from zoo import MB, tiny_llama, wait_clean  # noqa: E402
+from zoo import MB, most_profiling_steps, tiny_llama, wait_clean  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -127,9 +127,10 @@ def test_hf_model_equal_no_engine(name, checkpointing, spill_dir):
 )
 def test_llama_layers_as_regions(policy, machine, spill_dir):
     base = llama()
-    # Up to four profiling steps ("auto": measure, recompute, offload, and the offload once more
-    # when its calibration was implausible, as SLOW_DISK's 0.5 MB/s is beside this disk), then the plan.
-    steps = 5
+    # Profiling ("auto": measure, recompute, offload, the offload once more when its calibration
+    # was implausible, as SLOW_DISK's 0.5 MB/s is beside this disk, and the round again where the
+    # noise decides the plan: ``most_profiling_steps``), then the plan.
+    steps = most_profiling_steps("auto") + 1
     reference = train(copy.deepcopy(base), steps=steps)
 
     model = copy.deepcopy(base)

@@ -92,6 +92,7 @@ def test_rotary_tables_are_the_angles_cos_and_sin_rounded_once():
     assert torch.equal(rotary.cos, angles.cos().float()) and torch.equal(rotary.sin, angles.sin().float())
 
 
+@pytest.mark.slow  # spawns processes
 def test_every_process_builds_the_same_model():
     """A model built in one process equals the same model built in another: a benchmark compares
     configurations each run in a process of its own. Each process builds MiniGPT's rotary tables

@@ -30,6 +30,7 @@ import offload
 from offload import _recompute
 from test_recompute import settle
 from test_regions import MACHINE, block_engine
+from zoo import most_profiling_steps
 
 SEED = 4321
 """Seed set before each forward, so dropout masks agree between variants."""
@@ -590,8 +591,9 @@ def test_region_with_an_inner_grad_is_recomputed_once_per_pass():
 # ------------------------------------------------------------------------ under the engine
 
 
-STEPS = 5
-"""Enough for "auto" to profile (up to three steps) and then follow its plan twice."""
+STEPS = most_profiling_steps("auto") + 2
+"""Enough for "auto" to profile (as many steps as it may legitimately take at one shape) and then
+follow its plan twice."""
 N_BLOCKS = 3
 MODEL_ROWS, MODEL_WIDTH = 64, 64
 """(64, 64) fp32 activations = 16 KiB: above the engine's default ``min_offload_bytes``? see below."""

@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF  # noqa: E402
 
 from doc_blocks import py_blocks  # noqa: E402
 from offload.integrations.otel import StepTracer  # noqa: E402
+from zoo import most_profiling_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 N_LAYER = 2
@@ -218,7 +219,7 @@ def test_planned_step_carries_the_plans_decisions(spans, spill_dir):
     tracer = StepTracer(eng, tracer_provider=provider)
     stages = []
     try:
-        for _ in range(6):
+        for _ in range(most_profiling_steps("auto") + 1):
             exporter.clear()
             eng.reset_stats()
             _traced_step(provider, model, eng, x, y)

@@ -61,6 +61,7 @@ def run_worker(plan_cache: Path, spill_dir: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two worker processes
 def test_a_restarted_process_runs_its_first_step_under_the_saved_plan(tmp_path, spill_dir):
     path = tmp_path / "cache" / "plans.json"
     first = run_worker(path, spill_dir)

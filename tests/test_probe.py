@@ -332,6 +332,7 @@ def _subprocess_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # a subprocess that probes
 def test_cli_subprocess_json(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "offload", "probe", "--json", "--size-mb", str(SIZE_MB), "--repeats", "1"],

@@ -9,6 +9,7 @@ probe runs and the plans do not depend on this machine.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Optional
 
@@ -18,11 +19,13 @@ import torch
 import offload
 import offload._regions
 from offload.models.gpt import Block, GPTConfig, MiniGPT
+from zoo import auto_trials, most_profiling_steps, stage_letters
 
 CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=64, dropout=0.1, attention="math")
 BATCH = 4
-STEPS = 5
-"""Enough for "auto" to profile (up to three steps) and then follow its plan twice."""
+STEPS = most_profiling_steps("auto") + 2
+"""Enough for "auto" to profile (as many steps as it may legitimately take at one shape) and then
+follow its plan twice."""
 LR = 0.1
 SEED = 1234
 """Seed set before each step's forward: the dropout masks of every run match."""
@@ -294,9 +297,13 @@ def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
     timed = eng.plan
     assert timed is not provisional and len(eng.plans) == 1
     train(model, eng, steps=1)  # every block offloaded: calibrates the transfer costs
+    for _ in range(most_profiling_steps("auto")):  # an implausible reading again; the round where the noise decides
+        if not eng.profiling:
+            break
+        train(model, eng, steps=1)
     first = eng.plan
     assert first is not timed and not eng.profiling
-    assert list(eng.recent_stages) == ["measure", "recompute", "offload"]
+    assert re.fullmatch("M" + auto_trials(), stage_letters(eng.recent_stages)), list(eng.recent_stages)
     train(model, eng, steps=2)
     # the same plan (its regions the very same; only its step times read at the latest pace)
     assert eng.plan.regions is first.regions and len(eng.plans) == 1, "same shapes must reuse the plan"
@@ -325,8 +332,11 @@ def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
     assert eng.plan.regions is first.regions
 
     text, explained = str(eng.plan), offload.explain(eng)
-    head, link, pace, held = explained.rsplit("\n", 3)
-    assert head == f"{text}\nregions: regions=: {CONFIG.n_layer} modules given"
+    # The plan's own lines may carry a note that its step times are uncertain where the steps under
+    # it ran far apart (a busy machine: test_pace.py); the lines after the plan come in this order.
+    plan_part, after = explained.split(f"\nregions: regions=: {CONFIG.n_layer} modules given\n")
+    assert plan_part == text or plan_part.startswith(f"{text}\nnote: these step times are uncertain"), plan_part
+    link, pace, held = after.split("\n")
     assert link.startswith("transfers priced at: "), link  # the offload trial's reading (test_shapes.py)
     assert pace.startswith("step times: x"), pace  # the steps under plans so far (test_pace.py)
     assert held.startswith("measured: the store held at most"), held  # the trials re-ran (test_region_memory.py)
@@ -434,15 +444,17 @@ def test_auto_on_the_cpu_weighs_the_round_trip_against_one_forward(forward_ms, e
 
 STAGE_CASES = {
     # "auto" with something to move: sizes, then a step recomputing every block, then one
-    # offloading every block (to calibrate the transfer costs), then the plan.
-    "auto-small": ("auto", "small", MACHINE, ["measure", "recompute", "offload", None, None]),
+    # offloading every block (to calibrate the transfer costs), then the plan; a reading the
+    # probe's figures rule out is measured again, and where the noise of the trials decides the
+    # plan the round runs once more (``auto_trials``: how often depends on the machine's load).
+    "auto-small": ("auto", "small", MACHINE, "M" + auto_trials() + r"\.+"),
     # No link: nothing to calibrate, so no offload trial.
-    "auto-small-no-disk": ("auto", "small", NO_DISK, ["measure", "recompute", None, None, None]),
+    "auto-small-no-disk": ("auto", "small", NO_DISK, "M" + auto_trials(link=False) + r"\.+"),
     # Nothing to move: two plain measurements (the first pays warm-up costs).
-    "auto-none": ("auto", "none", MACHINE, ["measure", "measure", None, None, None]),
+    "auto-none": ("auto", "none", MACHINE, r"MM\.+"),
     # "offload" never recomputes, not even to measure.
-    "offload-small": ("offload", "small", MACHINE, ["measure", "measure", None, None, None]),
-    "recompute-small": ("recompute", "small", MACHINE, [None] * 5),
+    "offload-small": ("offload", "small", MACHINE, r"MM\.+"),
+    "recompute-small": ("recompute", "small", MACHINE, r"\.+"),
 }
 
 
@@ -452,7 +464,7 @@ def test_profiling_stages(case, saved_bytes, spill_dir):
     model = make_model()
     eng = block_engine(model, budget_mb(saved_bytes, budget), policy, spill_dir, machine=machine)
     train(model, eng)
-    assert list(eng.recent_stages) == expected
+    assert re.fullmatch(expected, stage_letters(eng.recent_stages)), list(eng.recent_stages)
     assert not eng.profiling
     eng.close()
 
@@ -477,9 +489,12 @@ def test_auto_plans_from_the_trial_timings(saved_bytes, spill_dir):
 
 def test_a_plan_in_force_does_not_spill_what_it_keeps(saved_bytes, spill_dir):
     """The store's early eviction (its in-flight window) is off while a plan is in force: the
-    plan already fits the budget, so the blocks it keeps stay on the device."""
+    plan already fits the budget, so the blocks it keeps stay on the device. Policy "offload" (sizes
+    only: it keeps the newest blocks that fit, whatever the machine's speed); "auto" may take a fixed
+    policy's plan that keeps none where the trials' noise leaves it as good (``_profiler``'s Note:
+    [a plan that holds still]), and the store is the same under either."""
     model = make_model()
-    eng = block_engine(model, budget_mb(saved_bytes, "medium"), "auto", spill_dir)
+    eng = block_engine(model, budget_mb(saved_bytes, "medium"), "offload", spill_dir)
     offloaded = []
     train(model, eng, on_step=lambda e: offloaded.append(e.stats.offloaded_bytes))
     plan = eng.plan
@@ -500,7 +515,7 @@ def test_a_budget_that_fits_everything_is_measured_without_spilling(saved_bytes,
     eng = block_engine(model, saved_bytes * 1.02 / 2**20, "auto", spill_dir)
     offloaded = []
     train(model, eng, on_step=lambda e: offloaded.append(e.stats.offloaded_bytes))
-    assert list(eng.recent_stages) == ["measure", "measure", None, None, None]
+    assert list(eng.recent_stages) == ["measure", "measure"] + [None] * (STEPS - 2)
     assert set(eng.plan.decisions) == {offload.Decision.KEEP}
     assert offloaded[0] > 0, "the first step holds the budget with the in-flight window (this test's premise)"
     assert offloaded[1:] == [0] * (STEPS - 1), offloaded
@@ -534,7 +549,7 @@ def test_a_profiling_step_that_raises_is_measured_again(saved_bytes, reference, 
     model.zero_grad(set_to_none=True)
     history += train(model, eng, steps=STEPS - 1, first_step=1)
     assert_same_history(history, reference, "auto after a failed profiling step")
-    assert list(eng.recent_stages) == ["measure", "recompute", "recompute", "offload", None, None]
+    assert re.fullmatch("MR" + auto_trials() + r"\.+", stage_letters(eng.recent_stages)), list(eng.recent_stages)
     assert not eng.profiling
     stats = settle(eng)
     assert stats.resident_bytes == 0 and stats.spill_bytes == 0

@@ -85,6 +85,7 @@ def _run(use_engine: bool, spill_dir: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # fresh processes, each a whole run
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in KiB on Linux only")
 def test_spilled_activations_leave_the_resident_set(spill_dir):
     if _filesystem_type(Path(spill_dir)) in ("tmpfs", "ramfs"):

@@ -26,6 +26,7 @@ from offload._pace import WINDOW
 from offload._profiler import MAX_MEASURED_SHAPES, MAX_PLANS, SEARCH_BUCKET, SIZE_TOLERANCE
 from offload.models.gpt import GPTConfig, MiniGPT
 from test_regions import MACHINE, assert_same_history, block_engine, train_lengths
+from zoo import most_profiling_steps
 
 CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=160, dropout=0.1, attention="math")
 BATCH = 2
@@ -67,6 +68,7 @@ def saved_by_blocks(model, seq: int, size: int = BATCH) -> list[int]:
     return measured
 
 
+@pytest.mark.slow  # a soak of changing shapes: 40-100 steps
 @pytest.mark.parametrize("policy", ["auto", "selective", "offload"])
 def test_dynamic_lengths_profile_a_few_steps_then_plan_every_shape(policy, spill_dir):
     seqs = lengths(40, 40, 160)
@@ -76,7 +78,9 @@ def test_dynamic_lengths_profile_a_few_steps_then_plan_every_shape(policy, spill
     assert_same_history(train(model, seqs, eng), reference, f"dynamic lengths under {policy}")
     stages = list(eng.recent_stages)
     profiled = [s for s in stages if s is not None]
-    assert len(profiled) <= 3 + MAX_MEASURED_SHAPES - 1, stages
+    # Whatever the trials read: their rounds at the first length, an implausible link reading
+    # measured again, one "recompute" trial per further length measured (``most_profiling_steps``).
+    assert len(profiled) <= most_profiling_steps(policy, shapes=MAX_MEASURED_SHAPES), stages
     assert stages[-20:] == [None] * 20, f"the last steps must all follow a plan: {stages}"
     assert len(set(seqs)) > 25, "the premise: most lengths are new"
     derived = [p for p in eng.plans.values() if p.origin.startswith("derived")]
@@ -91,6 +95,7 @@ def train_batches(model, shapes, eng=None):
     return train_lengths(model, [seq for _, seq in shapes], eng, size=[rows for rows, _ in shapes], reset_stats=False)
 
 
+@pytest.mark.slow  # a soak of changing shapes: 40-100 steps
 @pytest.mark.parametrize("policy", ["auto", "offload"])
 def test_batch_and_length_both_change_every_step(policy, spill_dir):
     """Rows and length drawn anew every step: the fit is over elements and length, so what a
@@ -106,7 +111,7 @@ def test_batch_and_length_both_change_every_step(policy, spill_dir):
     stages = list(eng.recent_stages)
     # a shape 2x beyond those measured is measured (a "recompute" step), a few in all: rows 1-4
     # times lengths 40-160 span 16x in elements
-    assert sum(s is not None for s in stages) <= 3 + MAX_MEASURED_SHAPES - 1, stages
+    assert sum(s is not None for s in stages) <= most_profiling_steps(policy, shapes=MAX_MEASURED_SHAPES), stages
     assert stages[-15:] == [None] * 15, f"the last steps must all follow a plan: {stages}"
     derived = [(key[0][0], p) for key, p in eng.plans.items() if p.origin.startswith("derived")]
     assert len(derived) >= 10, [p.origin for p in eng.plans.values()]
@@ -166,9 +171,10 @@ def test_the_largest_tensor_each_block_saves_is_measured(spill_dir):
     """What the planner's whole-tensor room is priced on (``RegionProfile.largest_tensor_bytes``):
     a "measure" step reads it from what the engine was handed, a "recompute" trial at a shape no
     "measure" step saw counts it in the re-run's hooks. Math attention: the (s, s) scores are the
-    largest at 160, a per-token tensor at 40."""
+    largest at 160, a per-token tensor at 40. Policy "selective" has the trials of "auto" but no
+    "offload" trial, which (run again where its reading is implausible) could take the step at 40."""
     model = make_model()
-    eng = block_engine(model, 0.05, "auto", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
+    eng = block_engine(model, 0.05, "selective", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
     train(model, [160, 160, 160, 40], eng)
     measure = eng.profiled_steps[0]
     trial = eng.profiled_steps[-1]
@@ -200,6 +206,7 @@ def test_a_derived_plan_whose_sizes_miss_refits_them(spill_dir, caplog):
     eng.close()
 
 
+@pytest.mark.slow  # a soak of changing shapes: 40-100 steps
 def test_state_is_bounded_whatever_the_number_of_shapes(spill_dir):
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=MAX_PLANS + 40)
     model = make_model(config)
@@ -208,7 +215,7 @@ def test_state_is_bounded_whatever_the_number_of_shapes(spill_dir):
     random.Random(1).shuffle(seqs)
     train(model, seqs, eng)
     assert len(eng.plans) <= MAX_PLANS
-    assert sum(s is not None for s in eng.recent_stages) <= 3 + MAX_MEASURED_SHAPES - 1
+    assert sum(s is not None for s in eng.recent_stages) <= most_profiling_steps("auto", shapes=MAX_MEASURED_SHAPES)
     eng.close()
 
 
@@ -221,10 +228,11 @@ def test_explain_says_where_a_plan_comes_from(spill_dir):
     assert "(2, 160, 64)" in text and "(2, 80, 64)" in text
     assert "regions: regions=: 3 modules given" in text
     # the link's level, as the "offload" trial at 160 read it (a reading this machine's noise made
-    # implausible is named as such: test_calibration.py)
+    # implausible, or too uncertain to plan on, is named as such: test_calibration.py, test_profiler.py)
     assert re.search(
         r"transfers priced at: (x[0-9.e+-]+ the probe's figures \(offload trials read x[0-9.e+-]+"
-        r"|the probe's figures \(every offload trial implausible)",
+        r"|the probe's figures \(every offload trial implausible"
+        r"|the probe's figures \(offload trials read .* too uncertain to plan on)",
         text,
     ), text
     train(model, [160], eng)
@@ -232,6 +240,7 @@ def test_explain_says_where_a_plan_comes_from(spill_dir):
     eng.close()
 
 
+@pytest.mark.slow  # its steps wait for a slow loader: seconds of sleeps
 def test_a_plan_reads_its_step_at_the_pace_steps_under_plans_took(spill_dir):
     """A step that costs more than the cost model knows (here a slow data loader, three times
     the predicted step; on a shared machine, the minute's speed): the plan's predicted step

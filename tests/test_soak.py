@@ -25,6 +25,8 @@ import offload
 from hb import Schedule, detecting
 from links import DeferredLink, ThreadedLink
 
+pytestmark = pytest.mark.slow  # a soak: hundreds of steps; `-m "not slow"` leaves it out
+
 STEPS = 300
 WIDTH = 64
 BATCHES = (1, 3, 8, 16)

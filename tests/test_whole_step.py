@@ -16,6 +16,7 @@ import offload
 from offload._cost import Scope
 from offload.models.gpt import GPTConfig, MiniGPT
 from test_regions import MACHINE, assert_same_history
+from zoo import most_profiling_steps
 
 CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=64, dropout=0.1, vocab_size=4096, attention="math")
 BATCH = 4
@@ -100,15 +101,24 @@ def test_the_saves_outside_the_regions_are_measured_and_shown(spill_dir):
 def test_a_budget_below_the_heads_saves_moves_them_and_holds(policy, spill_dir):
     """A budget smaller than what the step saves after its last block: the plan moves those saves
     (the only way to fit), the engine copies them out as they are made, and the step holds the
-    budget with the gradients of the model without the engine."""
+    budget with the gradients of the model without the engine.
+
+    "As they are made": the final norm's saves, the first after the last block, have all started
+    their copy out when the norm returns, though the store holds far less than the budget then
+    (ordinary eviction would keep them, and move saves only once the logits overflow it)."""
     _, per_block, after = split_of_one_step()
     budget_mb = 0.8 * after / 2**20
-    reference = train(make_model())
+    steps = most_profiling_steps(policy) + 2  # the plan in force for the last two at least
+    reference = train(make_model(), steps=steps)
     model = make_model()
     eng = engine(model, budget_mb, spill_dir, policy=policy)
+    at_last_block_end: list[offload.Stats] = []
+    after_norm: list[tuple[offload.Stats, offload.Stats]] = []  # (at the last block's end, at the norm's)
+    model.blocks[-1].register_forward_hook(lambda m, a, o: at_last_block_end.append(eng.stats))
+    model.norm_f.register_forward_hook(lambda m, a, o: after_norm.append((at_last_block_end[-1], eng.stats)))
     history = []
     peaks = []
-    for step in range(5):
+    for step in range(steps):
         eng.reset_stats()
         history += train_one(model, eng, step)
         peaks.append(eng.stats.peak_resident_bytes)
@@ -116,8 +126,17 @@ def test_a_budget_below_the_heads_saves_moves_them_and_holds(policy, spill_dir):
     plan = eng.plan
     assert plan.decision_after() is offload.Decision.OFFLOAD, str(plan)
     assert plan.fits_budget, str(plan)
-    assert eng.recent_stages[-1] is None
+    stages = list(eng.recent_stages)
+    assert stages[-1] is None
     assert peaks[-1] <= budget_mb * 2**20, (peaks, str(plan))
+    for stage, (block_end, norm_end) in zip(stages, after_norm, strict=True):
+        if stage is not None:
+            continue  # a profiling step measures; only a plan's OFFLOAD sends saves out eagerly
+        saved = norm_end.saved_bytes - block_end.saved_bytes
+        sent = norm_end.offloaded_bytes - block_end.offloaded_bytes
+        assert saved > 0, "the premise: the final norm saves"
+        assert block_end.resident_bytes + saved <= budget_mb * 2**20, "the premise: the budget has room for them"
+        assert sent == saved, f"every save after the last block leaves as it is made: {sent} of {saved} bytes"
     eng.close()
 
 
@@ -162,4 +181,67 @@ def test_the_saves_before_the_regions_stay_where_the_budget_has_room(spill_dir):
     outside = {r.scope: r for r in eng.plan.outside}
     assert outside[Scope.BEFORE].decision is offload.Decision.KEEP, str(eng.plan)
     assert eng.stats.offloaded_bytes == 0
+    eng.close()
+
+
+class Gapped(torch.nn.Module):
+    """Blocks with a tanh between each two: its saves fall between the regions, outside all of them."""
+
+    def __init__(self, width: int = 64, blocks: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(width, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(blocks)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            if i:
+                x = torch.tanh(x)
+            x = block(x)
+        return x.square().mean()
+
+
+def test_the_saves_between_regions_count_with_those_before_them(spill_dir):
+    """What is saved between two regions is neither region's: the plan's "before the regions" row
+    holds it with what was saved before the first (See Note: [the saves outside the regions, as the
+    store treats them]); the store's own count of one step, split by hooks, is the oracle."""
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    model = Gapped()
+    counting = offload.engine(None, model=model, min_offload_bytes=0)
+    starts, ends = [], []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda m, a: starts.append(counting.stats.saved_bytes))
+        block.register_forward_hook(lambda m, a, o: ends.append(counting.stats.saved_bytes))
+    with counting:
+        loss = model(x)
+    gaps = [start - end for start, end in zip(starts[1:], ends, strict=False)]
+    before = starts[0] + sum(gaps)
+    del loss
+    counting.close()
+    assert starts[0] > 0 and all(gap > 0 for gap in gaps), "the premise: saves before and between the blocks"
+
+    model = Gapped()
+    eng = offload.engine(
+        None,
+        regions=model.blocks,
+        model=model,
+        policy="offload",
+        machine=MACHINE,
+        spill_dir=spill_dir,
+        min_offload_bytes=0,
+    )
+    for _ in range(2):
+        with eng:
+            loss = model(x)
+        loss.backward()
+    plain = Gapped()
+    plain(x).backward()
+    plain(x).backward()
+    for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad), "the gradients of the model without the engine"
+    outside = {r.scope: r for r in eng.plan.outside}
+    assert outside[Scope.BEFORE].saved_bytes == before, (outside[Scope.BEFORE].saved_bytes, starts[0], gaps)
     eng.close()

@@ -116,8 +116,10 @@ class RunSettings:
     steps: int = 3
     """Measured (timed) steps per configuration."""
     warmup: int = 3
-    """Steps trained first and recorded, but not timed: the engine's regions profile on up to three
-    (policy "auto"; see offload._regions). A step that still profiles after these is not timed either."""
+    """Steps trained first and recorded, but not timed: the engine's regions profile on three as a
+    rule (policy "auto"; see offload._regions), on up to seven where a link reading is measured again
+    or the trials run a second round (offload._profiler's Note: [a plan that holds still]). A step
+    that still profiles after these is not timed either."""
     repeats: int = 1
     """Times every configuration runs, the order rotated each time; figures are medians over them."""
     dtype: str = "fp32"
