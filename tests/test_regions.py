@@ -336,10 +336,11 @@ def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
     # it ran far apart (a busy machine: test_pace.py); the lines after the plan come in this order.
     plan_part, after = explained.split(f"\nregions: regions=: {CONFIG.n_layer} modules given\n")
     assert plan_part == text or plan_part.startswith(f"{text}\nnote: these step times are uncertain"), plan_part
-    link, pace, held = after.split("\n")
+    link, pace, *held = after.split("\n")
     assert link.startswith("transfers priced at: "), link  # the offload trial's reading (test_shapes.py)
     assert pace.startswith("step times: x"), pace  # the steps under plans so far (test_pace.py)
-    assert held.startswith("measured: the store held at most"), held  # the trials re-ran (test_region_memory.py)
+    # What re-run regions held, where any re-ran (the trials): test_region_memory.py says when it shows.
+    assert len(held) <= 1 and all(h.startswith("measured: the store held at most") for h in held), held
     assert derived.regions != first.regions
     for i in range(CONFIG.n_layer):
         assert f"blocks.{i}" in text
