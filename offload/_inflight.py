@@ -176,6 +176,7 @@ class InFlight:
         hop, only until the hop to the device has started (and for that hop where it blocks the host)."""
         start = time.perf_counter()
         host_waited = False
+        failure: Optional[OSError] = None
         with record("offload::wait_reload"):
             try:
                 while e.device_copy() is None:  # the hop to the device has not started yet
@@ -190,10 +191,20 @@ class InFlight:
                 host_waited = host_waited or device.filled.blocks_host
                 device.filled.order_compute()  # every user's stream waits (cheap once it is done)
             except OSError as error:
-                self.forget_load(e)
-                raise OffloadError(
-                    f"offload: reading back the saved tensor {e.describe} from the spill file failed: {error}"
-                ) from error
+                failure = error
+        if failure is not None:
+            # Note: [undo a failed read outside its handler]
+            #     The failure's traceback holds this thread's frames, and through them the graph
+            #     being unpacked. Anything raised while it is being handled takes it as its
+            #     ``__context__``: a spill job that fails as ``forget_load`` asks after it (the
+            #     race tests' emulated jobs run on this thread when asked) would keep that chain
+            #     in a future an entry still holds, and the graph with it, past the backward. So
+            #     the load is undone after the handler has ended, and only then is the error raised.
+            self.forget_load(e)
+            raise OffloadError(
+                f"offload: reading back the saved tensor {e.describe} from the spill file failed: {failure}"
+            ) from failure
+        assert device is not None  # set in the try, which ended without a failure
         if device.filled.done():
             device.state = CopyState.READY  # the pending stays: See Note: [a reload used on another stream]
         if host_waited:
