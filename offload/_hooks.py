@@ -23,10 +23,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from ._errors import inplace_error
+from ._stats import Counters
 
 __all__ = ["Eligibility", "no_offload", "users_own"]
 
 _is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
 
 
 def users_own(t: torch.Tensor) -> bool:
@@ -35,12 +38,12 @@ def users_own(t: torch.Tensor) -> bool:
     or a view of one. A view is judged by its base alone: views made under no_grad (inside a
     custom Function's forward) of an activation require grad and count as leaves, yet free
     memory when moved. The engine's hooks and the recompute tier both apply this rule."""
-    if type(t) is not torch.Tensor:
+    if type(t) is not _Tensor:
         return True
     base = t._base
     if base is None:
         return t.requires_grad and t.is_leaf
-    return type(base) is not torch.Tensor or (base.requires_grad and base.is_leaf)
+    return type(base) is not _Tensor or (base.requires_grad and base.is_leaf)
 
 
 class Eligibility:
@@ -51,8 +54,8 @@ class Eligibility:
         self.min_bytes = min_bytes
         self.skip_storages: set[int] = set()
         self.small_saves = 0
-        """Plain tensors on a candidate device passed through only for being under ``min_bytes``
-        (the engine warns when a step saved nothing else)."""
+        """Tensors on a candidate device passed through for being under ``min_bytes`` (the
+        engine warns when a step saved nothing else)."""
 
     def skip_modules(self, modules: Iterable[torch.nn.Module]) -> None:
         """Never move the storages of these modules' parameters and buffers.
@@ -64,50 +67,52 @@ class Eligibility:
         self.skip_storages = {t.untyped_storage()._cdata for m in modules for t in (*m.parameters(), *m.buffers())}
 
     def __call__(self, t: torch.Tensor) -> bool:
+        return self.take(t) is not None
+
+    def take(self, t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+        """``t``'s storage if the engine manages ``t``, else None (it passes through). The hook
+        hands the storage on, so the store does not ask ``t`` for it again."""
         if users_own(t):
-            return False
+            return None
         device = t.device
         if device != self.device:  # the first tensor (no device yet), device="cuda", or another device
             return self._on_new_device(t, device)
         return self._plain_and_large(t)
 
-    def _plain_and_large(self, t: torch.Tensor) -> bool:
-        """A plain dense tensor whose storage is large enough and not a module's."""
-        if (
-            t.layout is not torch.strided
-            or t.is_quantized
-            or t.is_nested
-            or t.is_conj()
-            or t.is_neg()
-            or _is_functorch_wrapped(t)
-        ):
-            return False
+    def _plain_and_large(self, t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+        """The storage of a plain dense tensor if it is large enough and not a module's.
+
+        Layout and functorch wrapping come first (a sparse or wrapped tensor has no storage to
+        ask for), then the size, so a small tensor, the common pass-through, is done after one
+        storage read; what else would exclude it is not asked."""
+        if t.layout is not _STRIDED or _is_functorch_wrapped(t):
+            return None
         storage = t.untyped_storage()
-        if storage._cdata in self.skip_storages:
-            return False
         if storage.nbytes() < self.min_bytes:
             self.small_saves += 1
-            return False
-        return True
+            return None
+        if t.is_quantized or t.is_nested or t.is_conj() or t.is_neg() or storage._cdata in self.skip_storages:
+            return None
+        return storage
 
-    def _on_new_device(self, t: torch.Tensor, device: torch.device) -> bool:
+    def _on_new_device(self, t: torch.Tensor, device: torch.device) -> Optional[torch.UntypedStorage]:
         """A tensor on another device than the engine's. Without a device yet, the first eligible
         CPU or CUDA tensor's becomes it (not a small or odd one's: a model's first save may be a
         CPU index tensor). ``device="cuda"`` names the current CUDA device: pinned to its index now
         that CUDA is in use. Meta and other devices are never taken."""
         if self.device is None:
-            if device.type not in ("cpu", "cuda") or not self._plain_and_large(t):
-                return False
-            self.device = (
-                device
-                if device.index is not None or device.type == "cpu"
-                else torch.device("cuda", torch.cuda.current_device())
-            )
-            return True
+            storage = self._plain_and_large(t) if device.type in ("cpu", "cuda") else None
+            if storage is not None:
+                self.device = (
+                    device
+                    if device.index is not None or device.type == "cpu"
+                    else torch.device("cuda", torch.cuda.current_device())
+                )
+            return storage
         if self.device.index is None and device.type == self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-            return device == self.device and self._plain_and_large(t)
-        return False
+            return self._plain_and_large(t) if device == self.device else None
+        return None
 
 
 # Note: [pass through a detached alias]
@@ -117,31 +122,20 @@ class Eligibility:
 #     see, so a forward without backward leaked its whole graph. ``t.detach()`` shares storage and
 #     version counter but has no grad_fn (torch's saved_tensors_hooks docs ask for exactly this).
 #     And since saved-tensor hooks switch off autograd's in-place check, unpack checks the version
-#     itself and raises the error PyTorch would.
+#     itself and raises the error PyTorch would. The pair is a plain tuple (alias, version at
+#     pack): the engine's own handles are never tuples, so unpack tells the two apart by type,
+#     and a tuple costs no Python-level constructor on the path most small saves take.
 
 
-class _Passed:
-    """A saved tensor left where it is: a detached alias and the version it was saved at."""
-
-    __slots__ = ("alias", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.alias = t.detach()
-        self.version = t._version
-
-    def unwrap(self) -> torch.Tensor:
-        a = self.alias
-        if a._version != self.version:
-            raise inplace_error(a.type(), a.shape, a._version, self.version)
-        return a
+def _pass(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return (t.detach(), t._version)
 
 
-def _pass(t: torch.Tensor) -> _Passed:
-    return _Passed(t)
-
-
-def _unpass(packed: _Passed) -> torch.Tensor:
-    return packed.unwrap()
+def _unpass(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    alias, version = packed
+    if alias._version != version:
+        raise inplace_error(alias.type(), alias.shape, alias._version, version)
+    return alias
 
 
 def no_offload() -> torch.autograd.graph.saved_tensors_hooks:
@@ -154,22 +148,25 @@ def no_offload() -> torch.autograd.graph.saved_tensors_hooks:
 
 
 def make_hooks(
-    take: Callable[[torch.Tensor], bool],
-    pack_entry: Callable[[torch.Tensor], Any],
+    eligible: Eligibility,
+    pack_entry: Callable[[torch.Tensor, torch.UntypedStorage], Any],
     unpack_entry: Callable[[Any], torch.Tensor],
-    on_passthrough: Callable[[], None],
+    counters: Counters,
 ) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
-    """The (pack, unpack) pair for ``saved_tensors_hooks``."""
+    """The (pack, unpack) pair for ``saved_tensors_hooks``: ``pack_entry`` gets each tensor the
+    engine takes, with its storage; the rest pass through, counted in ``counters``."""
+    take = eligible.take
 
     def pack(t: torch.Tensor) -> Any:
-        if take(t):
-            return pack_entry(t)
-        on_passthrough()
-        return _Passed(t)  # See Note: [pass through a detached alias]
+        storage = take(t)
+        if storage is not None:
+            return pack_entry(t, storage)
+        counters.passthrough_tensors += 1
+        return (t.detach(), t._version)  # _pass(t), inline: See Note: [pass through a detached alias]
 
     def unpack(packed: Any) -> torch.Tensor:
-        if type(packed) is _Passed:
-            return packed.unwrap()
+        if type(packed) is tuple:
+            return _unpass(packed)
         return unpack_entry(packed)
 
     return pack, unpack

@@ -35,6 +35,7 @@ __all__ = ["DEVICE_HELD", "Orphan", "Residency"]
 
 DEVICE_HELD = frozenset((Residence.HOT, Residence.LEAVING, Residence.LOADED, Residence.KEPT))
 """Residences whose bytes are on the device and counted in ``resident_bytes``."""
+_RELEASED = Residence.RELEASED  # See Note: [enum members as module globals] in _entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +147,7 @@ class Residency:
         if self.by_key.get(e.key) is e:
             del self.by_key[e.key]
         e.copies.clear()
-        e.residence = Residence.RELEASED
+        e.residence = _RELEASED
 
     def _forget(self, e: Entry) -> None:
         if self.by_key.get(e.key) is e:
