@@ -199,25 +199,31 @@ class Entry:
     def device_copy(self) -> Optional[Copy]:
         return self.copies.get(Tier.DEVICE)
 
-    def let_go_handles(self) -> None:
-        """The original storage has left this entry: every handle keeps its watch only (See Note: [version watch])."""
+    def let_go_handles(self, empty: Optional[torch.UntypedStorage] = None) -> None:
+        """The original storage has left this entry: every handle keeps its watch only (See Note:
+        [version watch]); ``empty``: a storage of no bytes on the entry's device for the watches."""
         for ref in self.handles:
             h = ref()
             if h is not None:
-                h.let_go()
+                h.let_go(empty)
         self.handles = []
 
 
-def version_watch(t: torch.Tensor) -> Optional[torch.Tensor]:
+def version_watch(t: torch.Tensor, empty: Optional[torch.UntypedStorage] = None) -> Optional[torch.Tensor]:
     """A tensor on ``t``'s version counter that holds no memory (See Note: [version watch]), or None
-    where this torch or this tensor allows none (the in-place check is then off for it)."""
+    where this torch or this tensor allows none (the in-place check is then off for it).
+
+    ``empty``: a storage of no bytes on ``t``'s device to point the watch at, shared by every watch
+    (nothing reads or writes through a watch: it is never handed to autograd); None: a new one."""
     if _set_version is None:
         return None
     now = t._version
+    if empty is None:
+        empty = torch.empty(0, dtype=torch.uint8, device=t.device).untyped_storage()
     try:
         watch = t.detach()
         with torch.no_grad():
-            watch.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage(), 0, (0,), (1,))
+            watch.set_(empty, 0, (0,), (1,))
         _set_version((watch,), (now,))
     except RuntimeError:  # a tensor that refuses set_: drop the watch rather than hold the storage
         log.debug("offload: cannot keep a version watch on %s %s; its in-place check is off", tuple(t.shape), t.dtype)
@@ -252,8 +258,9 @@ class Handle:
         else:
             self.let_go()
 
-    def let_go(self) -> None:
-        """The original storage is gone from the entry: keep the layout and the version counter only.
+    def let_go(self, empty: Optional[torch.UntypedStorage] = None) -> None:
+        """The original storage is gone from the entry: keep the layout and the version counter only
+        (``empty``: see ``version_watch``).
 
         The watch is a new tensor: the alias itself may have been handed to autograd by an unpack
         (autograd uses what unpack returns without a copy where it can), so it is never changed.
@@ -265,7 +272,7 @@ class Handle:
         self.layout = (a.dtype, a.size(), a.stride(), a.storage_offset())
         if _set_version is None:
             return  # an old torch: the alias keeps the storage; still correct, only less memory is freed
-        self.alias = version_watch(a)
+        self.alias = version_watch(a, empty)
 
     def modified(self) -> bool:
         """True if the saved tensor was modified in place after it was saved."""

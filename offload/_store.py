@@ -59,8 +59,16 @@ _NO_BATCH = contextlib.nullcontext()
 """What a store without a link enters where one would open a batch (a nullcontext can be re-entered)."""
 
 # See Note: [enum members as module globals] in _entry
-_HOT = Residence.HOT
-_KEPT = Residence.KEPT
+_HOT, _LEAVING, _AWAY, _LOADED, _KEPT, _RELEASED = (
+    Residence.HOT,
+    Residence.LEAVING,
+    Residence.AWAY,
+    Residence.LOADED,
+    Residence.KEPT,
+    Residence.RELEASED,
+)
+_HOST, _DISK = Tier.HOST, Tier.DISK
+_FILLING = CopyState.FILLING
 
 
 class Store:
@@ -87,7 +95,7 @@ class Store:
         self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link)
         self._tier = {t.tier: t for t in self.tiers}
         self._top = self.tiers[0]
-        host = self._tier.get(Tier.HOST)
+        host = self._tier.get(_HOST)
         self._host: Optional[HostTier] = host if isinstance(host, HostTier) else None
         self.link: Optional[Link] = None if self._host is None else self._host.link
         self._lock = threading.Lock()
@@ -151,7 +159,7 @@ class Store:
             peak_over_budget_bytes=self._res.peak_over_budget_bytes,
             host_bytes=0 if host is None else host.arena.pinned_bytes,
             host_in_use_bytes=0 if host is None else host.in_use_bytes,
-            spill_bytes=self._tier[Tier.DISK].used_bytes,
+            spill_bytes=self._tier[_DISK].used_bytes,
             spill_files=self.spill.files,
             budget_bytes=self.budget.bytes,
             d2h_busy_ms=d2h_ms,
@@ -264,7 +272,7 @@ class Store:
         if residence is _HOT or residence is _KEPT:  # ORIGINAL_IS_DATA
             assert alias is not None  # a handle lets its alias go only once the original has left
             return alias  # the live tensor itself, detached (autograd makes its own shallow copy)
-        if e.residence is Residence.RELEASED:
+        if e.residence is _RELEASED:
             raise OffloadError(
                 f"offload: the saved tensor {e.describe} was released because the engine was closed; "
                 "run backward before closing the engine"
@@ -277,12 +285,12 @@ class Store:
                 self._res.held = None
                 if self.budget.bytes is not None and self._res.resident_bytes > self.budget.bytes:
                     self._flight.drop_device(held)  # its next user is not next: it reads it again
-            if e.residence is Residence.LEAVING and e.users_left <= 0:
+            if e.residence is _LEAVING and e.users_left <= 0:
                 # its first user of this pass: the original serves, and stays when its copy lands
                 e.load_gen += 1
                 e.users_left = e.refs
             self._fit_fallen_budget(e)
-            if e.residence is Residence.AWAY:  # a miss: it comes back now, whatever the budget
+            if e.residence is _AWAY:  # a miss: it comes back now, whatever the budget
                 self.counters.prefetch_misses += 1
                 self._maybe_read_free(e.nbytes)  # before its device copy, as a prefetch reads
                 self._flight.load(e)
@@ -293,7 +301,7 @@ class Store:
             self._fit_fallen_budget(e)  # a reading since may have found the budget lower
             view = self._serve(e, h)
             self._drain_dead()
-        self._res.note_peak(self.budget.bytes, in_use=e if e.residence is Residence.LEAVING else None)
+        self._res.note_peak(self.budget.bytes, in_use=e if e.residence is _LEAVING else None)
         return view
 
     def _fit_fallen_budget(self, serving: Entry) -> None:
@@ -303,7 +311,7 @@ class Store:
         budget = self.budget.bytes
         if not self._follows or budget is None:
             return
-        own = serving.nbytes if serving.residence in (Residence.LOADED, Residence.LEAVING) else 0
+        own = serving.nbytes if serving.residence in (_LOADED, _LEAVING) else 0
         limit = budget + own  # a leaving original that lands in use stays LOADED: ``own`` holds throughout
         if self._res.resident_bytes <= limit:
             return
@@ -329,7 +337,7 @@ class Store:
     def _serve(self, e: Entry, h: Handle) -> torch.Tensor:
         """Hand ``h`` its view of the device copy, once the copy is usable on the current stream."""
         device = e.device_copy()
-        if device is None or device.state is CopyState.FILLING:
+        if device is None or device.state is _FILLING:
             device = self._flight.reload_landing(e)
         elif not device.original:
             device.filled.order_compute()  # See Note: [a reload used on another stream] in _transfer
@@ -341,10 +349,10 @@ class Store:
         if h.seen_gen != e.load_gen:
             h.seen_gen = e.load_gen
             e.users_left -= 1
-            if e.users_left <= 0 and e.residence is Residence.LOADED:
+            if e.users_left <= 0 and e.residence is _LOADED:
                 self._flight.drop_device(e)
             elif (
-                e.residence is Residence.LOADED
+                e.residence is _LOADED
                 and self.budget.bytes is not None
                 and self._res.resident_bytes > self.budget.bytes
             ):
@@ -394,11 +402,13 @@ class Store:
     def _prefetch(self, seq: int) -> None:
         """Start reloading the entries saved just before ``seq`` while they fit the budget in force."""
         res = self._res
-        for s in reversed(res.below):
-            if s >= seq:
-                continue
-            e = res.below[s]
-            if e.residence is not Residence.AWAY or (e.load_gen and e.users_left <= 0):
+        below = res.below
+        # Latest landed first, as before; the entries at or after ``seq`` (those backward has
+        # served) are passed over by ``filter`` in C, not one loop step each. Loads move nothing
+        # in or out of ``below`` while it is read.
+        for s in filter(seq.__gt__, reversed(below)):
+            e = below[s]
+            if e.residence is not _AWAY or (e.load_gen and e.users_left <= 0):
                 continue  # on its way, or already served in this pass (a later unpack is a miss)
             self._maybe_read_free(e.nbytes)  # See Note: [a prefetch asks the budget in force]
             if self.budget.bytes is not None and e.nbytes > self.budget.bytes - res.resident_bytes:
@@ -444,24 +454,24 @@ class Store:
 
     def _release_ref(self, e: Entry, unseen: bool) -> None:
         e.refs -= 1
-        if unseen and e.users_left > 0 and e.residence in (Residence.LOADED, Residence.LEAVING):
+        if unseen and e.users_left > 0 and e.residence in (_LOADED, _LEAVING):
             e.users_left -= 1
-            if e.users_left <= 0 and e.refs > 0 and e.residence is Residence.LOADED:
+            if e.users_left <= 0 and e.refs > 0 and e.residence is _LOADED:
                 self._flight.drop_device(e)
         if e.refs <= 0:
             self._release(e)
 
     def _release(self, e: Entry) -> None:
         """Free everything an entry holds; copies still in flight are freed when they settle."""
-        if e.residence is Residence.RELEASED:  # close() released it; its last handle died since
+        if e.residence is _RELEASED:  # close() released it; its last handle died since
             return
-        if e.residence is Residence.HOT:  # the common case, kept short: only the original, nothing in flight
+        if e.residence is _HOT:  # the common case, kept short: only the original, nothing in flight
             self._res.release_hot(e)
             return
         self._flight.adopt_orphans(e)
         for tier, copy in e.copies.items():
             self._tier[tier].free(copy)
-        self._res.move(e, Residence.RELEASED)
+        self._res.move(e, _RELEASED)
         e.copies = {}
 
     # ------------------------------------------------------------------ engine-level
