@@ -71,20 +71,20 @@ class Eligibility:
 
     def take(self, t: torch.Tensor) -> Optional[torch.UntypedStorage]:
         """``t``'s storage if the engine manages ``t``, else None (it passes through). The hook
-        hands the storage on, so the store does not ask ``t`` for it again."""
+        hands the storage on, so the store does not ask ``t`` for it again.
+
+        A plain dense tensor whose storage is large enough and not a module's is taken. Layout and
+        functorch wrapping are asked first (a sparse or wrapped tensor has no storage to ask
+        for), then the size, so a small tensor, the common pass-through, is done after one
+        storage read; what else would exclude it is not asked."""
         if users_own(t):
             return None
         device = t.device
+        adopt = None
         if device != self.device:  # the first tensor (no device yet), device="cuda", or another device
-            return self._on_new_device(t, device)
-        return self._plain_and_large(t)
-
-    def _plain_and_large(self, t: torch.Tensor) -> Optional[torch.UntypedStorage]:
-        """The storage of a plain dense tensor if it is large enough and not a module's.
-
-        Layout and functorch wrapping come first (a sparse or wrapped tensor has no storage to
-        ask for), then the size, so a small tensor, the common pass-through, is done after one
-        storage read; what else would exclude it is not asked."""
+            adopt = self._adoptable(device)
+            if adopt is None:
+                return None
         if t.layout is not _STRIDED or _is_functorch_wrapped(t):
             return None
         storage = t.untyped_storage()
@@ -93,25 +93,24 @@ class Eligibility:
             return None
         if t.is_quantized or t.is_nested or t.is_conj() or t.is_neg() or storage._cdata in self.skip_storages:
             return None
+        if adopt is not None:
+            self.device = adopt
         return storage
 
-    def _on_new_device(self, t: torch.Tensor, device: torch.device) -> Optional[torch.UntypedStorage]:
-        """A tensor on another device than the engine's. Without a device yet, the first eligible
-        CPU or CUDA tensor's becomes it (not a small or odd one's: a model's first save may be a
-        CPU index tensor). ``device="cuda"`` names the current CUDA device: pinned to its index now
-        that CUDA is in use. Meta and other devices are never taken."""
+    def _adoptable(self, device: torch.device) -> Optional[torch.device]:
+        """For a tensor on another device than the engine's: the engine's device if the tensor is
+        taken, or None where it never is. Without a device yet, the first eligible CPU or CUDA
+        tensor's becomes it (not a small or odd one's: a model's first save may be a CPU index
+        tensor), so ``take`` sets it only once the tensor passed. ``device="cuda"`` names the
+        current CUDA device: pinned to its index now that CUDA is in use, whatever the tensor is.
+        Meta and other devices are never taken."""
         if self.device is None:
-            storage = self._plain_and_large(t) if device.type in ("cpu", "cuda") else None
-            if storage is not None:
-                self.device = (
-                    device
-                    if device.index is not None or device.type == "cpu"
-                    else torch.device("cuda", torch.cuda.current_device())
-                )
-            return storage
+            if device.type == "cpu" or (device.type == "cuda" and device.index is not None):
+                return device
+            return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else None
         if self.device.index is None and device.type == self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-            return self._plain_and_large(t) if device == self.device else None
+            return self.device if device == self.device else None
         return None
 
 

@@ -257,21 +257,22 @@ class Store:
         lock = self._lock
         lock.acquire()
         try:
-            return self._unpack_locked(h)
+            if self._dead:
+                self._drain_dead()
+            e = h.entry
+            alias = h.alias
+            if alias is not None and alias._version != h.version:  # h.modified(): See Note: [version watch]
+                raise inplace_error(alias.type(), e.shape, alias._version, h.version)
+            residence = e.residence
+            if residence is _HOT or residence is _KEPT:  # ORIGINAL_IS_DATA
+                assert alias is not None  # a handle lets its alias go only once the original has left
+                return alias  # the live tensor itself, detached (autograd makes its own shallow copy)
+            return self._unpack_moved(e, h)
         finally:
             lock.release()
 
-    def _unpack_locked(self, h: Handle) -> torch.Tensor:
-        if self._dead:
-            self._drain_dead()
-        e = h.entry
-        alias = h.alias
-        if alias is not None and alias._version != h.version:  # h.modified(): See Note: [version watch]
-            raise inplace_error(alias.type(), e.shape, alias._version, h.version)
-        residence = e.residence
-        if residence is _HOT or residence is _KEPT:  # ORIGINAL_IS_DATA
-            assert alias is not None  # a handle lets its alias go only once the original has left
-            return alias  # the live tensor itself, detached (autograd makes its own shallow copy)
+    def _unpack_moved(self, e: Entry, h: Handle) -> torch.Tensor:
+        """Unpack ``h`` of an entry whose data is not (only) the original: under the lock."""
         if e.residence is _RELEASED:
             raise OffloadError(
                 f"offload: the saved tensor {e.describe} was released because the engine was closed; "
