@@ -26,6 +26,7 @@ import os
 import pstats
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -198,6 +199,61 @@ class CopyingLink:
 _DONE = _Done()
 
 
+class FloorPair:
+    """The cheapest pure-Python hook pair that keeps what the engine keeps when it only counts: a
+    detached alias and its version (the in-place check; no cycle through a node saving its own
+    output), each storage counted once under a lock (dedup, resident bytes and their peak), and
+    its release when autograd drops the last save of it. No eligibility test, no store, no tiers:
+    a reference for how far above a bare pair a correct Python pair must sit, not a design."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.storages: dict[int, list] = {}  # key -> [saves alive, nbytes]
+        self.resident_bytes = self.peak_bytes = self.saved_tensors = 0
+
+    def context(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _floor_unpack)
+
+    def pack(self, t: torch.Tensor) -> _FloorSave:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        save = _FloorSave(self, key, t.detach(), t._version)
+        with self.lock:
+            record = self.storages.get(key)
+            if record is None:
+                record = self.storages[key] = [0, storage.nbytes()]
+                self.resident_bytes += record[1]
+                self.peak_bytes = max(self.peak_bytes, self.resident_bytes)
+            record[0] += 1
+            self.saved_tensors += 1
+        return save
+
+    def release(self, key: int) -> None:
+        with self.lock:
+            record = self.storages[key]
+            record[0] -= 1
+            if record[0] == 0:
+                del self.storages[key]
+                self.resident_bytes -= record[1]
+
+
+class _FloorSave:
+    __slots__ = ("pair", "key", "alias", "version")
+
+    def __init__(self, pair: FloorPair, key: int, alias: torch.Tensor, version: int) -> None:
+        self.pair, self.key, self.alias, self.version = pair, key, alias, version
+
+    def __del__(self) -> None:
+        self.pair.release(self.key)
+
+
+def _floor_unpack(save: _FloorSave) -> torch.Tensor:
+    alias = save.alias
+    if alias._version != save.version:
+        raise RuntimeError("a saved tensor was modified in place")
+    return alias
+
+
 def import_old(checkout: str) -> Any:
     """The package of another checkout (``CHECKOUT/offload``), imported as ``OLD_PACKAGE`` beside this one."""
     package_dir = Path(checkout).resolve() / "offload"
@@ -283,6 +339,7 @@ def per_tensor(
         "bare pair": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
         "detach pair": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t),
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"),
+        "floor: minimal counting pair": FloorPair().context,
     }
     skipped = {}
     if OffloadActivations is not None:
@@ -369,7 +426,9 @@ def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
     }
 
 
-def step_overhead(device: torch.device, steps: int, warmup: int, batch=None, deadline=None, slabs=None) -> dict:
+def step_overhead(
+    device: torch.device, steps: int, warmup: int, batch=None, deadline=None, slabs=None, old: Any = None
+) -> dict:
     settings = GPT_PRESETS["cuda" if device.type == "cuda" else "cpu"]
     settings = dataclasses.replace(settings, batch=batch or settings.batch)
     trainer = Trainer(settings, REFERENCE, load_corpus(), device)
@@ -386,6 +445,8 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None, dea
         f"budget {partial_mb:.1f} MB (25%)": moving_engine(partial_mb, device, slabs, model=trainer.model),
         "budget 0": moving_engine(0, device, slabs, model=trainer.model),
     }
+    if old is not None:  # the other checkout's engine at budget None, interleaved with these
+        engines["old budget None"] = old.engine(budget_mb=None, device=device, model=trainer.model)
     for engine in engines.values():
         engine.reset_stats()
     fns = {"no engine": trainer.step} | {name: (lambda e=e: trainer.step(lambda: e)) for name, e in engines.items()}
@@ -529,6 +590,7 @@ def measure_overhead(args, json_out: Optional[str]) -> dict:
         per_tensor_deadline = now + PER_TENSOR_SHARE * (deadline - now)
     slabs = PinnedSlabs() if device.type == "cuda" else None  # the engines one after another pin once
     try:
+        old = None if args.old is None else import_old(args.old)
         payload["per_tensor"] = per_tensor(
             device,
             args.chain_repeats,
@@ -536,7 +598,7 @@ def measure_overhead(args, json_out: Optional[str]) -> dict:
             args.chain,
             deadline=per_tensor_deadline,
             slabs=slabs,
-            old=None if args.old is None else import_old(args.old),
+            old=old,
             profile=args.profile,
         )
         if json_out:

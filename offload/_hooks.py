@@ -1,9 +1,10 @@
-"""The interception point: which saved tensors the engine takes, and the hook pair itself.
+"""The interception point: which saved tensors the engine takes, and what one it leaves becomes.
 
-Owns the eligibility rules and the pack/unpack functions handed to
-``torch.autograd.graph.saved_tensors_hooks``. A tensor the engine does not take passes through:
-pack keeps a detached alias of it (same storage, no grad_fn) and unpack checks its version and
-returns it, which is what autograd does without hooks.
+Owns the eligibility rules (``Eligibility``) and the pass-through (``pack_passed`` /
+``unpack_passed``); the session's hook pair (``Session.hooks``, handed to
+``torch.autograd.graph.saved_tensors_hooks``) asks the one and uses the other. A tensor the
+engine does not take passes through: pack keeps a detached alias of it (same storage, no
+grad_fn) and unpack checks its version and returns it, which is what autograd does without hooks.
 
 Passed through, and why:
 - parameters, leaves that require grad, views of those (``weight.t()``), and storages of
@@ -18,14 +19,13 @@ Passed through, and why:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
 from ._errors import inplace_error
-from ._stats import Counters
 
-__all__ = ["Eligibility", "no_offload", "users_own"]
+__all__ = ["Eligibility", "no_offload", "pack_passed", "unpack_passed", "users_own"]
 
 _is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 _Tensor = torch.Tensor
@@ -126,11 +126,13 @@ class Eligibility:
 #     and a tuple costs no Python-level constructor on the path most small saves take.
 
 
-def _pass(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+def pack_passed(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """What pack keeps of a tensor passed through. See Note: [pass through a detached alias]."""
     return (t.detach(), t._version)
 
 
-def _unpass(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+def unpack_passed(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """The tensor ``pack_passed`` kept, once its version says it was not modified in place."""
     alias, version = packed
     if alias._version != version:
         raise inplace_error(alias.type(), alias.shape, alias._version, version)
@@ -143,29 +145,4 @@ def no_offload() -> torch.autograd.graph.saved_tensors_hooks:
     It installs pass-through saved-tensor hooks; only the innermost hooks are active, so an
     engine around it does not see what is saved inside. See Note: [pass through a detached alias].
     """
-    return torch.autograd.graph.saved_tensors_hooks(_pass, _unpass)
-
-
-def make_hooks(
-    eligible: Eligibility,
-    pack_entry: Callable[[torch.Tensor, torch.UntypedStorage], Any],
-    unpack_entry: Callable[[Any], torch.Tensor],
-    counters: Counters,
-) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
-    """The (pack, unpack) pair for ``saved_tensors_hooks``: ``pack_entry`` gets each tensor the
-    engine takes, with its storage; the rest pass through, counted in ``counters``."""
-    take = eligible.take
-
-    def pack(t: torch.Tensor) -> Any:
-        storage = take(t)
-        if storage is not None:
-            return pack_entry(t, storage)
-        counters.passthrough_tensors += 1
-        return (t.detach(), t._version)  # _pass(t), inline: See Note: [pass through a detached alias]
-
-    def unpack(packed: Any) -> torch.Tensor:
-        if type(packed) is tuple:
-            return _unpass(packed)
-        return unpack_entry(packed)
-
-    return pack, unpack
+    return torch.autograd.graph.saved_tensors_hooks(pack_passed, unpack_passed)

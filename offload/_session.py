@@ -26,10 +26,10 @@ from ._config import Config
 from ._cost import MachineProfile
 from ._entry import Handle
 from ._errors import OffloadError
-from ._hooks import Eligibility, make_hooks
+from ._hooks import Eligibility, unpack_passed
 from ._observe import Observers
 from ._plan_cache import PlanCache
-from ._sharded import ShardedHandle, SharedSaves, declared
+from ._sharded import ShardedHandle, Sharding, SharedSaves, declared
 from ._stats import Counters
 from ._store import Store
 from ._transfer import Link
@@ -108,7 +108,7 @@ class Session:
         """What had been saved when the engine was last entered, and when that forward closed."""
         self.shared = SharedSaves(self.counters, config.prefetch)
         """Saves declared identical across a process group (``offload._sharded``)."""
-        self.hooks = make_hooks(self.eligible, self._pack, self._unpack, self.counters)
+        self.hooks = self._make_hooks()
         """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
 
     # ------------------------------------------------------------------ the hooks
@@ -126,14 +126,48 @@ class Session:
                 self._store = store
         return self._store
 
-    def _pack(self, t: torch.Tensor, storage: torch.UntypedStorage) -> Handle | ShardedHandle:
-        store = self._store or self._open_store(t.device)
-        local = self._local
-        eager = local.eager or local.eager_to_end
-        sharding = declared()
-        if sharding is None:
-            return store.pack(t, eager, storage)
-        if local.planned_per_rank:
+    def _make_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+        """The (pack, unpack) pair, closures over what they read per tensor: in a chain of saves a
+        Python frame costs about twice what it costs in a loop (it runs cold between torch's own
+        work), so the pair calls the eligibility test and the store and nothing in between."""
+        take, counters, observers, local, shared = (
+            self.eligible.take,
+            self.counters,
+            self.observers,
+            self._local,
+            self.shared,
+        )
+
+        def pack(t: torch.Tensor) -> Any:
+            storage = take(t)
+            if storage is None:
+                counters.passthrough_tensors += 1
+                return (
+                    t.detach(),
+                    t._version,
+                )  # _hooks.pack_passed(t), inline: See Note: [pass through a detached alias]
+            store = self._store or self._open_store(t.device)
+            eager = local.eager or local.eager_to_end
+            sharding = declared()
+            if sharding is None:
+                return store.pack(t, eager, storage)
+            return self._pack_shared(t, sharding, store, eager)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if type(packed) is tuple:
+                return unpack_passed(packed)
+            if observers.awaiting_backward:
+                observers.unpacked()
+            if type(packed) is Handle:
+                return packed.store.unpack(packed)
+            assert isinstance(packed, ShardedHandle)  # pack returns one of the three
+            return shared.unpack(packed)
+
+        return pack, unpack
+
+    def _pack_shared(self, t: torch.Tensor, sharding: Sharding, store: Store, eager: bool) -> ShardedHandle:
+        """A save declared shared across a process group (``offload.sharded``): this rank's slice goes to the store."""
+        if self._local.planned_per_rank:
             raise OffloadError(
                 f"offload: a save declared shared (offload.sharded) inside a region under policy='auto': each "
                 "rank plans its regions from its own measurements, so ranks may keep one region and recompute "
@@ -142,14 +176,6 @@ class Session:
                 f"(the saved tensor: {tuple(t.shape)} {t.dtype})"
             )
         return self.shared.pack(t, sharding, lambda kept: store.pack(kept, eager))
-
-    def _unpack(self, handle: Handle | ShardedHandle) -> torch.Tensor:
-        if self.observers.awaiting_backward:
-            self.observers.unpacked()
-        if type(handle) is Handle:
-            return handle.store.unpack(handle)
-        assert isinstance(handle, ShardedHandle)  # pack returns one of the two
-        return self.shared.unpack(handle)
 
     # ------------------------------------------------------------------ the hook stack (per thread)
 
