@@ -166,15 +166,18 @@ class CudaStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._index: Optional[int] = device.index
         self._known: dict[tuple, "torch.cuda.Stream"] = {}
+        self._initialized = False
 
     def current(self) -> "torch.cuda.Stream":
         """``torch.cuda.current_stream(device)``, whose Stream object is built once per stream:
         asked at every pack and unpack under a budget. See Note: [events back to their pool]."""
-        index = self._index
+        if not self._initialized:
+            torch.cuda._lazy_init()  # what current_stream does first
+            self._initialized = True
+        index = self.device.index
         if index is None:
-            index = self._index = torch.cuda.current_device()
+            index = torch.cuda.current_device()
         key = torch._C._cuda_getCurrentStream(index)  # (stream_id, device_index, device_type), as current_stream reads
         stream = self._known.get(key)
         if stream is None:
@@ -230,22 +233,10 @@ class _EventPool:
 class _CopyEvent:
     """A copy's completion event, as a pending. ``order_compute`` is the GPU-side wait at use.
 
-        For an h2d it also knows the destination and the stream it was allocated on, and records any
-        other stream that uses it: See Note: [events back to their pool]
-        A CUDA event costs a driver call to create and another to destroy, and one was made per copy,
-        per fence and per stall timed. They come from two pools instead (timing and plain), and go
-        back when nothing will ask about their latest record: re-recording an event changes what a
-        later query, synchronize or stream wait on it refers to, while a stream wait already queued
-        keeps the record it was made against (``cudaStreamWaitEvent`` takes the event as it is at the
-        call). So a fence goes back when its batch ends (its streams have queued their waits), a
-        span's start and a stall's two events once their times are folded, and a copy's event when
-        its pending (``_CopyEvent``) is collected: the store holds the pending as long as anything may
-        wait on the copy, and a busy span that ends at the copy holds it too. Streams are never made
-        per copy: two side streams per link, and the current stream's object is kept per stream
-        (``CudaStreams.current``), not built anew at each pack and unpack.
-
-    Note: [a reload used on another stream]. It knows the
-        destination weakly: See Note: [a pending does not hold its destination].
+    For an h2d it also knows the destination and the stream it was allocated on, and records any
+    other stream that uses it: See Note: [a reload used on another stream]. It knows the
+    destination weakly: See Note: [a pending does not hold its destination]. Its event goes back
+    to the link's pool when it is collected: See Note: [events back to their pool].
     """
 
     __slots__ = ("event", "link", "dst", "alloc_stream")
