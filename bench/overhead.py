@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import cProfile
 import dataclasses
+import gc
 import importlib
 import json
 import operator
@@ -288,14 +289,20 @@ def chain_engines(package: Any, prefix: str, device: torch.device, half_mb: floa
 
 def profile_engines(x: torch.Tensor, length: int, engines: dict, saved: int) -> dict:
     """Where each engine's time goes: cProfile over ``PROFILE_CHAINS`` chains, the functions with the
-    most internal time, per saved tensor (times inflated by the profiler itself: read them as shares)."""
+    most internal time, per saved tensor (times inflated by the profiler itself: read them as shares),
+    with the garbage collector held off (the timed chains run with it on)."""
     profiles = {}
     for name, engine in engines.items():
+        gc.collect()
+        gc.disable()  # cProfile's own allocations would set off collections that land on whatever allocates next
         profiler = cProfile.Profile()
         profiler.enable()
-        for _ in range(PROFILE_CHAINS):
-            chain(x, length, lambda engine=engine: engine)
-        profiler.disable()
+        try:
+            for _ in range(PROFILE_CHAINS):
+                chain(x, length, lambda engine=engine: engine)
+        finally:
+            profiler.disable()
+            gc.enable()
         stats = pstats.Stats(profiler)
         per = PROFILE_CHAINS * saved
         rows = []
@@ -427,7 +434,14 @@ def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
 
 
 def step_overhead(
-    device: torch.device, steps: int, warmup: int, batch=None, deadline=None, slabs=None, old: Any = None
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    batch=None,
+    deadline=None,
+    slabs=None,
+    old: Any = None,
+    moving: bool = True,
 ) -> dict:
     settings = GPT_PRESETS["cuda" if device.type == "cuda" else "cpu"]
     settings = dataclasses.replace(settings, batch=batch or settings.batch)
@@ -440,11 +454,10 @@ def step_overhead(
     trainer.step(lambda: counting)
     saved = counting.stats
     partial_mb = PARTIAL_BUDGET_FRACTION * saved.saved_bytes / MB
-    engines = {
-        "budget None": counting,
-        f"budget {partial_mb:.1f} MB (25%)": moving_engine(partial_mb, device, slabs, model=trainer.model),
-        "budget 0": moving_engine(0, device, slabs, model=trainer.model),
-    }
+    engines = {"budget None": counting}
+    if moving:
+        engines[f"budget {partial_mb:.1f} MB (25%)"] = moving_engine(partial_mb, device, slabs, model=trainer.model)
+        engines["budget 0"] = moving_engine(0, device, slabs, model=trainer.model)
     if old is not None:  # the other checkout's engine at budget None, interleaved with these
         engines["old budget None"] = old.engine(budget_mb=None, device=device, model=trainer.model)
     for engine in engines.values():
@@ -604,7 +617,16 @@ def measure_overhead(args, json_out: Optional[str]) -> dict:
         if json_out:
             measure.write_json(json_out, payload)
         if not args.per_tensor_only:
-            payload["step"] = step_overhead(device, args.steps, args.warmup, args.batch, deadline=deadline, slabs=slabs)
+            payload["step"] = step_overhead(
+                device,
+                args.steps,
+                args.warmup,
+                args.batch,
+                deadline=deadline,
+                slabs=slabs,
+                old=old,
+                moving=not args.steps_none_only,
+            )
         payload["finished"] = True
     except KeyboardInterrupt:
         print("overhead: interrupted; the JSON holds what was measured", file=sys.stderr)
@@ -632,6 +654,12 @@ def main(argv=None) -> int:
     parser.add_argument("--disk", action="store_true", help="the disk tier's figures instead (CPU)")
     parser.add_argument("--spill-dir", help="--disk: parent of the spill directory (default: the temp dir)")
     parser.add_argument("--per-tensor-only", action="store_true", help="the per-tensor section alone (no steps)")
+    parser.add_argument(
+        "--steps-none-only",
+        action="store_true",
+        help="steps without the engine and at budget None only (the moving engines' disk writes, landing in the "
+        "background, fall on the next round's first step)",
+    )
     parser.add_argument(
         "--old", help="a checkout whose offload package is timed beside this one, interleaved, in this process"
     )
