@@ -84,7 +84,7 @@ import collections
 import contextlib
 import os
 import weakref
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 
@@ -168,17 +168,23 @@ class CudaStreams:
         self.device = device
         self._known: dict[tuple, "torch.cuda.Stream"] = {}
         self._initialized = False
+        # What torch.cuda.current_stream reads: (stream_id, device_index, device_type). Looked up,
+        # not written out as an attribute: CPU builds, where tests/test_torch_names.py checks every
+        # name the CUDA path uses, have none; without it, current_stream itself is asked.
+        self._read_current: Optional[Callable[[int], tuple]] = getattr(torch._C, "_cuda_getCurrentStream", None)
 
     def current(self) -> "torch.cuda.Stream":
         """``torch.cuda.current_stream(device)``, whose Stream object is built once per stream:
         asked at every pack and unpack under a budget. See Note: [events back to their pool]."""
+        if self._read_current is None:
+            return torch.cuda.current_stream(self.device)
         if not self._initialized:
             torch.cuda._lazy_init()  # what current_stream does first
             self._initialized = True
         index = self.device.index
         if index is None:
             index = torch.cuda.current_device()
-        key = torch._C._cuda_getCurrentStream(index)  # (stream_id, device_index, device_type), as current_stream reads
+        key = self._read_current(index)  # as current_stream reads it
         stream = self._known.get(key)
         if stream is None:
             if len(self._known) >= KNOWN_STREAMS_MAX:
