@@ -1,26 +1,37 @@
 """What the engine costs when it has nothing to do, what moving everything costs, and the disk tier.
 
     python bench/overhead.py [--device cpu|cuda] [--steps N] [--repeats R] [--json-out PATH] [--time-limit-s S]
+    python bench/overhead.py --per-tensor-only [--old CHECKOUT] [--profile] [--repeats R] [--chain N]
     python bench/overhead.py --disk [--repeats 7] [--spill-dir DIR] [--json-out PATH]
 
-Per saved tensor (a chain of tiny ``sin`` ops under each kind of hooks, minus no hooks), per
-training step (``offload.bench.loop.Trainer`` under engines at budget None, 25 % and 0, step by
-step interleaved) and, with ``--disk``, the disk tier; bench/README.md defines every figure.
-A table, then one JSON line. Run old and new code in one session to compare them as ratios.
+Per saved tensor (a chain of tiny ``sin`` ops under each kind of hooks, minus no hooks, as a
+ratio to a bare hook pair), per training step (``offload.bench.loop.Trainer`` under engines at
+budget None, 25 % and 0, step by step interleaved) and, with ``--disk``, the disk tier;
+bench/README.md defines every figure. ``--old CHECKOUT`` imports that checkout's package beside
+this one (as ``offload_old``) and interleaves its engines with these, so old and new code are
+compared in one process, round by round; ``--profile`` adds where each engine's time goes
+(cProfile). A table, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
+import gc
+import importlib
 import json
 import operator
+import os
+import pstats
 import sys
 import tempfile
+import threading
 import time
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 STARTED_S = time.perf_counter()
 """When this script started (before torch is imported): ``--time-limit-s`` counts from here."""
@@ -38,10 +49,20 @@ from offload.bench.loop import Trainer  # noqa: E402
 from offload.models import load_corpus  # noqa: E402
 from offload.models.gpt import GPTConfig, MiniGPT  # noqa: E402
 
-CHAIN_LENGTH = 2000
-"""Saved tensors per chain run: enough that ~1-10 us per tensor dwarfs the timer's noise."""
-CHAIN_NUMEL = 16
-"""Elements per chained tensor: tiny, so the op itself costs next to nothing."""
+CHAIN_LENGTH = 200
+"""Saved tensors per chain run (issue 39's figure): a few hundred, as a layer stack saves per step;
+a chain takes ~1-3 ms, far above the timer's resolution, and the paired medians of many rounds
+see through the scheduler's noise."""
+CHAIN_NUMEL = 64
+"""fp32 elements per chained tensor (256 bytes): tiny, so the op itself costs next to nothing."""
+CHAIN_REPEATS = 60
+"""Interleaved rounds of the per-tensor chains (each variant once per round)."""
+PROFILE_CHAINS = 30
+"""--profile: chains run under cProfile per engine variant."""
+PROFILE_ROWS = 12
+"""--profile: functions listed per variant (the most internal time first)."""
+OLD_PACKAGE = "offload_old"
+"""The name ``--old`` imports the other checkout's package under (it imports itself relatively)."""
 DISK_CHAINS = {"per_tensor": (16 * 1024, 300), "per_mb": (2 * 1024 * 1024, 24)}
 """--disk: (fp32 elements per saved tensor, chain length): 64 KiB tensors for the fixed cost per
 tensor, 8 MiB ones for the cost per MB."""
@@ -65,9 +86,19 @@ GPT_PRESETS = {
 
 TENSOR_COLUMNS: list[measure.Column] = [
     ("hooks", "name", ""),
-    ("pack+unpack us (median)", "median_us", ".2f"),
+    ("us per saved tensor (median)", "median_us", ".2f"),
+    ("x bare pair", "x_bare", ".2f"),
     ("(min)", "min_us", ".2f"),
     ("(cpu time)", "cpu_us", ".2f"),
+    ("moved per chain", lambda v: v.get("moved_per_chain"), ""),
+    ("moved: us excl. copy", lambda v: v.get("moved_excl_copy_us"), ".2f"),
+    ("(x bare)", lambda v: v.get("moved_excl_copy_x_bare"), ".2f"),
+]
+PROFILE_COLUMNS: list[measure.Column] = [
+    ("function", "function", ""),
+    ("calls/tensor", "calls_per_tensor", ".2f"),
+    ("us/tensor (profiled)", "us_per_tensor", ".3f"),
+    ("share", "share", ".1%"),
 ]
 STEP_COLUMNS: list[measure.Column] = [
     ("variant", "name", ""),
@@ -98,10 +129,10 @@ def time_chains(x: torch.Tensor, length: int, contexts: dict, *, repeats: int, w
     return measure.timed(fns, rounds=repeats, warmup=warmup, device=x.device, deadline=deadline)
 
 
-def moving_engine(budget_mb: float, device: torch.device, slabs, **kwargs) -> offload.Engine:
+def moving_engine(budget_mb: float, device: torch.device, slabs, package: Any = offload, **kwargs) -> offload.Engine:
     """An engine that moves tensors; on CUDA its link shares ``slabs`` (pinned memory) with the others."""
     link = CudaLink(device, slabs=slabs) if device.type == "cuda" else None
-    return offload.engine(budget_mb=budget_mb, device=device, link=link, **kwargs)
+    return package.engine(budget_mb=budget_mb, device=device, link=link, **kwargs)
 
 
 def chain_stats(x: torch.Tensor, length: int, engine):
@@ -110,24 +141,234 @@ def chain_stats(x: torch.Tensor, length: int, engine):
     return engine.stats
 
 
+class _Done:
+    """A copy that has already landed (``offload._pending.Pending``, duck-typed so either package takes it)."""
+
+    blocks_host = False
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+    def error(self) -> None:
+        return None
+
+    def order_compute(self) -> None:
+        return None
+
+
+class CopyingLink:
+    """A link to host memory on the CPU whose copies are synchronous ``copy_`` calls, timed: it runs
+    the engine's host tier (evict, land, reload, rebuild) with no disk and no thread, so the time
+    a moving engine takes less ``copy_s`` is the engine's own work. ``offload._transfer.Link``."""
+
+    def __init__(self) -> None:
+        self.copy_s = 0.0
+        self.copies = 0
+        self._batch = contextlib.nullcontext()
+
+    def batch(self):
+        return self._batch
+
+    def d2h(self, src_device: torch.Tensor, dst_host: torch.Tensor) -> _Done:
+        start = time.perf_counter()
+        dst_host[: src_device.numel()].copy_(src_device)
+        self.copy_s += time.perf_counter() - start
+        self.copies += 1
+        return _DONE
+
+    def h2d(self, src_host: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, _Done]:
+        start = time.perf_counter()
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        dst.copy_(src_host[:nbytes])
+        self.copy_s += time.perf_counter() - start
+        self.copies += 1
+        return dst, _DONE
+
+    def released(self, host: torch.Tensor) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def busy_ms(self) -> tuple[float, float, float]:
+        return 0.0, 0.0, 0.0
+
+
+_DONE = _Done()
+
+
+class FloorPair:
+    """The cheapest pure-Python hook pair that keeps what the engine keeps when it only counts: a
+    detached alias and its version (the in-place check; no cycle through a node saving its own
+    output), each storage counted once under a lock (dedup, resident bytes and their peak), and
+    its release when autograd drops the last save of it. No eligibility test, no store, no tiers:
+    a reference for how far above a bare pair a correct Python pair must sit, not a design."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.storages: dict[int, list] = {}  # key -> [saves alive, nbytes]
+        self.resident_bytes = self.peak_bytes = self.saved_tensors = 0
+
+    def context(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _floor_unpack)
+
+    def pack(self, t: torch.Tensor) -> _FloorSave:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        save = _FloorSave(self, key, t.detach(), t._version)
+        with self.lock:
+            record = self.storages.get(key)
+            if record is None:
+                record = self.storages[key] = [0, storage.nbytes()]
+                self.resident_bytes += record[1]
+                self.peak_bytes = max(self.peak_bytes, self.resident_bytes)
+            record[0] += 1
+            self.saved_tensors += 1
+        return save
+
+    def release(self, key: int) -> None:
+        with self.lock:
+            record = self.storages[key]
+            record[0] -= 1
+            if record[0] == 0:
+                del self.storages[key]
+                self.resident_bytes -= record[1]
+
+
+class _FloorSave:
+    __slots__ = ("pair", "key", "alias", "version")
+
+    def __init__(self, pair: FloorPair, key: int, alias: torch.Tensor, version: int) -> None:
+        self.pair, self.key, self.alias, self.version = pair, key, alias, version
+
+    def __del__(self) -> None:
+        self.pair.release(self.key)
+
+
+def _floor_unpack(save: _FloorSave) -> torch.Tensor:
+    alias = save.alias
+    if alias._version != save.version:
+        raise RuntimeError("a saved tensor was modified in place")
+    return alias
+
+
+def import_old(checkout: str) -> Any:
+    """The package of another checkout (``CHECKOUT/offload``), imported as ``OLD_PACKAGE`` beside this one."""
+    package_dir = Path(checkout).resolve() / "offload"
+    if not (package_dir / "__init__.py").is_file():
+        raise ValueError(f"--old {checkout!r} holds no offload package (no {package_dir}/__init__.py); pass a checkout")
+    holder = Path(tempfile.mkdtemp(prefix="offload-old-"))
+    os.symlink(package_dir, holder / OLD_PACKAGE)
+    sys.path.insert(0, str(holder))
+    return importlib.import_module(OLD_PACKAGE)
+
+
+def torchtune_offload() -> tuple[Optional[Any], Optional[str]]:
+    """torchtune's ``OffloadActivations`` context class, or None and why not."""
+    try:
+        from torchtune.training import OffloadActivations  # type: ignore[import-not-found]
+    except Exception as error:  # noqa: BLE001 - any failure to import means the row is skipped, and why
+        return None, f"torchtune does not import here ({type(error).__name__}: {error})"
+    return OffloadActivations, None
+
+
+def chain_engines(package: Any, prefix: str, device: torch.device, half_mb: float, slabs) -> tuple[dict, dict]:
+    """The engine variants of one package: {name: engine}, and {name: CopyingLink} of the moving ones (CPU)."""
+    link = CudaLink(device, slabs=slabs) if device.type == "cuda" else CopyingLink()
+    engines = {
+        f"{prefix}engine budget None": package.engine(budget_mb=None, min_offload_bytes=0, device=device),
+        f"{prefix}engine pass-through": package.engine(budget_mb=0, device=device),  # 256 B < min_offload_bytes
+        f"{prefix}engine budget half": package.engine(budget_mb=half_mb, min_offload_bytes=0, device=device, link=link),
+    }
+    links = {f"{prefix}engine budget half": link} if isinstance(link, CopyingLink) else {}
+    return engines, links
+
+
+def profile_engines(x: torch.Tensor, length: int, engines: dict, saved: int) -> dict:
+    """Where each engine's time goes: cProfile over ``PROFILE_CHAINS`` chains, the functions with the
+    most internal time, per saved tensor (times inflated by the profiler itself: read them as shares),
+    with the garbage collector held off (the timed chains run with it on)."""
+    profiles = {}
+    for name, engine in engines.items():
+        gc.collect()
+        gc.disable()  # cProfile's own allocations would set off collections that land on whatever allocates next
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            for _ in range(PROFILE_CHAINS):
+                chain(x, length, lambda engine=engine: engine)
+        finally:
+            profiler.disable()
+            gc.enable()
+        stats = pstats.Stats(profiler)
+        per = PROFILE_CHAINS * saved
+        rows = []
+        total = sum(tottime for _, _, tottime, _, _ in stats.stats.values())  # type: ignore[attr-defined]
+        ordered = sorted(stats.stats.items(), key=lambda item: -item[1][2])  # type: ignore[attr-defined]
+        for (filename, line, function), (_, ncalls, tottime, _, _) in ordered[:PROFILE_ROWS]:
+            where = f"{Path(filename).parent.name}/{Path(filename).name}:{line}" if line else filename
+            rows.append(
+                {
+                    "function": f"{where}({function})" if line else function,
+                    "calls_per_tensor": round(ncalls / per, 2),
+                    "us_per_tensor": round(tottime * 1e6 / per, 3),
+                    "share": round(tottime / total, 3),
+                }
+            )
+        profiles[name] = {"total_us_per_tensor": round(total * 1e6 / per, 3), "rows": rows}
+    return profiles
+
+
 def per_tensor(
-    device: torch.device, repeats: int, warmup: int, length: int = CHAIN_LENGTH, deadline=None, slabs=None
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    length: int = CHAIN_LENGTH,
+    deadline=None,
+    slabs=None,
+    old: Any = None,
+    profile: bool = False,
 ) -> dict:
     x = torch.ones(CHAIN_NUMEL, device=device, requires_grad=True)
-    counting = offload.engine(budget_mb=None, min_offload_bytes=0, device=device)
-    moving = moving_engine(0, device, slabs, min_offload_bytes=0)
+    tensor_bytes = CHAIN_NUMEL * x.element_size()
+    half_mb = length * tensor_bytes / 2 / MB
+    engines, links = chain_engines(offload, "", device, half_mb, slabs)
+    if old is not None:
+        old_engines, old_links = chain_engines(old, "old ", device, half_mb, slabs)
+        engines |= old_engines
+        links |= old_links
+    OffloadActivations, torchtune_skipped = torchtune_offload()
     contexts = {
         "no hooks": contextlib.nullcontext,
-        "identity hooks": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        "bare pair": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        "detach pair": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t),
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"),
-        "engine budget None": lambda: counting,
-        "engine budget 0": lambda: moving,
+        "floor: minimal counting pair": FloorPair().context,
     }
-    times, cpu = time_chains(x, length, contexts, repeats=repeats, warmup=warmup, deadline=deadline)
-    saved = chain_stats(x, length, counting).saved_tensors
-    counting.close()
-    moving.close()
-    if saved != length:
+    skipped = {}
+    if OffloadActivations is not None:
+        try:
+            chain(x, 2, OffloadActivations)
+            contexts["torchtune OffloadActivations"] = OffloadActivations
+        except Exception as error:  # noqa: BLE001 - a reference that fails here is reported, not fatal
+            skipped["torchtune OffloadActivations"] = f"fails on {device} ({type(error).__name__}: {error})"
+    else:
+        skipped["torchtune OffloadActivations"] = torchtune_skipped
+    contexts |= {name: (lambda e=engine: e) for name, engine in engines.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the pass-through engine says once that every save was small
+        times, cpu = time_chains(x, length, contexts, repeats=repeats, warmup=warmup, deadline=deadline)
+        calls = warmup + len(times["no hooks"])
+        copy_ms = {name: link.copy_s * 1e3 / calls for name, link in links.items()}  # per chain
+        stats = {name: chain_stats(x, length, engine) for name, engine in engines.items()}
+        profiles = profile_engines(x, length, engines, length) if profile else None
+    for engine in engines.values():
+        engine.close()
+    saved = stats["engine budget None"].saved_tensors
+    if saved != length:  # each sin saves its input
         raise RuntimeError(f"expected the engine to take {length} saved tensors, it took {saved}")
     base, base_cpu = times.pop("no hooks"), cpu["no hooks"]
     us_per_tensor = 1e3 / saved  # a chain's ms -> us per saved tensor
@@ -139,13 +380,34 @@ def per_tensor(
         }
         for name, ms in times.items()
     }
+    bare_us = variants["bare pair"]["median_us"]
+    for row in variants.values():
+        row["x_bare"] = round(row["median_us"] / bare_us, 2) if bare_us > 0 else None
+    for prefix in ("", "old ") if old is not None else ("",):
+        moving, counting = f"{prefix}engine budget half", f"{prefix}engine budget None"
+        moved = stats[moving].offloaded_bytes // tensor_bytes
+        row = variants[moving]
+        row["moved_per_chain"] = moved
+        if moved and moving in copy_ms:
+            # a moved tensor's own cost: what every saved tensor pays (budget None), plus what moving
+            # adds, spread over the moved ones, less the copies themselves
+            extra_ms = measure.paired_median(times[moving], times[counting]) - copy_ms[moving]
+            row["copy_us_per_moved"] = round(copy_ms[moving] * 1e3 / moved, 3)
+            row["moved_excl_copy_us"] = round(variants[counting]["median_us"] + extra_ms * 1e3 / moved, 3)
+            row["moved_excl_copy_x_bare"] = round(row["moved_excl_copy_us"] / bare_us, 2) if bare_us > 0 else None
     return {
         "chain_length": length,
         "numel": CHAIN_NUMEL,
+        "tensor_bytes": tensor_bytes,
+        "saved_per_chain": saved,
         "repeats": len(base),
         "no_hooks_ms": round(measure.median(base), 3),
+        "bare_pair_us": bare_us,
         "engine_budget_none_us": variants["engine budget None"]["median_us"],
         "variants": variants,
+        "skipped": skipped,
+        "old": None if old is None else str(Path(old.__file__).resolve().parent),
+        "profiles": profiles,
     }
 
 
@@ -171,7 +433,16 @@ def disk_chain(numel: int, length: int, repeats: int, spill_dir: str) -> dict:
     }
 
 
-def step_overhead(device: torch.device, steps: int, warmup: int, batch=None, deadline=None, slabs=None) -> dict:
+def step_overhead(
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    batch=None,
+    deadline=None,
+    slabs=None,
+    old: Any = None,
+    moving: bool = True,
+) -> dict:
     settings = GPT_PRESETS["cuda" if device.type == "cuda" else "cpu"]
     settings = dataclasses.replace(settings, batch=batch or settings.batch)
     trainer = Trainer(settings, REFERENCE, load_corpus(), device)
@@ -183,11 +454,12 @@ def step_overhead(device: torch.device, steps: int, warmup: int, batch=None, dea
     trainer.step(lambda: counting)
     saved = counting.stats
     partial_mb = PARTIAL_BUDGET_FRACTION * saved.saved_bytes / MB
-    engines = {
-        "budget None": counting,
-        f"budget {partial_mb:.1f} MB (25%)": moving_engine(partial_mb, device, slabs, model=trainer.model),
-        "budget 0": moving_engine(0, device, slabs, model=trainer.model),
-    }
+    engines = {"budget None": counting}
+    if moving:
+        engines[f"budget {partial_mb:.1f} MB (25%)"] = moving_engine(partial_mb, device, slabs, model=trainer.model)
+        engines["budget 0"] = moving_engine(0, device, slabs, model=trainer.model)
+    if old is not None:  # the other checkout's engine at budget None, interleaved with these
+        engines["old budget None"] = old.engine(budget_mb=None, device=device, model=trainer.model)
     for engine in engines.values():
         engine.reset_stats()
     fns = {"no engine": trainer.step} | {name: (lambda e=e: trainer.step(lambda: e)) for name, e in engines.items()}
@@ -285,10 +557,20 @@ def print_overhead(tensor: Optional[dict], step: Optional[dict], env: dict) -> N
     print(f"offload overhead on {measure.describe_machine(env)}\n")
     if tensor is not None:
         print(
-            f"per saved tensor: chain of {tensor['chain_length']} sin ops on {CHAIN_NUMEL} floats, "
-            f"no hooks {tensor['no_hooks_ms']:.2f} ms, median of {tensor['repeats']} paired repeats"
+            f"per saved tensor: chain of {tensor['chain_length']} sin ops on {CHAIN_NUMEL} floats "
+            f"({tensor['saved_per_chain']} saves), no hooks {tensor['no_hooks_ms']:.2f} ms, median of "
+            f"{tensor['repeats']} paired rounds, each variant's extra time per saved tensor and its ratio to a bare "
+            f"pair; load average {env['load_avg_1m']} on {env['cpu_cores_logical']} cores"
         )
         print(measure.records_table(TENSOR_COLUMNS, [{"name": name, **v} for name, v in tensor["variants"].items()]))
+        for name, why in tensor["skipped"].items():
+            print(f"{name}: skipped, {why}")
+        for name, profile in (tensor.get("profiles") or {}).items():
+            print(
+                f"\nwhere '{name}' spends its time: {profile['total_us_per_tensor']:.2f} us per saved tensor "
+                "under cProfile"
+            )
+            print(measure.records_table(PROFILE_COLUMNS, profile["rows"]))
     if step is None:
         return
     m = step["model"]
@@ -321,12 +603,30 @@ def measure_overhead(args, json_out: Optional[str]) -> dict:
         per_tensor_deadline = now + PER_TENSOR_SHARE * (deadline - now)
     slabs = PinnedSlabs() if device.type == "cuda" else None  # the engines one after another pin once
     try:
+        old = None if args.old is None else import_old(args.old)
         payload["per_tensor"] = per_tensor(
-            device, args.repeats, args.warmup, args.chain, deadline=per_tensor_deadline, slabs=slabs
+            device,
+            args.chain_repeats,
+            args.warmup,
+            args.chain,
+            deadline=per_tensor_deadline,
+            slabs=slabs,
+            old=old,
+            profile=args.profile,
         )
         if json_out:
             measure.write_json(json_out, payload)
-        payload["step"] = step_overhead(device, args.steps, args.warmup, args.batch, deadline=deadline, slabs=slabs)
+        if not args.per_tensor_only:
+            payload["step"] = step_overhead(
+                device,
+                args.steps,
+                args.warmup,
+                args.batch,
+                deadline=deadline,
+                slabs=slabs,
+                old=old,
+                moving=not args.steps_none_only,
+            )
         payload["finished"] = True
     except KeyboardInterrupt:
         print("overhead: interrupted; the JSON holds what was measured", file=sys.stderr)
@@ -342,7 +642,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default: 30)")
-    parser.add_argument("--repeats", type=int, help="timed chain runs per variant (default: 15; --disk 7)")
+    parser.add_argument(
+        "--repeats", type=int, help=f"timed chain runs per variant (default: {CHAIN_REPEATS}; --disk 7)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="warm-up runs per variant (default: 3)")
     parser.add_argument(
         "--chain", type=int, default=CHAIN_LENGTH, help=f"saved tensors per chain (default: {CHAIN_LENGTH})"
@@ -351,6 +653,17 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice; --disk 1)")
     parser.add_argument("--disk", action="store_true", help="the disk tier's figures instead (CPU)")
     parser.add_argument("--spill-dir", help="--disk: parent of the spill directory (default: the temp dir)")
+    parser.add_argument("--per-tensor-only", action="store_true", help="the per-tensor section alone (no steps)")
+    parser.add_argument(
+        "--steps-none-only",
+        action="store_true",
+        help="steps without the engine and at budget None only (the moving engines' disk writes, landing in the "
+        "background, fall on the next round's first step)",
+    )
+    parser.add_argument(
+        "--old", help="a checkout whose offload package is timed beside this one, interleaved, in this process"
+    )
+    parser.add_argument("--profile", action="store_true", help="cProfile each engine variant's chains (a table each)")
     parser.add_argument("--json-out", help="also write the JSON object to this file")
     parser.add_argument(
         "--overwrite-results", action="store_true", help="let --json-out replace a committed file in bench/results/"
@@ -362,6 +675,7 @@ def main(argv=None) -> int:
         "(default: no limit)",
     )
     args = parser.parse_args(argv)
+    args.chain_repeats = args.repeats or CHAIN_REPEATS
     args.repeats = args.repeats or (7 if args.disk else 15)
     if args.json_out:
         try:

@@ -107,6 +107,17 @@ ORIGINAL_IS_DATA = (Residence.HOT, Residence.KEPT)
 """Residences where the entry's data is the live storage, so a new save of it at the same version is
 the same data whatever tensor it comes through (``Entry.holds_as_saved``)."""
 
+# Note: [enum members as module globals]
+#     On Python 3.11 reading an enum member through its class (``Residence.HOT``) costs ~70 ns, a
+#     lookup on the enum type; a module global costs ~15. The per-tensor paths (pack, unpack, the
+#     release of a handle) read a handful each, so they read these globals; every other path
+#     spells the member out.
+_HOT = Residence.HOT
+_KEPT = Residence.KEPT
+_DEVICE = Tier.DEVICE
+_READY = CopyState.READY
+_weakref = weakref.ref
+
 
 class Entry:
     """One distinct saved storage and every copy of it the engine holds."""
@@ -128,20 +139,21 @@ class Entry:
         "handles",
     )
 
-    def __init__(self, seq: int, key: int, storage: torch.UntypedStorage, t: torch.Tensor) -> None:
+    def __init__(
+        self, seq: int, key: int, storage: torch.UntypedStorage, t: torch.Tensor, nbytes: int, version: int
+    ) -> None:
         # Note: [storage key without a weak guard]
         #     ``key`` is the StorageImpl address, which the allocator can reuse once the storage is
         #     freed. No weak reference is needed to keep keys unique: while the original is the data
         #     the entry holds the storage itself; once moved it matches only the same live owner
         #     tensor (``holds_as_saved``), and a live owner keeps the storage, so its address, in use.
-        self.seq, self.key, self.nbytes = seq, key, storage.nbytes()
-        self.version = t._version
-        self.owner = weakref.ref(t if t._base is None else t._base)  # whose version counter t uses
+        # ``nbytes`` (the storage's) and ``version`` (``t._version``) the store has read already.
+        self.seq, self.key, self.nbytes, self.version = seq, key, nbytes, version
+        base = t._base
+        self.owner = _weakref(t if base is None else base)  # whose version counter t uses
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
-        self.residence = Residence.HOT
-        self.copies: dict[Tier, Copy] = {
-            Tier.DEVICE: Copy(Tier.DEVICE, storage, CopyState.READY, FINISHED, FINISHED, True)
-        }
+        self.residence = _HOT  # See Note: [enum members as module globals]
+        self.copies: dict[Tier, Copy] = {_DEVICE: Copy(_DEVICE, storage, _READY, FINISHED, FINISHED, True)}
         self.refs = 0
         """Live handles (saved tensors autograd still holds)."""
         self.users_left = 0
@@ -155,17 +167,21 @@ class Entry:
         """The first saved tensor's shape and dtype, for messages (never its values)."""
         return f"{tuple(self.shape)} {self.dtype} on {self.device}"
 
-    def holds_as_saved(self, owner: torch.Tensor, version: int) -> bool:
-        """Whether this entry's data is what a tensor of ``owner``'s version counter at ``version`` holds.
+    def holds_as_saved(self, t: torch.Tensor, version: int) -> bool:
+        """Whether this entry's data is what ``t`` (a tensor being saved at ``version``) holds.
 
         Where the original is the data, it holds whatever is there now. A moved entry is a
-        snapshot: it matches only a tensor on the same version counter at the same version.
-        Tensors can share a storage without sharing a counter (``unsafe_chunk`` in the CPU GRU
-        cell, ``.data``): there, equal version numbers say nothing.
+        snapshot: it matches only a tensor on the same version counter (its base's, or its own:
+        the owner) at the same version. Tensors can share a storage without sharing a counter
+        (``unsafe_chunk`` in the CPU GRU cell, ``.data``): there, equal version numbers say nothing.
         """
         if self.version != version:
             return False
-        return self.residence in ORIGINAL_IS_DATA or self.owner() is owner
+        residence = self.residence
+        if residence is _HOT or residence is _KEPT:  # ORIGINAL_IS_DATA
+            return True
+        base = t._base
+        return self.owner() is (t if base is None else base)
 
     def original_on_device(self) -> bool:
         """Whether the saved storage itself is still one of this entry's copies."""
@@ -183,25 +199,31 @@ class Entry:
     def device_copy(self) -> Optional[Copy]:
         return self.copies.get(Tier.DEVICE)
 
-    def let_go_handles(self) -> None:
-        """The original storage has left this entry: every handle keeps its watch only (See Note: [version watch])."""
+    def let_go_handles(self, empty: Optional[torch.UntypedStorage] = None) -> None:
+        """The original storage has left this entry: every handle keeps its watch only (See Note:
+        [version watch]); ``empty``: a storage of no bytes on the entry's device for the watches."""
         for ref in self.handles:
             h = ref()
             if h is not None:
-                h.let_go()
+                h.let_go(empty)
         self.handles = []
 
 
-def version_watch(t: torch.Tensor) -> Optional[torch.Tensor]:
+def version_watch(t: torch.Tensor, empty: Optional[torch.UntypedStorage] = None) -> Optional[torch.Tensor]:
     """A tensor on ``t``'s version counter that holds no memory (See Note: [version watch]), or None
-    where this torch or this tensor allows none (the in-place check is then off for it)."""
+    where this torch or this tensor allows none (the in-place check is then off for it).
+
+    ``empty``: a storage of no bytes on ``t``'s device to point the watch at, shared by every watch
+    (nothing reads or writes through a watch: it is never handed to autograd); None: a new one."""
     if _set_version is None:
         return None
     now = t._version
+    if empty is None:
+        empty = torch.empty(0, dtype=torch.uint8, device=t.device).untyped_storage()
     try:
         watch = t.detach()
         with torch.no_grad():
-            watch.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage(), 0, (0,), (1,))
+            watch.set_(empty, 0, (0,), (1,))
         _set_version((watch,), (now,))
     except RuntimeError:  # a tensor that refuses set_: drop the watch rather than hold the storage
         log.debug("offload: cannot keep a version watch on %s %s; its in-place check is off", tuple(t.shape), t.dtype)
@@ -225,19 +247,20 @@ class Handle:
 
     __slots__ = ("store", "entry", "version", "alias", "layout", "seen_gen", "__weakref__")
 
-    def __init__(self, store: HandleOwner, entry: Entry, t: torch.Tensor) -> None:
+    def __init__(self, store: HandleOwner, entry: Entry, t: torch.Tensor, version: int) -> None:
         self.store, self.entry = store, entry
-        self.version = t._version
+        self.version = version  # t._version, read by the store already
         self.seen_gen = -1
         self.alias: Optional[torch.Tensor] = t.detach()  # See Note: [version watch]
         self.layout: Optional[tuple] = None
-        if entry.residence is Residence.HOT or entry.original_on_device():  # HOT: its only copy is the original
-            entry.handles.append(weakref.ref(self))
+        if entry.residence is _HOT or entry.original_on_device():  # HOT: its only copy is the original
+            entry.handles.append(_weakref(self))
         else:
             self.let_go()
 
-    def let_go(self) -> None:
-        """The original storage is gone from the entry: keep the layout and the version counter only.
+    def let_go(self, empty: Optional[torch.UntypedStorage] = None) -> None:
+        """The original storage is gone from the entry: keep the layout and the version counter only
+        (``empty``: see ``version_watch``).
 
         The watch is a new tensor: the alias itself may have been handed to autograd by an unpack
         (autograd uses what unpack returns without a copy where it can), so it is never changed.
@@ -249,7 +272,7 @@ class Handle:
         self.layout = (a.dtype, a.size(), a.stride(), a.storage_offset())
         if _set_version is None:
             return  # an old torch: the alias keeps the storage; still correct, only less memory is freed
-        self.alias = version_watch(a)
+        self.alias = version_watch(a, empty)
 
     def modified(self) -> bool:
         """True if the saved tensor was modified in place after it was saved."""

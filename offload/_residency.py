@@ -35,6 +35,13 @@ __all__ = ["DEVICE_HELD", "Orphan", "Residency"]
 
 DEVICE_HELD = frozenset((Residence.HOT, Residence.LEAVING, Residence.LOADED, Residence.KEPT))
 """Residences whose bytes are on the device and counted in ``resident_bytes``."""
+# See Note: [enum members as module globals] in _entry
+_HOT = Residence.HOT
+_LEAVING = Residence.LEAVING
+_AWAY = Residence.AWAY
+_LOADED = Residence.LOADED
+_KEPT = Residence.KEPT
+_RELEASED = Residence.RELEASED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,39 +108,40 @@ class Residency:
         included. To RELEASED it also leaves every index (its copies are the caller's to free)."""
         was = e.residence
         n = e.nbytes
-        if was is Residence.HOT:
+        if was is _HOT:
             del self.hot[e.seq]
             self.hot_bytes -= n
-        elif was is Residence.LEAVING:
+        elif was is _LEAVING:
             if self.leaving[0] is e:
                 self.leaving.popleft()
             else:
                 self.leaving.remove(e)
-        elif was is Residence.KEPT:
+        elif was is _KEPT:
             del self.kept[e.seq]
-        elif was is Residence.LOADED:
+        elif was is _LOADED:
             self.loaded_bytes -= n
             if self.held is e:
                 self.held = None
-        elif was is Residence.RELEASED:
+        elif was is _RELEASED:
             raise RuntimeError(f"offload internal error: the released saved tensor {e.describe} was moved to {to}")
-        if to is Residence.LEAVING:
+        if to is _LEAVING:
             self.leaving.append(e)
-        elif to is Residence.KEPT:
+        elif to is _KEPT:
             self.kept[e.seq] = e
-        elif to is Residence.AWAY or to is Residence.LOADED:
-            if was is not Residence.AWAY and was is not Residence.LOADED:
+        elif to is _AWAY or to is _LOADED:
+            if was is not _AWAY and was is not _LOADED:
                 self.below[e.seq] = e
-            if to is Residence.LOADED:
+            if to is _LOADED:
                 self.loaded_bytes += n
-        elif to is Residence.RELEASED:
+        elif to is _RELEASED:
             self._forget(e)
         else:  # HOT: only new entries are hot (``add``)
             raise RuntimeError(f"offload internal error: the saved tensor {e.describe} was moved back to {to}")
-        if was in DEVICE_HELD:
-            if to not in DEVICE_HELD:
+        # DEVICE_HELD is every residence but AWAY and RELEASED (and ``was`` is not RELEASED here)
+        if was is not _AWAY:
+            if to is _AWAY or to is _RELEASED:
                 self.resident_bytes -= n
-        elif to in DEVICE_HELD:
+        elif to is not _AWAY and to is not _RELEASED:
             self.resident_bytes += n
         e.residence = to
 
@@ -146,7 +154,7 @@ class Residency:
         if self.by_key.get(e.key) is e:
             del self.by_key[e.key]
         e.copies.clear()
-        e.residence = Residence.RELEASED
+        e.residence = _RELEASED
 
     def _forget(self, e: Entry) -> None:
         if self.by_key.get(e.key) is e:

@@ -26,10 +26,10 @@ from ._config import Config
 from ._cost import MachineProfile
 from ._entry import Handle
 from ._errors import OffloadError
-from ._hooks import Eligibility, make_hooks
+from ._hooks import Eligibility, unpack_passed
 from ._observe import Observers
 from ._plan_cache import PlanCache
-from ._sharded import ShardedHandle, SharedSaves, declared
+from ._sharded import ShardedHandle, Sharding, SharedSaves, declared
 from ._stats import Counters
 from ._store import Store
 from ._transfer import Link
@@ -50,6 +50,21 @@ class Saved:
 
     def __sub__(self, other: Saved) -> Saved:
         return Saved(self.nbytes - other.nbytes, self.tensors - other.tensors)
+
+
+class _ThreadState(threading.local):
+    """What the session keeps per thread; the class attributes are each thread's defaults, so a
+    read on a thread that set nothing is a plain attribute read (``getattr`` with a default on a
+    bare ``threading.local`` raised and caught an AttributeError: ~0.35 us, twice per pack)."""
+
+    stack: Optional[list] = None
+    """The hook contexts entered on this thread, innermost last (None: never entered)."""
+    eager = False
+    """Inside ``Session.eagerly()``."""
+    eager_to_end = False
+    """Saves start their copy out at once until this thread leaves the engine."""
+    planned_per_rank = False
+    """Inside ``Session.planned_per_rank()``."""
 
 
 @dataclasses.dataclass
@@ -84,7 +99,7 @@ class Session:
         self._store: Optional[Store] = None
         self._store_lock = threading.Lock()
         self._planned = False
-        self._local = threading.local()
+        self._local = _ThreadState()
         self._inside: set[int] = set()  # threads inside the engine now
         self._inside_lock = threading.Lock()
         self.observers = Observers()
@@ -93,7 +108,7 @@ class Session:
         """What had been saved when the engine was last entered, and when that forward closed."""
         self.shared = SharedSaves(self.counters, config.prefetch)
         """Saves declared identical across a process group (``offload._sharded``)."""
-        self.hooks = make_hooks(self.eligible, self._pack, self._unpack, self._passthrough)
+        self.hooks = self._make_hooks()
         """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
 
     # ------------------------------------------------------------------ the hooks
@@ -111,31 +126,56 @@ class Session:
                 self._store = store
         return self._store
 
-    def _pack(self, t: torch.Tensor) -> Handle | ShardedHandle:
-        store = self._store or self._open_store(t.device)
-        eager = getattr(self._local, "eager", False) or getattr(self._local, "eager_to_end", False)
-        sharding = declared()
-        if sharding is not None:
-            if getattr(self._local, "planned_per_rank", False):
-                raise OffloadError(
-                    f"offload: a save declared shared (offload.sharded) inside a region under policy='auto': each "
-                    "rank plans its regions from its own measurements, so ranks may keep one region and recompute "
-                    "it on another, and the gathers would pair up the wrong tensors; declare outside the regions, "
-                    "or pass policy='recompute', 'offload' or 'selective' "
-                    f"(the saved tensor: {tuple(t.shape)} {t.dtype})"
-                )
-            return self.shared.pack(t, sharding, lambda kept: store.pack(kept, eager))
-        return store.pack(t, eager)
+    def _make_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+        """The (pack, unpack) pair, closures over what they read per tensor: in a chain of saves a
+        Python frame costs about twice what it costs in a loop (it runs cold between torch's own
+        work), so the pair calls the eligibility test and the store and nothing in between."""
+        take, counters, observers, local, shared = (
+            self.eligible.take,
+            self.counters,
+            self.observers,
+            self._local,
+            self.shared,
+        )
 
-    def _unpack(self, handle: Handle | ShardedHandle) -> torch.Tensor:
-        if self.observers.awaiting_backward:
-            self.observers.unpacked()
-        if isinstance(handle, ShardedHandle):
-            return self.shared.unpack(handle)
-        return handle.store.unpack(handle)
+        def pack(t: torch.Tensor) -> Any:
+            storage = take(t)
+            if storage is None:
+                counters.passthrough_tensors += 1
+                return (
+                    t.detach(),
+                    t._version,
+                )  # _hooks.pack_passed(t), inline: See Note: [pass through a detached alias]
+            store = self._store or self._open_store(t.device)
+            eager = local.eager or local.eager_to_end
+            sharding = declared()
+            if sharding is None:
+                return store.pack(t, eager, storage)
+            return self._pack_shared(t, sharding, store, eager)
 
-    def _passthrough(self) -> None:
-        self.counters.passthrough_tensors += 1
+        def unpack(packed: Any) -> torch.Tensor:
+            if type(packed) is tuple:
+                return unpack_passed(packed)
+            if observers.awaiting_backward:
+                observers.unpacked()
+            if type(packed) is Handle:
+                return packed.store.unpack(packed)
+            assert isinstance(packed, ShardedHandle)  # pack returns one of the three
+            return shared.unpack(packed)
+
+        return pack, unpack
+
+    def _pack_shared(self, t: torch.Tensor, sharding: Sharding, store: Store, eager: bool) -> ShardedHandle:
+        """A save declared shared across a process group (``offload.sharded``): this rank's slice goes to the store."""
+        if self._local.planned_per_rank:
+            raise OffloadError(
+                f"offload: a save declared shared (offload.sharded) inside a region under policy='auto': each "
+                "rank plans its regions from its own measurements, so ranks may keep one region and recompute "
+                "it on another, and the gathers would pair up the wrong tensors; declare outside the regions, "
+                "or pass policy='recompute', 'offload' or 'selective' "
+                f"(the saved tensor: {tuple(t.shape)} {t.dtype})"
+            )
+        return self.shared.pack(t, sharding, lambda kept: store.pack(kept, eager))
 
     # ------------------------------------------------------------------ the hook stack (per thread)
 
@@ -146,7 +186,7 @@ class Session:
             self._store.step_started()
         ctx = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
         ctx.__enter__()
-        stack = getattr(self._local, "stack", None)
+        stack = self._local.stack
         if stack is None:
             stack = self._local.stack = []
         stack.append(ctx)
@@ -160,6 +200,7 @@ class Session:
 
     def exit(self, *exc: Any) -> None:
         stack = self._local.stack
+        assert stack, "offload internal error: the engine was left on a thread that did not enter it"
         stack.pop().__exit__(*exc)
         if not stack:
             with self._inside_lock:
@@ -175,7 +216,7 @@ class Session:
 
     def active(self) -> bool:
         """True while this thread is inside the engine (its hooks may be shadowed by inner ones)."""
-        return bool(getattr(self._local, "stack", None))
+        return bool(self._local.stack)
 
     def others_inside(self, me: int) -> list[int]:
         """The threads other than ``me`` (a ``threading.get_ident()``) inside the engine now."""
@@ -186,7 +227,7 @@ class Session:
     def planned_per_rank(self):
         """A region runs under a decision each rank made from its own measurements (policy "auto"):
         a save declared shared in it is refused (See Note: [collectives in one order on every rank])."""
-        previous = getattr(self._local, "planned_per_rank", False)
+        previous = self._local.planned_per_rank
         self._local.planned_per_rank = True
         try:
             yield
@@ -196,7 +237,7 @@ class Session:
     @contextlib.contextmanager
     def eagerly(self):
         """Saves in this block start their copy out at once (a region planned OFFLOAD)."""
-        previous = getattr(self._local, "eager", False)
+        previous = self._local.eager
         self._local.eager = True
         try:
             yield

@@ -127,9 +127,9 @@ def declaring(sharding: Optional[Sharding]) -> Iterator[None]:
         _DECLARED.reset(token)
 
 
-def declared() -> Optional[Sharding]:
-    """The declaration in force on this thread (None: saves are this rank's own)."""
-    return _DECLARED.get()
+declared: Callable[[], Optional[Sharding]] = _DECLARED.get
+"""``declared()``: the declaration in force on this thread (None: saves are this rank's own). The
+context variable's own ``get``, with no Python frame of ours around it: every pack asks."""
 
 
 class ShardState(enum.Enum):

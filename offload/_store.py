@@ -44,7 +44,7 @@ import torch
 
 from ._budget import Budget, FollowFree, FreeMemory, default_free_memory
 from ._config import Config
-from ._entry import ORIGINAL_IS_DATA, CopyState, Entry, Handle, Residence, Tier
+from ._entry import CopyState, Entry, Handle, Residence, Tier
 from ._errors import OffloadError, inplace_error
 from ._inflight import InFlight, wait_quietly
 from ._residency import Residency
@@ -54,6 +54,21 @@ from ._tiers import HostTier, as_bytes, make_tiers
 from ._transfer import Link
 
 __all__ = ["Handle", "Store"]
+
+_NO_BATCH = contextlib.nullcontext()
+"""What a store without a link enters where one would open a batch (a nullcontext can be re-entered)."""
+
+# See Note: [enum members as module globals] in _entry
+_HOT, _LEAVING, _AWAY, _LOADED, _KEPT, _RELEASED = (
+    Residence.HOT,
+    Residence.LEAVING,
+    Residence.AWAY,
+    Residence.LOADED,
+    Residence.KEPT,
+    Residence.RELEASED,
+)
+_HOST, _DISK = Tier.HOST, Tier.DISK
+_FILLING = CopyState.FILLING
 
 
 class Store:
@@ -80,7 +95,7 @@ class Store:
         self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link)
         self._tier = {t.tier: t for t in self.tiers}
         self._top = self.tiers[0]
-        host = self._tier.get(Tier.HOST)
+        host = self._tier.get(_HOST)
         self._host: Optional[HostTier] = host if isinstance(host, HostTier) else None
         self.link: Optional[Link] = None if self._host is None else self._host.link
         self._lock = threading.Lock()
@@ -144,7 +159,7 @@ class Store:
             peak_over_budget_bytes=self._res.peak_over_budget_bytes,
             host_bytes=0 if host is None else host.arena.pinned_bytes,
             host_in_use_bytes=0 if host is None else host.in_use_bytes,
-            spill_bytes=self._tier[Tier.DISK].used_bytes,
+            spill_bytes=self._tier[_DISK].used_bytes,
             spill_files=self.spill.files,
             budget_bytes=self.budget.bytes,
             d2h_busy_ms=d2h_ms,
@@ -157,40 +172,62 @@ class Store:
         self._res.peak_over_budget_bytes = 0
 
     def _batch(self):
-        return self.link.batch() if self.link is not None else contextlib.nullcontext()
+        return self.link.batch() if self.link is not None else _NO_BATCH
 
     # ------------------------------------------------------------------ forward
 
-    def pack(self, t: torch.Tensor, eager: bool = False) -> Handle:
-        """Take a saved tensor; ``eager``: start its copy out now (a region planned OFFLOAD)."""
-        with self._lock:
-            self._drain_dead()
+    def pack(self, t: torch.Tensor, eager: bool = False, storage: Optional[torch.UntypedStorage] = None) -> Handle:
+        """Take a saved tensor (``storage``: its storage, where the caller has read it already);
+        ``eager``: start its copy out now (a region planned OFFLOAD)."""
+        if storage is None:
             storage = t.untyped_storage()
-            key = storage._cdata
-            e = self._res.by_key.get(key)
-            if e is None or not e.holds_as_saved(t if t._base is None else t._base, t._version):
+        key = storage._cdata
+        version = t._version
+        res = self._res
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._dead:
+                self._drain_dead()
+            e = res.by_key.get(key)
+            new = e is None or not e.holds_as_saved(t, version)
+            if e is None or new:
                 self._seq += 1
-                e = Entry(self._seq, key, storage, t)
-                self._res.add(e)
-                self.counters.saved_bytes += e.nbytes
-                if e.nbytes > self._largest_new_bytes:
-                    self._largest_new_bytes = e.nbytes
+                nbytes = storage.nbytes()
+                e = Entry(self._seq, key, storage, t, nbytes, version)
+                res.add(e)
+                self.counters.saved_bytes += nbytes
+                if nbytes > self._largest_new_bytes:
+                    self._largest_new_bytes = nbytes
                 if self._follows:  # after counting it: it is allocated, not free
-                    self._maybe_read_free(e.nbytes)
+                    self._maybe_read_free(nbytes)
             elif e.users_left > 0:
                 e.users_left += 1  # a save during backward (double backward) is a user of this load too
             e.refs += 1
             self.counters.saved_tensors += 1
-            handle = Handle(self, e, t)
-            if self.budget.bytes is not None or eager:
-                with self._batch():
-                    if eager and e.residence is Residence.HOT:
-                        self._flight.evict(e)
-                    self._flight.poll()
-                    self._enforce_budget()
-            self._drain_dead()
-            self._res.note_peak(self.budget.bytes)
+            handle = Handle(self, e, t, version)
+            if self.budget.bytes is None and not eager:
+                # Note: [a pack that only counts]
+                #     With no budget in force and no copy asked for, nothing can start, land or
+                #     need room: no link batch, no poll, no eviction. Only a new entry raises what
+                #     is resident, so only then can the peak rise (``note_peak`` takes off what is
+                #     held for a next user, never adds, so a resident figure at or under the peak
+                #     cannot make a new one). A copy in flight from an earlier budget lands at the
+                #     next pack or unpack that polls; its bytes stay counted until then.
+                if new and res.resident_bytes > res.peak_resident_bytes:
+                    res.note_peak(None)
+                return handle
+            with self._batch():
+                if eager and e.residence is _HOT:
+                    self._flight.evict(e)
+                self._flight.poll()
+                self._enforce_budget()
+            if self._dead:
+                self._drain_dead()
+            res.note_peak(self.budget.bytes)
             return handle
+        finally:
+            lock.release()
 
     def _enforce_budget(self) -> None:
         budget, evict_at, res = self.budget.bytes, self.budget.evict_at, self._res
@@ -217,48 +254,56 @@ class Store:
     # ------------------------------------------------------------------ backward
 
     def unpack(self, h: Handle) -> torch.Tensor:
-        with self._lock:
-            self._drain_dead()
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._dead:
+                self._drain_dead()
             e = h.entry
-            if h.modified():  # See Note: [version watch]
-                a = h.alias
-                assert a is not None  # modified() is False without one
-                raise inplace_error(a.type(), e.shape, a._version, h.version)
-            if e.residence in ORIGINAL_IS_DATA:
-                alias = h.alias
+            alias = h.alias
+            if alias is not None and alias._version != h.version:  # h.modified(): See Note: [version watch]
+                raise inplace_error(alias.type(), e.shape, alias._version, h.version)
+            residence = e.residence
+            if residence is _HOT or residence is _KEPT:  # ORIGINAL_IS_DATA
                 assert alias is not None  # a handle lets its alias go only once the original has left
                 return alias  # the live tensor itself, detached (autograd makes its own shallow copy)
-            if e.residence is Residence.RELEASED:
-                raise OffloadError(
-                    f"offload: the saved tensor {e.describe} was released because the engine was closed; "
-                    "run backward before closing the engine"
-                )
-            with self._batch():
-                self._flight.poll()
-                self._maybe_read_free(0)
-                held = self._res.held
-                if held is not None and held is not e:
-                    self._res.held = None
-                    if self.budget.bytes is not None and self._res.resident_bytes > self.budget.bytes:
-                        self._flight.drop_device(held)  # its next user is not next: it reads it again
-                if e.residence is Residence.LEAVING and e.users_left <= 0:
-                    # its first user of this pass: the original serves, and stays when its copy lands
-                    e.load_gen += 1
-                    e.users_left = e.refs
-                self._fit_fallen_budget(e)
-                if e.residence is Residence.AWAY:  # a miss: it comes back now, whatever the budget
-                    self.counters.prefetch_misses += 1
-                    self._maybe_read_free(e.nbytes)  # before its device copy, as a prefetch reads
-                    self._flight.load(e)
-                else:
-                    self.counters.prefetch_hits += 1
-                if self.config.prefetch:
-                    self._prefetch(e.seq)
-                self._fit_fallen_budget(e)  # a reading since may have found the budget lower
-                view = self._serve(e, h)
-                self._drain_dead()
-            self._res.note_peak(self.budget.bytes, in_use=e if e.residence is Residence.LEAVING else None)
-            return view
+            return self._unpack_moved(e, h)
+        finally:
+            lock.release()
+
+    def _unpack_moved(self, e: Entry, h: Handle) -> torch.Tensor:
+        """Unpack ``h`` of an entry whose data is not (only) the original: under the lock."""
+        if e.residence is _RELEASED:
+            raise OffloadError(
+                f"offload: the saved tensor {e.describe} was released because the engine was closed; "
+                "run backward before closing the engine"
+            )
+        with self._batch():
+            self._flight.poll()
+            self._maybe_read_free(0)
+            held = self._res.held
+            if held is not None and held is not e:
+                self._res.held = None
+                if self.budget.bytes is not None and self._res.resident_bytes > self.budget.bytes:
+                    self._flight.drop_device(held)  # its next user is not next: it reads it again
+            if e.residence is _LEAVING and e.users_left <= 0:
+                # its first user of this pass: the original serves, and stays when its copy lands
+                e.load_gen += 1
+                e.users_left = e.refs
+            self._fit_fallen_budget(e)
+            if e.residence is _AWAY:  # a miss: it comes back now, whatever the budget
+                self.counters.prefetch_misses += 1
+                self._maybe_read_free(e.nbytes)  # before its device copy, as a prefetch reads
+                self._flight.load(e)
+            else:
+                self.counters.prefetch_hits += 1
+            if self.config.prefetch:
+                self._prefetch(e.seq)
+            self._fit_fallen_budget(e)  # a reading since may have found the budget lower
+            view = self._serve(e, h)
+            self._drain_dead()
+        self._res.note_peak(self.budget.bytes, in_use=e if e.residence is _LEAVING else None)
+        return view
 
     def _fit_fallen_budget(self, serving: Entry) -> None:
         """Only a budget that follows free memory falls under what backward holds: when it has,
@@ -267,7 +312,7 @@ class Store:
         budget = self.budget.bytes
         if not self._follows or budget is None:
             return
-        own = serving.nbytes if serving.residence in (Residence.LOADED, Residence.LEAVING) else 0
+        own = serving.nbytes if serving.residence in (_LOADED, _LEAVING) else 0
         limit = budget + own  # a leaving original that lands in use stays LOADED: ``own`` holds throughout
         if self._res.resident_bytes <= limit:
             return
@@ -293,7 +338,7 @@ class Store:
     def _serve(self, e: Entry, h: Handle) -> torch.Tensor:
         """Hand ``h`` its view of the device copy, once the copy is usable on the current stream."""
         device = e.device_copy()
-        if device is None or device.state is CopyState.FILLING:
+        if device is None or device.state is _FILLING:
             device = self._flight.reload_landing(e)
         elif not device.original:
             device.filled.order_compute()  # See Note: [a reload used on another stream] in _transfer
@@ -305,10 +350,10 @@ class Store:
         if h.seen_gen != e.load_gen:
             h.seen_gen = e.load_gen
             e.users_left -= 1
-            if e.users_left <= 0 and e.residence is Residence.LOADED:
+            if e.users_left <= 0 and e.residence is _LOADED:
                 self._flight.drop_device(e)
             elif (
-                e.residence is Residence.LOADED
+                e.residence is _LOADED
                 and self.budget.bytes is not None
                 and self._res.resident_bytes > self.budget.bytes
             ):
@@ -354,11 +399,13 @@ class Store:
     def _prefetch(self, seq: int) -> None:
         """Start reloading the entries saved just before ``seq`` while they fit the budget in force."""
         res = self._res
-        for s in reversed(res.below):
-            if s >= seq:
-                continue
-            e = res.below[s]
-            if e.residence is not Residence.AWAY or (e.load_gen and e.users_left <= 0):
+        below = res.below
+        # Latest landed first, as before; the entries at or after ``seq`` (those backward has
+        # served) are passed over by ``filter`` in C, not one loop step each. Loads move nothing
+        # in or out of ``below`` while it is read.
+        for s in filter(seq.__gt__, reversed(below)):
+            e = below[s]
+            if e.residence is not _AWAY or (e.load_gen and e.users_left <= 0):
                 continue  # on its way, or already served in this pass (a later unpack is a miss)
             self._maybe_read_free(e.nbytes)  # See Note: [a prefetch asks the budget in force]
             if self.budget.bytes is not None and e.nbytes > self.budget.bytes - res.resident_bytes:
@@ -377,18 +424,24 @@ class Store:
 
     def on_handle_dead(self, h: Handle) -> None:
         """Called from ``Handle.__del__`` on any thread, possibly while this thread holds the lock."""
-        if self._lock.acquire(blocking=False):
+        lock = self._lock
+        if lock.acquire(False):
             try:
                 e = h.entry
-                was_hot = e.residence is Residence.HOT  # its release defers no free: nothing new to retire
+                if e.residence is _HOT:  # the common case, kept short: nothing in flight, nothing to retire
+                    e.refs -= 1  # _release_ref: a HOT entry has no load whose users to count down
+                    if e.refs <= 0:
+                        self._res.release_hot(e)
+                    if self._dead:
+                        self._drain_dead()
+                    return
                 self._release_ref(e, h.seen_gen != e.load_gen)
                 if self._dead:
                     self._drain_dead()
-                if not was_hot:
-                    for tier in self.tiers:  # frees that waited for a copy: retire them now if they can be
-                        tier.poll()
+                for tier in self.tiers:  # frees that waited for a copy: retire them now if they can be
+                    tier.poll()
             finally:
-                self._lock.release()
+                lock.release()
         else:
             self._dead.append((h.entry, h.seen_gen != h.entry.load_gen))
 
@@ -398,24 +451,24 @@ class Store:
 
     def _release_ref(self, e: Entry, unseen: bool) -> None:
         e.refs -= 1
-        if unseen and e.users_left > 0 and e.residence in (Residence.LOADED, Residence.LEAVING):
+        if unseen and e.users_left > 0 and e.residence in (_LOADED, _LEAVING):
             e.users_left -= 1
-            if e.users_left <= 0 and e.refs > 0 and e.residence is Residence.LOADED:
+            if e.users_left <= 0 and e.refs > 0 and e.residence is _LOADED:
                 self._flight.drop_device(e)
         if e.refs <= 0:
             self._release(e)
 
     def _release(self, e: Entry) -> None:
         """Free everything an entry holds; copies still in flight are freed when they settle."""
-        if e.residence is Residence.RELEASED:  # close() released it; its last handle died since
+        if e.residence is _RELEASED:  # close() released it; its last handle died since
             return
-        if e.residence is Residence.HOT:  # the common case, kept short: only the original, nothing in flight
+        if e.residence is _HOT:  # the common case, kept short: only the original, nothing in flight
             self._res.release_hot(e)
             return
         self._flight.adopt_orphans(e)
         for tier, copy in e.copies.items():
             self._tier[tier].free(copy)
-        self._res.move(e, Residence.RELEASED)
+        self._res.move(e, _RELEASED)
         e.copies = {}
 
     # ------------------------------------------------------------------ engine-level

@@ -54,6 +54,19 @@ Note: [every wait unconditional under the sanitizer]
     sanitizer) the stream waits at every use, done or not: what the sanitizer checks is then the
     protocol itself.
 
+Note: [events back to their pool]
+    A CUDA event costs a driver call to create and another to destroy, and one was made per copy,
+    per fence and per stall timed. They come from two pools instead (timing and plain), and go
+    back when nothing will ask about their latest record: re-recording an event changes what a
+    later query, synchronize or stream wait on it refers to, while a stream wait already queued
+    keeps the record it was made against (``cudaStreamWaitEvent`` takes the event as it is at the
+    call). So a fence goes back when its batch ends (its streams have queued their waits), a
+    span's start and a stall's two events once their times are folded, and a copy's event when
+    its pending (``_CopyEvent``) is collected: the store holds the pending as long as anything may
+    wait on the copy, and a busy span that ends at the copy holds it too. Streams are never made
+    per copy: two side streams per link, and the current stream's object is kept per stream
+    (``CudaStreams.current``), not built anew at each pack and unpack.
+
 Note: [a reload used on another stream]
     Autograd runs each backward node on its forward's stream, so a destination allocated on one
     stream (the unpack that missed it, or the one whose prefetch started it) may be used on
@@ -71,8 +84,7 @@ import collections
 import contextlib
 import os
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 
@@ -82,6 +94,13 @@ if TYPE_CHECKING:
     from ._arena import PinnedSlabs
 
 __all__ = ["ALWAYS_WAIT_ENV", "CudaLink", "CudaStreams", "Link", "Streams"]
+
+POOL_MAX_EVENTS = 256
+"""Idle events an event pool keeps for reuse (a step's copies in flight are far fewer); one given
+back beyond it is dropped. See Note: [events back to their pool]."""
+KNOWN_STREAMS_MAX = 64
+"""Current-stream objects ``CudaStreams.current`` keeps; more (a program making streams without end)
+and it starts over."""
 
 ALWAYS_WAIT_ENV = "OFFLOAD_ALWAYS_WAIT"
 """Set to 1, every wait at use is a stream wait (See Note: [every wait unconditional under the sanitizer])."""
@@ -147,9 +166,31 @@ class CudaStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._known: dict[tuple, "torch.cuda.Stream"] = {}
+        self._initialized = False
+        # What torch.cuda.current_stream reads: (stream_id, device_index, device_type). Looked up,
+        # not written out as an attribute: CPU builds, where tests/test_torch_names.py checks every
+        # name the CUDA path uses, have none; without it, current_stream itself is asked.
+        self._read_current: Optional[Callable[[int], tuple]] = getattr(torch._C, "_cuda_getCurrentStream", None)
 
     def current(self) -> "torch.cuda.Stream":
-        return torch.cuda.current_stream(self.device)
+        """``torch.cuda.current_stream(device)``, whose Stream object is built once per stream:
+        asked at every pack and unpack under a budget. See Note: [events back to their pool]."""
+        if self._read_current is None:
+            return torch.cuda.current_stream(self.device)
+        if not self._initialized:
+            torch.cuda._lazy_init()  # what current_stream does first
+            self._initialized = True
+        index = self.device.index
+        if index is None:
+            index = torch.cuda.current_device()
+        key = self._read_current(index)  # as current_stream reads it
+        stream = self._known.get(key)
+        if stream is None:
+            if len(self._known) >= KNOWN_STREAMS_MAX:
+                self._known.clear()
+            stream = self._known[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        return stream
 
     def new_stream(self) -> "torch.cuda.Stream":
         return torch.cuda.Stream(self.device)
@@ -175,12 +216,33 @@ class CudaStreams:
         tensor.record_stream(stream)
 
 
+class _EventPool:
+    """Events of one kind (timing or not), reused. See Note: [events back to their pool]."""
+
+    __slots__ = ("_streams", "_timing", "_idle")
+
+    def __init__(self, streams: Streams, timing: bool) -> None:
+        self._streams, self._timing = streams, timing
+        self._idle: list = []
+
+    def take(self) -> Any:
+        """An event to record: one given back, or a new one."""
+        idle = self._idle
+        return idle.pop() if idle else self._streams.event(timing=self._timing)
+
+    def give(self, event: Any) -> None:
+        """``event``'s latest record will not be asked about again: it may be recorded anew."""
+        if len(self._idle) < POOL_MAX_EVENTS:
+            self._idle.append(event)  # one list operation: safe from a finalizer on any thread
+
+
 class _CopyEvent:
     """A copy's completion event, as a pending. ``order_compute`` is the GPU-side wait at use.
 
     For an h2d it also knows the destination and the stream it was allocated on, and records any
     other stream that uses it: See Note: [a reload used on another stream]. It knows the
-    destination weakly: See Note: [a pending does not hold its destination].
+    destination weakly: See Note: [a pending does not hold its destination]. Its event goes back
+    to the link's pool when it is collected: See Note: [events back to their pool].
     """
 
     __slots__ = ("event", "link", "dst", "alloc_stream")
@@ -214,19 +276,23 @@ class _CopyEvent:
         if dst is not None and current != self.alloc_stream:
             self.link.streams.record_stream(dst, current)
 
+    def __del__(self) -> None:
+        self.link.copy_events.give(self.event)  # See Note: [events back to their pool]
+
 
 class _Direction:
     """One side stream, the fences it waited for in the current batch, and its busy time (events)."""
 
-    def __init__(self, streams: Streams) -> None:
+    def __init__(self, streams: Streams, timing: _EventPool) -> None:
         self.streams = streams
+        self.timing = timing  # span starts and copy events: See Note: [events back to their pool]
         self.stream: Any = None
         self.batch: Optional[object] = None  # the batch the fences below belong to
         self.waited: list = []  # fences this stream waited for in that batch
-        self.spans: collections.deque = collections.deque()  # (start, end) events, until folded
+        self.spans: collections.deque = collections.deque()  # (start event, last copy's pending), until folded
         self.busy_ms = 0.0
         self._start: Any = None
-        self._last: Any = None
+        self._last: Optional[_CopyEvent] = None  # the latest copy's pending in the open span
 
     def enter(self, batch: object, fences: list) -> Any:
         """The side stream, made to wait for every fence of ``fences`` it has not waited for yet.
@@ -239,7 +305,7 @@ class _Direction:
         if self.batch is not batch:
             self.batch, self.waited = batch, []
             opening = True
-        elif self._last is not None and self._last.query():
+        elif self._last is not None and self._last.event.query():
             # The stream ran dry inside this batch (the host waited between two copies, e.g. for
             # spill writes to make host room): that idle gap is not busy time.
             self._close_span()
@@ -253,18 +319,24 @@ class _Direction:
         return self.stream
 
     def _open_span(self) -> None:
-        self._start = self.streams.event(timing=True)
+        if self._start is not None:  # a span opened again before it held a copy
+            self.timing.give(self._start)
+        self._start = self.timing.take()
         self._start.record(self.stream)
 
-    def finish_copy(self) -> Any:
-        event = self.streams.event(timing=True)
+    def finish_copy(self, link: "CudaLink", dst: Optional[torch.Tensor] = None, alloc_stream: Any = None) -> _CopyEvent:
+        """The pending of the copy just queued on this stream: an event recorded after it."""
+        event = self.timing.take()
         event.record(self.stream)
-        self._last = event
-        return event
+        self._last = pending = _CopyEvent(event, link, dst=dst, alloc_stream=alloc_stream)
+        return pending
 
     def _close_span(self) -> None:
-        if self._start is not None and self._last is not None:
-            self.spans.append((self._start, self._last))
+        if self._start is not None:
+            if self._last is not None:
+                self.spans.append((self._start, self._last))
+            else:
+                self.timing.give(self._start)
         self._start = self._last = None
 
     def close_batch(self) -> None:
@@ -276,10 +348,28 @@ class _Direction:
         """Add the spans that have finished (they finish in order on one stream) to ``busy_ms``.
 
         Run at every batch's end, so the events do not pile up when nobody reads the stats."""
-        while self.spans and self.spans[0][1].query():
-            start, end = self.spans.popleft()
-            self.busy_ms += start.elapsed_time(end)
+        spans = self.spans
+        while spans and spans[0][1].event.query():
+            start, end = spans.popleft()
+            self.busy_ms += start.elapsed_time(end.event)
+            self.timing.give(start)  # the end's event goes back with its pending
         return self.busy_ms
+
+
+class _Batch:
+    """``CudaLink.batch()``: one object entered again at every pack and unpack (a generator-based
+    context manager made one per call, ~1 us)."""
+
+    __slots__ = ("link",)
+
+    def __init__(self, link: "CudaLink") -> None:
+        self.link = link
+
+    def __enter__(self) -> None:
+        self.link._open_batch()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.link._close_batch()
 
 
 class CudaLink:
@@ -302,39 +392,52 @@ class CudaLink:
         self.always_wait = _always_wait_from_env() if always_wait is None else always_wait
         self.streams: Streams = streams if streams is not None else CudaStreams(device)
         self.slabs = slabs
-        self._d2h = _Direction(self.streams)
-        self._h2d = _Direction(self.streams)
+        self.copy_events = _EventPool(self.streams, timing=True)
+        """Timing events: copies, busy spans, stalls. See Note: [events back to their pool]."""
+        self._fence_events = _EventPool(self.streams, timing=False)
+        self._d2h = _Direction(self.streams, self.copy_events)
+        self._h2d = _Direction(self.streams, self.copy_events)
         self._batch: Optional[object] = None
+        self._batch_context = _Batch(self)
         self._fences: list = []  # (stream, fence) recorded in this batch: See Note: [fences before a copy]
+        self._batch_fences: list = []  # every fence recorded in this batch, given back at its end
         self._producers: list = []  # every stream current at a batch so far
         self._stalls: collections.deque = collections.deque()  # (before, after) around waits that had to wait
         self._stall_ms = 0.0
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self) -> contextlib.AbstractContextManager[None]:
         """One pack or unpack: copies started inside share its fences. See Note: [fences before a copy]."""
+        return self._batch_context
+
+    def _open_batch(self) -> None:
         if self._batch is not None:
             raise RuntimeError("offload internal error: link batches do not nest (the store's lock is not re-entrant)")
         self._batch = object()
-        self._fences = []
         current = self.streams.current()
-        if not any(current == stream for stream in self._producers):
+        if current not in self._producers:  # identity first, then the stream's own ==
             self._producers.append(current)
+
+    def _close_batch(self) -> None:
         try:
-            yield
-        finally:
             self._d2h.close_batch()
             self._h2d.close_batch()
+        finally:
             self._batch, self._fences = None, []
+            if self._batch_fences:
+                give = self._fence_events.give  # their waits are queued: See Note: [events back to their pool]
+                for fence in self._batch_fences:
+                    give(fence)
+                self._batch_fences = []
 
     def _fence_on(self, stream: Any) -> Any:
         """This batch's fence on ``stream``: an event recorded there the first time it is asked for."""
         for fenced, fence in self._fences:
             if fenced == stream:
                 return fence
-        fence = self.streams.event()
+        fence = self._fence_events.take()
         fence.record(stream)
         self._fences.append((stream, fence))
+        self._batch_fences.append(fence)
         return fence
 
     def _refence(self, stream: Any) -> None:
@@ -360,7 +463,7 @@ class CudaLink:
         with self.streams.using(stream):
             self.before_copy(stream)
             self.streams.copy(dst_host[: src_device.numel()], src_device)
-        return _CopyEvent(self._d2h.finish_copy(), self)
+        return self._d2h.finish_copy(self)
 
     def h2d(self, src_host: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, _CopyEvent]:
         """Start copying ``nbytes`` of pinned ``src_host`` to a new device tensor; returns (tensor, pending).
@@ -375,7 +478,7 @@ class CudaLink:
         with self.streams.using(stream):
             self.before_copy(stream)
             self.streams.copy(dst, src_host[:nbytes])
-        return dst, _CopyEvent(self._h2d.finish_copy(), self, dst=dst, alloc_stream=alloc_stream)
+        return dst, self._h2d.finish_copy(self, dst=dst, alloc_stream=alloc_stream)
 
     def wait_on_compute(self, event: Any) -> Any:
         """Make the current stream wait for ``event`` (GPU-side); time the stall if there is one.
@@ -383,7 +486,7 @@ class CudaLink:
         compute = self.streams.current()
         if not self.always_wait and event.query():  # See Note: [every wait unconditional under the sanitizer]
             return compute
-        before, after = self.streams.event(timing=True), self.streams.event(timing=True)
+        before, after = self.copy_events.take(), self.copy_events.take()
         before.record(compute)
         compute.wait_event(event)
         after.record(compute)
@@ -395,6 +498,8 @@ class CudaLink:
         while self._stalls and self._stalls[0][1].query():
             before, after = self._stalls.popleft()
             self._stall_ms += before.elapsed_time(after)
+            self.copy_events.give(before)
+            self.copy_events.give(after)
 
     def released(self, host: torch.Tensor) -> None:
         return None
