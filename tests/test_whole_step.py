@@ -129,14 +129,22 @@ def test_a_budget_below_the_heads_saves_moves_them_and_holds(policy, spill_dir):
     stages = list(eng.recent_stages)
     assert stages[-1] is None
     assert peaks[-1] <= budget_mb * 2**20, (peaks, str(plan))
+    checked = 0
     for stage, (block_end, norm_end) in zip(stages, after_norm, strict=True):
         if stage is not None:
             continue  # a profiling step measures; only a plan's OFFLOAD sends saves out eagerly
         saved = norm_end.saved_bytes - block_end.saved_bytes
         sent = norm_end.offloaded_bytes - block_end.offloaded_bytes
         assert saved > 0, "the premise: the final norm saves"
-        assert block_end.resident_bytes + saved <= budget_mb * 2**20, "the premise: the budget has room for them"
+        if block_end.resident_bytes + saved > budget_mb * 2**20:
+            continue  # no room for them: ordinary eviction would move them too, so this tells nothing
         assert sent == saved, f"every save after the last block leaves as it is made: {sent} of {saved} bytes"
+        checked += 1
+    # Where the plan keeps a block (auto, on trials that price a keep as cheapest), the kept bytes
+    # can fill the budget, and no step can tell eager sending from eviction; otherwise every
+    # planned step is checked.
+    keeps = any(d is offload.Decision.KEEP for d in plan.decisions)
+    assert checked > 0 or keeps, (stages, str(plan))
     eng.close()
 
 
