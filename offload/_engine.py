@@ -94,11 +94,14 @@ class Engine:
         self.config = config
         self._shared_inputs = shared_inputs
         self._machine = machine
-        plan_cache = None
+        self._plan_cache: Optional[PlanCache] = None
+        """Where final region plans are kept across restarts (``plan_cache=``): the regions' to use."""
         if config.plan_cache is not None:
             budget = f"auto reserve {config.reserve_bytes}" if config.follows_free_memory else config.budget_bytes
-            plan_cache = PlanCache(config.plan_cache, budget=budget, policy=config.policy, machine_key=machine_key)
-        self._session = Session(config, link=link, machine=self._machine_profile, memory=memory, plan_cache=plan_cache)
+            self._plan_cache = PlanCache(
+                config.plan_cache, budget=budget, policy=config.policy, machine_key=machine_key
+            )
+        self._session = Session(config, link=link, machine=self._machine_profile, memory=memory)
         self._models: list[torch.nn.Module] = []
         self._closed = False
         self._link_base = Gauges()  # the link's readings at the last reset_stats()
@@ -112,7 +115,9 @@ class Engine:
         self._region_calls_at_start = 0  # the regions' calls when the latest step began
         self._warned_idle = False  # warned that a step ran none of the regions
         if regions is not None and not self._regions_to_find:
-            self._regions = Regions(resolve_regions(regions, model), config.policy, self._session, shared_inputs)
+            self._regions = Regions(
+                resolve_regions(regions, model), config.policy, self._session, self._plan_cache, shared_inputs
+            )
         if model is not None:
             self.watch(model)
 
@@ -126,7 +131,7 @@ class Engine:
         self._models.append(module)
         if self._regions_to_find:
             self._regions = Regions(
-                resolve_regions(AUTO, module), self.config.policy, self._session, self._shared_inputs
+                resolve_regions(AUTO, module), self.config.policy, self._session, self._plan_cache, self._shared_inputs
             )
             self._regions_to_find = False
         return self

@@ -38,15 +38,16 @@ import torch
 
 from ._attach import attach, detach
 from ._blocks import Found, find_blocks
-from ._cost import RegionProfile, Scope
+from ._cost import RegionProfile, Saved, Scope
 from ._errors import OffloadError
 from ._measurement import ForwardClock, Measurement, finish_after_backward, span_ms
 from ._module_state import RegionState
+from ._plan_cache import PlanCache
 from ._planner import Decision, Plan
 from ._policy import Policy, get_policy
-from ._profiler import AFTER_NAME, BEFORE_NAME, Measured, Profiler, ShapePlan, Stage
+from ._profiler import AFTER_NAME, BEFORE_NAME, Measured, Planning, Profiler, ShapePlan, Stage
 from ._selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
-from ._session import ForwardMarks, Saved, Session
+from ._session import ForwardMarks, Session
 from ._sharded import Sharding, declaring
 
 __all__ = [
@@ -318,7 +319,14 @@ class _Step:
 class Regions:
     """The regions of one engine: wrapped forwards, a step record, and the profiler."""
 
-    def __init__(self, found: Found, policy: str, session: Session, shared_inputs: Optional[Sharding] = None) -> None:
+    def __init__(
+        self,
+        found: Found,
+        policy: str,
+        session: Session,
+        plan_cache: Optional[PlanCache] = None,
+        shared_inputs: Optional[Sharding] = None,
+    ) -> None:
         self.regions = found.regions
         self._shared_inputs = shared_inputs
         """Declares the inputs of regions run as recompute shared by a process group (``offload._sharded``)."""
@@ -328,7 +336,7 @@ class Regions:
         self._policy: Policy = get_policy(policy)
         """What the policy needs (``Policy.measures``, ``plans_per_rank``, ...), asked instead of its name."""
         self._session = session
-        self._profiler = Profiler(self.regions, policy, session)
+        self._profiler = Profiler(self.regions, policy, Planning(session.budget_in_force, session.machine, plan_cache))
         self.recent_stages: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
         """The profiling stage of each recent step, oldest first; None: the step followed a plan."""
         self.profiled: collections.deque = collections.deque(maxlen=_RECENT_STEPS)

@@ -6,7 +6,7 @@ the one thing ``Regions`` and the probe talk to:
     hooks ──pack/unpack──▶ Session ──▶ Store (made on the first saved tensor, for its device)
                               └─ saves declared shared ──▶ SharedSaves ──this rank's slice──▶ Store
     Regions ──active? / eagerly() / eagerly_to_end() / marks / set_planned() / saved() / moved_bytes()
-              / count_recompute() / machine() / budget_in_force() / plan_cache──▶ Session
+              / count_recompute() / machine() / budget_in_force()──▶ Session
 
 State per thread (the hook stack, eager mode) is thread-local: one engine can serve a training
 thread and an evaluation thread at once.
@@ -23,33 +23,17 @@ import torch
 
 from ._budget import FreeMemory
 from ._config import Config
-from ._cost import MachineProfile
+from ._cost import MachineProfile, Saved
 from ._entry import Handle
 from ._errors import OffloadError
 from ._hooks import Eligibility, unpack_passed
 from ._observe import Observers
-from ._plan_cache import PlanCache
 from ._sharded import ShardedHandle, Sharding, SharedSaves, declared
 from ._stats import Counters
 from ._store import Store
 from ._transfer import Link
 
-__all__ = ["ForwardMarks", "Saved", "Session"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Saved:
-    """Bytes and tensors saved through the engine: the running totals (``Session.saved()``), or
-    what was saved between two readings of them (their difference)."""
-
-    nbytes: int = 0
-    tensors: int = 0
-
-    def __add__(self, other: Saved) -> Saved:
-        return Saved(self.nbytes + other.nbytes, self.tensors + other.tensors)
-
-    def __sub__(self, other: Saved) -> Saved:
-        return Saved(self.nbytes - other.nbytes, self.tensors - other.tensors)
+__all__ = ["ForwardMarks", "Session"]
 
 
 class _ThreadState(threading.local):
@@ -86,12 +70,9 @@ class Session:
         link: Optional[Link] = None,
         machine: Optional[Callable[[], MachineProfile]] = None,
         memory: Optional[FreeMemory] = None,
-        plan_cache: Optional[PlanCache] = None,
     ) -> None:
         self.config = config
         self._memory = memory
-        self.plan_cache = plan_cache
-        """Where final region plans are kept across restarts (``plan_cache=``), or None."""
         self.counters = Counters()
         self.eligible = Eligibility(config.device, config.min_offload_bytes)
         self._link = link
