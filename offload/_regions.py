@@ -31,7 +31,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -53,6 +53,7 @@ from ._sharded import Sharding, declaring
 __all__ = [
     "AUTO",
     "CACHE_ARGUMENTS",
+    "NoRegions",
     "ProfiledStep",
     "Regions",
     "RegionsArg",
@@ -135,7 +136,7 @@ def _refuse_nesting(found: list[tuple[str, torch.nn.Module]]) -> None:
             )
 
 
-def refuse_foreign(found: list[tuple[str, torch.nn.Module]], model: torch.nn.Module) -> None:
+def refuse_foreign(found: Sequence[tuple[str, torch.nn.Module]], model: torch.nn.Module) -> None:
     """Regions given as modules must be ``model``'s own: a copy's blocks, say, would never run."""
     own = {id(m) for m in model.modules()}
     foreign = [(i, name, m) for i, (name, m) in enumerate(found) if id(m) not in own]
@@ -316,8 +317,40 @@ class _Step:
         return nbytes
 
 
+class NoRegions:
+    """An engine without ``regions=``: the null object of ``Regions``, so the engine asks one
+    kind of object and never whether it has one. Nothing is wrapped, profiled or planned."""
+
+    present = False
+    """Whether the engine has regions (False here)."""
+    regions: tuple = ()
+    recent_stages: tuple = ()
+    profiled: tuple = ()
+    calls = 0
+    plan: Optional[Plan] = None
+
+    @property
+    def plans(self) -> dict[tuple, Plan]:
+        return {}
+
+    def profiling(self) -> bool:
+        return False
+
+    def rewrap_compiled(self) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
+
+    def refuse_another_thread(self) -> None:
+        pass  # an engine without regions serves several threads at once
+
+
 class Regions:
     """The regions of one engine: wrapped forwards, a step record, and the profiler."""
+
+    present = True
+    """Whether the engine has regions (``NoRegions`` says False)."""
 
     def __init__(
         self,
