@@ -57,6 +57,7 @@ __all__ = [
     "FreeMemory",
     "default_free_memory",
     "device_free_bytes",
+    "make_budget",
     "cgroups_of",
     "memory_cgroups",
     "replan_needed",
@@ -216,9 +217,10 @@ class FollowFree:
     """How one store's budget follows free memory: when to read it, and what a reading makes of
     it (the rule above). The budget itself is held by ``Budget``."""
 
-    def __init__(self, reserve_bytes: int, memory: FreeMemory) -> None:
+    def __init__(self, reserve_bytes: int, memory: Optional[FreeMemory]) -> None:
         self.reserve_bytes = reserve_bytes
         self.memory = memory
+        """How free memory is read; None until ``bind`` gives the device's own reading."""
         self.readings = 0
         """How many times free memory was read (for tests and the cost figure)."""
         self._since_bytes = 0
@@ -228,9 +230,19 @@ class FollowFree:
         """Hot bytes above which eviction starts under ``budget_bytes`` (``INFLIGHT_FRACTION_OF_RESERVE``)."""
         return max(0, budget_bytes - int(self.reserve_bytes * INFLIGHT_FRACTION_OF_RESERVE))
 
+    def bind(self, device: torch.device) -> None:
+        """The device this budget is for (known at the first save): its own reading, unless one was given."""
+        if self.memory is None:
+            self.memory = default_free_memory(device)
+
+    def _memory(self) -> FreeMemory:
+        if self.memory is None:
+            raise RuntimeError("offload internal error: free memory read before the budget knew its device")
+        return self.memory
+
     def read(self, resident_bytes: int) -> int:
         """Read free memory now; returns the new budget in force."""
-        free = self.memory.read()
+        free = self._memory().read()
         if isinstance(free, bool) or not isinstance(free, int) or free < 0:
             raise TypeError(f"offload: the free-memory reading returned {free!r}; it must return an int >= 0 (bytes)")
         self.readings += 1
@@ -241,30 +253,38 @@ class FollowFree:
     def due(self, nbytes: int) -> bool:
         """Count ``nbytes`` of new saves or loads; True when free memory is to be read again."""
         self._since_bytes += nbytes
-        if self._since_bytes >= self.memory.reread_bytes:
+        memory = self._memory()
+        if self._since_bytes >= memory.reread_bytes:
             return True
-        return (time.monotonic() - self._read_at) * 1e3 >= self.memory.reread_ms
+        return (time.monotonic() - self._read_at) * 1e3 >= memory.reread_ms
 
 
 class Budget:
-    """The budget in force for one store and the hot bytes at which eviction starts: the one owner
-    of both. ``Config.budget_bytes`` is what the user asked for; this is what holds now (with
-    "auto", the latest reading); the session, the engine's stats and the regions read it here."""
+    """The budget in force for one engine and the hot bytes at which eviction starts: the one owner
+    of both, and of whether a region plan is in force. Made once per engine (``make_budget``), in
+    one of three kinds: none (only count), fixed (``budget_mb``) or following free memory
+    (``budget_mb="auto"``). ``Config.budget_bytes`` is what the user asked for; this is what holds
+    now (with "auto", the latest reading); the store, the engine's stats and the regions read it."""
 
-    __slots__ = ("bytes", "evict_at", "_planned", "_follow")
+    __slots__ = ("bytes", "evict_at", "follows_free_memory", "planned", "_follow")
 
     def __init__(self, budget_bytes: Optional[int], follow: Optional[FollowFree]) -> None:
         self.bytes = budget_bytes
         """The budget in force, bytes (None: no limit)."""
         self.evict_at: Optional[int] = None
         """Hot plus loaded bytes above which eviction starts; None exactly when ``bytes`` is."""
+        self.follows_free_memory = follow is not None
+        """The kind "follows free memory" (``budget_mb="auto"``): ``bytes`` moves with each reading."""
         self._follow = follow
-        self._planned = False
+        self.planned = False
+        """A region plan is in force (``set_planned``): the one flag the engine keeps of it."""
         self.set_planned(False)
 
-    @property
-    def follows_free_memory(self) -> bool:
-        return self._follow is not None
+    def bind(self, device: torch.device) -> None:
+        """The device the budget is for, known at the first save (a budget that follows free memory
+        reads that device's, unless it was given a reading)."""
+        if self._follow is not None:
+            self._follow.bind(device)
 
     @property
     def readings(self) -> int:
@@ -273,7 +293,7 @@ class Budget:
 
     def set_planned(self, planned: bool) -> None:
         """Evict at the full budget (a region plan is in force) or keep the in-flight window."""
-        self._planned = planned
+        self.planned = planned
         if self.bytes is None:
             return
         if planned:
@@ -287,11 +307,18 @@ class Budget:
         """Read free memory now (budget_mb="auto" only)."""
         assert self._follow is not None  # called only when follows_free_memory
         self.bytes = self._follow.read(resident_bytes)
-        self.set_planned(self._planned)
+        self.set_planned(self.planned)
 
     def due(self, nbytes: int) -> bool:
         """Count ``nbytes`` saved or loaded; True when free memory is to be read (never when fixed)."""
         return self._follow is not None and self._follow.due(nbytes)
+
+
+def make_budget(budget_bytes: Optional[int], reserve_bytes: Optional[int], memory: Optional[FreeMemory]) -> Budget:
+    """The one budget of an engine: none (``budget_bytes`` None, no reserve), fixed, or following
+    free memory (``reserve_bytes`` set; ``memory`` None: the device's own reading, bound later)."""
+    follow = None if reserve_bytes is None else FollowFree(reserve_bytes, memory)
+    return Budget(budget_bytes, follow)
 
 
 def replan_needed(planned_bytes: Optional[int], now_bytes: Optional[int]) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["MB", "MachineProfile", "RegionProfile", "Scope", "spill_where"]
+__all__ = ["MB", "MachineProfile", "RegionProfile", "Saved", "Scope", "spill_where"]
 
 MB = 1 << 20
 """Bytes in one MB as the API counts it (MiB, like ``torch.cuda.memory_allocated`` tables): ``budget_mb``,
@@ -160,3 +160,18 @@ class RegionProfile:
     def recompute_or_forward_ms(self) -> float:
         """The measured recompute time, or the forward time where none was measured."""
         return self.recompute_ms if self.recompute_ms > 0 else self.forward_ms
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """Bytes and tensors saved through the engine: the running totals (``Session.saved()``), or
+    what was saved between two readings of them (their difference)."""
+
+    nbytes: int = 0
+    tensors: int = 0
+
+    def __add__(self, other: Saved) -> Saved:
+        return Saved(self.nbytes + other.nbytes, self.tensors + other.tensors)
+
+    def __sub__(self, other: Saved) -> Saved:
+        return Saved(self.nbytes - other.nbytes, self.tensors - other.tensors)

@@ -34,7 +34,7 @@ from ._plan_cache import PlanCache
 from ._planner import Decision, Plan
 from ._policy import get_policy
 from ._probe import machine_key, probe
-from ._regions import AUTO, Regions, RegionsArg, refuse_foreign, resolve_regions
+from ._regions import AUTO, NoRegions, Regions, RegionsArg, refuse_foreign, resolve_regions
 from ._session import Session
 from ._sharded import Sharding, sharding_for
 from ._stats import Gauges, Stats
@@ -94,15 +94,18 @@ class Engine:
         self.config = config
         self._shared_inputs = shared_inputs
         self._machine = machine
-        plan_cache = None
+        self._plan_cache: Optional[PlanCache] = None
+        """Where final region plans are kept across restarts (``plan_cache=``): the regions' to use."""
         if config.plan_cache is not None:
             budget = f"auto reserve {config.reserve_bytes}" if config.follows_free_memory else config.budget_bytes
-            plan_cache = PlanCache(config.plan_cache, budget=budget, policy=config.policy, machine_key=machine_key)
-        self._session = Session(config, link=link, machine=self._machine_profile, memory=memory, plan_cache=plan_cache)
+            self._plan_cache = PlanCache(
+                config.plan_cache, budget=budget, policy=config.policy, machine_key=machine_key
+            )
+        self._session = Session(config, link=link, machine=self._machine_profile, memory=memory)
         self._models: list[torch.nn.Module] = []
         self._closed = False
         self._link_base = Gauges()  # the link's readings at the last reset_stats()
-        self._regions: Optional[Regions] = None
+        self._regions: Union[Regions, NoRegions] = NoRegions()
         self._regions_to_find = regions == AUTO and model is None  # found in the first model watched
         self._step_start = _StepSaves(0, 0)  # the counts when the latest step began
         self._last_step = _StepSaves(0, 0)
@@ -112,7 +115,9 @@ class Engine:
         self._region_calls_at_start = 0  # the regions' calls when the latest step began
         self._warned_idle = False  # warned that a step ran none of the regions
         if regions is not None and not self._regions_to_find:
-            self._regions = Regions(resolve_regions(regions, model), config.policy, self._session, shared_inputs)
+            self._regions = Regions(
+                resolve_regions(regions, model), config.policy, self._session, self._plan_cache, shared_inputs
+            )
         if model is not None:
             self.watch(model)
 
@@ -126,7 +131,7 @@ class Engine:
         self._models.append(module)
         if self._regions_to_find:
             self._regions = Regions(
-                resolve_regions(AUTO, module), self.config.policy, self._session, self._shared_inputs
+                resolve_regions(AUTO, module), self.config.policy, self._session, self._plan_cache, self._shared_inputs
             )
             self._regions_to_find = False
         return self
@@ -140,10 +145,9 @@ class Engine:
                 "engine.watch(model), or decorate the model itself (engine(model))"
             )
         self._session.eligible.skip_modules(self._models)  # storages can change between steps (to(), load_state_dict)
-        if self._regions is not None:
-            self._regions.rewrap_compiled()  # a block.compile() since the last step
+        self._regions.rewrap_compiled()  # a block.compile() since the last step
         outermost = not self._session.active()
-        if outermost and self._regions is not None:
+        if outermost and self._regions.present:
             with self._entering:  # See Note: [one forward at a time] (in ``_regions``)
                 self._regions.refuse_another_thread()
                 self._session.enter()
@@ -151,7 +155,7 @@ class Engine:
             self._session.enter()
         if outermost:
             self._step_start = self._saves_so_far()
-            self._region_calls_at_start = 0 if self._regions is None else self._regions.calls
+            self._region_calls_at_start = self._regions.calls
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -164,7 +168,7 @@ class Engine:
                 warnings.warn(f"offload: {self._all_small_note()}", UserWarning, stacklevel=2)
             regions = self._regions
             saved = self._last_step.managed + self._last_step.small
-            if regions is not None and saved and regions.calls == self._region_calls_at_start and not self._warned_idle:
+            if regions.present and saved and regions.calls == self._region_calls_at_start and not self._warned_idle:
                 self._warned_idle = True
                 warnings.warn(
                     f"offload: the latest step saved {saved} tensor(s) but ran none of the engine's "
@@ -198,8 +202,7 @@ class Engine:
         """
         if isinstance(fn, torch.nn.Module):
             module = fn
-            if self._regions is not None:
-                refuse_foreign(self._regions.regions, module)
+            refuse_foreign(self._regions.regions, module)  # none: nothing to refuse
             self.watch(module)
             attach(module, "forward", self(module.forward))  # See Note: [a copy carries no engine]
             attach(module, "offload_engine", self)
@@ -228,7 +231,7 @@ class Engine:
         transfer ms, decision, and the predicted overhead and peak. Its step times are read at the
         pace of the latest steps under plans (``Plan.pace``), so each read is a new ``Plan``;
         ``plan.regions`` is the same object for as long as the plan itself is."""
-        return None if self._regions is None else self._regions.plan
+        return self._regions.plan
 
     @property
     def profiling(self) -> bool:
@@ -236,31 +239,31 @@ class Engine:
         step will be a profiling step (see ``offload._regions``), not one that follows a final
         plan. Benchmarks warm up until this is False. Always False without regions or with a
         policy that measures nothing ("none", "recompute")."""
-        return self._regions is not None and self._regions.profiling()
+        return self._regions.profiling()
 
     @property
     def recent_stages(self) -> tuple:
         """A debug view: the profiling stage of each recent step ("measure", "recompute",
         "offload"), oldest first; None for a step that followed a final plan."""
-        return () if self._regions is None else tuple(self._regions.recent_stages)
+        return tuple(self._regions.recent_stages)
 
     @property
     def profiled_steps(self) -> tuple:
         """A debug view: what each recent profiling step measured, oldest first
         (``offload._regions.ProfiledStep``: stage, input signature, region profiles, span)."""
-        return () if self._regions is None else tuple(self._regions.profiled)
+        return tuple(self._regions.profiled)
 
     @property
     def regions(self) -> tuple:
         """The regions as (qualified name, module) pairs (empty without regions), in order."""
-        return () if self._regions is None else tuple(self._regions.regions)
+        return tuple(self._regions.regions)
 
     @property
     def plans(self) -> dict:
         """The plans held, keyed by the first region's input signature: the latest ``MAX_PLANS``
         per input family (``offload._profiler``), measured or derived from a fit, each read at
         the pace of the latest steps under plans (``Plan.pace``)."""
-        return {} if self._regions is None else dict(self._regions.plans)
+        return dict(self._regions.plans)
 
     @property
     def observers(self) -> Observers:
@@ -289,8 +292,7 @@ class Engine:
         """Finish copies in flight, free host buffers and remove the spill file. Idempotent."""
         if self._session.store is not None:
             self._session.store.close()
-        if self._regions is not None:
-            self._regions.restore()
+        self._regions.restore()
         self._closed = True
 
     def __repr__(self) -> str:
@@ -428,7 +430,7 @@ def _no_plan_note(eng: Engine) -> str:
         f"{stats.offloaded_bytes / MB:.1f} MB moved off the device, "
         f"at most {stats.peak_resident_bytes / MB:.1f} MB held there"
     )
-    if eng._regions is None:
+    if not eng._regions.present:
         return (
             f"no plan: this engine has no regions=, so it decides per saved tensor, not per block. Every save of at "
             f"least {config.min_offload_bytes} bytes goes to its store, which keeps the newest on the device under "
@@ -474,7 +476,7 @@ def explain(what: Union[Engine, Plan, None]) -> str:
     if not isinstance(plan, Plan):
         raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")
     text = str(plan) + small
-    if isinstance(what, Engine) and what._regions is not None:
+    if isinstance(what, Engine) and isinstance(what._regions, Regions):
         uncertain = what._regions.pace_uncertainty()
         if uncertain:
             text = f"{text}\n{uncertain}"

@@ -41,18 +41,18 @@ import enum
 import logging
 import math
 import statistics
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ._budget import replan_needed
-from ._cost import MachineProfile, RegionProfile, Scope
+from ._cost import MachineProfile, RegionProfile, Saved, Scope
 from ._fit import ProfileFit, Shape
 from ._noise import MAX_SPREAD, Readings
 from ._pace import StepPace
+from ._plan_cache import PlanCache
 from ._planner import Decision, Plan, build_plan, calibrate_link, check_inputs, link_usable, scale_link
 from ._policy import AutoPolicy, Policy, get_policy, make_plan
-from ._session import Saved, Session
 
 __all__ = [
     "AFTER_NAME",
@@ -68,6 +68,7 @@ __all__ = [
     "SIZE_TOLERANCE",
     "TIME_CHECK_TOLERANCE",
     "Measured",
+    "Planning",
     "Profiler",
     "ShapePlan",
     "Stage",
@@ -362,17 +363,30 @@ class _Family:
             del self.plans[key]
 
 
+@dataclasses.dataclass(frozen=True)
+class Planning:
+    """What planning needs of the engine it plans for, handed over by the regions: the profiler
+    reads these and nothing else of the runtime (it does not import the session)."""
+
+    budget_in_force: Callable[[], Optional[int]]
+    """The byte budget to plan against now: ``budget_mb``, or with "auto" the latest reading."""
+    machine: Callable[[], MachineProfile]
+    """The machine's transfer costs (measured on first use, then cached)."""
+    plan_cache: Optional[PlanCache]
+    """Where final plans are kept across restarts (``plan_cache=``), or None."""
+
+
 class Profiler:
     """The profiles and plans of one engine's regions (see the module docstring)."""
 
-    def __init__(self, regions: list[tuple[str, torch.nn.Module]], policy: str, session: Session) -> None:
+    def __init__(self, regions: list[tuple[str, torch.nn.Module]], policy: str, planning: Planning) -> None:
         self.regions = regions
         self.names = (BEFORE_NAME, *(name for name, _ in regions), AFTER_NAME)
         """The profiles' names, in their order: the saves before the regions, each region, the saves after."""
         self.policy = policy
         self._policy: Policy = get_policy(policy)
         """What the policy needs measured (``Policy.measures``, ``times``, ...), asked instead of its name."""
-        self._session = session
+        self._planning = planning
         self._families: collections.OrderedDict[tuple, _Family] = collections.OrderedDict()
         self._link_scale: Optional[float] = None
         """The calibration of the probe's transfer costs (from the first "offload" trial), or None."""
@@ -468,7 +482,7 @@ class Profiler:
         return f"x{self._link_scale:.3g} the probe's figures (offload trials read {read}, {within}{rejected})"
 
     def _machine(self) -> MachineProfile:
-        machine = self._session.machine()
+        machine = self._planning.machine()
         return machine if self._link_scale is None else scale_link(machine, self._link_scale)
 
     def _policy_for(self, fam: _Family) -> str | AutoPolicy:
@@ -482,7 +496,7 @@ class Profiler:
     def _entry(
         self, fam: _Family, profiles: tuple[RegionProfile, ...], other_ms: float, origin: Origin, why: str
     ) -> ShapePlan:
-        budget = self._session.budget_in_force()  # budget_mb, or with "auto" the latest reading
+        budget = self._planning.budget_in_force()  # budget_mb, or with "auto" the latest reading
         plan = make_plan(profiles, self._machine(), budget, self._policy_for(fam), other_ms=other_ms)
         return ShapePlan(dataclasses.replace(plan, origin=why), profiles, other_ms, origin)
 
@@ -490,7 +504,7 @@ class Profiler:
         """The plan for a shape from the family's fit; its decisions are searched once per bucket
         (``SEARCH_BUCKET``), at the bucket's largest shape."""
         profiles, other_ms = fam.fit.derive(shape)
-        budget = self._session.budget_in_force()
+        budget = self._planning.budget_in_force()
         machine = self._machine()
         n_bucket, s_bucket = (math.floor(math.log(v, SEARCH_BUCKET)) for v in (shape.n, shape.s))
         bucket = (n_bucket, s_bucket)
@@ -520,7 +534,7 @@ class Profiler:
             self._policy.prices_link
             and any(d is not Decision.KEEP for d in plan.decisions)
             and self._link_scale is None
-            and link_usable(self._session.machine())
+            and link_usable(self._planning.machine())
         )
 
     def _trials(self, fam: _Family, plan: Plan) -> list[Stage]:
@@ -558,7 +572,7 @@ class Profiler:
             stage = fam.queue.pop(0)
         elif entry is not None:
             fam.plans.move_to_end(key)
-            if replan_needed(entry.plan.budget_bytes, self._session.budget_in_force()):
+            if replan_needed(entry.plan.budget_bytes, self._planning.budget_in_force()):
                 # budget_mb="auto": free memory moved well away from the plan's budget
                 entry = self._entry(fam, entry.profiles, entry.other_ms, entry.origin, entry.plan.origin)
                 fam.keep(key, entry)
@@ -648,7 +662,7 @@ class Profiler:
         far apart to plan on, are all there is."""
         if len(fam.rounds) >= MAX_TRIAL_ROUNDS or fam.rounds[-1].key != key:
             return False
-        budget = self._session.budget_in_force()
+        budget = self._planning.budget_in_force()
         policy = self._policy_for(fam)
         if not isinstance(policy, str):
             alone = make_plan(entry.profiles, self._machine(), budget, self.policy, other_ms=entry.other_ms)
@@ -656,7 +670,7 @@ class Profiler:
                 return True
         if not self.calibrations or (len(self.calibrations) > 1 and self._pooled_uncertainty() <= MAX_SPREAD):
             return False
-        probe = self._session.machine()
+        probe = self._planning.machine()
         read = scale_link(probe, statistics.median(self.calibrations))
         at_reading = make_plan(entry.profiles, read, budget, policy, other_ms=entry.other_ms)
         at_probe = make_plan(entry.profiles, probe, budget, policy, other_ms=entry.other_ms)
@@ -680,7 +694,7 @@ class Profiler:
             # shape, scaled by the regions' own time there.
             keep_span_ms = trial.span_ms - sum(r.recompute_ms for r in trial.profiles)
             keep_span_ms *= _regions_ms(timed) / max(_regions_ms(trial.profiles), 1e-9)
-            budget = self._session.budget_in_force()
+            budget = self._planning.budget_in_force()
             excess_ms = measured.span_ms - keep_span_ms
             _, scale = calibrate_link(timed, self._machine(), excess_ms, budget)
             self._accept_calibration(fam, scale, self._uncertainty(fam, trial.profiles, measured, excess_ms))
@@ -824,7 +838,7 @@ class Profiler:
     # ------------------------------------------------------------------ the plan cache
 
     def _adopt_cached(self, family: tuple, fam: _Family) -> None:
-        cache = self._session.plan_cache
+        cache = self._planning.plan_cache
         if cache is None:
             return
         cached = cache.lookup(family, self.regions, self.names)
@@ -839,7 +853,7 @@ class Profiler:
             self._link_scale = cached.link_scale
 
     def _store_cached(self, family: tuple, fam: _Family) -> None:
-        cache = self._session.plan_cache
+        cache = self._planning.plan_cache
         if cache is None or fam.profiling():
             return  # only a family with nothing being profiled is final
         measured: list[tuple[object, Plan, tuple[RegionProfile, ...], float]] = [

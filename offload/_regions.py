@@ -31,27 +31,29 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from ._attach import attach, detach
 from ._blocks import Found, find_blocks
-from ._cost import RegionProfile, Scope
+from ._cost import RegionProfile, Saved, Scope
 from ._errors import OffloadError
 from ._measurement import ForwardClock, Measurement, finish_after_backward, span_ms
 from ._module_state import RegionState
+from ._plan_cache import PlanCache
 from ._planner import Decision, Plan
 from ._policy import Policy, get_policy
-from ._profiler import AFTER_NAME, BEFORE_NAME, Measured, Profiler, ShapePlan, Stage
+from ._profiler import AFTER_NAME, BEFORE_NAME, Measured, Planning, Profiler, ShapePlan, Stage
 from ._selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
-from ._session import ForwardMarks, Saved, Session
+from ._session import ForwardMarks, Session
 from ._sharded import Sharding, declaring
 
 __all__ = [
     "AUTO",
     "CACHE_ARGUMENTS",
+    "NoRegions",
     "ProfiledStep",
     "Regions",
     "RegionsArg",
@@ -134,7 +136,7 @@ def _refuse_nesting(found: list[tuple[str, torch.nn.Module]]) -> None:
             )
 
 
-def refuse_foreign(found: list[tuple[str, torch.nn.Module]], model: torch.nn.Module) -> None:
+def refuse_foreign(found: Sequence[tuple[str, torch.nn.Module]], model: torch.nn.Module) -> None:
     """Regions given as modules must be ``model``'s own: a copy's blocks, say, would never run."""
     own = {id(m) for m in model.modules()}
     foreign = [(i, name, m) for i, (name, m) in enumerate(found) if id(m) not in own]
@@ -315,10 +317,49 @@ class _Step:
         return nbytes
 
 
+class NoRegions:
+    """An engine without ``regions=``: the null object of ``Regions``, so the engine asks one
+    kind of object and never whether it has one. Nothing is wrapped, profiled or planned."""
+
+    present = False
+    """Whether the engine has regions (False here)."""
+    regions: tuple = ()
+    recent_stages: tuple = ()
+    profiled: tuple = ()
+    calls = 0
+    plan: Optional[Plan] = None
+
+    @property
+    def plans(self) -> dict[tuple, Plan]:
+        return {}
+
+    def profiling(self) -> bool:
+        return False
+
+    def rewrap_compiled(self) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
+
+    def refuse_another_thread(self) -> None:
+        pass  # an engine without regions serves several threads at once
+
+
 class Regions:
     """The regions of one engine: wrapped forwards, a step record, and the profiler."""
 
-    def __init__(self, found: Found, policy: str, session: Session, shared_inputs: Optional[Sharding] = None) -> None:
+    present = True
+    """Whether the engine has regions (``NoRegions`` says False)."""
+
+    def __init__(
+        self,
+        found: Found,
+        policy: str,
+        session: Session,
+        plan_cache: Optional[PlanCache] = None,
+        shared_inputs: Optional[Sharding] = None,
+    ) -> None:
         self.regions = found.regions
         self._shared_inputs = shared_inputs
         """Declares the inputs of regions run as recompute shared by a process group (``offload._sharded``)."""
@@ -328,7 +369,7 @@ class Regions:
         self._policy: Policy = get_policy(policy)
         """What the policy needs (``Policy.measures``, ``plans_per_rank``, ...), asked instead of its name."""
         self._session = session
-        self._profiler = Profiler(self.regions, policy, session)
+        self._profiler = Profiler(self.regions, policy, Planning(session.budget_in_force, session.machine, plan_cache))
         self.recent_stages: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
         """The profiling stage of each recent step, oldest first; None: the step followed a plan."""
         self.profiled: collections.deque = collections.deque(maxlen=_RECENT_STEPS)

@@ -6,7 +6,7 @@ the one thing ``Regions`` and the probe talk to:
     hooks ──pack/unpack──▶ Session ──▶ Store (made on the first saved tensor, for its device)
                               └─ saves declared shared ──▶ SharedSaves ──this rank's slice──▶ Store
     Regions ──active? / eagerly() / eagerly_to_end() / marks / set_planned() / saved() / moved_bytes()
-              / count_recompute() / machine() / budget_in_force() / plan_cache──▶ Session
+              / count_recompute() / machine() / budget_in_force()──▶ Session
 
 State per thread (the hook stack, eager mode) is thread-local: one engine can serve a training
 thread and an evaluation thread at once.
@@ -21,35 +21,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._budget import FreeMemory
+from ._budget import FreeMemory, make_budget
 from ._config import Config
-from ._cost import MachineProfile
+from ._cost import MachineProfile, Saved
 from ._entry import Handle
 from ._errors import OffloadError
 from ._hooks import Eligibility, unpack_passed
 from ._observe import Observers
-from ._plan_cache import PlanCache
 from ._sharded import ShardedHandle, Sharding, SharedSaves, declared
 from ._stats import Counters
 from ._store import Store
 from ._transfer import Link
 
-__all__ = ["ForwardMarks", "Saved", "Session"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Saved:
-    """Bytes and tensors saved through the engine: the running totals (``Session.saved()``), or
-    what was saved between two readings of them (their difference)."""
-
-    nbytes: int = 0
-    tensors: int = 0
-
-    def __add__(self, other: Saved) -> Saved:
-        return Saved(self.nbytes + other.nbytes, self.tensors + other.tensors)
-
-    def __sub__(self, other: Saved) -> Saved:
-        return Saved(self.nbytes - other.nbytes, self.tensors - other.tensors)
+__all__ = ["ForwardMarks", "Session"]
 
 
 class _ThreadState(threading.local):
@@ -86,19 +70,17 @@ class Session:
         link: Optional[Link] = None,
         machine: Optional[Callable[[], MachineProfile]] = None,
         memory: Optional[FreeMemory] = None,
-        plan_cache: Optional[PlanCache] = None,
     ) -> None:
         self.config = config
-        self._memory = memory
-        self.plan_cache = plan_cache
-        """Where final region plans are kept across restarts (``plan_cache=``), or None."""
+        self.budget = make_budget(config.budget_bytes, config.reserve_bytes, memory)
+        """The engine's one budget (none, fixed, or following free memory), made here once; the
+        store, made at the first save, holds it too."""
         self.counters = Counters()
         self.eligible = Eligibility(config.device, config.min_offload_bytes)
         self._link = link
         self._machine = machine
         self._store: Optional[Store] = None
         self._store_lock = threading.Lock()
-        self._planned = False
         self._local = _ThreadState()
         self._inside: set[int] = set()  # threads inside the engine now
         self._inside_lock = threading.Lock()
@@ -121,9 +103,7 @@ class Session:
     def _open_store(self, device: torch.device) -> Store:
         with self._store_lock:  # two threads saving their first tensor at once make one store
             if self._store is None:
-                store = Store(self.config, device, self.counters, link=self._link, memory=self._memory)
-                store.budget.set_planned(self._planned)
-                self._store = store
+                self._store = Store(self.config, device, self.counters, link=self._link, budget=self.budget)
         return self._store
 
     def _make_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
@@ -251,11 +231,8 @@ class Session:
 
     def set_planned(self, planned: bool) -> None:
         """A plan is in force this step (True) or the regions are being measured (False): the
-        store's budget (``Budget.set_planned``) evicts at the full budget or keeps its in-flight
-        window; the flag is kept here for a store not made yet (the budget is made with it)."""
-        self._planned = planned
-        if self._store is not None:
-            self._store.budget.set_planned(planned)
+        budget (``Budget.set_planned``) evicts at its full size or keeps its in-flight window."""
+        self.budget.set_planned(planned)
 
     def saved(self) -> Saved:
         """Bytes and tensors saved through the engine so far: regions measure themselves by the difference."""
@@ -273,9 +250,7 @@ class Session:
     def budget_in_force(self) -> Optional[int]:
         """The byte budget to plan against now: ``budget_mb``, or with "auto" the latest reading
         (None before the first eligible tensor was saved: nothing to budget yet)."""
-        if self._store is not None:
-            return self._store.budget.bytes
-        return self.config.budget_bytes
+        return self.budget.bytes
 
     def region_held(self, nbytes: int) -> None:
         """A recomputed or selective region holds ``nbytes`` itself now (its forward's saves as the

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ._budget import Budget, FollowFree, FreeMemory, default_free_memory
+from ._budget import Budget, FreeMemory, make_budget
 from ._config import Config
 from ._entry import CopyState, Entry, Handle, Residence, Tier
 from ._errors import OffloadError, inplace_error
@@ -81,15 +81,14 @@ class Store:
         counters: Counters,
         link: Optional[Link] = None,
         memory: Optional[FreeMemory] = None,
+        budget: Optional[Budget] = None,
     ) -> None:
         self.config = config
         self.device = device
         self.counters = counters
-        follow = None
-        if config.reserve_bytes is not None:  # budget_mb="auto"
-            follow = FollowFree(config.reserve_bytes, memory or default_free_memory(device))
-        self.budget = Budget(config.budget_bytes, follow)
-        self._follows = follow is not None
+        # The engine's one budget, made with its session; a store made alone (a test) makes its own.
+        self.budget = make_budget(config.budget_bytes, config.reserve_bytes, memory) if budget is None else budget
+        self.budget.bind(device)
         # A test's link may run the spill file's I/O on its own schedule (``offload._spill.Jobs``).
         self.spill = SpillFile(config.spill_dir, config.spill_workers, jobs=getattr(link, "spill_jobs", None))
         self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link)
@@ -101,13 +100,12 @@ class Store:
         self._lock = threading.Lock()
         self._dead: collections.deque = collections.deque()  # (entry, unseen) released while locked
         self.residency = Residency()
-        self._res = self.residency
-        self._flight = InFlight(self._res, self.tiers, counters)
+        self._flight = InFlight(self.residency, self.tiers, counters)
         self._seq = 0
         self._largest_new_bytes = 0
         """Bytes of the largest storage taken since ``take_largest`` last read it (regions measure
         their largest save by it: ``RegionProfile.largest_tensor_bytes``)."""
-        if follow is not None:
+        if self.budget.follows_free_memory:
             self.budget.read(0)
 
     def take_largest(self) -> int:
@@ -144,7 +142,7 @@ class Store:
     @property
     def resident_bytes(self) -> int:
         """Device bytes the engine holds now (see the invariants)."""
-        return self._res.resident_bytes + self._top.waiting_bytes
+        return self.residency.resident_bytes + self._top.waiting_bytes
 
     def gauges(self) -> Gauges:
         """What the store holds now, and the link's busy times (zeros without one)."""
@@ -155,8 +153,8 @@ class Store:
                 d2h_ms, h2d_ms, stall_ms = self.link.busy_ms()
         return Gauges(
             resident_bytes=self.resident_bytes,
-            peak_resident_bytes=self._res.peak_resident_bytes,
-            peak_over_budget_bytes=self._res.peak_over_budget_bytes,
+            peak_resident_bytes=self.residency.peak_resident_bytes,
+            peak_over_budget_bytes=self.residency.peak_over_budget_bytes,
             host_bytes=0 if host is None else host.arena.pinned_bytes,
             host_in_use_bytes=0 if host is None else host.in_use_bytes,
             spill_bytes=self._tier[_DISK].used_bytes,
@@ -168,8 +166,8 @@ class Store:
         )
 
     def reset_peak(self) -> None:
-        self._res.peak_resident_bytes = self.resident_bytes
-        self._res.peak_over_budget_bytes = 0
+        self.residency.peak_resident_bytes = self.resident_bytes
+        self.residency.peak_over_budget_bytes = 0
 
     def _batch(self):
         return self.link.batch() if self.link is not None else _NO_BATCH
@@ -183,7 +181,7 @@ class Store:
             storage = t.untyped_storage()
         key = storage._cdata
         version = t._version
-        res = self._res
+        res = self.residency
         lock = self._lock
         lock.acquire()
         try:
@@ -199,7 +197,7 @@ class Store:
                 self.counters.saved_bytes += nbytes
                 if nbytes > self._largest_new_bytes:
                     self._largest_new_bytes = nbytes
-                if self._follows:  # after counting it: it is allocated, not free
+                if self.budget.follows_free_memory:  # after counting it: it is allocated, not free
                     self._maybe_read_free(nbytes)
             elif e.users_left > 0:
                 e.users_left += 1  # a save during backward (double backward) is a user of this load too
@@ -230,7 +228,7 @@ class Store:
             lock.release()
 
     def _enforce_budget(self) -> None:
-        budget, evict_at, res = self.budget.bytes, self.budget.evict_at, self._res
+        budget, evict_at, res = self.budget.bytes, self.budget.evict_at, self.residency
         if budget is None:
             return
         assert evict_at is not None  # Budget.set_planned sets it whenever there is a budget
@@ -241,7 +239,7 @@ class Store:
     def _wait_leaving(self, excess: Callable[[], int]) -> None:
         """Wait for copies out to land, in order (one stream, or polled so), while ``excess()``
         bytes are still over the budget; the time goes to ``evict_wait_ms``."""
-        res = self._res
+        res = self.residency
         if excess() <= 0 or not res.leaving:
             return
         start = time.perf_counter()
@@ -281,10 +279,10 @@ class Store:
         with self._batch():
             self._flight.poll()
             self._maybe_read_free(0)
-            held = self._res.held
+            held = self.residency.held
             if held is not None and held is not e:
-                self._res.held = None
-                if self.budget.bytes is not None and self._res.resident_bytes > self.budget.bytes:
+                self.residency.held = None
+                if self.budget.bytes is not None and self.residency.resident_bytes > self.budget.bytes:
                     self._flight.drop_device(held)  # its next user is not next: it reads it again
             if e.residence is _LEAVING and e.users_left <= 0:
                 # its first user of this pass: the original serves, and stays when its copy lands
@@ -302,7 +300,7 @@ class Store:
             self._fit_fallen_budget(e)  # a reading since may have found the budget lower
             view = self._serve(e, h)
             self._drain_dead()
-        self._res.note_peak(self.budget.bytes, in_use=e if e.residence is _LEAVING else None)
+        self.residency.note_peak(self.budget.bytes, in_use=e if e.residence is _LEAVING else None)
         return view
 
     def _fit_fallen_budget(self, serving: Entry) -> None:
@@ -310,20 +308,20 @@ class Store:
         what is not moved yet goes, then the loads no user has read. ``serving``, in use, is not
         counted (the peak after the unpack does not count it either)."""
         budget = self.budget.bytes
-        if not self._follows or budget is None:
+        if not self.budget.follows_free_memory or budget is None:
             return
         own = serving.nbytes if serving.residence in (_LOADED, _LEAVING) else 0
         limit = budget + own  # a leaving original that lands in use stays LOADED: ``own`` holds throughout
-        if self._res.resident_bytes <= limit:
+        if self.residency.resident_bytes <= limit:
             return
         self._shed_unmoved(serving, limit)  # See Note: [a budget that falls in backward]
-        if self._res.resident_bytes > limit:
+        if self.residency.resident_bytes > limit:
             self._flight.give_back_loads(serving, limit)
 
     def _shed_unmoved(self, serving: Entry, limit: int) -> None:
         """Start moving the tensors not moved yet, oldest first, until what is leaving (``serving``
         aside) covers what is resident over ``limit``, then wait for them to land."""
-        res = self._res
+        res = self.residency
 
         def excess() -> int:
             return res.resident_bytes - limit
@@ -355,9 +353,9 @@ class Store:
             elif (
                 e.residence is _LOADED
                 and self.budget.bytes is not None
-                and self._res.resident_bytes > self.budget.bytes
+                and self.residency.resident_bytes > self.budget.bytes
             ):
-                self._res.held = e  # See Note: [held for the next user]
+                self.residency.held = e  # See Note: [held for the next user]
         return view
 
     # Note: [a budget that falls in backward]
@@ -398,7 +396,7 @@ class Store:
 
     def _prefetch(self, seq: int) -> None:
         """Start reloading the entries saved just before ``seq`` while they fit the budget in force."""
-        res = self._res
+        res = self.residency
         below = res.below
         # Latest landed first, as before; the entries at or after ``seq`` (those backward has
         # served) are passed over by ``filter`` in C, not one loop step each. Loads move nothing
@@ -431,7 +429,7 @@ class Store:
                 if e.residence is _HOT:  # the common case, kept short: nothing in flight, nothing to retire
                     e.refs -= 1  # _release_ref: a HOT entry has no load whose users to count down
                     if e.refs <= 0:
-                        self._res.release_hot(e)
+                        self.residency.release_hot(e)
                     if self._dead:
                         self._drain_dead()
                     return
@@ -463,12 +461,12 @@ class Store:
         if e.residence is _RELEASED:  # close() released it; its last handle died since
             return
         if e.residence is _HOT:  # the common case, kept short: only the original, nothing in flight
-            self._res.release_hot(e)
+            self.residency.release_hot(e)
             return
         self._flight.adopt_orphans(e)
         for tier, copy in e.copies.items():
             self._tier[tier].free(copy)
-        self._res.move(e, _RELEASED)
+        self.residency.move(e, _RELEASED)
         e.copies = {}
 
     # ------------------------------------------------------------------ engine-level
@@ -479,7 +477,7 @@ class Store:
             self._drain_dead()
             self._flight.wait_all()
             self._flight.poll()
-            for e in list(self._res.entries()):
+            for e in list(self.residency.entries()):
                 self._release(e)  # what a live handle still points at goes; its unpack raises
             if self.link is not None:
                 self.link.synchronize()

@@ -25,6 +25,7 @@ from offload._profiler import (
     SEARCH_BUCKET,
     SECOND_SHAPE_SPREAD,
     Measured,
+    Planning,
     Profiler,
     Stage,
 )
@@ -35,7 +36,7 @@ BATCH, WIDTH, REGIONS = 2, 64, 3
 
 
 class StandInSession:
-    """What the profiler asks of its session: the machine, the budget in force, the plan cache."""
+    """What the profiler is handed (``Planning``): the machine, the budget in force, the plan cache."""
 
     def __init__(self, budget_bytes: Optional[int]) -> None:
         self.budget_bytes = budget_bytes
@@ -87,7 +88,7 @@ def profiles(seq: int, stage: Stage, saved=per_token_bytes) -> tuple[RegionProfi
 def profiler(policy: str, budget_bytes: Optional[int]) -> tuple[Profiler, StandInSession]:
     session = StandInSession(budget_bytes)
     regions = [(f"blocks.{i}", torch.nn.Identity()) for i in range(REGIONS)]
-    return Profiler(regions, policy, session), session
+    return Profiler(regions, policy, Planning(session.budget_in_force, session.machine, session.plan_cache)), session
 
 
 def step(prof: Profiler, seq: int, saved=per_token_bytes) -> Optional[Stage]:
