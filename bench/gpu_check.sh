@@ -183,7 +183,7 @@ mapfile -t CUDA_TEST_FILES < <(grep -l 'mark\.cuda' tests/test_*.py)
 run_part tests "$TESTS_LIMIT_S" tests.xml -- env OFFLOAD_TEST_DEADLINE=$(($(date +%s) + TESTS_DEADLINE_S)) \
     "$PY" -m pytest -q -m cuda "${CUDA_TEST_FILES[@]}" -p no:cacheprovider --junitxml "$OUT/tests.xml"
 # The sanitizer sees stream waits, not Event.query(): under it the engine waits at every use
-# (OFFLOAD_ALWAYS_WAIT, on by itself under TORCH_CUDA_SANITIZER; see offload/_transfer.py).
+# (OFFLOAD_ALWAYS_WAIT, on by itself under TORCH_CUDA_SANITIZER; see offload/_memory/transfer.py).
 run_part sanitizer "$SANITIZER_LIMIT_S" sanitizer.xml -- env TORCH_CUDA_SANITIZER=1 OFFLOAD_ALWAYS_WAIT=1 \
     OFFLOAD_TEST_DEADLINE=$(($(date +%s) + SANITIZER_DEADLINE_S)) \
     "$PY" -m pytest -q -m cuda "${CUDA_TEST_FILES[@]}" -k "$SANITIZER_SELECT" -p no:cacheprovider \

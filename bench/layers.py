@@ -16,7 +16,7 @@ Each runner collects one result per case ({kind: median ms, "transfer_ms", "fact
 rewrites the JSON after each case (``"finished": false`` until the last); ``--time-limit-s``
 skips the cases that would end past it (judged by the longest so far) and says which; SIGINT
 stops it with every finished case written. On CUDA the cases' engines share one pool of pinned
-slabs (``offload._arena.PinnedSlabs``) instead of pinning and unpinning their own.
+slabs (``offload._memory.arena.PinnedSlabs``) instead of pinning and unpinning their own.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
 import offload  # noqa: E402
-from offload._arena import PinnedSlabs  # noqa: E402
-from offload._transfer import CudaLink  # noqa: E402
+from offload._memory.arena import PinnedSlabs  # noqa: E402
+from offload._memory.transfer import CudaLink  # noqa: E402
 from offload.bench import measure  # noqa: E402
 from offload.bench.config import MB  # noqa: E402
 from offload.models.gpt import Block, CausalSelfAttention, GPTConfig, SwiGLU  # noqa: E402

@@ -40,9 +40,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
 import offload  # noqa: E402
-from offload._arena import PinnedSlabs  # noqa: E402
-from offload._pagecache import cached_bytes_under  # noqa: E402
-from offload._transfer import CudaLink  # noqa: E402
+from offload._memory.arena import PinnedSlabs  # noqa: E402
+from offload._memory.pagecache import cached_bytes_under  # noqa: E402
+from offload._memory.transfer import CudaLink  # noqa: E402
 from offload.bench import measure  # noqa: E402
 from offload.bench.config import MB, REFERENCE, RunSettings  # noqa: E402
 from offload.bench.loop import Trainer  # noqa: E402
@@ -142,7 +142,7 @@ def chain_stats(x: torch.Tensor, length: int, engine):
 
 
 class _Done:
-    """A copy that has already landed (``offload._pending.Pending``, duck-typed so either package takes it)."""
+    """A copy that has already landed (``offload._memory.pending.Pending``, duck-typed so either package takes it)."""
 
     blocks_host = False
 
@@ -162,7 +162,7 @@ class _Done:
 class CopyingLink:
     """A link to host memory on the CPU whose copies are synchronous ``copy_`` calls, timed: it runs
     the engine's host tier (evict, land, reload, rebuild) with no disk and no thread, so the time
-    a moving engine takes less ``copy_s`` is the engine's own work. ``offload._transfer.Link``."""
+    a moving engine takes less ``copy_s`` is the engine's own work. ``offload._memory.transfer.Link``."""
 
     def __init__(self) -> None:
         self.copy_s = 0.0

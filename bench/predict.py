@@ -54,10 +54,10 @@ import torch.utils.checkpoint  # noqa: E402
 import gpu_summary  # noqa: E402
 import offload  # noqa: E402
 from hf_models import tiny_llama  # noqa: E402
-from offload._machines import MACHINES, Machine  # noqa: E402
-from offload._planner import Plan  # noqa: E402
-from offload._policy import make_plan  # noqa: E402
-from offload._predict import POLICIES, WITHOUT_ENGINE, held_bytes, measure_machine, predict  # noqa: E402
+from offload._plan.planner import Plan  # noqa: E402
+from offload._plan.policy import make_plan  # noqa: E402
+from offload._predict.machines import MACHINES, Machine  # noqa: E402
+from offload._predict.predict import POLICIES, WITHOUT_ENGINE, held_bytes, measure_machine, predict  # noqa: E402
 from offload.bench.config import Kind, parse_variant  # noqa: E402
 from offload.bench.measure import describe_machine, environment, set_threads, table, write_json, write_text  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402

@@ -17,9 +17,9 @@ Calibration (``--calibrate``): the compute efficiency of each GPU (``Assumptions
 is fitted on the calibration half only: the runs at the shorter sequence of each model, so that
 the geometric mean of predicted / published over them is 1. The other half, the longer sequences,
 is the check: reported apart, never fitted to. Without ``--calibrate`` the machines'
-committed figures are used (``offload/_machines.py``, fitted by this script).
+committed figures are used (``offload/_predict/machines.py``, fitted by this script).
 
-What the published steps hold that the prediction does not (``offload._prediction.EXCLUDES``):
+What the published steps hold that the prediction does not (``offload._predict.prediction.EXCLUDES``):
 FSDP's communication (8 GPUs, one node) and the optimizer step (amortized over the gradient
 accumulation). The calibration absorbs their average; a run where either is exposed more than
 on average lands slower than predicted.
@@ -33,7 +33,7 @@ difference is named. With fused attention the sequence-squared term is gone by c
 
 Host cost. The planner charges a selective region ``Assumptions.dispatch_overhead_us`` per op
 under its dispatch modes; this script times it on the CPU it runs on
-(``_predict_machine._dispatch_overhead_us``, three times) and records it beside the runs.
+(``_predict.this_cpu._dispatch_overhead_us``, three times) and records it beside the runs.
 
 Prints a table per part, writes ``predict-published.md`` and ``.json`` under ``--out``, and ends
 with one JSON line.
@@ -61,10 +61,10 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-from offload._machines import Machine, get_machine  # noqa: E402
-from offload._predict import predict  # noqa: E402
-from offload._predict_machine import _dispatch_overhead_us  # noqa: E402
-from offload._predict_step import _AsTarget  # noqa: E402
+from offload._predict.fake_step import _AsTarget  # noqa: E402
+from offload._predict.machines import Machine, get_machine  # noqa: E402
+from offload._predict.predict import predict  # noqa: E402
+from offload._predict.this_cpu import _dispatch_overhead_us  # noqa: E402
 
 SOURCE = (
     "https://github.com/mosaicml/llm-foundry/blob/061f2c7ce64e655100286584a7629e2a09f827ba/scripts/train/"
@@ -361,7 +361,7 @@ def _markdown(record: dict[str, Any], machines: dict[str, Machine]) -> str:
         "Calibration: each GPU's compute efficiency (`flops_fraction`) fitted on the calibration half only (the "
         "shorter sequence of each model), so that the geometric mean of predicted / published over it is 1: "
         + ", ".join(f"{gpu} {m.assumptions.flops_fraction}" for gpu, m in machines.items())
-        + " (`offload/_machines.py`). The check half (the longer sequence of each model) was never fitted to.",
+        + " (`offload/_predict/machines.py`). The check half (the longer sequence of each model) was never fitted to.",
         "",
     ]
     for part in ("calibration", "check"):
@@ -452,7 +452,7 @@ def _markdown(record: dict[str, Any], machines: dict[str, Machine]) -> str:
         "",
         "## Host cost of a selective region's dispatch modes",
         "",
-        f"`_predict_machine._dispatch_overhead_us()` on this CPU, three runs: "
+        f"`_predict.this_cpu._dispatch_overhead_us()` on this CPU, three runs: "
         f"{', '.join(str(x) for x in summary['dispatch_overhead_us_measured_here'])} us an op "
         "(`Assumptions.dispatch_overhead_us` assumes 5).",
         "",

@@ -71,7 +71,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import offload  # noqa: E402
 from hf_models import cpu_trainer_args, tiny_llama  # noqa: E402
-from offload._fit import (  # noqa: E402
+from offload._plan.fit import (  # noqa: E402
     BYTE_BASES,
     BYTE_TOLERANCE,
     TIME_BASES,
@@ -79,7 +79,7 @@ from offload._fit import (  # noqa: E402
     FieldFit,
     Shape,
 )
-from offload._selective import flop_formula  # noqa: E402
+from offload._regions.selective import flop_formula  # noqa: E402
 from offload.bench.measure import check_out, environment, median, out_dir, table, write_json  # noqa: E402
 from offload.bench.padding import Ragged, pad_to_longest  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402

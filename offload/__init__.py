@@ -12,14 +12,14 @@ on its first steps and keeps, offloads or recomputes it, whichever is cheapest u
 from ._cost import MachineProfile, RegionProfile
 from ._engine import Engine, engine, explain
 from ._errors import OffloadError
-from ._hooks import no_offload
-from ._planner import Decision, Plan
-from ._policy import Policy, register_policy
-from ._policy import policy_names as policies
-from ._predict import OptimizerState, Prediction, predict
-from ._probe import probe
-from ._recompute import checkpoint
-from ._sharded import sharded
+from ._memory.hooks import no_offload
+from ._memory.probe import probe
+from ._memory.sharded import sharded
+from ._plan.planner import Decision, Plan
+from ._plan.policy import Policy, register_policy
+from ._plan.policy import policy_names as policies
+from ._predict.predict import OptimizerState, Prediction, predict
+from ._regions.recompute import checkpoint
 from ._stats import Stats
 from ._version import __version__ as __version__
 

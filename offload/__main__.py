@@ -24,10 +24,10 @@ import torch
 
 from ._cost import MB, MachineProfile, spill_where
 from ._errors import OffloadError
-from ._machines import Assumptions, get_machine, machine_names
-from ._predict import POLICIES, Attention, OptimizerState, Prediction, predict, write_plot
-from ._predict_state import DTYPES
-from ._probe import Figures, Source, probe, probe_report
+from ._memory.probe import Figures, Source, probe, probe_report
+from ._predict.machines import Assumptions, get_machine, machine_names
+from ._predict.predict import POLICIES, Attention, OptimizerState, Prediction, predict, write_plot
+from ._predict.train_state import DTYPES
 from .models import GPTConfig, MiniGPT
 
 _EXIT_OK = 0

@@ -17,7 +17,7 @@ import torch
 
 from ._budget import DEFAULT_RESERVE_MB
 from ._cost import MB
-from ._policy import get_policy, policy_names
+from ._plan.policy import get_policy, policy_names
 
 __all__ = ["Config", "devices_here", "parse_device"]
 
@@ -143,7 +143,7 @@ def _check_spill_dir(spill_dir: object) -> Optional[Path]:
     path = Path(spill_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise ValueError(f"spill_dir {str(path)!r} exists and is not a directory; pass a directory path")
-    # A missing spill_dir is made by the first spill and removed at close (``_spill``), so nothing
+    # A missing spill_dir is made by the first spill and removed at close (``_memory.spill``), so nothing
     # is made here: checking the settings leaves the disk as it was. Its nearest existing
     # ancestor must let this process make it.
     existing = next(p for p in (path, *path.parents) if p.exists())
@@ -205,7 +205,7 @@ class Config:
     spill_workers: int = DEFAULT_SPILL_WORKERS
     """Threads doing spill-file writes and reads."""
     plan_cache: Optional[Path] = None
-    """A JSON file where final region plans are kept across restarts (``offload._plan_cache``):
+    """A JSON file where final region plans are kept across restarts (``offload._plan.cache``):
     a restarted job with the same model, shapes, budget, policy, torch and machine runs its first
     step under the saved plan, without profiling. None: plans live as long as the engine."""
     policy: str = "offload"

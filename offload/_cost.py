@@ -60,7 +60,7 @@ class MachineProfile:
     ``offload.probe()`` reads it at the time of the call: the whole cores of the process's CPU
     affinity (physical cores where the host has hardware threads; no more than a cgroup CPU quota)
     less ``torch.get_num_threads()``. Ignored on CUDA, where a copy engine moves the bytes. As on
-    CUDA, copies in flight count against the budget (``_planner``'s timeline)."""
+    CUDA, copies in flight count against the budget (``_plan.planner``'s timeline)."""
 
     def without_host_costs(self) -> MachineProfile:
         """This profile with the engine's host costs (``held_tensor_overhead_us``,
@@ -89,7 +89,7 @@ class Scope(enum.Enum):
     BEFORE = "before"
     """The saves before the first region and between regions (an embedding's, a residual's): the
     engine cannot act on them as a unit, so the store keeps them while the budget has room and
-    moves them first when it has not (``_planner.as_stored``); no policy decides them."""
+    moves them first when it has not (``_plan.planner.as_stored``); no policy decides them."""
     AFTER = "after"
     """The saves after the last region until backward (an LM head's logits and its loss): kept or
     moved as they are saved; there is no module to re-run."""
@@ -112,7 +112,7 @@ class RegionProfile:
     largest_tensor_bytes: int = 0
     """Bytes of the largest storage it saves. The store moves whole tensors, so the room a budget
     leaves for copies in flight holds only as many of these as fit in it: room for fewer than two
-    and the reads of an offloaded region wait on backward one at a time (``_planner``). 0: not
+    and the reads of an offloaded region wait on backward one at a time (``_plan.planner``). 0: not
     measured; the planner then takes the room as bytes (any split of it)."""
     forward_dispatches: int = 0
     """Ops its forward dispatches, views and detaches included: a selective run pays
@@ -142,7 +142,7 @@ class RegionProfile:
     forward_flops: int = 0
     """FLOPs of its forward's matmuls, attention and convolutions (torch's flop counter, on a step
     that re-ran it to measure a selective run). The planner does not read it; the fits of times
-    across shapes do (``_fit``): times follow FLOPs. 0: not counted."""
+    across shapes do (``_plan.fit``): times follow FLOPs. 0: not counted."""
     note: str = ""
     """Why the region cannot run selectively ("" where it can or nobody tried), for ``explain()``."""
     scope: Scope = Scope.REGION

@@ -2,7 +2,7 @@
 
 Owns the user-facing lifecycle: validating the configuration, installing the hooks (context
 manager or decorator), the regions, stats and cleanup. What runs underneath is the session
-(``_session``: the store, the counters, the hook state); where tensors live is the store's.
+(``_memory.session``: the store, the counters, the hook state); where tensors live is the store's.
 
     eng = offload.engine(budget_mb=512)
     for batch in data:
@@ -29,16 +29,16 @@ from ._attach import attach
 from ._budget import FreeMemory
 from ._config import Config
 from ._cost import MB, MachineProfile
+from ._memory.probe import machine_key, probe
+from ._memory.session import Session
+from ._memory.sharded import Sharding, sharding_for
+from ._memory.transfer import Link
 from ._observe import Observers
-from ._plan_cache import PlanCache
-from ._planner import Decision, Plan
-from ._policy import get_policy
-from ._probe import machine_key, probe
-from ._regions import AUTO, NoRegions, Regions, RegionsArg, refuse_foreign, resolve_regions
-from ._session import Session
-from ._sharded import Sharding, sharding_for
+from ._plan.cache import PlanCache
+from ._plan.planner import Decision, Plan
+from ._plan.policy import get_policy
+from ._regions.regions import AUTO, NoRegions, Regions, RegionsArg, refuse_foreign, resolve_regions
 from ._stats import Gauges, Stats
-from ._transfer import Link
 
 __all__ = ["Engine", "check_keywords", "engine", "engine_keywords", "explain"]
 
@@ -148,7 +148,7 @@ class Engine:
         self._regions.rewrap_compiled()  # a block.compile() since the last step
         outermost = not self._session.active()
         if outermost and self._regions.present:
-            with self._entering:  # See Note: [one forward at a time] (in ``_regions``)
+            with self._entering:  # See Note: [one forward at a time] (in ``_regions.regions``)
                 self._regions.refuse_another_thread()
                 self._session.enter()
         else:
@@ -236,7 +236,7 @@ class Engine:
     @property
     def profiling(self) -> bool:
         """True while the regions are still being measured for the latest input shapes: the next
-        step will be a profiling step (see ``offload._regions``), not one that follows a final
+        step will be a profiling step (see ``offload._regions.regions``), not one that follows a final
         plan. Benchmarks warm up until this is False. Always False without regions or with a
         policy that measures nothing ("none", "recompute")."""
         return self._regions.profiling()
@@ -250,7 +250,7 @@ class Engine:
     @property
     def profiled_steps(self) -> tuple:
         """A debug view: what each recent profiling step measured, oldest first
-        (``offload._regions.ProfiledStep``: stage, input signature, region profiles, span)."""
+        (``offload._regions.regions.ProfiledStep``: stage, input signature, region profiles, span)."""
         return tuple(self._regions.profiled)
 
     @property
@@ -261,7 +261,7 @@ class Engine:
     @property
     def plans(self) -> dict:
         """The plans held, keyed by the first region's input signature: the latest ``MAX_PLANS``
-        per input family (``offload._profiler``), measured or derived from a fit, each read at
+        per input family (``offload._plan.profiler``), measured or derived from a fit, each read at
         the pace of the latest steps under plans (``Plan.pace``)."""
         return dict(self._regions.plans)
 
@@ -355,12 +355,12 @@ def engine(
             it too, except buffers: pass the model when it has large buffers).
         regions: the units the policy decides on: ``"auto"`` (the model's repeated blocks: the
             block classes a Hugging Face model names, else the largest stack of one module type;
-            see ``offload._blocks``), an iterable of modules (``model.blocks``), or a filter
+            see ``offload._regions.blocks``), an iterable of modules (``model.blocks``), or a filter
             ``(module, qualified_name) -> bool``. "auto" and a filter search ``model=`` (or the
             module the engine decorates).
         machine: a ``MachineProfile`` to plan with instead of measuring this machine with
             ``offload.probe()`` (measured once, then cached on disk).
-        link: the transport between the device and host memory (``offload._transfer.Link``).
+        link: the transport between the device and host memory (``offload._memory.transfer.Link``).
             None: CUDA side streams on a CUDA device; on the CPU none, and tensors go to disk.
             A test passes its own to run the host tier on the CPU.
         memory: with ``budget_mb="auto"``, how free memory is read: a callable returning the
@@ -369,7 +369,7 @@ def engine(
         shared_inputs: a ``torch.distributed`` process group whose ranks all run these regions
             on the same inputs (tensor parallelism without sequence parallelism), with
             ``policy="recompute"``: the regions' inputs keep 1/N of their bytes per rank and are
-            all-gathered in backward (``offload.sharded`` declares any other saves; see ``offload._sharded``).
+            all-gathered in backward (``offload.sharded`` declares any other saves; see ``offload._memory.sharded``).
         **options: the engine's settings, each documented on ``offload._config.Config``:
             ``reserve_mb`` (with ``budget_mb="auto"``: MB to keep free on the device),
             ``spill_dir`` (where the spill file goes; None: a private temporary directory),
@@ -380,7 +380,7 @@ def engine(
             "offload" (the default without regions), "recompute", "selective", "auto" (the default
             with regions); "recompute", "selective" and "auto" need ``regions=``),
             ``plan_cache`` (with regions: a JSON file keeping final plans across restarts, so a
-            restarted job does not profile again; see ``offload._plan_cache``).
+            restarted job does not profile again; see ``offload._plan.cache``).
     """
     check_keywords(options)
     config = Config.from_user(budget_mb, has_regions=regions is not None, **options)

@@ -2,9 +2,9 @@
 
 Needs the ``metrics`` extra (``pip install offload[metrics]``, i.e. prometheus-client), imported
 only when an exporter is made. What is exported and how the engine's counting window is handled
-is described in ``offload._metrics``.
+is described in ``offload.integrations.prometheus``.
 """
 
-from ._metrics import WAIT_BUCKETS_S, PrometheusExporter, export_prometheus
+from .integrations.prometheus import WAIT_BUCKETS_S, PrometheusExporter, export_prometheus
 
 __all__ = ["PrometheusExporter", "WAIT_BUCKETS_S", "export_prometheus"]

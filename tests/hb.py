@@ -1,6 +1,6 @@
 """A happens-before race detector for the engine's stream protocol, on the CPU (test-only).
 
-``EmulatedStreams`` plays ``offload._transfer.Streams`` (CUDA streams, events, the caching
+``EmulatedStreams`` plays ``offload._memory.transfer.Streams`` (CUDA streams, events, the caching
 allocator) and the spill file's ``Jobs``, so ``CudaLink`` and the store run unchanged over them
 (``EmulatedCudaLink``). Nothing runs concurrently: streams and spill jobs are simulated on the
 test's thread and their work runs when a schedule says, so a seed replays exactly. What finds a
@@ -62,8 +62,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import offload._tiers
-from offload._transfer import CudaLink
+import offload._memory.tiers
+from offload._memory.transfer import CudaLink
 
 POISON = 0xFF
 """What a racing copy or write, or a released host block, holds instead of data."""
@@ -309,7 +309,7 @@ class _JobFuture(concurrent.futures.Future):
 
 
 class SpillJobs:
-    """``offload._spill.Jobs`` as simulated agents (See the module docstring)."""
+    """``offload._memory.spill.Jobs`` as simulated agents (See the module docstring)."""
 
     def __init__(self, sim: EmulatedStreams) -> None:
         self.sim = sim
@@ -338,7 +338,7 @@ class _HostOps(TorchDispatchMode):
         return out
 
 
-HOST_ALLOC = offload._tiers.HostTier.alloc.__code__
+HOST_ALLOC = offload._memory.tiers.HostTier.alloc.__code__
 """Where the host tier falls back to pageable memory (its arena full): an allocation made there
 directly, not through the arena's slabs, is pageable."""
 
@@ -352,7 +352,7 @@ def _called_from(code) -> bool:
 
 
 class EmulatedStreams:
-    """``offload._transfer.Streams`` and the spill file's ``Jobs`` on the CPU, watched for races
+    """``offload._memory.transfer.Streams`` and the spill file's ``Jobs`` on the CPU, watched for races
     (See the module docstring). ``side_delay_s`` fixes the virtual duration of each item on a side
     stream; ``fills_new_memory``: ``empty`` queues a 0xFF fill on the current stream, as
     ``torch.empty`` does under deterministic algorithms with ``fill_uninitialized_memory``.

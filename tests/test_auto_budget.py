@@ -28,10 +28,10 @@ from offload._budget import (
 )
 from offload._config import Config
 from offload._cost import MB
-from offload._entry import Residence, Tier
-from offload._pending import FromFuture
+from offload._memory.entry import Residence, Tier
+from offload._memory.pending import FromFuture
+from offload._memory.store import Store
 from offload._stats import Counters
-from offload._store import Store
 
 LAYERS = 12
 WIDTH = 256

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import offload
-from offload._blocks import find_blocks
+from offload._regions.blocks import find_blocks
 from test_regions import CONFIG, LR, MACHINE, SEED, assert_same_history, batch, make_model, train
 from zoo import ResBlock, cnn, mlp
 

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 import offload
-import offload._arena
-import offload._entry
-import offload._transfer
-from offload._transfer import CudaLink
+import offload._memory.arena
+import offload._memory.entry
+import offload._memory.transfer
+from offload._memory.transfer import CudaLink
 from zoo import MB, wait_clean
 
 pytestmark = [
@@ -270,7 +270,9 @@ def test_delayed_streams_and_reused_memory(budget, prefetch, slow_link, host_bud
 
 def _without_wait_at_use(monkeypatch) -> None:
     """The guard removed: the compute stream does not wait for a reload's event before using it."""
-    monkeypatch.setattr(offload._transfer.CudaLink, "wait_on_compute", lambda self, event: self.streams.current())
+    monkeypatch.setattr(
+        offload._memory.transfer.CudaLink, "wait_on_compute", lambda self, event: self.streams.current()
+    )
 
 
 def _without_fence(monkeypatch) -> None:
@@ -283,14 +285,14 @@ def _without_fence(monkeypatch) -> None:
         self._start = None
         return self.stream
 
-    monkeypatch.setattr(offload._transfer._Direction, "enter", enter)
+    monkeypatch.setattr(offload._memory.transfer._Direction, "enter", enter)
 
 
 def _without_keep_alive(monkeypatch) -> None:
     """The guard removed: a copy in flight does not keep its source (See Note: [keep-alive until
     the copy event]), so a host block can go back to the arena, and be filled by a read back from
     disk, while the (delayed) h2d copying from it is still queued."""
-    monkeypatch.setattr(offload._entry.Copy, "add_reader", lambda self, pending: None)
+    monkeypatch.setattr(offload._memory.entry.Copy, "add_reader", lambda self, pending: None)
 
 
 @pytest.mark.parametrize(
@@ -353,9 +355,9 @@ def test_forward_on_two_streams_records_reloads_used_on_the_other(spill_dir, mon
     record_stream branch runs (See Note: [a reload used on another stream]); the gradients are
     bitwise those without the engine."""
     recorded = []
-    real = offload._transfer.CudaStreams.record_stream
+    real = offload._memory.transfer.CudaStreams.record_stream
     monkeypatch.setattr(
-        offload._transfer.CudaStreams, "record_stream", lambda self, t, s: recorded.append(s) or real(self, t, s)
+        offload._memory.transfer.CudaStreams, "record_stream", lambda self, t, s: recorded.append(s) or real(self, t, s)
     )
     torch.manual_seed(0)
     user = torch.cuda.Stream()
@@ -379,7 +381,7 @@ def test_pinned_bytes_held_are_the_bytes_counted(spill_dir):
     """host_bytes is what is really pinned (the caching host allocator's own count agrees), it
     never passes host_budget_mb, and close() gives exactly that back."""
     torch.cuda.synchronize()
-    offload._arena._empty_host_cache()  # what other tests left cached is not counted against us
+    offload._memory.arena._empty_host_cache()  # what other tests left cached is not counted against us
     before = _pinned_bytes()
     model = chain(depth=8, width=1024)
     x = torch.randn(1024, 1024, device="cuda")

@@ -13,7 +13,7 @@ may free up). ``spilled_bytes`` and ``offloaded_bytes`` count only writes that l
 
 The disk tier is one spill file per engine, opened at the first spill and written and read through
 its descriptor (``pwrite``/``preadv`` on worker threads). Faults are injected without touching the
-real filesystem's state where possible: ``FaultyOS`` stands in for ``os`` inside ``offload._spill``
+real filesystem's state where possible: ``FaultyOS`` stands in for ``os`` inside ``offload._memory.spill``
 only, so pytest's own I/O is untouched. The host tier runs on the CPU over the stand-in links of
 ``tests/links.py``, both of them: ``DeferredLink`` (copies land when polled) and ``ThreadedLink``
 (copies land on a thread, and a source let go too early is poisoned).
@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 import offload
-import offload._arena
-import offload._spill
+import offload._memory.arena
+import offload._memory.spill
 from links import DeferredLink, link_named
 from zoo import MB, assert_same, files_under, run_step, wait_clean
 
@@ -71,7 +71,7 @@ def chain_step(eng=None, model=None):
 
 
 class FaultyOS:
-    """Stands in for ``os`` inside ``offload._spill``: writes, opens and reads fail on demand."""
+    """Stands in for ``os`` inside ``offload._memory.spill``: writes, opens and reads fail on demand."""
 
     def __init__(self) -> None:
         self.writes_ok = None
@@ -124,7 +124,7 @@ class FaultyOS:
 @pytest.fixture
 def faulty(monkeypatch):
     fake = FaultyOS()
-    monkeypatch.setattr(offload._spill, "os", fake)
+    monkeypatch.setattr(offload._memory.spill, "os", fake)
     return fake
 
 
@@ -134,7 +134,7 @@ class SpillWrites:
     race a write still in flight (a late write would extend a truncated file again)."""
 
     def __init__(self, monkeypatch) -> None:
-        real = offload._spill.SpillFile.write
+        real = offload._memory.spill.SpillFile.write
         self.pendings: list = []
 
         def write(spill, data):
@@ -142,7 +142,7 @@ class SpillWrites:
             self.pendings.append(pending)
             return extent, pending
 
-        monkeypatch.setattr(offload._spill.SpillFile, "write", write)
+        monkeypatch.setattr(offload._memory.spill.SpillFile, "write", write)
 
     @property
     def started(self) -> int:
@@ -203,7 +203,7 @@ def test_disk_full_keeps_tensors_in_memory(writes_ok, partial, budget_tensors, f
         stats = wait_clean(eng, spill_dir)
         assert stats.spilled_bytes == stats.offloaded_bytes == 0
         assert faulty.writes > tries, "later evictions try the disk again"
-        messages = warnings_from(caplog, "offload._store")
+        messages = warnings_from(caplog, "offload._memory.store")
         assert len(messages) == 1, messages
         assert "spill" in messages[0] and os.strerror(errno.ENOSPC) in messages[0]
 
@@ -212,7 +212,7 @@ def test_disk_full_keeps_tensors_in_memory(writes_ok, partial, budget_tensors, f
         assert_same(ref, chain_step(eng), "disk freed")
         stats = wait_clean(eng, spill_dir)
         assert stats.spilled_bytes > 0 and stats.peak_resident_bytes <= eng.config.budget_bytes
-        assert len(warnings_from(caplog, "offload._store")) == 1, "still one warning"
+        assert len(warnings_from(caplog, "offload._memory.store")) == 1, "still one warning"
     assert len(faulty.created) == 1, "one spill file for the engine's life, whatever failed"
     eng.close()
     assert list(spill_dir.iterdir()) == []
@@ -223,7 +223,7 @@ class _LastWriteFailsLate:
     ``TanhChain(depth)`` at a 2.5-tensor budget) waits for ``gate`` and then fails with ENOSPC."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, depth: int) -> None:
-        self.real_write, self.depth = offload._spill._File.write, depth
+        self.real_write, self.depth = offload._memory.spill._File.write, depth
         self.gate = threading.Event()
         self.started: list = []
         self.gated_done: list = []
@@ -232,7 +232,7 @@ class _LastWriteFailsLate:
         def write(file, extent, data):  # a plain function: the class binds ``file`` as self
             return gated._write(file, extent, data)
 
-        monkeypatch.setattr(offload._spill._File, "write", write)
+        monkeypatch.setattr(offload._memory.spill._File, "write", write)
 
     def _write(self, file, extent, data):
         self.started.append(extent)
@@ -320,7 +320,7 @@ def test_open_refused_keeps_tensors_in_memory_until_writable(faulty, spill_dir, 
     assert stats.spill_files == 0 and list(spill_dir.iterdir()) == [], "a directory without its file is not kept"
     assert stats.peak_resident_bytes > 0
     assert len(faulty.created) >= 2 * DEPTH, "every eviction tried to create the file again"
-    messages = warnings_from(caplog, "offload._store")
+    messages = warnings_from(caplog, "offload._memory.store")
     assert len(messages) == 1 and "spill" in messages[0] and os.strerror(errno.EACCES) in messages[0], messages
     faulty.open_error = None
     eng.reset_stats()
@@ -363,13 +363,13 @@ def test_remove_refused_at_close_warns_and_leaves_no_data(spill_dir, caplog, mon
             _refuse_removal(m)
             eng.close()
     assert eng.stats.spill_files == 0 and eng.stats.spill_bytes == 0
-    messages = warnings_from(caplog, "offload._spill")
+    messages = warnings_from(caplog, "offload._memory.spill")
     assert len(messages) == 1, messages
     assert private in messages[0] and os.strerror(errno.EACCES) in messages[0], messages
     assert files_under(spill_dir) == [path] and os.path.getsize(path) == 0, "no tensor bytes stay on disk"
     assert not [fd for fd in os.listdir("/proc/self/fd") if _points_into(fd, private)], "the descriptor is closed"
     eng.close()  # idempotent: nothing more to say
-    assert len(warnings_from(caplog, "offload._spill")) == 1
+    assert len(warnings_from(caplog, "offload._memory.spill")) == 1
     shutil.rmtree(private)
 
 
@@ -404,10 +404,10 @@ def test_chmod_unwritable_mid_run(spill_dir, caplog):
             assert_same(ref, chain_step(eng, model), "unwritable directory")
             stats = wait_clean(eng, spill_dir)
             assert stats.spilled_bytes == DEPTH * NBYTES, "the open file takes the writes"
-            assert warnings_from(caplog, "offload._store") == []
+            assert warnings_from(caplog, "offload._memory.store") == []
             eng.close()
         assert os.path.getsize(path) == 0, "close() emptied the file it could not remove"
-        assert any(private in m for m in warnings_from(caplog, "offload._spill"))
+        assert any(private in m for m in warnings_from(caplog, "offload._memory.spill"))
     finally:
         os.chmod(private, 0o700)
     shutil.rmtree(private, ignore_errors=True)
@@ -467,7 +467,7 @@ def test_spill_parent_removed_keeps_tensors_in_memory_until_it_returns(spill_dir
         stats = wait_clean(eng)
         assert stats.spilled_bytes == stats.offloaded_bytes == 0 and stats.spill_files == 0
         assert stats.peak_resident_bytes > 0
-        messages = warnings_from(caplog, "offload._store")
+        messages = warnings_from(caplog, "offload._memory.store")
         assert len(messages) == 1 and "spill" in messages[0] and os.strerror(errno.ENOTDIR) in messages[0], messages
         spill_dir.unlink()
         spill_dir.mkdir()
@@ -628,7 +628,7 @@ def test_host_tier_disk_full_keeps_host_copies(link, faulty, spill_dir, caplog):
         assert stats.spilled_bytes == 2 * ACT_BYTES, "only the writes that landed"
         assert stats.peak_resident_bytes > 3 * ACT_BYTES, "the newest tensors stayed on the device"
         assert stats.host_bytes <= 2 * ACT_BYTES
-        messages = warnings_from(caplog, "offload._store")
+        messages = warnings_from(caplog, "offload._memory.store")
         failed = [m for m in messages if "spill" in m and os.strerror(errno.ENOSPC) in m]
         assert len(failed) == 1 and len(set(messages)) == len(messages), "each cause said once"
         faulty.writes_ok = None
@@ -677,7 +677,7 @@ class _WritesFailWhenLetGo:
             failing.gate.wait(GATE_TIMEOUT_S)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        monkeypatch.setattr(offload._spill._File, "write", write)
+        monkeypatch.setattr(offload._memory.spill._File, "write", write)
 
 
 def test_a_demotion_failing_after_its_tensor_died_is_not_counted(monkeypatch, spill_dir):
@@ -709,7 +709,7 @@ def test_a_demotion_failing_after_its_tensor_died_is_not_counted(monkeypatch, sp
 
 
 class _NoPinning:
-    """Stands in for ``torch`` inside ``offload._arena``: slab allocations fail after ``ok`` of them,
+    """Stands in for ``torch`` inside ``offload._memory.arena``: slab allocations fail after ``ok`` of them,
     as ``torch.empty(pin_memory=True)`` does at the locked-memory limit."""
 
     def __init__(self, ok: int) -> None:
@@ -737,7 +737,7 @@ def test_pinning_fails_after_two_slabs_spills_the_oldest(link, monkeypatch, spil
     model = _mlp()
     ref = _host_step(model)
     no_pinning = _NoPinning(2)
-    monkeypatch.setattr(offload._arena, "torch", no_pinning)
+    monkeypatch.setattr(offload._memory.arena, "torch", no_pinning)
     eng = _host_engine(link, 3 * ACT_MB, host_budget_mb=4 * ACT_MB, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, _host_step(model, eng), "pinning refused")
@@ -750,9 +750,9 @@ def test_pinning_fails_after_two_slabs_spills_the_oldest(link, monkeypatch, spil
         assert_same(ref, _host_step(model, eng), "pinning refused, second step")
         stats = _host_clean(eng, spill_dir)
         assert stats.spilled_bytes > 0 and 0 < stats.reloaded_bytes <= stats.offloaded_bytes
-    messages = warnings_from(caplog, "offload._arena")
+    messages = warnings_from(caplog, "offload._memory.arena")
     assert len(messages) == 1 and "pinning" in messages[0], messages
-    assert warnings_from(caplog, "offload._store") == []
+    assert warnings_from(caplog, "offload._memory.store") == []
     eng.close()
     assert list(spill_dir.iterdir()) == []
 
@@ -766,7 +766,7 @@ def test_no_pinning_at_all_keeps_tensors_on_the_device(link, monkeypatch, spill_
     issue 9 removed that per-tensor synchronous path, so the tensor is kept instead."""
     model = _mlp()
     ref = _host_step(model)
-    monkeypatch.setattr(offload._arena, "torch", _NoPinning(0))
+    monkeypatch.setattr(offload._memory.arena, "torch", _NoPinning(0))
     eng = _host_engine(link, 2 * ACT_MB, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, _host_step(model, eng), "no pinning")
@@ -775,9 +775,9 @@ def test_no_pinning_at_all_keeps_tensors_on_the_device(link, monkeypatch, spill_
     assert stats.peak_resident_bytes > 2 * ACT_BYTES, "over the budget rather than into pageable host RAM"
     assert stats.offloaded_bytes == stats.spilled_bytes == stats.host_bytes == 0
     assert stats.spill_files == 0 and list(spill_dir.iterdir()) == []
-    arena = warnings_from(caplog, "offload._arena")
+    arena = warnings_from(caplog, "offload._memory.arena")
     assert len(arena) == 1 and "pinning" in arena[0], arena
-    store = warnings_from(caplog, "offload._store")
+    store = warnings_from(caplog, "offload._memory.store")
     assert len(store) == 1 and "no host memory left below the device" in store[0], store
     eng.close()
 
@@ -791,7 +791,7 @@ def test_limited_pinning_and_a_failing_disk_keep_tensors_on_the_device(link, fau
     so the disk's failure is tested behind a host tier that filled."""
     model = _mlp()
     ref = _host_step(model)
-    monkeypatch.setattr(offload._arena, "torch", _NoPinning(2))
+    monkeypatch.setattr(offload._memory.arena, "torch", _NoPinning(2))
     faulty.writes_ok = 0
     eng = _host_engine(link, 2 * ACT_MB, host_budget_mb=4 * ACT_MB, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
@@ -801,7 +801,7 @@ def test_limited_pinning_and_a_failing_disk_keep_tensors_on_the_device(link, fau
     assert stats.spilled_bytes == 0 and stats.offloaded_bytes == 2 * ACT_BYTES, "two host copies, no more"
     assert stats.resident_bytes == 0 and stats.spill_bytes == 0
     assert faulty.writes > 0, "the disk was tried"
-    store = warnings_from(caplog, "offload._store")
+    store = warnings_from(caplog, "offload._memory.store")
     assert any("keeping saved tensors on the device" in m for m in store), store
     assert len([m for m in store if os.strerror(errno.ENOSPC) in m]) == 1 and len(set(store)) == len(store), store
     eng.close()
@@ -809,7 +809,7 @@ def test_limited_pinning_and_a_failing_disk_keep_tensors_on_the_device(link, fau
 
 
 class _SlabsHeld:
-    """Stands in for ``torch`` inside ``offload._arena``: keeps a weak set of the slabs it made, so
+    """Stands in for ``torch`` inside ``offload._memory.arena``: keeps a weak set of the slabs it made, so
     the psutil stand-in can take what the arena holds off the RAM it reports available, as the OS
     would (asking the engine instead would re-enter it from inside its own pack)."""
 
@@ -834,7 +834,9 @@ def test_low_host_ram_caps_the_arena_and_spills(link, monkeypatch, spill_dir, ca
     """psutil reports barely more than the reserve free: the arena stops growing within it (one
     warning), the oldest host copies go to disk, exact."""
     total = 16 << 30
-    reserve = max(int(total * offload._arena.HOST_RESERVE_FRACTION), offload._arena.HOST_RESERVE_MIN_BYTES)
+    reserve = max(
+        int(total * offload._memory.arena.HOST_RESERVE_FRACTION), offload._memory.arena.HOST_RESERVE_MIN_BYTES
+    )
     room = 3 * ACT_BYTES  # three slabs of one activation each (the room is under 64 MiB)
     real = psutil.virtual_memory()
     slabs = _SlabsHeld()
@@ -842,7 +844,7 @@ def test_low_host_ram_caps_the_arena_and_spills(link, monkeypatch, spill_dir, ca
     def low_memory():  # what the arena holds is no longer available
         return real._replace(total=total, available=reserve + room - slabs.held_bytes)
 
-    monkeypatch.setattr(offload._arena, "torch", slabs)
+    monkeypatch.setattr(offload._memory.arena, "torch", slabs)
     monkeypatch.setattr(psutil, "virtual_memory", low_memory)
     model = _mlp()
     ref = _host_step(model)
@@ -855,7 +857,7 @@ def test_low_host_ram_caps_the_arena_and_spills(link, monkeypatch, spill_dir, ca
         assert stats.host_bytes == slabs.held_bytes, "host_bytes counts the slabs really held"
         assert_same(ref, _host_step(model, eng), "low host RAM, second step")
         assert 0 < _host_clean(eng, spill_dir).host_bytes <= room
-    messages = warnings_from(caplog, "offload._arena")
+    messages = warnings_from(caplog, "offload._memory.arena")
     assert len(messages) == 1 and "host RAM is low" in messages[0], messages
     eng.close()
     assert eng.stats.host_bytes == 0

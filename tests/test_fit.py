@@ -1,4 +1,4 @@
-"""``offload._fit``: region profiles as functions of the input shape, tested with numbers alone.
+"""``offload._plan.fit``: region profiles as functions of the input shape, tested with numbers alone.
 
 Oracle: profiles made up from known formulas (bytes linear in the elements, with and without an
 attention term in sequence², times with a fixed cost); the fit, given a few shapes, must give
@@ -13,7 +13,7 @@ import math
 import pytest
 
 from offload._cost import RegionProfile
-from offload._fit import (
+from offload._plan.fit import (
     BYTE_BASES,
     BYTE_TOLERANCE,
     FLOP_TIME_BASES,

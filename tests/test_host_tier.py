@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 import offload
-import offload._arena
-import offload._spill
+import offload._memory.arena
+import offload._memory.spill
 from hb import detecting
 from links import EmulatedCudaLink, EmulatedStreams, LandsOnCue, Reads, ThreadedLink, link_named
 from zoo import MB, wait_clean
@@ -146,7 +146,7 @@ class _SlowReads:
     host block is still in flight when the next unpack polls; counts the reads."""
 
     def __init__(self, monkeypatch, delay_s: float) -> None:
-        real, self.reads = offload._spill._File.read, 0
+        real, self.reads = offload._memory.spill._File.read, 0
         slow = self
 
         def read(file, extent, out):  # a plain function: the class binds ``file`` as self
@@ -154,7 +154,7 @@ class _SlowReads:
             time.sleep(delay_s)
             return real(file, extent, out)
 
-        monkeypatch.setattr(offload._spill._File, "read", read)
+        monkeypatch.setattr(offload._memory.spill._File, "read", read)
 
 
 def test_a_climb_from_disk_starts_its_copy_up_only_once_the_read_landed(tmp_path, monkeypatch):
@@ -239,7 +239,7 @@ def test_a_copy_out_keeps_its_source_until_it_lands(tmp_path):
 
 
 class _CountsSlabs:
-    """Stands in for ``torch`` inside ``offload._arena``: counts the slabs allocated ("pinned")."""
+    """Stands in for ``torch`` inside ``offload._memory.arena``: counts the slabs allocated ("pinned")."""
 
     def __init__(self) -> None:
         self.slabs = 0
@@ -257,10 +257,10 @@ def test_engines_one_after_another_share_pinned_slabs(monkeypatch):
     second takes the slabs the first gave back when it closed, exactly, and the same steps hold
     the same bytes; ``clear()`` lets them go. Without sharing each engine pins its own."""
     counts = _CountsSlabs()
-    monkeypatch.setattr(offload._arena, "torch", counts)
+    monkeypatch.setattr(offload._memory.arena, "torch", counts)
     model, x = _model(), torch.randn(256, 128)
     want = _grads(model, x)
-    shared = offload._arena.PinnedSlabs()
+    shared = offload._memory.arena.PinnedSlabs()
     held = []
     for _ in range(2):
         with detecting(slabs=shared) as link:
@@ -280,7 +280,7 @@ def test_engines_one_after_another_share_pinned_slabs(monkeypatch):
 
 
 class _PinsAndEmpties(_CountsSlabs):
-    """Stands in for ``torch`` inside ``offload._arena`` with pinning on: slabs are plain memory
+    """Stands in for ``torch`` inside ``offload._memory.arena`` with pinning on: slabs are plain memory
     (no device here), and every emptying of the caching host allocator is counted."""
 
     def __init__(self) -> None:
@@ -307,10 +307,10 @@ def test_emptying_the_pinned_cache_stays_out_of_acquire(monkeypatch):
     next step starts), never in ``acquire``, which runs under the store's lock in a pack (See
     Note: [emptying the pinned cache])."""
     stand_in = _PinsAndEmpties()
-    monkeypatch.setattr(offload._arena, "torch", stand_in)
+    monkeypatch.setattr(offload._memory.arena, "torch", stand_in)
     settled = []
-    slab = offload._arena.SLAB_BYTES
-    arena = offload._arena.HostArena(2 * slab, pin=True, settle=lambda: settled.append(True))
+    slab = offload._memory.arena.SLAB_BYTES
+    arena = offload._memory.arena.HostArena(2 * slab, pin=True, settle=lambda: settled.append(True))
     blocks = [arena.acquire(slab * 5 // 8) for _ in range(2)]  # one 64 MiB slab each: the cap
     assert all(b is not None for b in blocks) and arena.held_bytes == 2 * slab
     for block in blocks:

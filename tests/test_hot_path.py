@@ -11,7 +11,7 @@ device (events made, recorded, queried; streams made; the current stream read) a
 everything at once. Nothing is patched.
 
 Reference: a bare hook pair dispatches nothing and takes no lock; the engine's pass-through adds
-one op (its detached alias, See Note: [pass through a detached alias] in offload/_hooks.py), and
+one op (its detached alias, See Note: [pass through a detached alias] in offload/_memory/hooks.py), and
 a save it only counts adds that op and one lock per pack, per unpack and per release.
 """
 
@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
-from offload._transfer import CudaLink
+from offload._memory.transfer import CudaLink
 
 NUMEL = 4096
 """fp32 elements of each saved tensor (16 KiB): taken with min_offload_bytes=0, passed through under the default."""
@@ -73,7 +73,7 @@ class _Event:
 
 
 class CountingStreams:
-    """``offload._transfer.Streams`` on the CPU that counts every call; copies are done at once and
+    """``offload._memory.transfer.Streams`` on the CPU that counts every call; copies are done at once and
     every event has completed, so the link's ordering code runs and nothing waits."""
 
     def __init__(self) -> None:
@@ -274,7 +274,7 @@ def _step(eng: offload.Engine, saves: int) -> None:
 def test_moving_every_tensor_makes_no_event_per_tensor():
     """Budget 0, every save copied out and back: the link's events come from pools, so a step
     makes none once one like it has run, however many tensors it moves (See Note: [events back
-    to their pool] in offload/_transfer.py); and no stream is made after the link's two."""
+    to their pool] in offload/_memory/transfer.py); and no stream is made after the link's two."""
     made = {}
     for saves in STEPS_FOR_EVENTS:
         streams = CountingStreams()

@@ -1,7 +1,7 @@
 """PyTorch's in-place check, kept under every budget and on every tier.
 
 Saved-tensor hooks switch autograd's own check off, so the engine checks versions itself (See Note:
-[version watch] in ``offload._entry``). The cases are PyTorch's own (test_autograd's in-place and
+[version watch] in ``offload._memory.entry``). The cases are PyTorch's own (test_autograd's in-place and
 saved-tensor-hook tests, in our words): a saved tensor modified after it was saved, through the
 base, a view, ``detach()``, under ``no_grad``, ``inference_mode`` and anomaly mode, and a
 checkpoint input changed after forward. Each must raise PyTorch's error with and without the

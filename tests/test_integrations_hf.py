@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # the Trainer needs it
 
 import offload  # noqa: E402
-from offload._profiler import MAX_MEASURED_SHAPES  # noqa: E402
+from offload._plan.profiler import MAX_MEASURED_SHAPES  # noqa: E402
 from offload.bench.padding import Ragged, pad_to_longest  # noqa: E402
 from offload.integrations.hf import OffloadCallback  # noqa: E402
 from zoo import files_under, most_profiling_steps, tiny_llama  # noqa: E402
@@ -132,7 +132,7 @@ def test_trainer_equal_with_callback(accumulation, checkpointing, tmp_path, spil
     assert stats.saved_tensors > 0 and stats.offloaded_bytes > 0
     assert stats.offloaded_bytes == stats.saved_bytes  # budget 0: everything eligible moved
     # and came back for backward; a storage whose backward users are apart is read back once per
-    # user (See Note: [held for the next user] in offload/_store.py)
+    # user (See Note: [held for the next user] in offload/_memory/store.py)
     assert stats.reloaded_bytes > 0  # came back for backward
     assert stats.peak_resident_bytes == 0
     assert files_under(spill_dir) == []  # closed at train end: no spill file left

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import offload
-from offload import _module_state
+from offload._regions import module_state as _module_state
 from zoo import assert_same, cnn, run_step
 
 STEPS = 8

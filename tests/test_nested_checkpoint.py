@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import offload
-from offload import _recompute
+from offload._regions import recompute as _recompute
 from test_recompute import settle
 from test_regions import MACHINE, block_engine
 from zoo import most_profiling_steps

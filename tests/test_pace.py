@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from offload._pace import MIN_STEPS, WINDOW, StepPace
-from offload._plan_cache import _decode_plan, _encode_plan
-from offload._policy import make_plan
+from offload._plan.cache import _decode_plan, _encode_plan
+from offload._plan.pace import MIN_STEPS, WINDOW, StepPace
+from offload._plan.policy import make_plan
 from test_planner import cuda_machine, uniform_regions
 
 MB = 10**6

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import offload
-from offload._plan_cache import FORMAT, VERSION, PlanCache, rank_path, regions_fingerprint
+from offload._plan.cache import FORMAT, VERSION, PlanCache, rank_path, regions_fingerprint
 from test_regions import MACHINE, assert_same_history, make_model, train
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ WORKER = Path(__file__).with_name("plan_cache_worker.py")
 BUDGET_MB = 0.3
 """Below the blocks' saved bytes, so the plan moves something."""
 PROFILE_STEPS = 2
-"""policy "offload" profiles two "measure" steps per input signature (``_regions.PROFILE_STEPS``)."""
+"""policy "offload" profiles two "measure" steps per input signature (``_regions.regions.PROFILE_STEPS``)."""
 
 
 PACED = ("baseline_step_ms", "predicted_step_ms", "predicted_overhead_ms")
@@ -94,7 +94,7 @@ def engine(model, path, budget_mb=BUDGET_MB, spill_dir=None):
 
 
 def warnings_from(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "offload._plan_cache" and r.levelno >= logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "offload._plan.cache" and r.levelno >= logging.WARNING]
 
 
 def profile_and_save(path: Path, spill_dir, budget_mb=BUDGET_MB) -> offload.Plan:

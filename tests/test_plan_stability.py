@@ -1,4 +1,4 @@
-"""Builds of one setup beside a noisy neighbour (``_profiler``'s Note: [a plan that holds still]).
+"""Builds of one setup beside a noisy neighbour (``_plan.profiler``'s Note: [a plan that holds still]).
 
 A neighbour that takes the CPU in bursts (a thread here, seeded: bursts and pauses of a few ms)
 disturbs whichever profiling step it meets; each build meets it at other steps, so its trials may
@@ -66,7 +66,7 @@ class Neighbour:
 def test_builds_beside_a_noisy_neighbour_stay_exact_and_end_their_profiling(spill_dir):
     """Whatever the neighbour does to the trials' figures (and so to how many rounds they take and
     which plan they lead to), every build trains exactly as the model without the engine, leaves
-    profiling within the steps ``_profiler``'s rules allow, and plans within its budget. Whether the
+    profiling within the steps ``_plan.profiler``'s rules allow, and plans within its budget. Whether the
     builds' plans agree is a statistical claim about the noise, measured in ``bench/whole_step.py
     builds`` (ten builds at the demo's size, beside ``bench/noisy_neighbour.py``), not asserted here."""
     budget_mb = 0.25 * activation_bytes() / 2**20  # a quarter of what the blocks save, as in the bench

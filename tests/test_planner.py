@@ -15,10 +15,10 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from offload import _policy
 from offload._cost import MachineProfile, RegionProfile, Scope
-from offload._planner import Decision, Plan, allowed, calibrate_link, scale_link, simulate
-from offload._policy import AutoPolicy, Policy, get_policy, make_plan, policy_names, register_policy
+from offload._plan import policy as _policy
+from offload._plan.planner import Decision, Plan, allowed, calibrate_link, scale_link, simulate
+from offload._plan.policy import AutoPolicy, Policy, get_policy, make_plan, policy_names, register_policy
 
 KEEP, OFFLOAD, RECOMPUTE = Decision.KEEP, Decision.OFFLOAD, Decision.RECOMPUTE
 MB = 10**6

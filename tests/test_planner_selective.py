@@ -14,8 +14,8 @@ import math
 import pytest
 
 from offload._cost import MachineProfile, RegionProfile
-from offload._planner import Decision, simulate
-from offload._policy import AutoPolicy, make_plan
+from offload._plan.planner import Decision, simulate
+from offload._plan.policy import AutoPolicy, make_plan
 
 KEEP, OFFLOAD, RECOMPUTE = Decision.KEEP, Decision.OFFLOAD, Decision.RECOMPUTE
 SELECTIVE, SELECTIVE_OFFLOAD = Decision.SELECTIVE, Decision.SELECTIVE_OFFLOAD

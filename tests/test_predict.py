@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from offload import MachineProfile
-from offload._machines import MACHINES, from_probe, get_machine, machine_names
+from offload._predict.machines import MACHINES, from_probe, get_machine, machine_names
 
 # -- machines: plain numbers ------------------------------------------------------------------
 
@@ -119,8 +119,8 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 import offload  # noqa: E402
 from offload._cost import Scope  # noqa: E402
 from offload._errors import OffloadError  # noqa: E402
-from offload._predict import POLICIES, Attention, predict  # noqa: E402
-from offload._predict_machine import calibrate_compute, reference_step_ms  # noqa: E402
+from offload._predict.predict import POLICIES, Attention, predict  # noqa: E402
+from offload._predict.this_cpu import calibrate_compute, reference_step_ms  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402
 
 CPU = from_probe(
@@ -178,7 +178,7 @@ def test_measured_compute_is_scaled_to_a_timed_reference_step():
 
 def test_this_cpu_is_measured_in_the_models_dtype(monkeypatch):
     """A bf16 model on this CPU is priced on bf16 matmuls and a bf16 reference step."""
-    import offload._predict as predict_module
+    import offload._predict.predict as predict_module
 
     seen = []
 
@@ -417,8 +417,8 @@ def test_predict_command_reads_a_hugging_face_config_file(tmp_path, capsys):
 
 
 def test_a_plan_that_moves_bytes_is_held_up_to_its_budget():
-    from offload._policy import make_plan
-    from offload._predict import held_bytes
+    from offload._plan.policy import make_plan
+    from offload._predict.predict import held_bytes
 
     regions = [offload.RegionProfile(name=f"r{i}", saved_bytes=100 << 20, forward_ms=10.0) for i in range(4)]
     link = MachineProfile(device_type="cuda", d2h_gb_per_s=20.0, h2d_gb_per_s=20.0)

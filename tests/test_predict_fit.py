@@ -17,9 +17,9 @@ import torch
 import offload
 from offload import MachineProfile, RegionProfile
 from offload.__main__ import main
-from offload._machines import get_machine
-from offload._predict import EXCLUDES, OptimizerState, predict
-from offload._predict_plan import SELECTIVE_MEANS, policy_points
+from offload._predict.machines import get_machine
+from offload._predict.predict import EXCLUDES, OptimizerState, predict
+from offload._predict.table import SELECTIVE_MEANS, policy_points
 from offload.models import GPTConfig, MiniGPT
 
 MIB = 1 << 20

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import offload
 from offload import MachineProfile
 from offload._cost import Scope
-from offload._machines import from_probe
-from offload._predict import predict
+from offload._predict.machines import from_probe
+from offload._predict.predict import predict
 
 CPU = from_probe(
     MachineProfile(device_type="cpu", device_name="test", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0),

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload import _probe
 from offload.__main__ import main
 from offload._cost import MachineProfile
-from offload._probe import probe
+from offload._memory import probe as _probe
+from offload._memory.probe import probe
 
 SIZE_MB = 8
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -349,7 +349,7 @@ def test_cli_subprocess_json(tmp_path):
 
 
 def test_import_does_not_initialize_cuda(tmp_path):
-    code = "import torch, offload._probe, offload.__main__; assert not torch.cuda.is_initialized()"
+    code = "import torch, offload._memory.probe, offload.__main__; assert not torch.cuda.is_initialized()"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=_subprocess_env(tmp_path), timeout=120
     )
@@ -425,7 +425,7 @@ def test_cached_disk_figures_that_do_not_say_their_io_are_measured_again(tmp_pat
 def test_the_disk_is_measured_through_the_spill_tiers_own_file(tmp_path, monkeypatch):
     """Not buffered writes: the probe writes and reads a ``SpillFile``, as the disk tier does, and
     reports whether its I/O was direct."""
-    from offload._spill import SpillFile
+    from offload._memory.spill import SpillFile
 
     closed_with = []
 
@@ -443,8 +443,8 @@ def test_the_disk_is_measured_through_the_spill_tiers_own_file(tmp_path, monkeyp
 def test_figures_whose_readings_spread_wide_are_used_but_not_cached(tmp_path, calls):
     """One disturbed reading must not be planned with by every engine after it: a section whose
     readings spread wider than MAX_SPREAD is measured again by the next call, and says so."""
-    from offload._noise import MAX_SPREAD
-    from offload._probe import probe_report
+    from offload._memory.probe import probe_report
+    from offload._plan.noise import MAX_SPREAD
 
     cache = tmp_path / "probe.json"
     calls.spread = MAX_SPREAD * 2
@@ -461,7 +461,7 @@ def test_figures_whose_readings_spread_wide_are_used_but_not_cached(tmp_path, ca
 
 
 def test_readings_median_and_spread():
-    from offload._noise import Readings
+    from offload._plan.noise import Readings
 
     steady = Readings([4.1, 4.3, 4.4, 4.6, 9.8])
     assert steady.median == 4.4 and steady.steady()

@@ -1,4 +1,4 @@
-"""``offload._profiler``: which step profiles, and which plan each shape gets, driven with numbers.
+"""``offload._plan.profiler``: which step profiles, and which plan each shape gets, driven with numbers.
 
 No model runs: a stand-in session gives the machine and the budget, and each profiling step's
 measurements are made up from known formulas (bytes linear in the elements, with a sequence²
@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from offload._cost import MachineProfile, RegionProfile, Scope
-from offload._fit import Shape
-from offload._noise import MAX_SPREAD
-from offload._planner import Decision, region_transfer_ms, scale_link
-from offload._profiler import (
+from offload._memory.session import Saved
+from offload._plan.fit import Shape
+from offload._plan.noise import MAX_SPREAD
+from offload._plan.planner import Decision, region_transfer_ms, scale_link
+from offload._plan.profiler import (
     AFTER_NAME,
     BEFORE_NAME,
     EXTRAPOLATION_LIMIT,
@@ -29,7 +30,6 @@ from offload._profiler import (
     Profiler,
     Stage,
 )
-from offload._session import Saved
 
 MACHINE = MachineProfile(device_type="cpu", device_name="test machine", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0)
 BATCH, WIDTH, REGIONS = 2, 64, 3

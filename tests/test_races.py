@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 import offload
-import offload._entry
-import offload._inflight
-import offload._tiers
-import offload._transfer
+import offload._memory.entry
+import offload._memory.inflight
+import offload._memory.tiers
+import offload._memory.transfer
 from hb import FAST_SCHEDULES, SLOW_SCHEDULES, EmulatedCudaLink, EmulatedStreams, Schedule, detecting
-from offload._entry import CopyState, Tier
-from offload._pending import FINISHED
+from offload._memory.entry import CopyState, Tier
+from offload._memory.pending import FINISHED
 from offload.models.gpt import GPTConfig, MiniGPT
 from test_regions import MACHINE
 from zoo import MB
@@ -394,7 +394,7 @@ def _climb_before_the_read_landed(monkeypatch) -> None:
             above = self._above[near.tier]
             e.copies[above.tier] = self._tier[near.tier].start_back(near, above, e.nbytes)
 
-    monkeypatch.setattr(offload._inflight.InFlight, "climb", climb)
+    monkeypatch.setattr(offload._memory.inflight.InFlight, "climb", climb)
 
 
 def _d2h_source_not_kept(monkeypatch) -> None:
@@ -404,25 +404,27 @@ def _d2h_source_not_kept(monkeypatch) -> None:
         block = self.arena.acquire(nbytes)
         if block is None:
             return None
-        filled = self.link.d2h(offload._tiers.as_bytes(src.data)[:nbytes], block.tensor)
-        return offload._entry.Copy(Tier.HOST, block, CopyState.FILLING, filled)
+        filled = self.link.d2h(offload._memory.tiers.as_bytes(src.data)[:nbytes], block.tensor)
+        return offload._memory.entry.Copy(Tier.HOST, block, CopyState.FILLING, filled)
 
-    monkeypatch.setattr(offload._tiers.HostTier, "start_out", start_out)
+    monkeypatch.setattr(offload._memory.tiers.HostTier, "start_out", start_out)
 
 
 def _h2d_source_not_kept(monkeypatch) -> None:
     """A copy up does not keep its host block alive (``HostTier.start_back``'s ``add_reader``)."""
 
     def start_back(self, copy, above, nbytes):
-        dst, filled = self.link.h2d(offload._tiers.as_bytes(copy.data), nbytes)
-        return offload._entry.Copy(Tier.DEVICE, dst, CopyState.FILLING, filled)
+        dst, filled = self.link.h2d(offload._memory.tiers.as_bytes(copy.data), nbytes)
+        return offload._memory.entry.Copy(Tier.DEVICE, dst, CopyState.FILLING, filled)
 
-    monkeypatch.setattr(offload._tiers.HostTier, "start_back", start_back)
+    monkeypatch.setattr(offload._memory.tiers.HostTier, "start_back", start_back)
 
 
 def _no_wait_at_use(monkeypatch) -> None:
     """The compute stream uses a reload without waiting for its copy (``CudaLink.wait_on_compute``)."""
-    monkeypatch.setattr(offload._transfer.CudaLink, "wait_on_compute", lambda self, event: self.streams.current())
+    monkeypatch.setattr(
+        offload._memory.transfer.CudaLink, "wait_on_compute", lambda self, event: self.streams.current()
+    )
 
 
 def _no_fences(monkeypatch) -> None:
@@ -436,20 +438,20 @@ def _no_fences(monkeypatch) -> None:
             self._open_span()
         return self.stream
 
-    monkeypatch.setattr(offload._transfer._Direction, "enter", enter)
+    monkeypatch.setattr(offload._memory.transfer._Direction, "enter", enter)
 
 
 def _landed_without_its_event(monkeypatch) -> None:
     """A copy out counts as landed whether or not its event says so (``InFlight.poll`` lands
     ``leaving`` entries only once their copy's ``filled.done()``)."""
-    real = offload._inflight.InFlight.poll
+    real = offload._memory.inflight.InFlight.poll
 
     def poll(self):
         for e in self.res.leaving:
             e.copies[self.out.tier].filled = FINISHED
         real(self)
 
-    monkeypatch.setattr(offload._inflight.InFlight, "poll", poll)
+    monkeypatch.setattr(offload._memory.inflight.InFlight, "poll", poll)
 
 
 def _wait_on_the_wrong_stream(monkeypatch) -> None:
@@ -465,13 +467,13 @@ def _wait_on_the_wrong_stream(monkeypatch) -> None:
         if dst is not None and current != self.alloc_stream:
             streams.record_stream(dst, current)
 
-    monkeypatch.setattr(offload._transfer._CopyEvent, "order_compute", order_compute)
+    monkeypatch.setattr(offload._memory.transfer._CopyEvent, "order_compute", order_compute)
 
 
 def _freed_in_flight(monkeypatch) -> None:
     """A tier frees a copy at once, even while a copy in flight reads or writes it (``_Tier.free``
     waits for ``Copy.settled``)."""
-    monkeypatch.setattr(offload._tiers._Tier, "free", lambda self, copy: self._release(copy))
+    monkeypatch.setattr(offload._memory.tiers._Tier, "free", lambda self, copy: self._release(copy))
 
 
 GUARDS = {

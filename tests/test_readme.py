@@ -39,7 +39,7 @@ def test_the_readme_and_docs_have_examples():
 @pytest.mark.parametrize("page", _pages_with_examples())
 def test_examples_run(page, monkeypatch, capsys):
     import offload
-    from offload import _policy
+    from offload._plan import policy as _policy
 
     monkeypatch.setattr(_policy, "_REGISTRY", dict(_policy._REGISTRY))  # a page's policies go with the test
     # An engine with regions would measure this machine; give it fixed figures so the test is

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import offload
-from offload import _recompute
+from offload._regions import recompute as _recompute
 
 SEED = 1234
 """Seed set right before each forward, so every variant draws the same dropout masks."""

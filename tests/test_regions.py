@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import offload
-import offload._regions
+import offload._regions.regions
 from offload.models.gpt import Block, GPTConfig, MiniGPT
 from zoo import auto_trials, most_profiling_steps, stage_letters
 
@@ -414,7 +414,7 @@ CUDA_LINK = offload.MachineProfile(device_type="cuda", d2h_gb_per_s=2.0, h2d_gb_
 
 
 def test_cpu_disk_tier_is_paid_on_the_compute_timeline():
-    from offload._planner import simulate
+    from offload._plan.planner import simulate
 
     regions = [_block(f"blocks.{i}", forward_ms=200.0) for i in range(4)]
     decisions = [offload.Decision.OFFLOAD] * 3 + [offload.Decision.KEEP]
@@ -428,7 +428,7 @@ def test_cpu_disk_tier_is_paid_on_the_compute_timeline():
 @pytest.mark.parametrize("forward_ms,expected", [(100.0, "recompute"), (200.0, "offload")])
 def test_auto_on_the_cpu_weighs_the_round_trip_against_one_forward(forward_ms, expected):
     """Round trip 150 ms per block: a 100 ms forward is cheaper to re-run, a 200 ms one to move."""
-    from offload._policy import make_plan
+    from offload._plan.policy import make_plan
 
     regions = [_block(f"blocks.{i}", forward_ms=forward_ms) for i in range(4)]
     plan = make_plan(regions, CPU_DISK, budget_bytes=int(50e6), policy="auto")
@@ -492,7 +492,7 @@ def test_a_plan_in_force_does_not_spill_what_it_keeps(saved_bytes, spill_dir):
     """The store's early eviction (its in-flight window) is off while a plan is in force: the
     plan already fits the budget, so the blocks it keeps stay on the device. Policy "offload" (sizes
     only: it keeps the newest blocks that fit, whatever the machine's speed); "auto" may take a fixed
-    policy's plan that keeps none where the trials' noise leaves it as good (``_profiler``'s Note:
+    policy's plan that keeps none where the trials' noise leaves it as good (``_plan.profiler``'s Note:
     [a plan that holds still]), and the store is the same under either."""
     model = make_model()
     eng = block_engine(model, budget_mb(saved_bytes, "medium"), "offload", spill_dir)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import offload
-from offload._regions import without_cache
+from offload._regions.regions import without_cache
 
 MACHINE = offload.MachineProfile(device_type="cpu", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0)
 

@@ -30,13 +30,13 @@ import random
 import pytest
 import torch
 
-import offload._spill
+import offload._memory.spill
 from links import DeferredLink
 from offload._config import Config
-from offload._entry import Residence
 from offload._errors import OffloadError
+from offload._memory.entry import Residence
+from offload._memory.store import Store
 from offload._stats import Counters
-from offload._store import Store
 
 SIZES = (1024, 4096, 16 * 1024)
 """Elements (fp32) of the saved tensors: 4 KiB to 64 KiB."""
@@ -53,7 +53,7 @@ class _Faults:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.writes = self.reads = False
         self.failed_reads = 0
-        real_write, real_read = offload._spill._File.write, offload._spill._File.read
+        real_write, real_read = offload._memory.spill._File.write, offload._memory.spill._File.read
         faults = self
 
         def write(file, extent, data):
@@ -67,8 +67,8 @@ class _Faults:
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
             return real_read(file, extent, out)
 
-        monkeypatch.setattr(offload._spill._File, "write", write)
-        monkeypatch.setattr(offload._spill._File, "read", read)
+        monkeypatch.setattr(offload._memory.spill._File, "write", write)
+        monkeypatch.setattr(offload._memory.spill._File, "read", read)
 
 
 def _store(tmp_path, budget_mb, host_budget_mb) -> Store:

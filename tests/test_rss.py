@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from offload._spill import _filesystem_type
+from offload._memory.spill import _filesystem_type
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import offload
 from links import link_named
-from offload._selective import EXPENSIVE_OPS, is_compiled, is_expensive, selective_checkpoint
+from offload._regions.selective import EXPENSIVE_OPS, is_compiled, is_expensive, selective_checkpoint
 from offload.models import GPTConfig, MiniGPT
 from offload.models.gpt import Block
 from zoo import GPTLoss, assert_same, run_step, wait_clean
@@ -519,7 +519,7 @@ noisy_matmul.register_autograd(_noisy_backward, setup_context=_noisy_setup)
 def test_an_expensive_op_that_draws_random_numbers_leaves_later_draws_alike(monkeypatch):
     """The replay skips the op, so it must put the generator where the op left it in forward:
     otherwise the dropout after it draws another mask. See Note: [expensive ops that draw random numbers]."""
-    from offload import _selective
+    from offload._regions import selective as _selective
 
     monkeypatch.setattr(_selective, "EXPENSIVE_OPS", EXPENSIVE_OPS | {torch.ops.offload_test.noisy_matmul})
     torch.manual_seed(0)
@@ -563,7 +563,7 @@ def test_minigpt_step_under_the_selective_plan_reruns_no_expensive_flops(spill_d
 
 
 def test_our_stash_reaches_outer_hooks_where_torch_sac_cache_does_not():
-    """Why ``_selective`` exists (its module docstring): torch's selective checkpoint keeps the
+    """Why ``_regions.selective`` exists (its module docstring): torch's selective checkpoint keeps the
     outputs its policy saves in its own cache, out of reach of outer saved-tensor hooks (checked on
     this torch), while ours packs them through those hooks. x (8, 32) @ w (32, 64): the matmul
     output is the one (8, 64) tensor."""
@@ -593,7 +593,7 @@ def test_our_stash_reaches_outer_hooks_where_torch_sac_cache_does_not():
 def test_a_region_that_fails_under_a_dispatch_mode_is_profiled_as_not_splittable(monkeypatch, spill_dir):
     """The "recompute" step's measuring re-run raising (here: forced) leaves that step's
     gradients exact and the region out of the selective choices, with the reason in explain()."""
-    from offload import _selective
+    from offload._regions import selective as _selective
 
     def refuse(self, *args, **kwargs):
         raise RuntimeError("no Python modes here")

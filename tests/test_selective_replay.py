@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import offload
-from offload._selective import selective_checkpoint
+from offload._regions.selective import selective_checkpoint
 
 WIDTH, ROWS, HALF = 32, 8, 16
 

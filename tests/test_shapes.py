@@ -22,8 +22,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import offload
-from offload._pace import WINDOW
-from offload._profiler import MAX_MEASURED_SHAPES, MAX_PLANS, SEARCH_BUCKET, SIZE_TOLERANCE
+from offload._plan.pace import WINDOW
+from offload._plan.profiler import MAX_MEASURED_SHAPES, MAX_PLANS, SEARCH_BUCKET, SIZE_TOLERANCE
 from offload.models.gpt import GPTConfig, MiniGPT
 from test_regions import MACHINE, assert_same_history, block_engine, train_lengths
 from zoo import most_profiling_steps
@@ -194,7 +194,7 @@ def test_a_derived_plan_whose_sizes_miss_refits_them(spill_dir, caplog):
     on the derived sizes are exact."""
     model = make_model()
     eng = block_engine(model, 0.05, "offload", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
-    with caplog.at_level(logging.INFO, logger="offload._profiler"):
+    with caplog.at_level(logging.INFO, logger="offload._plan.profiler"):
         train(model, [64, 64, 128, 96, 160, 112], eng)
     assert list(eng.recent_stages) == ["measure", "measure", None, None, None, None]
     misses = [r for r in caplog.records if "missed the sizes of regions ['blocks" in r.getMessage()]
@@ -302,7 +302,7 @@ def test_only_steps_that_ran_every_region_feed_the_pace(spill_dir):
 def test_times_are_fitted_on_the_flops_counted_at_the_measured_shapes(attention, spill_dir):
     """Each measured shape's trial re-run counts the blocks' FLOPs; with two shapes counted, the
     count's fit has attention's n·s term (torch's formulas for the math path's bmm, ours for the
-    CPU's fused kernel), and the times are fitted on it (``_fit``)."""
+    CPU's fused kernel), and the times are fitted on it (``_plan.fit``)."""
     model = make_model(dataclasses.replace(CONFIG, attention=attention, dropout=0.0))
     eng = block_engine(model, 0.05, "selective", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
     train(model, [160, 160, 160, 80, 120], eng)
@@ -356,7 +356,7 @@ def test_a_region_raising_after_its_last_save_in_the_counting_re_run_keeps_its_s
 
     block.forward = raising_in_the_third_call
     eng = block_engine(model, 0.05, "selective", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
-    with caplog.at_level(logging.INFO, logger="offload._selective"):
+    with caplog.at_level(logging.INFO, logger="offload._regions.selective"):
         assert_same_history(train(model, seqs, eng), reference, "a region that raises after its last save")
     trial = next(p for p in eng.profiled_steps if p.stage == "recompute")
     eng.close()
@@ -385,7 +385,7 @@ def test_a_loop_of_new_lengths_searches_once_per_bucket_not_once_a_step(spill_di
     eng = block_engine(model, 0.05, "auto", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
     train(model, first, eng)
     assert not eng.profiling
-    with caplog.at_level(logging.INFO, logger="offload._profiler"):
+    with caplog.at_level(logging.INFO, logger="offload._plan.profiler"):
         train(model, again, eng)
     searches = [r for r in caplog.records if "decisions searched" in r.getMessage()]
     stages = list(eng.recent_stages)[-len(again) :]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import offload
-import offload._sharded
+import offload._memory.sharded
 
 WORKER = Path(__file__).with_name("shard_worker.py")
 LAUNCH_TIMEOUT_S = 300
@@ -195,7 +195,7 @@ def test_the_gather_form_is_chosen_by_backend(backend, form, monkeypatch):
     """One collective per gather, its form decided by the group's backend: a backend with the flat
     form (``_allgather_base``: NCCL, Gloo) gets it, any other the list form, never one after the other."""
     calls = _Collectives(monkeypatch, backend).calls
-    offload._sharded._all_gather_into(torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), None)
+    offload._memory.sharded._all_gather_into(torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), None)
     assert calls == [form]
 
 
@@ -204,5 +204,7 @@ def test_a_failing_gather_raises_and_is_not_retried(monkeypatch):
     form: that one would meet no partner on the ranks where the first went through (a hang)."""
     calls = _Collectives(monkeypatch, "nccl", flat_fails=True).calls
     with pytest.raises(RuntimeError, match="NCCL error"):
-        offload._sharded._all_gather_into(torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), None)
+        offload._memory.sharded._all_gather_into(
+            torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), None
+        )
     assert calls == ["flat"]

@@ -6,7 +6,7 @@ nothing and cannot be guessed, opened so that a planted symlink or file is never
 reused, and nothing left behind however the engine ends (close, garbage collection, interpreter
 exit). Log lines and errors name shapes and dtypes at most, never values.
 
-The disk tier is one spill file per engine (``offload._spill``): made with its private directory
+The disk tier is one spill file per engine (``offload._memory.spill``): made with its private directory
 at the first spill, written and read through its descriptor, removed at close. The private
 directory is the only entry of the ``spill_dir`` a test passes, so tests find it there.
 """
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import offload
-import offload._spill
+import offload._memory.spill
 from test_faults import SpillWrites
 from zoo import assert_same, default_loss, files_under, run_step, wait_clean
 
@@ -63,7 +63,7 @@ def _private(spill_dir) -> Path:
 
 
 class _OpenFlags:
-    """Stands in for ``os`` inside ``offload._spill``: records the path, flags and mode of each open."""
+    """Stands in for ``os`` inside ``offload._memory.spill``: records the path, flags and mode of each open."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, int]] = []
@@ -94,7 +94,7 @@ def _fds_into(directory) -> dict[int, str]:
 
 
 class _Names:
-    """Stands in for ``uuid`` inside ``offload._spill``: hands out names the test knows in advance."""
+    """Stands in for ``uuid`` inside ``offload._memory.spill``: hands out names the test knows in advance."""
 
     def __init__(self) -> None:
         self.queue: list[str] = []
@@ -107,7 +107,7 @@ def test_directory_and_file_are_private_and_the_name_says_nothing(spill_dir, mon
     """One 0700 directory of our own, one 0600 regular file with a random (uuid4) name, created
     with O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC; close() closes its descriptor and removes both."""
     opens = _OpenFlags()
-    monkeypatch.setattr(offload._spill, "os", opens)
+    monkeypatch.setattr(offload._memory.spill, "os", opens)
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     loss = _forward(eng)
     private = _private(spill_dir)
@@ -138,7 +138,7 @@ def test_directory_and_file_are_private_and_the_name_says_nothing(spill_dir, mon
 
 
 class _Planting:
-    """Stands in for ``tempfile`` inside ``offload._spill``: each private directory it makes gets,
+    """Stands in for ``tempfile`` inside ``offload._memory.spill``: each private directory it makes gets,
     before the engine's create, a symlink (or a file) at the name the engine will pick next, as an
     attacker who could predict names and write there would plant it."""
 
@@ -171,11 +171,11 @@ def test_planted_path_is_never_written_through(planted, spill_dir, tmp_path, mon
     laid in each private directory as it is made (before, the directory was made first and the
     trap laid for the files of later tensors)."""
     names = _Names()
-    monkeypatch.setattr(offload._spill, "uuid", names)
+    monkeypatch.setattr(offload._memory.spill, "uuid", names)
     target = tmp_path / "victim"
     target.write_bytes(b"precious")
     planting = _Planting(names, planted, target)
-    monkeypatch.setattr(offload._spill, "tempfile", planting)
+    monkeypatch.setattr(offload._memory.spill, "tempfile", planting)
     model = _model()
     ref = run_step(model, _marked_input)
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
@@ -216,7 +216,7 @@ def test_spill_file_swapped_for_a_symlink_is_not_read(spill_dir, tmp_path, monke
     fake.write_bytes(b"\0" * os.path.getsize(path))
     os.unlink(path)
     os.symlink(fake, path)
-    monkeypatch.setattr(offload._spill, "os", opens)
+    monkeypatch.setattr(offload._memory.spill, "os", opens)
     default_loss(out).backward()
     assert torch.equal(out, ref.output)
     assert all(torch.equal(p.grad, ref.grads[n]) for n, p in model.named_parameters()), "read through the descriptor"
@@ -230,7 +230,7 @@ def test_spill_file_swapped_for_a_symlink_is_not_read(spill_dir, tmp_path, monke
 def test_logs_and_errors_name_shapes_and_dtypes_at_most(spill_dir, monkeypatch, caplog):
     """Every line the engine logs or raises while things go wrong (a failed write, a failed read, a
     tmpfs warning) carries no tensor values."""
-    real_write = offload._spill._File.write
+    real_write = offload._memory.spill._File.write
     calls = []
 
     def every_other_write_fails(file, extent, data):
@@ -239,7 +239,7 @@ def test_logs_and_errors_name_shapes_and_dtypes_at_most(spill_dir, monkeypatch, 
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(file, extent, data)
 
-    monkeypatch.setattr(offload._spill._File, "write", every_other_write_fails)
+    monkeypatch.setattr(offload._memory.spill._File, "write", every_other_write_fails)
     writes = SpillWrites(monkeypatch)
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     with caplog.at_level(logging.DEBUG, logger="offload"):
@@ -263,13 +263,13 @@ def test_logs_and_errors_name_shapes_and_dtypes_at_most(spill_dir, monkeypatch, 
 
 def test_tmpfs_spill_directory_warns(caplog):
     shm = Path("/dev/shm")
-    if not shm.is_dir() or offload._spill._filesystem_type(shm) != "tmpfs" or not os.access(shm, os.W_OK):
+    if not shm.is_dir() or offload._memory.spill._filesystem_type(shm) != "tmpfs" or not os.access(shm, os.W_OK):
         pytest.skip("no writable tmpfs at /dev/shm here")
     with tempfile.TemporaryDirectory(dir=shm) as parent:
         eng = offload.engine(0, min_offload_bytes=0, spill_dir=parent)
         with caplog.at_level(logging.WARNING, logger="offload"):
             loss = _forward(eng)
-        messages = [r.getMessage() for r in caplog.records if r.name == "offload._spill"]
+        messages = [r.getMessage() for r in caplog.records if r.name == "offload._memory.spill"]
         assert len(messages) == 1 and "tmpfs" in messages[0] and "RAM" in messages[0], messages
         loss.backward()
         del loss

@@ -20,7 +20,7 @@ from torch import nn
 
 import hb
 import offload
-import offload._transfer
+import offload._memory.transfer
 from links import EmulatedCudaLink, EmulatedStreams
 from zoo import MB, wait_clean
 
@@ -80,13 +80,13 @@ def test_every_reload_destination_is_allocated_before_its_copy(streams, monkeypa
     [fences before a copy]). Guard: the re-fence in ``CudaLink.h2d``."""
     streams.fills_new_memory = True
     per_batch: dict[int, int] = {}
-    real_h2d = offload._transfer.CudaLink.h2d
+    real_h2d = offload._memory.transfer.CudaLink.h2d
 
     def h2d(self, src_host, nbytes):
         per_batch[id(self._batch)] = per_batch.get(id(self._batch), 0) + 1
         return real_h2d(self, src_host, nbytes)
 
-    monkeypatch.setattr(offload._transfer.CudaLink, "h2d", h2d)
+    monkeypatch.setattr(offload._memory.transfer.CudaLink, "h2d", h2d)
     model, x = TanhChain(12), torch.randn(SIZE)
     want = _grads(copy.deepcopy(model), x)
     link = EmulatedCudaLink(streams)

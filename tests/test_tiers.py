@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
-import offload._spill
-import offload._tiers
+import offload._memory.spill
+import offload._memory.tiers
 from test_faults import SpillWrites
 from zoo import MB, assert_same, default_loss, files_under, mlp, run_step, wait_clean
 
@@ -77,7 +77,7 @@ def test_spill_file_is_private_with_a_random_name(spill_dir):
     assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600, files[0]
     name = os.path.basename(files[0])
     assert re.fullmatch(r"[0-9a-f]{32}", name), f"{name}: a random name, nothing about the tensor in it"
-    align = offload._spill.ALIGN_BYTES
+    align = offload._memory.spill.ALIGN_BYTES
     assert stats.offloaded_bytes == stats.saved_bytes > 0, "budget 0 moves everything"
     assert stats.offloaded_bytes <= stats.spill_bytes < stats.offloaded_bytes + stats.saved_tensors * align
     del loss
@@ -341,6 +341,6 @@ def test_a_storage_viewed_as_bytes_dispatches_no_write():
     [a view is no write]); it is still the storage's whole byte range."""
     saved = torch.arange(6, dtype=torch.float32)
     with _Ops() as seen:
-        view = offload._tiers.as_bytes(saved.untyped_storage())
+        view = offload._memory.tiers.as_bytes(saved.untyped_storage())
     assert seen.ops == []
     assert view.dtype is torch.uint8 and view.numel() == 24 and view.data_ptr() == saved.data_ptr()

@@ -117,8 +117,8 @@ class RunSettings:
     """Measured (timed) steps per configuration."""
     warmup: int = 3
     """Steps trained first and recorded, but not timed: the engine's regions profile on three as a
-    rule (policy "auto"; see offload._regions), on up to seven where a link reading is measured again
-    or the trials run a second round (offload._profiler's Note: [a plan that holds still]). A step
+    rule (policy "auto"; see offload._regions.regions), on up to seven where a link reading is measured again
+    or the trials run a second round (offload._plan.profiler's Note: [a plan that holds still]). A step
     that still profiles after these is not timed either."""
     repeats: int = 1
     """Times every configuration runs, the order rotated each time; figures are medians over them."""

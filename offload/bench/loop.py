@@ -34,8 +34,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import offload
-from offload._arena import PinnedSlabs
-from offload._transfer import CudaLink
+from offload._memory.arena import PinnedSlabs
+from offload._memory.transfer import CudaLink
 from offload.bench.config import DTYPES, MB, PROBED_POLICIES, Kind, RunSettings, Variant
 from offload.bench.measure import Memory, resolve_device, window
 from offload.models import MiniGPT, batches
@@ -293,7 +293,7 @@ def run_one(
     """Train ``run.total_steps`` steps of ``variant`` here, passing each step's record to ``emit``;
     return the summary record. ``activation_bytes`` (the reference's saved bytes) sizes budgets;
     measured here when a budget needs it and it is None. ``slabs``: pinned memory the engines
-    share with other configurations' (CUDA; see ``offload._arena.PinnedSlabs``)."""
+    share with other configurations' (CUDA; see ``offload._memory.arena.PinnedSlabs``)."""
     device = resolve_device(run.device)
     if variant.kind is Kind.TORCHTUNE and _torchtune_offload() and device.type != "cuda":
         raise Skipped("torchtune's OffloadActivations needs CUDA streams")

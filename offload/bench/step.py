@@ -37,7 +37,7 @@ from typing import Any, Optional, get_args, get_type_hints
 import torch
 
 import offload
-from offload._arena import PinnedSlabs
+from offload._memory.arena import PinnedSlabs
 from offload.bench import loop, measure, report
 from offload.bench.config import DTYPES, PRESETS, REFERENCE, RunSettings, Variant, parse_variant
 from offload.bench.measure import environment, write_json

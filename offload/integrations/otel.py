@@ -53,7 +53,7 @@ from typing import Any, Optional
 import offload
 
 from .._observe import Observer
-from .._planner import Plan
+from .._plan.planner import Plan
 from .._stats import Stats
 
 try:

@@ -1,0 +1,272 @@
+"""One engine's runtime: the store, the counters, and what the hooks and the regions may ask of it.
+
+The engine (``_engine``) owns the lifecycle a user sees; this object is what runs underneath, and
+the one thing ``Regions`` and the probe talk to:
+
+    hooks ──pack/unpack──▶ Session ──▶ Store (made on the first saved tensor, for its device)
+                              └─ saves declared shared ──▶ SharedSaves ──this rank's slice──▶ Store
+    Regions ──active? / eagerly() / eagerly_to_end() / marks / set_planned() / saved() / moved_bytes()
+              / count_recompute() / machine() / budget_in_force()──▶ Session
+
+State per thread (the hook stack, eager mode) is thread-local: one engine can serve a training
+thread and an evaluation thread at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from .._budget import FreeMemory, make_budget
+from .._config import Config
+from .._cost import MachineProfile, Saved
+from .._errors import OffloadError
+from .._observe import Observers
+from .._stats import Counters
+from .entry import Handle
+from .hooks import Eligibility, unpack_passed
+from .sharded import ShardedHandle, Sharding, SharedSaves, declared
+from .store import Store
+from .transfer import Link
+
+__all__ = ["ForwardMarks", "Session"]
+
+
+class _ThreadState(threading.local):
+    """What the session keeps per thread; the class attributes are each thread's defaults, so a
+    read on a thread that set nothing is a plain attribute read (``getattr`` with a default on a
+    bare ``threading.local`` raised and caught an AttributeError: ~0.35 us, twice per pack)."""
+
+    stack: Optional[list] = None
+    """The hook contexts entered on this thread, innermost last (None: never entered)."""
+    eager = False
+    """Inside ``Session.eagerly()``."""
+    eager_to_end = False
+    """Saves start their copy out at once until this thread leaves the engine."""
+    planned_per_rank = False
+    """Inside ``Session.planned_per_rank()``."""
+
+
+@dataclasses.dataclass
+class ForwardMarks:
+    """What was saved through the engine when it was entered (outermost, on one thread) and when
+    it was left (None until then). Regions measure what is saved outside them by these."""
+
+    entered: Saved
+    closed: Optional[Saved] = None
+
+
+class Session:
+    """The store, counters and thread-local hook state of one engine."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        link: Optional[Link] = None,
+        machine: Optional[Callable[[], MachineProfile]] = None,
+        memory: Optional[FreeMemory] = None,
+    ) -> None:
+        self.config = config
+        self.budget = make_budget(config.budget_bytes, config.reserve_bytes, memory)
+        """The engine's one budget (none, fixed, or following free memory), made here once; the
+        store, made at the first save, holds it too."""
+        self.counters = Counters()
+        self.eligible = Eligibility(config.device, config.min_offload_bytes)
+        self._link = link
+        self._machine = machine
+        self._store: Optional[Store] = None
+        self._store_lock = threading.Lock()
+        self._local = _ThreadState()
+        self._inside: set[int] = set()  # threads inside the engine now
+        self._inside_lock = threading.Lock()
+        self.observers = Observers()
+        """Told of step boundaries and recomputes (``offload._observe``); empty: nothing is called."""
+        self.marks: Optional[ForwardMarks] = None
+        """What had been saved when the engine was last entered, and when that forward closed."""
+        self.shared = SharedSaves(self.counters, config.prefetch)
+        """Saves declared identical across a process group (``offload._memory.sharded``)."""
+        self.hooks = self._make_hooks()
+        """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
+
+    # ------------------------------------------------------------------ the hooks
+
+    @property
+    def store(self) -> Optional[Store]:
+        """The store, once the first eligible tensor was saved (it fixes the device)."""
+        return self._store
+
+    def _open_store(self, device: torch.device) -> Store:
+        with self._store_lock:  # two threads saving their first tensor at once make one store
+            if self._store is None:
+                self._store = Store(self.config, device, self.counters, link=self._link, budget=self.budget)
+        return self._store
+
+    def _make_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+        """The (pack, unpack) pair, closures over what they read per tensor: in a chain of saves a
+        Python frame costs about twice what it costs in a loop (it runs cold between torch's own
+        work), so the pair calls the eligibility test and the store and nothing in between."""
+        take, counters, observers, local, shared = (
+            self.eligible.take,
+            self.counters,
+            self.observers,
+            self._local,
+            self.shared,
+        )
+
+        def pack(t: torch.Tensor) -> Any:
+            storage = take(t)
+            if storage is None:
+                counters.passthrough_tensors += 1
+                return (
+                    t.detach(),
+                    t._version,
+                )  # _hooks.pack_passed(t), inline: See Note: [pass through a detached alias]
+            store = self._store or self._open_store(t.device)
+            eager = local.eager or local.eager_to_end
+            sharding = declared()
+            if sharding is None:
+                return store.pack(t, eager, storage)
+            return self._pack_shared(t, sharding, store, eager)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if type(packed) is tuple:
+                return unpack_passed(packed)
+            if observers.awaiting_backward:
+                observers.unpacked()
+            if type(packed) is Handle:
+                return packed.store.unpack(packed)
+            assert isinstance(packed, ShardedHandle)  # pack returns one of the three
+            return shared.unpack(packed)
+
+        return pack, unpack
+
+    def _pack_shared(self, t: torch.Tensor, sharding: Sharding, store: Store, eager: bool) -> ShardedHandle:
+        """A save declared shared across a process group (``offload.sharded``): this rank's slice goes to the store."""
+        if self._local.planned_per_rank:
+            raise OffloadError(
+                f"offload: a save declared shared (offload.sharded) inside a region under policy='auto': each "
+                "rank plans its regions from its own measurements, so ranks may keep one region and recompute "
+                "it on another, and the gathers would pair up the wrong tensors; declare outside the regions, "
+                "or pass policy='recompute', 'offload' or 'selective' "
+                f"(the saved tensor: {tuple(t.shape)} {t.dtype})"
+            )
+        return self.shared.pack(t, sharding, lambda kept: store.pack(kept, eager))
+
+    # ------------------------------------------------------------------ the hook stack (per thread)
+
+    def enter(self) -> None:
+        """Install the hooks on this thread (nested entries stack); tell the store a step starts
+        (with budget_mb="auto" it reads free memory; it gives back pinned pages dropped last step)."""
+        if self._store is not None:
+            self._store.step_started()
+        ctx = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
+        ctx.__enter__()
+        stack = self._local.stack
+        if stack is None:
+            stack = self._local.stack = []
+        stack.append(ctx)
+        if len(stack) == 1:
+            with self._inside_lock:
+                self._inside.add(threading.get_ident())
+            self.marks = ForwardMarks(entered=self.saved())
+            self.shared.new_forward()
+        if self.observers and len(stack) == 1:
+            self.observers.entered()
+
+    def exit(self, *exc: Any) -> None:
+        stack = self._local.stack
+        assert stack, "offload internal error: the engine was left on a thread that did not enter it"
+        stack.pop().__exit__(*exc)
+        if not stack:
+            with self._inside_lock:
+                self._inside.discard(threading.get_ident())
+            self._local.eager_to_end = False
+            marks = self.marks
+            if marks is not None and marks.closed is None:
+                marks.closed = self.saved()
+        if self.observers and not stack:
+            self.observers.exited()
+
+    # ------------------------------------------------------------------ what regions may ask
+
+    def active(self) -> bool:
+        """True while this thread is inside the engine (its hooks may be shadowed by inner ones)."""
+        return bool(self._local.stack)
+
+    def others_inside(self, me: int) -> list[int]:
+        """The threads other than ``me`` (a ``threading.get_ident()``) inside the engine now."""
+        with self._inside_lock:
+            return sorted(t for t in self._inside if t != me)
+
+    @contextlib.contextmanager
+    def planned_per_rank(self):
+        """A region runs under a decision each rank made from its own measurements (policy "auto"):
+        a save declared shared in it is refused (See Note: [collectives in one order on every rank])."""
+        previous = self._local.planned_per_rank
+        self._local.planned_per_rank = True
+        try:
+            yield
+        finally:
+            self._local.planned_per_rank = previous
+
+    @contextlib.contextmanager
+    def eagerly(self):
+        """Saves in this block start their copy out at once (a region planned OFFLOAD)."""
+        previous = self._local.eager
+        self._local.eager = True
+        try:
+            yield
+        finally:
+            self._local.eager = previous
+
+    def eagerly_to_end(self) -> None:
+        """Saves from now until this thread leaves the engine start their copy out at once (the
+        saves after the last region, planned OFFLOAD)."""
+        self._local.eager_to_end = True
+
+    def set_planned(self, planned: bool) -> None:
+        """A plan is in force this step (True) or the regions are being measured (False): the
+        budget (``Budget.set_planned``) evicts at its full size or keeps its in-flight window."""
+        self.budget.set_planned(planned)
+
+    def saved(self) -> Saved:
+        """Bytes and tensors saved through the engine so far: regions measure themselves by the difference."""
+        return Saved(self.counters.saved_bytes, self.counters.saved_tensors)
+
+    def take_largest_saved(self) -> int:
+        """Bytes of the largest storage the store took since the last call (0: none, or no store
+        yet); the next call counts from here. A region reads it at its start and its end."""
+        return 0 if self._store is None else self._store.take_largest()
+
+    def moved_bytes(self) -> int:
+        """Bytes moved off the device so far: a profiling step that moved none ran alone on the device."""
+        return self.counters.offloaded_bytes
+
+    def budget_in_force(self) -> Optional[int]:
+        """The byte budget to plan against now: ``budget_mb``, or with "auto" the latest reading
+        (None before the first eligible tensor was saved: nothing to budget yet)."""
+        return self.budget.bytes
+
+    def region_held(self, nbytes: int) -> None:
+        """A recomputed or selective region holds ``nbytes`` itself now (its forward's saves as the
+        forward ends, or its re-run's values): the peaks of ``Stats.peak_region_bytes`` and
+        ``Stats.peak_held_bytes``."""
+        counters = self.counters
+        counters.peak_region_bytes = max(counters.peak_region_bytes, nbytes)
+        resident = 0 if self._store is None else self._store.resident_bytes
+        counters.peak_held_bytes = max(counters.peak_held_bytes, resident + nbytes)
+
+    def count_recompute(self, dropped_bytes: int = 0) -> None:
+        self.counters.recomputed_regions += 1
+        self.counters.recomputed_bytes += dropped_bytes
+
+    def machine(self) -> MachineProfile:
+        """The machine's transfer costs, for planning (the engine measures them on first use)."""
+        if self._machine is None:
+            raise RuntimeError("offload internal error: this session has no machine profile to plan with")
+        return self._machine()

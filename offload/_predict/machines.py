@@ -1,0 +1,431 @@
+"""Named machines, as plain numbers: what a prediction for a GPU needs to know of it without one.
+
+A ``Machine`` holds the vendor's peak figures (dense bf16 FLOP/s, HBM bandwidth, host link
+bandwidth per direction and both directions at once), its device memory as the device reports it,
+and the ``Assumptions`` a prediction makes of them: which fraction of each peak a training step
+achieves, the fixed cost of one op, the engine's host costs (per saved tensor, per op under a
+dispatch mode), and what the CUDA context and the caching allocator take of the device's memory.
+Peaks are facts with a source (the datasheet named in ``source``); device memory is what the device
+reports (``memory_source``); the compute efficiency of each GPU was calibrated on published
+training runs (``Assumptions.flops_source`` names them; ``bench/results/predict-published.md``
+holds the runs and the check); the other fractions and costs are assumptions, named as such and
+overridable (``with_assumptions``), never measured here.
+
+    Machine ──achieved_flops(), achieved_memory_gb_per_s()──▶ roofline per op (_predict_count)
+            ├─usable_memory_bytes()──▶ "does it fit on this device"
+            └─machine_profile()──▶ MachineProfile ──▶ planner (the link's achieved bandwidth)
+
+The machine at hand comes from measurements instead (``from_probe``): ``offload.probe()``'s link
+figures plus a measured compute rate and copy bandwidth, with every fraction 1 (they are already
+what was achieved; ``this_cpu`` scales them to a timed reference step and records the
+factor in ``compute_scale``). Nothing here touches torch or a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .._cost import MachineProfile
+
+__all__ = ["MACHINES", "Assumptions", "Machine", "from_probe", "get_machine", "machine_names"]
+
+_GB = 1e9
+"""Bandwidths count GB of 1e9 bytes (as ``MachineProfile`` does)."""
+_MIB = 1 << 20
+"""Device memory counts MiB, as ``nvidia-smi`` and ``torch.cuda.get_device_properties`` report it."""
+_TFLOPS = 1e12
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Assumptions:
+    """What a prediction assumes of a machine beyond its datasheet. The defaults are round figures
+    for large transformer layers, not measurements; each named machine carries its own compute
+    efficiency (``flops_fraction``, calibrated, with ``flops_source``); pass your own to
+    ``Machine.with_assumptions``."""
+
+    flops_fraction: float = 0.6
+    """Fraction of peak dense FLOP/s a training step's matmuls achieve on this machine. Named
+    machines carry one calibrated on published runs (``flops_source``); 0.6 is a round figure."""
+    flops_source: str = "a round figure (0.6), not calibrated"
+    """Where ``flops_fraction`` comes from: the published runs it was calibrated on, or who set it."""
+    memory_fraction: float = 0.8
+    """Fraction of peak HBM bandwidth a memory-bound op (elementwise, norm, softmax) achieves."""
+    link_fraction: float = 0.8
+    """Fraction of the host link's figure per direction that a pinned copy achieves (1 where the
+    machine's link figures are measured copies already)."""
+    op_overhead_us: float = 4.0
+    """Fixed cost of one op (kernel launch and dispatch), microseconds: what a tiny op costs."""
+    per_tensor_overhead_us: float = 10.0
+    """The engine's fixed cost per saved tensor it moves (pack, unpack, pool lookup, event), us;
+    the planner's ``MachineProfile.per_tensor_overhead_us``."""
+    held_tensor_overhead_us: float = 15.0
+    """The engine's host cost per saved tensor its store takes, kept or moved (the Python pack and
+    unpack hooks and the store's bookkeeping), us; the planner's
+    ``MachineProfile.held_tensor_overhead_us``. An assumption: a host CPU's Python costs the same
+    order on a GPU machine as on the 2-core Xeon VM of ``bench/results/overhead-cpu.json`` (~17 us
+    at budget None); charged in full, though where the GPU's queue runs ahead of the host it hides."""
+    dispatch_overhead_us: float = 5.0
+    """Host cost of one op dispatched under a Python ``TorchDispatchMode`` (a selective region's
+    stash and replay modes), us; the planner's ``MachineProfile.dispatch_overhead_us``. Measured on
+    a CPU, not on a GPU machine's host: ``this_cpu._dispatch_overhead_us`` took 4.2-5.3 us
+    an op in the runs of ``bench/predict_published.py`` on the 2-vCPU Xeon VM with torch 2.13
+    (``bench/results/predict-published.md`` records its latest three); a GPU machine's host runs
+    the same Python per op."""
+    context_mib: float = 400.0
+    """Device memory the CUDA context takes before the first tensor, MiB: "around 400MB if CUDA
+    >= 11.7 is used and lazy module loading enabled (default in PyTorch)" (a PyTorch maintainer,
+    https://github.com/pytorch/pytorch/issues/109888). 0 on a CPU."""
+    allocator_fraction: float = 0.05
+    """Fraction of the device's memory the caching allocator holds without handing it out
+    (blocks rounded up, fragments between them, cuBLAS workspaces). An assumption, not a
+    measurement: it depends on the model and the allocator's settings (expandable segments take
+    less). 0 on a CPU."""
+
+    def __post_init__(self) -> None:
+        for name in ("flops_fraction", "memory_fraction", "link_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"Assumptions.{name} must be a number in (0, 1], got {value!r}; 1 means the peak")
+        allocator = self.allocator_fraction
+        if isinstance(allocator, bool) or not isinstance(allocator, (int, float)) or not 0 <= allocator < 1:
+            raise ValueError(
+                f"Assumptions.allocator_fraction must be a number in [0, 1), got {self.allocator_fraction!r}; "
+                "0 means the allocator hands out every byte"
+            )
+        for name in (
+            "op_overhead_us",
+            "per_tensor_overhead_us",
+            "held_tensor_overhead_us",
+            "dispatch_overhead_us",
+            "context_mib",
+        ):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value >= 0)
+            ):
+                unit = "MiB" if name.endswith("_mib") else "microseconds"
+                raise ValueError(f"Assumptions.{name} must be a finite number >= 0 ({unit}), got {value!r}")
+        if not isinstance(self.flops_source, str):
+            raise TypeError(f"Assumptions.flops_source must be a string, got {self.flops_source!r}")
+
+
+MEASURED = Assumptions(
+    flops_fraction=1.0,
+    flops_source="measured here",
+    memory_fraction=1.0,
+    link_fraction=1.0,
+    context_mib=0.0,
+    allocator_fraction=0.0,
+)
+"""The fractions of a machine whose figures were measured (``from_probe``): already achieved."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Machine:
+    """One machine's figures (see the module docstring). Bandwidths in GB/s of 1e9 bytes."""
+
+    name: str
+    device_type: str
+    """``"cuda"`` or ``"cpu"``: what sits behind the link (pinned host memory, or the spill disk)."""
+    peak_flops: float
+    """Peak dense bf16 FLOP/s (without structured sparsity)."""
+    memory_gb_per_s: float
+    """Peak device memory (HBM) bandwidth."""
+    memory_bytes: int
+    """Device memory, bytes, as the device reports it (``nvidia-smi``'s total in MiB x 2**20)."""
+    link_out_gb_per_s: float
+    """Host link, device to host, one direction alone (CPU: the spill disk's write)."""
+    link_back_gb_per_s: float
+    """Host link, host to device, one direction alone (CPU: the spill disk's read)."""
+    link_both_gb_per_s: float
+    """Host link, both directions at once, summed (the datasheet's "bidirectional" figure)."""
+    link: str
+    """What the link is: "PCIe Gen5 x16", "NVLink-C2C", "spill disk"."""
+    source: str
+    """Where the figures come from: datasheet name and URL, or "measured here"."""
+    memory_source: str = ""
+    """Where ``memory_bytes`` comes from: a device's report, with its URL."""
+    assumptions: Assumptions = Assumptions()
+    spare_cores: int = 0
+    """CPU only: cores beyond torch's threads, free for the spill threads
+    (``MachineProfile.spare_cores``; ``from_probe`` takes the probe's)."""
+    compute_scale: float = 1.0
+    """A measured machine: the factor its microbenchmarked FLOP/s and memory bandwidth were scaled
+    by to price a timed reference step as long as it took (``this_cpu.calibrate_compute``);
+    1 for a named machine and an uncalibrated measurement."""
+
+    def __post_init__(self) -> None:
+        if self.device_type not in ("cuda", "cpu"):
+            raise ValueError(f"Machine.device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
+        if isinstance(self.spare_cores, bool) or not isinstance(self.spare_cores, int) or self.spare_cores < 0:
+            raise ValueError(f"Machine {self.name!r}: spare_cores must be an int >= 0, got {self.spare_cores!r}")
+        scale = self.compute_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"Machine {self.name!r}: compute_scale must be a finite number > 0, got {scale!r}")
+        for name in ("peak_flops", "memory_gb_per_s", "link_out_gb_per_s", "link_back_gb_per_s", "link_both_gb_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Machine {self.name!r}: {name} must be a finite number > 0, got {value!r}")
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
+            raise ValueError(f"Machine {self.name!r}: memory_bytes must be an int > 0, got {self.memory_bytes!r}")
+
+    def achieved_flops(self) -> float:
+        """FLOP/s a matmul achieves: peak x ``flops_fraction``."""
+        return self.peak_flops * self.assumptions.flops_fraction
+
+    def achieved_memory_gb_per_s(self) -> float:
+        """Bandwidth a memory-bound op achieves: peak x ``memory_fraction``."""
+        return self.memory_gb_per_s * self.assumptions.memory_fraction
+
+    def usable_memory_bytes(self) -> int:
+        """Device memory a training step can have: what the device reports, less the CUDA context
+        (``Assumptions.context_mib``) and what the caching allocator holds back
+        (``Assumptions.allocator_fraction``)."""
+        a = self.assumptions
+        return max(0, int(self.memory_bytes * (1 - a.allocator_fraction) - a.context_mib * _MIB))
+
+    def achieved_link_gb_per_s(self) -> tuple[float, float, float]:
+        """(out alone, back alone, each direction while both run), GB/s, the engine's copies achieve."""
+        fraction = self.assumptions.link_fraction
+        return (
+            self.link_out_gb_per_s * fraction,
+            self.link_back_gb_per_s * fraction,
+            self.link_both_gb_per_s / 2 * fraction,
+        )
+
+    def machine_profile(self) -> MachineProfile:
+        """What the planner reads: the link's achieved bandwidth each way and the host costs.
+        The planner's timeline runs copies out in the forward and reloads in the backward, each
+        direction mostly alone, so it gets the one-direction figures."""
+        out_gb_per_s, back_gb_per_s, _ = self.achieved_link_gb_per_s()
+        host = MachineProfile(
+            device_type=self.device_type,
+            device_name=self.name,
+            per_tensor_overhead_us=self.assumptions.per_tensor_overhead_us,
+            held_tensor_overhead_us=self.assumptions.held_tensor_overhead_us,
+            dispatch_overhead_us=self.assumptions.dispatch_overhead_us,
+        )
+        if self.device_type == "cpu":
+            return dataclasses.replace(
+                host, disk_write_gb_per_s=out_gb_per_s, disk_read_gb_per_s=back_gb_per_s, spare_cores=self.spare_cores
+            )
+        return dataclasses.replace(host, d2h_gb_per_s=out_gb_per_s, h2d_gb_per_s=back_gb_per_s)
+
+    def with_assumptions(self, **changes: float | str) -> Machine:
+        """This machine with some assumptions replaced, e.g. ``flops_fraction=0.45`` (its
+        ``flops_source`` then says it was given, unless given too)."""
+        names = [f.name for f in dataclasses.fields(Assumptions)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise ValueError(f"unknown assumptions {unknown}; valid ones are: {', '.join(names)}")
+        if "flops_fraction" in changes and "flops_source" not in changes:
+            changes["flops_source"] = f"given ({changes['flops_fraction']})"
+        return dataclasses.replace(self, assumptions=dataclasses.replace(self.assumptions, **changes))  # type: ignore[arg-type]  # validated by Assumptions
+
+
+_A100_SOURCE = (
+    "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column): BF16 312 TFLOPS dense, HBM2e 2,039 GB/s, "
+    "80 GB; PCIe Gen4 x16 64 GB/s bidirectional; https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
+    "a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
+)
+_H100_SOURCE = (
+    "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 (SXM) / 1,513 (PCIe) TFLOPS with sparsity, half that "
+    "dense; HBM3 3.35 TB/s (SXM), HBM2e 2 TB/s (PCIe); 80 GB; PCIe Gen5 128 GB/s bidirectional; "
+    "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
+)
+_H200_SOURCE = (
+    "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): BF16 1,979 TFLOPS with sparsity (989 dense), HBM3e "
+    "4.8 TB/s, 141 GB; PCIe Gen5 128 GB/s bidirectional; https://www.nvidia.com/en-us/data-center/h200/"
+)
+_GH200_SOURCE = (
+    "NVIDIA GH200 Grace Hopper Superchip datasheet (96 GB HBM3 version): H100 GPU, BF16 1,979 TFLOPS with "
+    "sparsity (989 dense), HBM3 4 TB/s; NVLink-C2C 900 GB/s bidirectional to the Grace CPU's LPDDR5X; "
+    "https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip. Link as measured, each way alone: "
+    "host to device 346 GB/s (copy engine, nvbandwidth; https://github.com/NVIDIA/nvbandwidth/issues/23), device "
+    "to host 300 GB/s (the same report: host to device is ~15 % faster; Fusco et al., arXiv 2408.11556, measured "
+    "297 GB/s on the Alps GH200)"
+)
+
+# Device memory as the device reports it (nvidia-smi's total, MiB).
+_H100_MEMORY = (
+    "nvidia-smi: 81559MiB on an H100 80GB HBM3 (SXM), https://github.com/NVIDIA/nccl/issues/1264, and on "
+    "Modal's H100s, https://github.com/modal-labs/modal-client/pull/2797"
+)
+_H100_PCIE_MEMORY = (
+    "nvidia-smi: 81559MiB on an H100 PCIe: not found in a report with an address here; the H100 SXM's figure, "
+    "the same 80 GB of HBM"
+)
+_A100_MEMORY = "nvidia-smi: 81920MiB on an A100 80GB, https://github.com/modal-labs/modal-client/pull/2797"
+_H200_MEMORY = "nvidia-smi: 143771MiB on an H200, https://github.com/NVIDIA/cuda-samples/issues/311"
+_GH200_MEMORY = (
+    "no report of nvidia-smi's total found for the 96 GB GH200: the datasheet's 96 GB, 96e9 bytes (an H100 80GB "
+    "reports more than its datasheet's 80e9)"
+)
+
+# The compute efficiency of each GPU: calibrated by bench/predict_published.py on the calibration
+# half of the published runs in bench/results/predict-published.md (the other half is the check).
+_LLM_FOUNDRY = (
+    "https://github.com/mosaicml/llm-foundry/blob/061f2c7ce64e655100286584a7629e2a09f827ba/scripts/train/"
+    "benchmarking/README.md"
+)
+_A100_EFFICIENCY = Assumptions(
+    flops_fraction=0.69,
+    flops_source=(
+        "calibrated on MosaicML's A100 80GB bf16 runs of MPT 1b, 3b, 7b, 13b and 30b at sequence 2048 on 8 GPUs "
+        f"(tokens/s/GPU as published, {_LLM_FOUNDRY}); checked on their runs at 8192: "
+        "bench/results/predict-published.md"
+    ),
+)
+_H100_EFFICIENCY = Assumptions(
+    flops_fraction=0.49,
+    flops_source=(
+        "calibrated on MosaicML's H100 80GB bf16 runs of MPT 1b, 7b, 13b and 30b at sequence 2048 and 3b at 4096 "
+        f"on 8 GPUs (tokens/s/GPU as published, {_LLM_FOUNDRY}); checked on their runs at 4096-8192: "
+        "bench/results/predict-published.md"
+    ),
+)
+_HOPPER_UNCALIBRATED = (
+    "the H100 SXM's figure, not calibrated on this machine: no published training run of it was found; its "
+    "SMs are the H100's"
+)
+
+MACHINES: dict[str, Machine] = {
+    m.name: m
+    for m in (
+        Machine(
+            name="a100-80gb-sxm",
+            device_type="cuda",
+            peak_flops=312 * _TFLOPS,
+            memory_gb_per_s=2039,
+            memory_bytes=81920 * _MIB,
+            link_out_gb_per_s=32,
+            link_back_gb_per_s=32,
+            link_both_gb_per_s=64,
+            link="PCIe Gen4 x16",
+            source=_A100_SOURCE,
+            memory_source=_A100_MEMORY,
+            assumptions=_A100_EFFICIENCY,
+        ),
+        Machine(
+            name="h100-sxm",
+            device_type="cuda",
+            peak_flops=989 * _TFLOPS,
+            memory_gb_per_s=3350,
+            memory_bytes=81559 * _MIB,
+            link_out_gb_per_s=64,
+            link_back_gb_per_s=64,
+            link_both_gb_per_s=128,
+            link="PCIe Gen5 x16",
+            source=_H100_SOURCE,
+            memory_source=_H100_MEMORY,
+            assumptions=_H100_EFFICIENCY,
+        ),
+        Machine(
+            name="h100-pcie",
+            device_type="cuda",
+            peak_flops=756 * _TFLOPS,
+            memory_gb_per_s=2000,
+            memory_bytes=81559 * _MIB,
+            link_out_gb_per_s=64,
+            link_back_gb_per_s=64,
+            link_both_gb_per_s=128,
+            link="PCIe Gen5 x16",
+            source=_H100_SOURCE,
+            memory_source=_H100_PCIE_MEMORY,
+            assumptions=dataclasses.replace(_H100_EFFICIENCY, flops_source=_HOPPER_UNCALIBRATED),
+        ),
+        Machine(
+            name="h200",
+            device_type="cuda",
+            peak_flops=989 * _TFLOPS,
+            memory_gb_per_s=4800,
+            memory_bytes=143771 * _MIB,
+            link_out_gb_per_s=64,
+            link_back_gb_per_s=64,
+            link_both_gb_per_s=128,
+            link="PCIe Gen5 x16",
+            source=_H200_SOURCE,
+            memory_source=_H200_MEMORY,
+            assumptions=dataclasses.replace(_H100_EFFICIENCY, flops_source=_HOPPER_UNCALIBRATED),
+        ),
+        Machine(
+            name="gh200",
+            device_type="cuda",
+            peak_flops=989 * _TFLOPS,
+            memory_gb_per_s=4000,
+            memory_bytes=96 * 10**9,
+            link_out_gb_per_s=300,
+            link_back_gb_per_s=346,
+            link_both_gb_per_s=600,  # not measured: twice the slower direction, as from_probe takes it
+            link="NVLink-C2C",
+            source=_GH200_SOURCE,
+            memory_source=_GH200_MEMORY,
+            # the link figures are measured copies: no fraction of them is taken off
+            assumptions=dataclasses.replace(_H100_EFFICIENCY, flops_source=_HOPPER_UNCALIBRATED, link_fraction=1.0),
+        ),
+    )
+}
+"""The named machines, by ``Machine.name``. Read-only by convention: ``with_assumptions`` makes a changed copy."""
+
+
+def machine_names() -> tuple[str, ...]:
+    """Names ``get_machine`` takes, sorted."""
+    return tuple(sorted(MACHINES))
+
+
+def get_machine(name: str) -> Machine:
+    """The named machine; a ``ValueError`` lists the names where ``name`` is none of them."""
+    if name not in MACHINES:
+        raise ValueError(
+            f"unknown machine {name!r}; named machines are: {', '.join(machine_names())} "
+            "(or pass machine=offload.probe() for this one)"
+        )
+    return MACHINES[name]
+
+
+def from_probe(
+    profile: MachineProfile,
+    *,
+    flops: float,
+    memory_gb_per_s: float,
+    memory_bytes: int,
+    op_overhead_us: float,
+    held_tensor_overhead_us: float = 0.0,
+    dispatch_overhead_us: float = 0.0,
+) -> Machine:
+    """The machine ``profile`` (from ``offload.probe()``) was measured on, as a ``Machine``: its
+    link (device <-> host on CUDA, the spill disk on the CPU) and per-tensor cost from the probe,
+    with the matmul rate ``flops`` (FLOP/s), copy bandwidth, per-op cost and the engine's host
+    costs (``Assumptions``; 0: not measured, not charged) measured beside it.
+    Every fraction is 1: the figures are what was achieved. Both directions at once were not
+    measured: twice the slower one stands for it (the planner does not read it)."""
+    out_gb_per_s, back_gb_per_s = profile.offload_gb_per_s()
+    if not (out_gb_per_s > 0 and back_gb_per_s > 0):
+        raise ValueError(
+            f"the probe measured an unusable link ({out_gb_per_s} GB/s out, {back_gb_per_s} GB/s back); "
+            "run offload.probe(refresh=True), or pass a named machine"
+        )
+    return Machine(
+        name=f"probe:{profile.device_type}:{profile.device_name}" if profile.device_name else "probe",
+        device_type=profile.device_type,
+        peak_flops=flops,
+        memory_gb_per_s=memory_gb_per_s,
+        memory_bytes=memory_bytes,
+        link_out_gb_per_s=out_gb_per_s,
+        link_back_gb_per_s=back_gb_per_s,
+        link_both_gb_per_s=2 * min(out_gb_per_s, back_gb_per_s),
+        link="spill disk" if profile.device_type == "cpu" else "device <-> pinned host",
+        source="measured here: offload.probe() for the link; a timed matmul, copy and tiny op for the compute",
+        memory_source="this machine's RAM (psutil)",
+        assumptions=dataclasses.replace(
+            MEASURED,
+            op_overhead_us=op_overhead_us,
+            per_tensor_overhead_us=profile.per_tensor_overhead_us,
+            held_tensor_overhead_us=held_tensor_overhead_us,
+            dispatch_overhead_us=dispatch_overhead_us,
+        ),
+        spare_cores=profile.spare_cores,
+    )

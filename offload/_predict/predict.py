@@ -1,0 +1,214 @@
+"""Predict before renting the GPU: memory and step time of every policy, from the model alone.
+
+``predict(model, *example_args, machine=...)`` runs one training step (forward, loss, backward;
+no optimizer step) of a copy of ``model`` on the meta device: the copy's parameters and every
+activation are meta tensors, shapes and dtypes without memory, so a 7B-class model predicts on a
+laptop. The model's own parameters are never read, moved or copied.
+
+    model ──▶ _predict_step    a meta copy; one step on meta under region hooks, saved-tensor
+                               hooks and a dispatch mode
+          ──▶ _predict_count   per region: bytes saved, FLOPs, bytes touched, and each op's roofline
+                               time on ``machine``:
+                                   max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + op cost
+          ──▶ RegionProfile per region (bytes counted; times predicted)
+          ──▶ _predict_plan    the plan of ``policy`` at ``budget_mb``; every policy at every budget,
+                               with what it needs of the device; the longest sequence each fits
+          ──▶ _prediction      ``Prediction``: whether it fits, its table, what it assumed, JSON, plot
+
+``machine`` is a named one (``machines``: datasheet peaks, calibrated compute efficiency,
+assumed fractions) or this CPU, measured (``this_cpu``). This module checks what the user
+passed, adds the parameters, gradients and optimizer state (``train_state.OptimizerState``) and
+the step's largest transient to the step's memory, and keeps the names the package and the
+benchmarks import from ``offload._predict.predict``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional, Union
+
+import torch
+
+from .._config import DEFAULT_MIN_OFFLOAD_BYTES
+from .._cost import MB, MachineProfile, Scope
+from .._regions.regions import RegionsArg
+from .count import RegionCount
+from .fake_step import Attention, fake_step
+from .machines import Machine, get_machine
+from .prediction import EXCLUDES, Prediction, write_plot
+from .table import (
+    BUDGET_FRACTIONS,
+    POLICIES,
+    WITHOUT_ENGINE,
+    DeviceMemory,
+    Longest,
+    PolicyPoint,
+    held_bytes,
+    longest_sequences,
+    plan_policy,
+    policy_points,
+)
+from .this_cpu import measure_machine
+from .train_state import MIXED_PRECISION, OptimizerState
+
+__all__ = [
+    "BUDGET_FRACTIONS",
+    "EXCLUDES",
+    "POLICIES",
+    "Attention",
+    "Longest",
+    "WITHOUT_ENGINE",
+    "OptimizerState",
+    "Prediction",
+    "PolicyPoint",
+    "RegionCount",
+    "held_bytes",
+    "measure_machine",
+    "predict",
+    "write_plot",
+]
+
+
+def _machine(machine: Union[str, Machine, MachineProfile], dtype: torch.dtype) -> Machine:
+    if isinstance(machine, Machine):
+        return machine
+    if isinstance(machine, str):
+        return get_machine(machine)
+    if isinstance(machine, MachineProfile):
+        return measure_machine(machine, dtype=dtype)  # timed in the model's own dtype
+    raise TypeError(
+        f"machine= takes a machine name, an offload._predict.machines.Machine or offload.probe()'s MachineProfile, "
+        f"got {type(machine).__name__}"
+    )
+
+
+def _check_fractions(budgets: Sequence[float]) -> tuple[float, ...]:
+    fractions = tuple(budgets)
+    for f in fractions:
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (math.isfinite(f) and f >= 0):
+            raise ValueError(f"budgets= are fractions of the peak without the engine (1.0 = 100 %), got {f!r}")
+    return fractions
+
+
+def predict(
+    model: torch.nn.Module,
+    *example_args: Any,
+    machine: Union[str, Machine, MachineProfile] = "h100-sxm",
+    budget_mb: Optional[float] = None,
+    policy: str = "auto",
+    regions: RegionsArg = "auto",
+    example_kwargs: Optional[dict] = None,
+    budgets: Sequence[float] = BUDGET_FRACTIONS,
+    attention: Union[Attention, str] = Attention.FUSED,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    state: OptimizerState = MIXED_PRECISION,
+    state_bytes_per_param: Optional[float] = None,
+    longest_in: Optional[Callable[[int], tuple[tuple, dict]]] = None,
+    memory_bytes: Optional[int] = None,
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    attention_source: str = "",
+    assume: Optional[Mapping[str, float]] = None,
+) -> Prediction:
+    """Predict one training step of ``model(*example_args, **example_kwargs)`` on ``machine``.
+
+    ``machine``: a name (``offload._predict.machines.machine_names()``), a ``Machine`` (e.g. a named one
+    ``.with_assumptions(flops_fraction=0.5)``), or ``offload.probe()`` for this machine (its
+    compute is then measured: ``measure_machine``). ``budget_mb`` and ``policy`` choose
+    ``Prediction.plan``; ``budgets`` are the fractions of the peak without the engine at which
+    every policy in ``POLICIES`` is tabled. ``regions`` as for ``offload.engine`` (modules of
+    ``model`` are mapped onto its copy). ``attention``: ``"fused"`` (the default: SDPA counted as
+    the target's fused kernel, no sequence² scores) or ``"as-written"`` (what the model's code
+    saves on its own: a model running eager attention); ``attention_source`` says where that
+    choice came from, for the printout. ``state``: the dtypes of the gradients, master weights and
+    optimizer moments (default: bf16/fp16 training with fp32 master weights and Adam's moments in
+    fp32, ``OptimizerState``); ``state_bytes_per_param`` overrides it with one figure.
+    ``longest_in(seq) -> (args, kwargs)``: inputs at another sequence length; with it, the longest
+    sequence fitting the device under each policy is searched. ``memory_bytes``: device memory the
+    step may use (default: the machine's usable memory, ``Machine.usable_memory_bytes``). Raises
+    ``OffloadError`` for an op that cannot run on meta tensors, naming it.
+
+    Examples:
+        A model built on the meta device allocates no weights; the prediction says whether a step
+        fits an H100 and what the plan for a 64 MB budget keeps:
+
+        >>> import torch, offload
+        >>> from offload.models import GPTConfig, MiniGPT
+        >>> with torch.device("meta"):
+        ...     model = MiniGPT(GPTConfig(n_layer=4, n_embd=512, n_head=8, seq_len=1024))
+        >>> tokens = torch.zeros(2, 1024, dtype=torch.long, device="meta")
+        >>> prediction = offload.predict(model, tokens, tokens, machine="h100-sxm", budget_mb=64)
+        >>> prediction.plan.fits_budget, prediction.points[0].fits_device
+        (True, True)
+    """
+    start = time.perf_counter()
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    target = _machine(machine, dtype)
+    if assume:
+        target = target.with_assumptions(**dict(assume))
+    fractions = _check_fractions(budgets)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; predict compares: {', '.join(POLICIES)}")
+    attention = Attention.of(attention)
+    if not isinstance(state, OptimizerState):
+        raise TypeError(f"state= takes an offload._predict.predict.OptimizerState, got {state!r}")
+    kwargs = dict(example_kwargs or {})
+    run = fake_step(model, example_args, kwargs, target, regions, attention, loss_fn, min_offload_bytes)
+    num_parameters = sum(p.numel() for p in model.parameters())
+    if state_bytes_per_param is None:
+        per_param = state.bytes_per_parameter(dtype)
+        state_text = state.describe(dtype)
+    else:
+        per_param = float(state_bytes_per_param)
+        state_text = f"{per_param:g} bytes per parameter besides it (given)"
+    state_bytes = int(num_parameters * per_param)
+    counts = run.counts
+    profiles = tuple(c.profile() for c in counts)
+    other_ms = sum(c.forward_ms + c.backward_ms for c in counts if c.scope is not Scope.REGION)
+    link = target.machine_profile()
+    budget = None if budget_mb is None else int(budget_mb * MB)
+    plan = plan_policy(profiles, link, policy, budget, other_ms)
+    memory = target.usable_memory_bytes() if memory_bytes is None else int(memory_bytes)
+    device = DeviceMemory(
+        static_bytes=run.parameter_bytes + state_bytes, transient_bytes=run.transient_bytes, usable_bytes=memory
+    )
+    longest: tuple[Longest, ...] = ()
+    if longest_in is not None:
+        base_seq = next((c.input_dims[-2] for c in counts if c.scope is Scope.REGION and len(c.input_dims) >= 3), 2)
+        longest = longest_sequences(
+            model,
+            longest_in,
+            base_seq,
+            target,
+            regions,
+            attention,
+            loss_fn,
+            min_offload_bytes,
+            memory - (run.parameter_bytes + state_bytes),
+        )
+    attention_text = {
+        Attention.FUSED: "fused: SDPA counted as the target's flash kernel (q, k, v, output and log-sum-exp saved; "
+        "grouped-query k and v as they are)",
+        Attention.AS_WRITTEN: "as written: what the model's own code saves (SDPA's math path on meta; eager attention "
+        "saves its sequence² scores)",
+    }[attention]
+    return Prediction(
+        machine=target,
+        regions=counts,
+        other_ms=other_ms,
+        plan=plan,
+        points=policy_points(profiles, link, other_ms, fractions, device),
+        parameter_bytes=run.parameter_bytes,
+        state_bytes=state_bytes,
+        forward_flops=sum(c.forward_flops for c in counts),
+        backward_flops=sum(c.backward_flops for c in counts),
+        longest=longest,
+        longest_memory_bytes=memory if longest_in is not None else 0,
+        assumed=run.assumed,
+        wall_s=time.perf_counter() - start,
+        transient_bytes=run.transient_bytes,
+        memory_bytes=memory,
+        state=state_text,
+        attention=attention_text + (f" ({attention_source})" if attention_source else ""),
+    )

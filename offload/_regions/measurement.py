@@ -1,0 +1,170 @@
+"""One region's figures on a profiling step: forward now, backward when its gradient hooks fire.
+
+Owned by ``Regions`` (which measures) and read by ``_plan.profiler`` (which plans from the profiles):
+
+    forward     saved bytes and tensors through the engine (the store's count, or, on a
+                "recompute" trial, what the recomputed region counted), wall time
+    backward    hooks on the region's output (start) and inputs (end); a recomputed region's
+                backward includes its recompute, timed on its own and taken out
+
+On CUDA every stamp synchronizes the device first, so each figure is device time plus launch
+overhead, the way a step experiences it. CUDA events would avoid the synchronizations; since only
+the few profiling steps pay for them, the simpler wall-clock stamps are used.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from .._cost import RegionProfile
+from .selective import SelectiveProfile
+
+__all__ = ["ForwardClock", "Measurement", "finish_after_backward", "span_ms", "tensors_in"]
+
+
+def finish_after_backward(out: Any, finish: Callable[[], None]) -> None:
+    """Run ``finish`` once the backward that reaches ``out`` (the last region's output) completes."""
+    outputs = [t for t in tensors_in(out) if t.requires_grad]
+    if not outputs:
+        return
+    queued: list[bool] = []
+
+    def queue(grad: torch.Tensor) -> None:
+        if not queued:
+            queued.append(True)
+            torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+    outputs[0].register_hook(queue)  # dies with the output; fires at most once per step's backward
+
+
+def span_ms(measurements: list) -> Optional[float]:
+    """Wall time from the first region's forward start to the end of its backward, ms (None
+    where its backward was not timed): the regions' whole share of a step, head and loss included."""
+    if not measurements or measurements[0].end is None:
+        return None
+    return (measurements[0].end - measurements[0].forward_start) * 1e3
+
+
+def tensors_in(value: Any) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_in(v)]
+    return []
+
+
+class Measurement:
+    """One region on a profiling step (see the module docstring)."""
+
+    def __init__(self, *, name: str, input_bytes: int) -> None:
+        self.name, self.input_bytes = name, input_bytes
+        self.saved_bytes = self.num_tensors = self.largest_tensor_bytes = 0
+        self.forward_start, self.forward_ms = 0.0, 0.0
+        self.recompute_ms = 0.0
+        self.start = self.end = None
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.selective: Optional[SelectiveProfile] = None  # a "recompute" step: what selective would cost
+        self.note = ""
+
+    def add_recompute(self, ms: float) -> None:
+        self.recompute_ms += ms
+
+    def add_selective(self, selective: SelectiveProfile) -> None:
+        self.selective = selective
+        self.note = selective.why_not and f"recomputed whole: {selective.why_not}"
+
+    def time_backward(self, args: tuple, kwargs: dict, out: Any, cuda: Optional[torch.device]) -> None:
+        outputs = [t for t in tensors_in(out) if t.requires_grad]
+        inputs = [t for t in tensors_in(list(args) + list(kwargs.values())) if t.requires_grad]
+        if not (outputs and inputs):
+            return
+
+        def stamp():
+            if cuda is not None:
+                torch.cuda.synchronize(cuda)
+            return time.perf_counter()
+
+        def at_output(grad):
+            if self.start is None:
+                self.start = stamp()
+
+        def at_input(grad):
+            self.end = stamp()
+
+        self._hooks.append(outputs[0].register_hook(at_output))
+        self._hooks.extend(t.register_hook(at_input) for t in inputs)
+
+    def raw_backward_ms(self) -> float:
+        """Measured wall time of the region's backward (its recompute included), or 0 where the
+        hooks did not both fire."""
+        if self.start is None or self.end is None or self.end <= self.start:
+            return 0.0
+        return (self.end - self.start) * 1e3
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def profile(self) -> RegionProfile:
+        raw_ms = self.raw_backward_ms()
+        return RegionProfile(
+            name=self.name,
+            saved_bytes=self.saved_bytes,
+            input_bytes=self.input_bytes,
+            forward_ms=self.forward_ms,
+            num_tensors=self.num_tensors,
+            largest_tensor_bytes=self.largest_tensor_bytes,
+            backward_ms=max(0.0, raw_ms - self.recompute_ms - self.profiling_ms()) if raw_ms > 0 else 0.0,
+            recompute_ms=self.recompute_ms,
+            forward_flops=0 if self.selective is None else self.selective.forward_flops,
+            note=self.note,
+            **self._selective_fields(),
+        )
+
+    def profiling_ms(self) -> float:
+        """Wall time of the extra re-run that measured selective costs (none: 0), ms."""
+        return 0.0 if self.selective is None else self.selective.rerun_ms
+
+    def _selective_fields(self) -> dict:
+        s = self.selective
+        if s is None or s.why_not:
+            return {}
+        return {
+            "selective_ms": s.selective_ms,
+            "cheap_bytes": s.cheap_bytes,
+            "expensive_bytes": s.expensive_bytes,
+            "expensive_tensors": s.expensive_tensors,
+        }
+
+
+class ForwardClock:
+    """A region's forward time on a step under a plan, without synchronizing anything: wall time on
+    the CPU, a pair of CUDA events on CUDA (read once they completed, when the next step begins;
+    None before then)."""
+
+    def __init__(self, cuda: Optional[torch.device]) -> None:
+        self._events: Optional[tuple[torch.cuda.Event, torch.cuda.Event]] = None
+        self._start = self._end = 0.0
+        if cuda is not None:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._end = time.perf_counter()
+
+    def ms(self) -> Optional[float]:
+        if self._events is None:
+            return (self._end - self._start) * 1e3
+        start, end = self._events
+        return start.elapsed_time(end) if end.query() else None
