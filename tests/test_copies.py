@@ -109,6 +109,7 @@ def _assert_plain(twin: torch.nn.Module) -> None:
         assert not held, f"the copy's module {name or '(root)'} holds the engine's {held}"
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("how", COPIES)
 def test_a_copy_computes_and_trains_with_its_own_parameters(form, how, spill_dir):

@@ -99,6 +99,7 @@ ZOO = {
 }
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget={b}")
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_bitwise_equal(name, budget, spill_dir):
@@ -106,6 +107,7 @@ def test_zoo_bitwise_equal(name, budget, spill_dir):
     check_zoo(build(), make_input, spill_dir, budget, **step_kwargs)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("budget", [0, SOME], ids=lambda b: f"budget={b}")
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_bitwise_equal_on_the_host_tier(name, budget, spill_dir):

@@ -926,6 +926,7 @@ def _exception_engine(link, spill_dir):
     return _host_engine(link, 3 * ACT_MB, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
 def test_exception_in_forward_resets(error, tier, spill_dir):
     fail = FailsOnCall(3, error)
@@ -945,6 +946,7 @@ def test_exception_in_forward_resets(error, tier, spill_dir):
     assert list(spill_dir.iterdir()) == []
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
 def test_exception_in_backward_resets(error, tier, spill_dir):
     fail = FailsOnCall(10**9, error)

@@ -85,6 +85,7 @@ def test_a_broken_python_still_leaves_a_whole_summary(tmp_path):
     assert {p["part"]: p["status"] for p in summary["parts"]}["env"] == "failed"
 
 
+@pytest.mark.slow  # runs the benchmark harness or collects the suite in a subprocess
 def test_collection_needs_no_optional_extra(tmp_path):
     """Collect the whole suite with the extras the GPU machine lacks made unimportable (and their
     pytest plugins, hypothesis's and pytest-benchmark's, not loaded: they are not installed there)."""
@@ -123,6 +124,7 @@ def _collected_cuda_tests(paths: list[str]) -> list[str]:
     return sorted(line for line in proc.stdout.splitlines() if "::" in line)
 
 
+@pytest.mark.slow  # runs the benchmark harness or collects the suite in a subprocess
 def test_the_tests_part_collects_every_cuda_test_and_only_their_files():
     """The tests part collects only the files the script's grep finds (collecting all of tests/
     imports transformers, lightning and dynamo): those must hold every cuda-marked test."""
@@ -238,6 +240,7 @@ def test_the_summary_says_first_which_parts_failed_and_why(tmp_path):
     assert verdict["failed"]["step"] == {"status": "failed", "why": [why]}
 
 
+@pytest.mark.slow  # runs the benchmark harness or collects the suite in a subprocess
 def test_an_interrupted_or_time_limited_layers_run_keeps_what_it_measured(tmp_path):
     """The layers part writes its JSON after every case: a time limit skips the cases that would
     not fit and says which; a SIGINT (the part's timeout) keeps every case that finished."""
@@ -298,6 +301,7 @@ def _interrupt_once(command: list[str], ready, timeout_s: float = 240) -> subpro
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
+@pytest.mark.slow  # runs the benchmark harness or collects the suite in a subprocess
 def test_an_interrupted_overhead_run_keeps_what_it_measured(tmp_path):
     out = tmp_path / "overhead.json"
     command = [sys.executable, "bench/overhead.py", "--steps", "100000", "--repeats", "2", "--warmup", "1"]
@@ -313,6 +317,7 @@ def test_an_interrupted_overhead_run_keeps_what_it_measured(tmp_path):
     assert "not measured" in (summary_dir / "summary.md").read_text()
 
 
+@pytest.mark.slow  # runs the benchmark harness or collects the suite in a subprocess
 def test_an_interrupted_step_run_keeps_every_finished_configuration(tmp_path):
     summary = tmp_path / "step" / "summary.json"
 

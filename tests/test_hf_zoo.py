@@ -145,6 +145,7 @@ def reference(name: str, base: torch.nn.Module, policy: str, references: dict) -
     return references[key]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_architecture_under_policy_is_exact(name, policy, references, spill_dir):

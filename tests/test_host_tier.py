@@ -67,6 +67,7 @@ def link(request):
         yield made
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("budget_mb", [0, 0.25, 0.5])
 def test_host_tier_gradients_bitwise_equal(budget_mb, link):
     model, x = _model(), torch.randn(256, 128)

@@ -75,6 +75,7 @@ def _saved_by_sin(eng, settle: bool):
     return x, z, w
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("budget", [None, 0.1, 0], ids=lambda b: f"budget={b}")
 @pytest.mark.parametrize("tier", ["disk", "host"])

@@ -139,6 +139,7 @@ COMPOSITIONS = {
 }
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("name", list(COMPOSITIONS))
 def test_compositions_equal_no_checkpoint_and_torch(name):
     assert_all_equal(COMPOSITIONS[name], leaf(), name)

@@ -363,6 +363,7 @@ def _params(schedules) -> list:
     return [(name, schedule) for name in SCENARIOS for schedule in schedules]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("name, schedule", _params(FAST_SCHEDULES))
 def test_no_race_on_the_engine_as_it_is(name, schedule, spill_dir):
     with detecting(Schedule.named(schedule)) as link:
@@ -513,6 +514,7 @@ def clean_runs(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow  # the mutation check: a run per guard removed
 @pytest.mark.parametrize("guard", list(GUARDS))
 def test_each_guard_removed_is_caught(guard, clean_runs, spill_dir, monkeypatch):
     """Removed, each guard shows a race or a source gone within its schedules; as it is, the same

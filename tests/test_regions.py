@@ -169,6 +169,7 @@ CASES = [("none", "none")] + [
 ]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("policy,budget", CASES, ids=[f"{p}-{b}" for p, b in CASES])
 def test_policy_gradients_equal_no_engine(policy, budget, saved_bytes, reference, spill_dir):
     model = make_model()

@@ -83,6 +83,7 @@ def _check(store: Store) -> None:
         store.residency.check()
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("seed", SEEDS)
 def test_every_entry_is_in_one_place_after_every_operation(seed, tmp_path, monkeypatch, caplog):
     rng = random.Random(seed)

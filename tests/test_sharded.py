@@ -64,6 +64,7 @@ def ranks(request, tmp_path_factory) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
+@pytest.mark.slow  # launches 2 and 4 processes (the `ranks` fixture)
 @needs_gloo
 def test_gradients_bitwise_equal_with_saves_shared(ranks):
     for res in ranks:
@@ -72,6 +73,7 @@ def test_gradients_bitwise_equal_with_saves_shared(ranks):
     assert len(ranks[0]["configs"]) == len(BUDGETS) * len(MODES) * 2
 
 
+@pytest.mark.slow  # launches 2 and 4 processes (the `ranks` fixture)
 @needs_gloo
 def test_each_rank_keeps_its_slice_of_the_shared_saves(ranks):
     for res in ranks:
@@ -93,6 +95,7 @@ def test_each_rank_keeps_its_slice_of_the_shared_saves(ranks):
                 assert shared["gathered_bytes"] == shared["shared_kept_bytes"] * world, where
 
 
+@pytest.mark.slow  # launches 2 and 4 processes (the `ranks` fixture)
 @needs_gloo
 def test_at_budget_zero_a_rank_moves_its_slice_only(ranks):
     for res in ranks:
@@ -104,6 +107,7 @@ def test_at_budget_zero_a_rank_moves_its_slice_only(ranks):
             assert moved_less == shared["shared_bytes"] - shared["shared_kept_bytes"], f"rank {res['rank']}, {mode}"
 
 
+@pytest.mark.slow  # launches 2 and 4 processes (the `ranks` fixture)
 @needs_gloo
 def test_verify_names_a_save_the_ranks_do_not_share(ranks):
     for res in ranks:
@@ -112,6 +116,7 @@ def test_verify_names_a_save_the_ranks_do_not_share(ranks):
         assert str(list(range(1, res["world"]))) in message, message
 
 
+@pytest.mark.slow  # launches 2 and 4 processes (the `ranks` fixture)
 @needs_gloo
 def test_the_edges_of_a_shared_save(ranks):
     for res in ranks:
