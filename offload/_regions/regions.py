@@ -26,29 +26,28 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import functools
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from .._attach import attach, detach
-from .._cost import RegionProfile, Saved, Scope
+from .._cost import Saved
 from .._errors import OffloadError
-from .._memory.session import ForwardMarks, Session
+from .._memory.session import Session
 from .._memory.sharded import Sharding, declaring
 from .._plan.cache import PlanCache
 from .._plan.planner import Decision, Plan
 from .._plan.policy import Policy, get_policy
-from .._plan.profiler import AFTER_NAME, BEFORE_NAME, Measured, Planning, Profiler, ShapePlan, Stage
+from .._plan.profiler import Measured, Planning, Profiler, Stage
 from .blocks import Found, find_blocks
 from .measurement import ForwardClock, Measurement, finish_after_backward, span_ms
 from .module_state import RegionState
 from .selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
+from .steps import AnyStep, PlannedStep, ProfilingStep, Seen, StepPhase, UnplannedStep, begin_step
 
 __all__ = [
     "AUTO",
@@ -205,116 +204,14 @@ _TIMES_SEEN = (Decision.KEEP, Decision.RECOMPUTE, Decision.SELECTIVE)
 """Decisions whose forward is the region's compute alone (no copy started from inside it)."""
 
 
-@dataclasses.dataclass
-class _Seen:
-    """What a step under a plan saw of one region: what it saved through the store (where every
-    save goes there) and its forward's clock (where the forward is its compute alone)."""
-
-    sizes: Optional[Saved]
-    clock: Optional[ForwardClock]
-
-
-class StepPhase(enum.Enum):
-    """Where a step of the regions is. Only the latest step can be awaiting its backward: the next
-    one's first region finishes it before it begins (``Regions.finish_measured_step``)."""
-
-    RUNNING = "running"
-    """Its regions run forward; a step under a plan stays here until the next one begins."""
-    AWAITING_BACKWARD = "awaiting backward"
-    """A profiling step whose last region ran forward: what it measured goes to the profiler when
-    its backward ends, or when the next step begins if that backward never ran."""
-    MEASURED = "measured"
-    """A profiling step whose measurements went to the profiler."""
-
-
-@dataclasses.dataclass(kw_only=True)
-class _Step:
-    """One step of the regions, from its first region's forward on."""
-
-    key: tuple
-    """The first region's input signature."""
-    thread: int
-    """The thread that began it: See Note: [one forward at a time]."""
-    stage: Optional[Stage]
-    """Its profiling stage; None: a plan is in force (or the policy measures nothing)."""
-    entry: Optional[ShapePlan]
-    """The plan it follows (a profiling step's provisional one), or None."""
-    start: float
-    phase: StepPhase = StepPhase.RUNNING
-    """Where it is: a profiling step awaits its backward, then hands the profiler what it measured."""
-    measurements: list[Measurement] = dataclasses.field(default_factory=list)
-    """A profiling step's, in region order."""
-    seen: dict[int, _Seen] = dataclasses.field(default_factory=dict)
-    """A planned step's observations, by region index."""
-    regions_ms: Optional[float] = None
-    """A profiling step's regions' own time (forwards and backwards), once its backward ran."""
-    moved_at_start: int = 0
-    """Bytes the engine had moved off the device when the step began."""
-    moved_in_forward: Optional[int] = None
-    """A profiling step's bytes moved off the device while its regions ran forward."""
-    counted: dict = dataclasses.field(default_factory=dict)
-    """A "recompute" trial's storages counted so far: id -> a weak reference to a tensor on it
-    (Note: [sizes a recompute trial counts])."""
-    marks: Optional[ForwardMarks] = None
-    """The engine's marks of the forward this step is part of (what was saved when it was entered,
-    and when it closed): with the marks below, what the step saves outside its regions."""
-    first_start: Optional[Saved] = None
-    """The totals saved when its first region began (None before it did)."""
-    last_end: Saved = Saved()
-    """The totals saved when its latest region ended."""
-    between: Saved = Saved()
-    """What was saved in the gaps between its regions so far."""
-    largest: int = 0
-    """A "recompute" trial: the largest storage counted in the region running now."""
-
-    def region_starts(self, index: int, saved: Saved) -> None:
-        if self.first_start is None:
-            self.first_start = saved
-        elif index > 0:
-            self.between += saved - self.last_end
-
-    def region_ends(self, saved: Saved) -> None:
-        self.last_end = saved
-
-    def outside(self, now: Saved) -> tuple[Saved, Saved]:
-        """What was saved before and between the regions, and after the last one until the engine
-        was left, or until ``now`` (the totals so far) where it was not left yet: a backward run
-        inside ``with eng:`` saves nothing more, as a rule."""
-        marks = self.marks
-        if marks is None or self.first_start is None:
-            return Saved(), Saved()
-        before = self.first_start - marks.entered + self.between
-        closed = now if marks.closed is None else marks.closed
-        return before, closed - self.last_end
-
-    def outside_profiles(self, now: Saved) -> tuple[RegionProfile, RegionProfile]:
-        before, after = self.outside(now)
-        return (
-            RegionProfile(name=BEFORE_NAME, scope=Scope.BEFORE, saved_bytes=before.nbytes, num_tensors=before.tensors),
-            RegionProfile(name=AFTER_NAME, scope=Scope.AFTER, saved_bytes=after.nbytes, num_tensors=after.tensors),
-        )
-
-    # Note: [sizes a recompute trial counts]
-    #     A recomputed region hands only its inputs to the store, so what it would save had it run
-    #     as is is counted by its own placeholder hooks, by the store's rules: a save the engine
-    #     would take (``Eligibility``) counts as a tensor, and its storage's bytes once per step,
-    #     as the store counts a storage it already holds (an attention mask or rotary table every
-    #     layer saves) no more. The saves a recompute drops are freed when its forward returns, and
-    #     the allocator hands their storages' addresses to the next region's tensors: an id is the
-    #     same storage only while a tensor seen on it is still alive, so each id keeps a weak
-    #     reference to the tensor it was counted for (to its base, for a view made in the region
-    #     of a tensor that outlives it, like a rotary table's).
-    def count(self, eligible: Callable[[torch.Tensor], bool], t: torch.Tensor) -> Optional[int]:
-        if not eligible(t):
-            return None
-        storage = t.untyped_storage()
-        seen = self.counted.get(storage._cdata)
-        if seen is not None and seen() is not None:
-            return 0
-        self.counted[storage._cdata] = weakref.ref(t if t._base is None else t._base)  # a view dies first
-        nbytes = storage.nbytes()
-        self.largest = max(self.largest, nbytes)
-        return nbytes
+def _sends_the_rest_eagerly(step: AnyStep) -> bool:
+    """Whether what is saved after the last region (the head's, the loss's) leaves the device as it
+    is made: on an offload trial, and under a plan whose decision after the regions is offload."""
+    if isinstance(step, ProfilingStep):
+        return step.stage is Stage.OFFLOAD_TRIAL
+    if isinstance(step, PlannedStep):
+        return step.entry.plan.decision_after() is Decision.OFFLOAD
+    return False
 
 
 class NoRegions:
@@ -374,7 +271,7 @@ class Regions:
         """The profiling stage of each recent step, oldest first; None: the step followed a plan."""
         self.profiled: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
         """What each recent profiling step measured (``ProfiledStep``), oldest first."""
-        self._step: Optional[_Step] = None  # the latest step begun (None before the first)
+        self._step: Optional[AnyStep] = None  # the latest step begun (None before the first)
         self.calls = 0
         """Region forwards run under the engine so far (the engine warns when a step ran none)."""
         self._states = {name: RegionState((module,), name) for name, module in self.regions}
@@ -392,8 +289,9 @@ class Regions:
         if self._step is None:
             return None
         plan = self._profiler.plan_for(self._step.key)
-        if plan is None and self._step.entry is not None:
-            plan = self._profiler.paced(self._step.entry.plan)  # a trial's provisional plan, derived
+        entry = self._step.plan_entry()
+        if plan is None and entry is not None:
+            plan = self._profiler.paced(entry.plan)  # a trial's provisional plan, derived
         return plan
 
     @property
@@ -415,7 +313,8 @@ class Regions:
     def profiling(self) -> bool:
         """True while the latest inputs still have profiling steps to run (or none ran yet)."""
         step = self._step
-        if step is not None and step.phase is StepPhase.AWAITING_BACKWARD and self._policy.measures:
+        awaiting = isinstance(step, ProfilingStep) and step.phase is StepPhase.AWAITING_BACKWARD
+        if awaiting and self._policy.measures:
             return True
         return self._profiler.profiling(None if step is None else step.key)
 
@@ -459,15 +358,14 @@ class Regions:
             if step is None:
                 return self._run(self._decision(index), forward, args, kwargs, name, module)
             step.region_starts(index, self._session.saved())
-            if step.stage is not None:
+            if isinstance(step, ProfilingStep):
                 out = self._measure(step, index, name, module, forward, args, kwargs)
             else:
                 out = self._planned(step, index, name, module, forward, args, kwargs)
             step.region_ends(self._session.saved())
             if index == len(self.regions) - 1:
                 step.moved_in_forward = self._session.moved_bytes() - step.moved_at_start
-                after = Decision.KEEP if step.entry is None else step.entry.plan.decision_after()
-                if step.stage is Stage.OFFLOAD_TRIAL or (step.stage is None and after is Decision.OFFLOAD):
+                if _sends_the_rest_eagerly(step):
                     self._session.eagerly_to_end()  # the head's and the loss's saves leave as they are made
             return out
 
@@ -475,7 +373,7 @@ class Regions:
         return region_forward
 
     # Note: [one forward at a time]
-    #     A step of the regions is one record (``_Step``): the profiler's stage, the measurements,
+    #     A step of the regions is one record (``steps``): the profiler's stage, the measurements,
     #     what the step saw. Two threads running forwards through one engine's regions at once
     #     would write into one record (a profiling step then holds 13 measurements for 14 regions,
     #     or a negative size outside the regions). So an engine with regions lets one thread in at
@@ -499,7 +397,7 @@ class Regions:
 
     def _planned(
         self,
-        step: _Step,
+        step: Union[PlannedStep, UnplannedStep],
         index: int,
         name: str,
         module: torch.nn.Module,
@@ -509,7 +407,7 @@ class Regions:
     ) -> Any:
         """A region on a step under a plan: its decision, and what the step sees of it."""
         decision = self._decision(index)
-        if step.entry is None:
+        if isinstance(step, UnplannedStep):
             return self._run(decision, forward, args, kwargs, name, module)
         clock = ForwardClock(_cuda_device(args, kwargs)) if decision in _TIMES_SEEN else None
         saved_before = self._session.saved()
@@ -517,7 +415,7 @@ class Regions:
         sizes = self._session.saved() - saved_before
         if clock is not None:
             clock.stop()
-        step.seen[index] = _Seen(sizes if decision in _SIZES_SEEN else None, clock)
+        step.seen[index] = Seen(sizes if decision in _SIZES_SEEN else None, clock)
         return out
 
     def _run(
@@ -564,9 +462,9 @@ class Regions:
         return out
 
     def _decision(self, index: int) -> Decision:
-        step = self._step
-        if step is not None and step.entry is not None:
-            return step.entry.plan.regions[index].decision
+        entry = None if self._step is None else self._step.plan_entry()
+        if entry is not None:
+            return entry.plan.regions[index].decision
         return self._policy.unplanned
 
     # ------------------------------------------------------------------ step boundaries
@@ -574,7 +472,11 @@ class Regions:
     def _begin_step(self, args: tuple, kwargs: dict) -> None:
         now = time.perf_counter()
         last = self._step
-        if last is not None and last.phase is StepPhase.AWAITING_BACKWARD and last.thread != threading.get_ident():
+        if (
+            isinstance(last, ProfilingStep)
+            and last.phase is StepPhase.AWAITING_BACKWARD
+            and last.thread != threading.get_ident()
+        ):
             self._abandon(last)  # See Note: [one forward at a time]
         else:
             self.finish_measured_step()  # a measured step whose backward never ran (or ran without its callback)
@@ -582,11 +484,11 @@ class Regions:
             self._end_step(last, now)
         key = _signature(args, kwargs)
         stage, entry = self._profiler.begin(key)
-        step = _Step(
+        step = begin_step(
+            stage,
+            entry,
             key=key,
             thread=threading.get_ident(),
-            stage=stage,
-            entry=entry,
             start=now,
             moved_at_start=self._session.moved_bytes(),
             marks=self._session.marks,
@@ -609,10 +511,12 @@ class Regions:
     #     "step" is one forward with its backward (a micro-batch, under gradient accumulation).
     #     ``other_ms`` (a profiling step's time outside its regions) and the pace of steps under
     #     plans (``_plan.pace``) are both read on this span, so they agree.
-    def _end_step(self, step: _Step, now: float) -> None:
+    def _end_step(self, step: AnyStep, now: float) -> None:
         """What the step before this one leaves for the profiler."""
-        if step.stage is None:
-            if step.entry is not None and len(step.seen) == len(self.regions):  # every region ran
+        if isinstance(step, UnplannedStep):
+            return
+        if isinstance(step, PlannedStep):
+            if len(step.seen) == len(self.regions):  # every region ran
                 self._profiler.step_timed(step.entry, (now - step.start) * 1e3)
             if step.seen:
                 before, after = step.outside(self._session.saved())
@@ -634,25 +538,23 @@ class Regions:
             # See Note: [a step's span]
             self._profiler.other_ms(step.key, max(0.0, (now - step.start) * 1e3 - step.regions_ms))
 
-    def _abandon(self, step: _Step) -> None:
+    def _abandon(self, step: ProfilingStep) -> None:
         """A profiling step another thread's step overtook before its backward ended: its stage
         runs again rather than plan from a backward not measured alone."""
         step.phase = StepPhase.MEASURED
-        assert step.stage is not None  # only a profiling step awaits its backward
         for m in step.measurements:
             m.remove_hooks()
         step.measurements = []  # as a step that never reached its last region: _end_step runs its stage again
 
-    def finish_measured_step(self, step: Optional[_Step] = None) -> None:
+    def finish_measured_step(self, step: Optional[ProfilingStep] = None) -> None:
         """Plan from the last profiling step (``step``, where its backward's callback names it): at
         the end of its backward (a callback queued on the autograd engine), or when the next step
         begins if that backward never ran. A step no longer the latest was overtaken: nothing."""
-        if step is None:
+        if step is None and isinstance(self._step, ProfilingStep):
             step = self._step
         if step is None or step is not self._step or step.phase is not StepPhase.AWAITING_BACKWARD:
             return
         step.phase = StepPhase.MEASURED
-        assert step.stage is not None  # only a profiling step awaits its backward
         for m in step.measurements:
             m.remove_hooks()
         step.regions_ms = sum(m.forward_ms + m.raw_backward_ms() for m in step.measurements)
@@ -680,7 +582,7 @@ class Regions:
 
     def _measure(
         self,
-        step: _Step,
+        step: ProfilingStep,
         index: int,
         name: str,
         module: torch.nn.Module,
