@@ -28,7 +28,7 @@ WORKER = Path(__file__).with_name("plan_cache_worker.py")
 BUDGET_MB = 0.3
 """Below the blocks' saved bytes, so the plan moves something."""
 PROFILE_STEPS = 2
-"""policy "offload" profiles two "measure" steps per input signature (``_regions.regions.PROFILE_STEPS``)."""
+"""policy "offload" profiles two "measure" steps per input signature (``_plan.profiler.PROFILE_STEPS``)."""
 
 
 PACED = ("baseline_step_ms", "predicted_step_ms", "predicted_overhead_ms")

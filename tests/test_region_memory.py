@@ -3,7 +3,7 @@
 Oracle for memory: ``torch.utils.checkpoint`` over the same blocks, and the peak of CPU tensor
 bytes allocated during one step (the profiler's memory events: allocations and frees in order,
 not a clock, so a busy machine does not change it). A recomputed region keeps its re-run's values
-only until each is first unpacked (Note: [a re-run's value goes with its first unpack]), so at
+only while its slot lives (Note: [a re-run's value goes with its slot]), so at
 budget None the engine's step peaks where torch's checkpoint does; what the regions hold beside the
 store is counted (``Stats.peak_region_bytes``, ``Stats.peak_held_bytes``) and ``explain`` shows it.
 """

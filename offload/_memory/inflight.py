@@ -31,7 +31,7 @@ log = logging.getLogger("offload._memory.store")
 """The store's logger: its warnings (a spill write failing, tensors kept over the budget) are the
 store's to users, who filter them by that name, wherever in the store they are raised."""
 
-# See Note: [enum members as module globals] in _entry
+# See Note: [enum members as module globals] in ``entry``
 _LEAVING, _AWAY, _LOADED, _KEPT = Residence.LEAVING, Residence.AWAY, Residence.LOADED, Residence.KEPT
 _DEVICE, _HOST, _DISK = Tier.DEVICE, Tier.HOST, Tier.DISK
 _FILLING, _READY = CopyState.FILLING, CopyState.READY

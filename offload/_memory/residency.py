@@ -13,7 +13,7 @@ and, beside that, in indexes of what is under way or possible for it:
     demoting    entries in ``below`` whose host copy is being written to disk
     climbing    LOADED entries whose load is still on an intermediate tier (disk -> host)
     orphans     spill writes in flight whose entry was released (copies, not entries)
-    held        the LOADED entry kept for its next user (See Note: [held for the next user] in _store)
+    held        the LOADED entry kept for its next user (See Note: [held for the next user] in ``store``)
 
 Byte totals: ``hot_bytes`` (HOT), ``loaded_bytes`` (LOADED) and ``resident_bytes`` (HOT, LEAVING,
 LOADED, KEPT), and the peaks of the last (``note_peak``). ``move`` is the only way an entry's
@@ -35,7 +35,7 @@ __all__ = ["DEVICE_HELD", "Orphan", "Residency"]
 
 DEVICE_HELD = frozenset((Residence.HOT, Residence.LEAVING, Residence.LOADED, Residence.KEPT))
 """Residences whose bytes are on the device and counted in ``resident_bytes``."""
-# See Note: [enum members as module globals] in _entry
+# See Note: [enum members as module globals] in ``entry``
 _HOT = Residence.HOT
 _LEAVING = Residence.LEAVING
 _AWAY = Residence.AWAY
@@ -172,7 +172,7 @@ class Residency:
         Inside pack the new tensor is briefly counted before eviction reacts; it exists on the
         device with or without the engine, so that instant is not the engine's residency. After
         an unpack, the tensor autograd is using now is not counted either: a copy held for its
-        next user over the budget (See Note: [held for the next user] in _store), or ``in_use``, a
+        next user over the budget (See Note: [held for the next user] in ``store``), or ``in_use``, a
         leaving entry whose original served the unpack while its copy out is still on its way (the
         budget fell after its pack: under ``budget_mb="auto"`` someone else took the memory).
         """

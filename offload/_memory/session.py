@@ -125,7 +125,7 @@ class Session:
                 return (
                     t.detach(),
                     t._version,
-                )  # _hooks.pack_passed(t), inline: See Note: [pass through a detached alias]
+                )  # hooks.pack_passed(t), inline: See Note: [pass through a detached alias]
             store = self._store or self._open_store(t.device)
             eager = local.eager or local.eager_to_end
             sharding = declared()

@@ -164,7 +164,7 @@ class _File:
 
     def read(self, extent: Extent, out: torch.Tensor) -> None:
         # Returns nothing: a future's result lives as long as the future, which the store keeps as
-        # a reader of the disk copy (See Note: [a pending does not hold its destination] in _transfer).
+        # a reader of the disk copy (See Note: [a pending does not hold its destination] in ``transfer``).
         dst = out.numpy()
         bounce = self._bounce()
         done = 0

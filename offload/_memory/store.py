@@ -58,7 +58,7 @@ __all__ = ["Handle", "Store"]
 _NO_BATCH = contextlib.nullcontext()
 """What a store without a link enters where one would open a batch (a nullcontext can be re-entered)."""
 
-# See Note: [enum members as module globals] in _entry
+# See Note: [enum members as module globals] in ``entry``
 _HOT, _LEAVING, _AWAY, _LOADED, _KEPT, _RELEASED = (
     Residence.HOT,
     Residence.LEAVING,
@@ -117,7 +117,7 @@ class Store:
     def step_started(self) -> None:
         """The engine is entered (a step starts): read free memory, and give back the pinned pages
         of host slabs dropped during the last step, out of the hot path (See Note: [emptying the
-        pinned cache] in _arena)."""
+        pinned cache] in ``arena``)."""
         self.read_free()
         host = self._host
         if host is not None and host.arena.unreturned_bytes:
@@ -339,7 +339,7 @@ class Store:
         if device is None or device.state is _FILLING:
             device = self._flight.reload_landing(e)
         elif not device.original:
-            device.filled.order_compute()  # See Note: [a reload used on another stream] in _transfer
+            device.filled.order_compute()  # See Note: [a reload used on another stream] in ``transfer``
         if device.original:
             assert h.alias is not None  # the original is still here: the handle has not let it go
             view = h.alias

@@ -103,7 +103,7 @@ class DeviceTier(_Tier):
         self.device = device
         self.empty_storage = torch.empty(0, dtype=torch.uint8, device=device).untyped_storage()
         """A storage of no bytes on the device: every handle's version watch points at it (See
-        Note: [version watch] in _entry), so letting go of an original allocates nothing."""
+        Note: [version watch] in ``entry``), so letting go of an original allocates nothing."""
 
     @property
     def waiting_bytes(self) -> int:

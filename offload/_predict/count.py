@@ -117,7 +117,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _droppable(t: torch.Tensor) -> bool:
-    """``_regions.recompute._droppable``'s rule, for meta tensors too (which it leaves out: a real run
+    """``_regions.recompute.droppable``'s rule, for meta tensors too (which it leaves out: a real run
     never drops them)."""
     base = t if t._base is None else t._base
     if type(t) is not torch.Tensor or type(base) is not torch.Tensor:

@@ -11,7 +11,7 @@ training runs (``Assumptions.flops_source`` names them; ``bench/results/predict-
 holds the runs and the check); the other fractions and costs are assumptions, named as such and
 overridable (``with_assumptions``), never measured here.
 
-    Machine ──achieved_flops(), achieved_memory_gb_per_s()──▶ roofline per op (_predict_count)
+    Machine ──achieved_flops(), achieved_memory_gb_per_s()──▶ roofline per op (``count``)
             ├─usable_memory_bytes()──▶ "does it fit on this device"
             └─machine_profile()──▶ MachineProfile ──▶ planner (the link's achieved bandwidth)
 

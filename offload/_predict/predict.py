@@ -5,15 +5,15 @@ no optimizer step) of a copy of ``model`` on the meta device: the copy's paramet
 activation are meta tensors, shapes and dtypes without memory, so a 7B-class model predicts on a
 laptop. The model's own parameters are never read, moved or copied.
 
-    model ──▶ _predict_step    a meta copy; one step on meta under region hooks, saved-tensor
+    model ──▶ fake_step        a meta copy; one step on meta under region hooks, saved-tensor
                                hooks and a dispatch mode
-          ──▶ _predict_count   per region: bytes saved, FLOPs, bytes touched, and each op's roofline
+          ──▶ count            per region: bytes saved, FLOPs, bytes touched, and each op's roofline
                                time on ``machine``:
                                    max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + op cost
           ──▶ RegionProfile per region (bytes counted; times predicted)
-          ──▶ _predict_plan    the plan of ``policy`` at ``budget_mb``; every policy at every budget,
+          ──▶ table            the plan of ``policy`` at ``budget_mb``; every policy at every budget,
                                with what it needs of the device; the longest sequence each fits
-          ──▶ _prediction      ``Prediction``: whether it fits, its table, what it assumed, JSON, plot
+          ──▶ prediction       ``Prediction``: whether it fits, its table, what it assumed, JSON, plot
 
 ``machine`` is a named one (``machines``: datasheet peaks, calibrated compute efficiency,
 assumed fractions) or this CPU, measured (``this_cpu``). This module checks what the user

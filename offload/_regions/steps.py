@@ -12,7 +12,8 @@ it begins by what the profiler says of its inputs:
                     every region runs the policy's fixed decision, and the step records nothing
 
 Every kind records what was saved outside the regions (before the first, between two, after the
-last), which the profiler prices as the step's "before" and "after" rows.
+last); a profiling or planned step hands it to the profiler, which prices it as the step's
+"before" and "after" rows.
 """
 
 from __future__ import annotations
