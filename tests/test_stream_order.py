@@ -13,6 +13,7 @@ failed. ``test_races.py`` runs the spill-heavy scenarios and removes every guard
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -341,3 +342,58 @@ def test_under_the_switch_every_use_waits_on_its_copy(switch, monkeypatch):
         assert not any(waits), "without the switch a copy already done is not waited for"
     else:
         assert sum(waits) >= 3, "under the switch the copies already done are waited for too"
+
+
+@pytest.mark.parametrize("always_wait", [False, True])
+def test_under_the_switch_a_copy_found_done_is_also_synchronized(always_wait, monkeypatch):
+    """The store lets go of a copy's source (a ``set_`` the sanitizer reads as a write on the
+    compute stream) once the copy's pending says it is done. The sanitizer does not see
+    ``query()``, so under the switch a pending found done synchronizes its event too (free, it is
+    done), which the sanitizer sees; without the switch it does not (See Note: [every wait
+    unconditional under the sanitizer])."""
+    synced: list = []
+    real = hb.EmulatedEvent.synchronize
+    monkeypatch.setattr(hb.EmulatedEvent, "synchronize", lambda self: (synced.append(self), real(self))[1])
+    streams = EmulatedStreams(side_delay_s=0.0001)
+    with streams.watching():
+        link = EmulatedCudaLink(streams, always_wait=always_wait)
+        src, host = torch.ones(NBYTES, dtype=torch.uint8), torch.empty(NBYTES, dtype=torch.uint8)
+        with link.batch():
+            pending = link.d2h(src, host)
+        time.sleep(0.01)  # virtual: the copy lands
+        done = pending.done()
+    streams.close()
+    assert done
+    assert (pending.event in synced) is always_wait
+    assert streams.races == []
+
+
+@pytest.mark.parametrize("always_wait", [False, True])
+def test_under_the_switch_each_reload_destination_has_a_fence_of_its_own(always_wait, monkeypatch):
+    """Two copies back in one batch: without allocation work (no fill) they share the batch's
+    fence on the compute stream, which is safe (nothing is queued on it in between). The sanitizer
+    reads the ``empty`` that makes each destination as a write on the compute stream, after that
+    fence: under the switch each destination's copy waits on a fence recorded after its allocation."""
+    fences: list = []
+    real = hb.EmulatedEvent.record
+    streams = EmulatedStreams(side_delay_s=0.0001)
+
+    def record(self, stream):
+        if stream is streams.compute:
+            fences.append(self)
+        real(self, stream)
+
+    monkeypatch.setattr(hb.EmulatedEvent, "record", record)
+    with streams.watching():
+        link = EmulatedCudaLink(streams, always_wait=always_wait)
+        hosts = [torch.full((NBYTES,), i, dtype=torch.uint8) for i in (1, 2)]
+        with link.batch():
+            reloads = [link.h2d(host, NBYTES) for host in hosts]
+        fences_in_batch = len(fences)
+        for _, pending in reloads:
+            pending.order_compute()
+        landed = [dst.clone() for dst, _ in reloads]
+    streams.close()
+    assert streams.races == []
+    assert [int(t[0]) for t in landed] == [1, 2]
+    assert fences_in_batch == (2 if always_wait else 1), (len(fences), always_wait)

@@ -52,7 +52,11 @@ Note: [every wait unconditional under the sanitizer]
     sees stream waits and synchronizations but not a query's answer, so to it a skipped wait reads
     as a race. With ``always_wait`` (``OFFLOAD_ALWAYS_WAIT=1``, and on by itself under the
     sanitizer) the stream waits at every use, done or not: what the sanitizer checks is then the
-    protocol itself.
+    protocol itself. Two more answers it cannot see are made visible under ``always_wait``:
+    a copy found done by ``query()`` is also synchronized (free once it is done), since the store
+    then lets go of the copy's source (a ``set_``, which the sanitizer reads as a write on the
+    compute stream); and each reload destination gets a fence of its own, since the sanitizer
+    reads the ``empty`` that makes it as a write on the compute stream after the batch's fence.
 
 Note: [events back to their pool]
     A CUDA event costs a driver call to create and another to destroy, and one was made per copy,
@@ -262,7 +266,11 @@ class _CopyEvent:
         self.dst = None if dst is None else weakref.ref(dst)
 
     def done(self) -> bool:
-        return self.event.query()
+        if not self.event.query():
+            return False
+        if self.link.always_wait:  # See Note: [every wait unconditional under the sanitizer]
+            self.event.synchronize()
+        return True
 
     def wait(self) -> None:
         self.event.synchronize()
@@ -471,8 +479,10 @@ class CudaLink:
         See Note: [reload destination on the compute stream].
         """
         alloc_stream = self.streams.current()
-        if self.streams.allocation_queues_work():
-            self._refence(alloc_stream)  # its fill comes after the batch's fence: See Note: [fences before a copy]
+        if self.always_wait or self.streams.allocation_queues_work():
+            # Its fill comes after the batch's fence (See Note: [fences before a copy]); under the
+            # sanitizer its allocation does too (See Note: [every wait unconditional under the sanitizer]).
+            self._refence(alloc_stream)
         dst = self.streams.empty(nbytes)
         stream = self._enter(self._h2d, [alloc_stream])
         with self.streams.using(stream):
