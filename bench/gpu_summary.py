@@ -18,6 +18,9 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 PART_ORDER = ("env", "probe", "step", "predict", "tests", "sanitizer", "overhead", "layers")
+DEADLINE_SKIP = "OFFLOAD_TEST_DEADLINE"
+"""In the reason of a test skipped because its part's time was up (tests/conftest.py): a pytest part
+with such skips did not check everything it was meant to, so it reads "incomplete", not passed."""
 PASSED = ("ok", "no-tests")
 """Part statuses that pass (``no-tests``: pytest collected none, e.g. no CUDA test selected)."""
 REASONS_SHOWN = 3
@@ -55,7 +58,9 @@ def _tests(path: Path):
     failed = [
         case for case in suite.iter("testcase") if case.find("failure") is not None or case.find("error") is not None
     ]
-    return counts | {"failed": [f"{case.get('classname')}::{case.get('name')}" for case in failed]}
+    skips = [case.find("skipped") for case in suite.iter("testcase")]
+    not_run = sum(1 for skip in skips if skip is not None and DEADLINE_SKIP in (skip.get("message") or ""))
+    return counts | {"failed": [f"{case.get('classname')}::{case.get('name')}" for case in failed], "not_run": not_run}
 
 
 def _figures(out: Path) -> dict:
@@ -112,14 +117,26 @@ def _reasons(part: dict, figures: dict, out: Path) -> list[str]:
     elif name in ("tests", "sanitizer") and figures.get(name):
         tests = figures[name]
         reasons = [f"{len(tests['failed'])} of {tests['tests']} failed"] + tests["failed"] if tests["failed"] else []
+        if tests.get("not_run"):
+            reasons.append(f"{tests['not_run']} of {tests['tests']} not run: past the part's time limit")
     reasons = reasons or [_last_line(out, name)]
     if part["status"] == "timeout":
         reasons.insert(0, f"timed out at its limit of {part['limit_s']} s")
     return reasons
 
 
+def _status(part: dict, figures: dict) -> str:
+    """The part's status as the verdict reads it: a pytest part that passed with tests left unrun
+    for lack of time is "incomplete"."""
+    tests = figures.get(part["part"]) if part["part"] in ("tests", "sanitizer") else None
+    if part["status"] in PASSED and tests and tests.get("not_run"):
+        return "incomplete"
+    return part["status"]
+
+
 def verdict(parts: list[dict], figures: dict, out: Path) -> dict:
     """Which parts passed, and why each other did not (``REASONS_SHOWN`` reasons each at most)."""
+    parts = [p if not p else p | {"status": _status(p, figures)} for p in parts]
     passed = [p["part"] for p in parts if p and p["status"] in PASSED]
     skipped = {p["part"]: p["output"] for p in parts if p and p["status"] == "skipped"}
     failed = {

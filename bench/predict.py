@@ -527,7 +527,10 @@ def _gpu_machine(env: dict, probe_file: Path):
     order = ["gh200", "h200", "h100-pcie", "h100-sxm", "a100-80gb-sxm"]
     name = next((n for n in order if n.split("-")[0] in lowered and ("pcie" in lowered) == ("pcie" in n)), "h100-sxm")
     machine = MACHINES[name]
-    probed = json.loads(probe_file.read_text()) if probe_file.exists() else {}
+    try:  # the probe part may have been cut short by its limit, leaving an empty or partial file
+        probed = json.loads(probe_file.read_text()) if probe_file.exists() else {}
+    except ValueError:
+        probed = {}
     if probed.get("d2h_gb_per_s") and probed.get("h2d_gb_per_s"):
         machine = dataclasses.replace(
             machine.with_assumptions(

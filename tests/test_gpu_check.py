@@ -333,3 +333,35 @@ def test_an_interrupted_step_run_keeps_every_finished_configuration(tmp_path):
     payload = json.loads(summary.read_text())
     assert payload["finished"] is False
     assert payload["results"][0]["config"] == "none" and payload["results"][0]["measured_steps"] == 50
+
+
+def test_a_pytest_part_with_tests_left_unrun_past_its_deadline_is_incomplete(tmp_path):
+    """A test skipped because its part's time was up (OFFLOAD_TEST_DEADLINE) was not checked: the
+    part exits 0, but the verdict reads it "incomplete" and says how many, not "passed"."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("env", "tests", "sanitizer"):
+        record = {"part": name, "status": "ok", "rc": 0, "seconds": 5, "limit_s": 60, "output": name}
+        (out / f"{name}.part.json").write_text(json.dumps(record))
+    deadline = '<skipped type="pytest.skip" message="not run: past the part\'s time limit (OFFLOAD_TEST_DEADLINE)"/>'
+    other = '<skipped type="pytest.skip" message="needs two CUDA devices"/>'
+    (out / "tests.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="0" errors="0" skipped="2">'
+        f'<testcase classname="tests.test_cuda" name="test_a"/>'
+        f'<testcase classname="tests.test_cuda" name="test_b">{deadline}</testcase>'
+        f'<testcase classname="tests.test_probe" name="test_c">{other}</testcase>'
+        "</testsuite></testsuites>"
+    )
+    (out / "sanitizer.xml").write_text(
+        '<testsuites><testsuite tests="2" failures="0" errors="0" skipped="1">'
+        f'<testcase classname="tests.test_cuda" name="test_a"/>'
+        f'<testcase classname="tests.test_cuda" name="test_b">{other}</testcase>'
+        "</testsuite></testsuites>"
+    )
+    assert gpu_summary.main([str(out), "9"]) == 0
+    verdict = json.loads((out / "summary.json").read_text())["verdict"]
+    assert verdict["passed"] == ["env", "sanitizer"]
+    assert verdict["failed"] == {
+        "tests": {"status": "incomplete", "why": ["1 of 3 not run: past the part's time limit"]}
+    }
+    assert (out / "summary.md").read_text().splitlines()[2].startswith("**FAILED: 2 of 3 parts passed; failed: tests")
