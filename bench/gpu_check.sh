@@ -182,17 +182,26 @@ run_part predict "$PREDICT_LIMIT_S" predict.json -- \
     "$PY" bench/predict.py --part step --step-dir "$OUT/step" --out "$OUT"
 # Only the files with CUDA tests: collecting all of tests/ imports transformers, lightning and dynamo.
 mapfile -t CUDA_TEST_FILES < <(grep -l 'mark\.cuda' tests/test_*.py)
-# The engine's own CUDA tests first: a part's deadline leaves out the last files, not these.
-mapfile -t CUDA_TEST_FILES < <(printf '%s\n' "${CUDA_TEST_FILES[@]}" | grep '/test_cuda'; printf '%s\n' "${CUDA_TEST_FILES[@]}" | grep -v '/test_cuda')
-# Under the sanitizer (every op walks the Python stack: several times slower) only the stream protocol's own.
-mapfile -t SANITIZER_TEST_FILES < <(printf '%s\n' "${CUDA_TEST_FILES[@]}" | grep '^tests/test_cuda\.py$')
+# The engine's own CUDA tests first: a part's deadline leaves out the last files, not these. Under
+# the sanitizer (every op walks the Python stack: several times slower) only the stream protocol's.
+ENGINE_TEST_FILES=() OTHER_TEST_FILES=() SANITIZER_TEST_FILES=()
+for file in "${CUDA_TEST_FILES[@]}"; do
+    case $file in
+        tests/test_cuda*.py) ENGINE_TEST_FILES+=("$file") ;;
+        *) OTHER_TEST_FILES+=("$file") ;;
+    esac
+    if [ "$file" = tests/test_cuda.py ]; then SANITIZER_TEST_FILES+=("$file"); fi
+done
+CUDA_TEST_FILES=("${ENGINE_TEST_FILES[@]}" "${OTHER_TEST_FILES[@]}")
+# An empty list would have pytest collect all of tests/ (its testpaths): name the file that is
+# missing instead, so the part fails at once and its log says which ("file or directory not found").
 run_part tests "$TESTS_LIMIT_S" tests.xml -- env OFFLOAD_TEST_DEADLINE=$(($(date +%s) + TESTS_DEADLINE_S)) \
-    "$PY" -m pytest -q -m cuda "${CUDA_TEST_FILES[@]}" -p no:cacheprovider --junitxml "$OUT/tests.xml"
+    "$PY" -m pytest -q -m cuda "${CUDA_TEST_FILES[@]:-tests/test_cuda.py}" -p no:cacheprovider --junitxml "$OUT/tests.xml"
 # The sanitizer sees stream waits, not Event.query(): under it the engine waits at every use
 # (OFFLOAD_ALWAYS_WAIT, on by itself under TORCH_CUDA_SANITIZER; see offload/_memory/transfer.py).
 run_part sanitizer "$SANITIZER_LIMIT_S" sanitizer.xml -- env TORCH_CUDA_SANITIZER=1 OFFLOAD_ALWAYS_WAIT=1 \
     OFFLOAD_TEST_DEADLINE=$(($(date +%s) + SANITIZER_DEADLINE_S)) \
-    "$PY" -m pytest -q -m cuda "${SANITIZER_TEST_FILES[@]}" -k "$SANITIZER_SELECT" -p no:cacheprovider \
+    "$PY" -m pytest -q -m cuda "${SANITIZER_TEST_FILES[@]:-tests/test_cuda.py}" -k "$SANITIZER_SELECT" -p no:cacheprovider \
     --junitxml "$OUT/sanitizer.xml"
 run_part overhead "$OVERHEAD_LIMIT_S" overhead.json -- \
     "$PY" bench/overhead.py "${OVERHEAD_ARGS[@]}" --json-out "$OUT/overhead.json"
@@ -200,4 +209,6 @@ run_part layers "$LAYERS_LIMIT_S" layers.json -- \
     "$PY" bench/layers.py "${LAYER_ARGS[@]}" --json-out "$OUT/layers.json"
 
 echo "summary: $OUT/summary.md ($((SECONDS - START_S))s in all)"
+# A pytest part that exited 0 with tests left unrun past its deadline reads "incomplete" there.
+if grep -q '"status": "incomplete"' "$OUT/summary.json" 2>/dev/null; then FAILED=1; fi
 exit "$FAILED"

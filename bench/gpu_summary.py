@@ -136,7 +136,6 @@ def _status(part: dict, figures: dict) -> str:
 
 def verdict(parts: list[dict], figures: dict, out: Path) -> dict:
     """Which parts passed, and why each other did not (``REASONS_SHOWN`` reasons each at most)."""
-    parts = [p if not p else p | {"status": _status(p, figures)} for p in parts]
     passed = [p["part"] for p in parts if p and p["status"] in PASSED]
     skipped = {p["part"]: p["output"] for p in parts if p and p["status"] == "skipped"}
     failed = {
@@ -168,6 +167,7 @@ def summarize(out: Path, seconds) -> dict:
     env = _load(out / "env.json") or {}
     ordered = [parts.pop(name) for name in PART_ORDER if name in parts] + list(parts.values())
     figures = _figures(out)
+    ordered = [p if not p else p | {"status": _status(p, figures)} for p in ordered]  # "incomplete" everywhere
     return {
         "verdict": verdict(ordered, figures, out),
         "cuda": bool(env.get("cuda")),

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600
+"""A mutant's test file may take this long; past it the mutant is reported as neither caught nor not."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,21 +129,25 @@ def run_one(mutant: Mutant, python: str) -> dict:
             return {"mutant": mutant.name, "caught": None, "why": f"the edit no longer applies to {mutant.path}"}
         target.write_text(text.replace(mutant.old, mutant.new))
         start = time.perf_counter()
-        proc = subprocess.run(
-            [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", mutant.tests],
-            cwd=tree,
-            env=dict(os.environ, PYTHONPATH=str(tree)),
-            capture_output=True,
-            text=True,
-        )
-        failing = [line.split(" ")[1] for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-        return {
-            "mutant": mutant.name,
-            "file": mutant.path,
-            "caught": proc.returncode != 0,
-            "by": failing[0] if failing else None,
-            "seconds": round(time.perf_counter() - start, 1),
-        }
+        env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"} | {"PYTHONPATH": str(tree)}
+        row = {"mutant": mutant.name, "file": mutant.path}
+        try:
+            proc = subprocess.run(
+                [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", mutant.tests],
+                cwd=tree,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            return row | {"caught": None, "why": f"the tests ran past {TIMEOUT_S} s (a hang is not a failing assert)"}
+        seconds = round(time.perf_counter() - start, 1)
+        if proc.returncode not in (0, 1):  # 2-5: interrupted, internal or usage error, nothing collected
+            why = f"pytest exited {proc.returncode}, not a test failing: {(proc.stdout + proc.stderr).strip()[-300:]}"
+            return row | {"caught": None, "why": why, "seconds": seconds}
+        failing = [line.split(" ")[1] for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+        return row | {"caught": proc.returncode == 1, "by": failing[0] if failing else None, "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,11 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args(argv)
     mutants = [m for m in MUTANTS if args.only is None or args.only in m.name]
+    if not mutants:
+        parser.error(f"--only {args.only!r} names no mutant; the mutants: {', '.join(m.name for m in MUTANTS)}")
     rows = [run_one(m, sys.executable) for m in mutants]
     print("| removal | file | caught | by |")
     print("|---|---|---|---|")
     for r in rows:
-        caught = {True: "yes", False: "**no**", None: r.get("why")}[r["caught"]]
+        caught = {True: "yes", False: "**no**", None: f"not known: {r.get('why')}"}[r["caught"]]
         print(f"| {r['mutant']} | `{r.get('file', '')}` | {caught} | `{r.get('by')}` |")
     payload = {"mutants": rows, "caught": sum(r["caught"] is True for r in rows), "total": len(rows)}
     if args.json_out is not None:

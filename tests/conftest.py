@@ -36,16 +36,29 @@ def pytest_configure(config):
 
 
 def _value_key(value: object) -> str:
-    return getattr(value, "__qualname__", None) or repr(value)
+    name = getattr(value, "__qualname__", None)
+    return f"{getattr(value, '__module__', '')}.{name}" if name else repr(value)
+
+
+def _quick_already(item) -> bool:
+    """Whether the case would run in the quick loop as it is: not slow, not skipped (a case that
+    will not run covers no value)."""
+    if item.get_closest_marker("slow") is not None or item.get_closest_marker("skip") is not None:
+        return False
+    for mark in item.iter_markers("skipif"):
+        condition = mark.args[0] if mark.args else mark.kwargs.get("condition", False)
+        if not isinstance(condition, str) and condition:
+            return False
+    return True
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the marks added here must count
 def pytest_collection_modifyitems(config, items):
     covered: dict = {}
     for item in items:
-        if item.get_closest_marker("sweep") is None or not hasattr(item, "callspec"):
+        if item.get_closest_marker("sweep") is None or not hasattr(item, "callspec") or not _quick_already(item):
             continue
-        seen = covered.setdefault((item.path, item.originalname), set())
+        seen = covered.setdefault((item.parent.nodeid, item.originalname), set())
         values = {(name, _value_key(value)) for name, value in item.callspec.params.items()}
         if values <= seen:
             item.add_marker(pytest.mark.slow)

@@ -365,3 +365,5 @@ def test_a_pytest_part_with_tests_left_unrun_past_its_deadline_is_incomplete(tmp
         "tests": {"status": "incomplete", "why": ["1 of 3 not run: past the part's time limit"]}
     }
     assert (out / "summary.md").read_text().splitlines()[2].startswith("**FAILED: 2 of 3 parts passed; failed: tests")
+    parts = {p["part"]: p["status"] for p in json.loads((out / "summary.json").read_text())["parts"]}
+    assert parts == {"env": "ok", "tests": "incomplete", "sanitizer": "ok"}
