@@ -4,6 +4,10 @@ Oracle: profiles made up from known formulas (bytes linear in the elements, with
 attention term in sequence², times with a fixed cost); the fit, given a few shapes, must give
 back the formula's values at shapes it never saw, exactly for sizes and within float noise for
 times, and pick the simplest basis that explains its points.
+
+White-box, on purpose: ``offload._plan.fit`` is pure, numbers in and numbers out, so these tests
+call it directly rather than through the engine; the engine's side is tested through its public
+API (test_shapes.py).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 No torch here: ratios are made up. The engine side (steps timed, evaluations left out) is in
 test_shapes.py.
+
+White-box, on purpose: ``offload._plan.pace`` is pure, numbers in and numbers out, so these tests
+call it directly rather than through the engine.
 """
 
 from __future__ import annotations

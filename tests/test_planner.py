@@ -2,6 +2,10 @@
 
 No torch and no device: profiles are made up, or derived from a transformer layer's arithmetic
 (``gpt_layer``: Korthikanti et al. 2022's saved bytes, Narayanan et al. 2021's forward FLOPs).
+
+White-box, on purpose: the planner and the policies (``offload._plan.planner``, ``_plan.policy``)
+are pure, numbers in and plans out, so these tests call them directly rather than through the
+engine; the engine's side is tested through its public API (test_regions.py, test_whole_step.py).
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 "selective" policy, and "auto" choosing between keep, offload, recompute and both selectives.
 
 No torch and no device; profiles are made up so every expected millisecond is written out.
+
+White-box, on purpose: the planner and the policies (``offload._plan.planner``, ``_plan.policy``)
+are pure, numbers in and plans out, so these tests call them directly rather than through the
+engine; the engine's side is tested through its public API (test_selective.py).
 """
 
 from __future__ import annotations

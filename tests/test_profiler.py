@@ -4,6 +4,10 @@ No model runs: a stand-in session gives the machine and the budget, and each pro
 measurements are made up from known formulas (bytes linear in the elements, with a sequence²
 attention term where a test needs one). Oracle: the plan ``make_plan`` gives for the profiles the
 fit derives at the shape that must decide, and the budget each plan must fit.
+
+White-box, on purpose: ``offload._plan.profiler`` plans from numbers alone, so these tests drive it
+directly rather than through the engine; the engine's side is tested through its public API
+(test_shapes.py, test_regions.py).
 """
 
 from __future__ import annotations
