@@ -572,16 +572,18 @@ ACT_MB = ACT_BYTES / MB
 """One saved activation of the host-tier MLP, in MB (budgets below count in these)."""
 
 
-@pytest.fixture(
-    params=[
-        "deferred",
-        "threaded",
-        "threaded-start",
-        "emulated",
-        "emulated-adversarial3-0",
-        pytest.param("emulated-timed2q50", marks=pytest.mark.slow),
-    ]
+HOST_LINKS = (
+    "deferred",
+    "threaded",
+    "threaded-start",
+    "emulated",
+    "emulated-adversarial3-0",
+    pytest.param("emulated-timed2q50", marks=pytest.mark.slow),
 )
+"""The links a host tier runs over in these tests (``tests/links.py``'s names)."""
+
+
+@pytest.fixture(params=HOST_LINKS)
 def link(request):
     """The stand-ins for the CUDA side streams (the threaded one also reading each source over
     its copy, as a stream does) and CudaLink over emulated streams; a run must never have copied
@@ -903,17 +905,7 @@ def _assert_reset(eng, spill_dir):
     assert eng.stats.saved_tensors == saved, "the hooks are off after the exception"
 
 
-@pytest.fixture(
-    params=[
-        "disk",
-        "deferred",
-        "threaded",
-        "threaded-start",
-        "emulated",
-        "emulated-adversarial3-0",
-        pytest.param("emulated-timed2q50", marks=pytest.mark.slow),
-    ]
-)
+@pytest.fixture(params=["disk", *HOST_LINKS])
 def tier(request):
     """Below the device: the disk alone, or a host tier (with a cap, then disk) over either link."""
     with link_named("deferred-3" if request.param == "deferred" else request.param) as made:

@@ -34,6 +34,15 @@ def _engine(link, budget_mb, **options):
     return offload.engine(budget_mb, device="cpu", min_offload_bytes=0, link=link, **options)
 
 
+def _under_engine(step, link, budget_mb, **options):
+    """``step(eng)`` under a fresh engine over ``link``; its result and the stats once it settled and closed."""
+    eng = _engine(link, budget_mb, **options)
+    got = step(eng)
+    stats = wait_clean(eng)
+    eng.close()
+    return got, stats
+
+
 def _grads(model: nn.Module, x: torch.Tensor, eng=None) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(True)
@@ -91,10 +100,7 @@ def test_every_reload_destination_is_allocated_before_its_copy(streams, monkeypa
     model, x = TanhChain(12), torch.randn(SIZE)
     want = _grads(copy.deepcopy(model), x)
     link = EmulatedCudaLink(streams)
-    eng = _engine(link, 4 * NBYTES / MB)
-    got = _grads(model, x, eng)
-    stats = wait_clean(eng)
-    eng.close()
+    got, stats = _under_engine(lambda eng: _grads(model, x, eng), link, 4 * NBYTES / MB)
     assert max(per_batch.values()) >= 2, "a batch started several reloads (the path under test)"
     assert stats.prefetch_misses < stats.reloaded_bytes // NBYTES, "prefetch started reloads ahead of use"
     assert streams.races == [], streams.races[:3]
@@ -144,10 +150,7 @@ def test_a_copy_out_waits_for_the_stream_that_produced_its_source(streams):
 
     want = step()
     link = EmulatedCudaLink(streams)
-    eng = _engine(link, 2 * NBYTES / MB)  # one tensor hot, one leaving: y leaves at the next save
-    got = step(eng)
-    stats = wait_clean(eng)
-    eng.close()
+    got, stats = _under_engine(step, link, 2 * NBYTES / MB)  # one tensor hot, one leaving: y leaves at the next save
     assert stats.offloaded_bytes >= NBYTES and stats.reloaded_bytes >= NBYTES, "y went out and came back"
     assert streams.races == [], streams.races[:3]
     assert torch.equal(want, got), "the copy out read y before its producer had written it"
@@ -234,10 +237,7 @@ def test_a_reload_used_on_another_stream_is_recorded_there_ready_or_not(streams)
 
     want = step()
     link = EmulatedCudaLink(streams)
-    eng = _engine(link, 2 * NBYTES / MB, prefetch=False)
-    got = step(eng)
-    stats = wait_clean(eng)
-    eng.close()
+    got, stats = _under_engine(step, link, 2 * NBYTES / MB, prefetch=False)
     assert torch.equal(want, got)
     assert stats.reloaded_bytes >= 3 * NBYTES and streams.races == []
     assert len(foreign) >= 3, "reloads were used on a stream other than their own (the path under test)"
@@ -291,10 +291,7 @@ def test_copy_busy_time_is_the_copies_not_the_waits_for_compute():
 
         want = step()
         link = EmulatedCudaLink(streams)
-        eng = _engine(link, 2 * NBYTES / MB, prefetch=False)
-        got = step(eng)
-        stats = wait_clean(eng)
-        eng.close()
+        got, stats = _under_engine(step, link, 2 * NBYTES / MB, prefetch=False)
     streams.close()
     assert streams.races == [], streams.races[:3]
     assert torch.equal(want, got)
@@ -331,10 +328,7 @@ def test_under_the_switch_every_use_waits_on_its_copy(switch, monkeypatch):
     with streams.watching():
         want = _grads(copy.deepcopy(model), x)
         link = EmulatedCudaLink(streams, always_wait=True if switch == "argument" else None)
-        eng = _engine(link, 4 * NBYTES / MB)
-        got = _grads(model, x, eng)
-        stats = wait_clean(eng)
-        eng.close()
+        got, stats = _under_engine(lambda eng: _grads(model, x, eng), link, 4 * NBYTES / MB)
     streams.close()
     assert streams.races == [] and stats.reloaded_bytes > 0
     _assert_equal(want, got, f"switch {switch}")
