@@ -76,8 +76,8 @@ MUTANTS = (
     ),
     Mutant(
         "saves after the regions not sent out eagerly under offload",
-        "offload/_regions/regions.py",
-        "        return step.entry.plan.decision_after() is Decision.OFFLOAD",
+        "offload/_regions/steps.py",
+        "        return self.entry.plan.decision_after() is Decision.OFFLOAD",
         "        return False",
         "tests/test_whole_step.py",
     ),

@@ -204,16 +204,6 @@ _TIMES_SEEN = (Decision.KEEP, Decision.RECOMPUTE, Decision.SELECTIVE)
 """Decisions whose forward is the region's compute alone (no copy started from inside it)."""
 
 
-def _sends_the_rest_eagerly(step: AnyStep) -> bool:
-    """Whether what is saved after the last region (the head's, the loss's) leaves the device as it
-    is made: on an offload trial, and under a plan whose decision after the regions is offload."""
-    if isinstance(step, ProfilingStep):
-        return step.stage is Stage.OFFLOAD_TRIAL
-    if isinstance(step, PlannedStep):
-        return step.entry.plan.decision_after() is Decision.OFFLOAD
-    return False
-
-
 class NoRegions:
     """An engine without ``regions=``: the null object of ``Regions``, so the engine asks one
     kind of object and never whether it has one. Nothing is wrapped, profiled or planned."""
@@ -365,7 +355,7 @@ class Regions:
             step.region_ends(self._session.saved())
             if index == len(self.regions) - 1:
                 step.moved_in_forward = self._session.moved_bytes() - step.moved_at_start
-                if _sends_the_rest_eagerly(step):
+                if step.sends_the_rest_eagerly():
                     self._session.eagerly_to_end()  # the head's and the loss's saves leave as they are made
             return out
 

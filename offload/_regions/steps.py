@@ -27,6 +27,7 @@ import torch
 
 from .._cost import RegionProfile, Saved, Scope
 from .._memory.session import ForwardMarks
+from .._plan.planner import Decision
 from .._plan.profiler import AFTER_NAME, BEFORE_NAME, ShapePlan, Stage
 from .measurement import ForwardClock, Measurement
 
@@ -83,6 +84,12 @@ class _Step:
         """The plan the step follows (a profiling step's provisional one), or None."""
         return None
 
+    def sends_the_rest_eagerly(self) -> bool:
+        """Whether what is saved after the last region (the head's, the loss's) leaves the device
+        as it is made: on an offload trial, and under a plan whose decision after the regions is
+        offload."""
+        return False
+
     def region_starts(self, index: int, saved: Saved) -> None:
         if self.first_start is None:
             self.first_start = saved
@@ -128,6 +135,9 @@ class PlannedStep(_Step):
     def plan_entry(self) -> Optional[ShapePlan]:
         return self.entry
 
+    def sends_the_rest_eagerly(self) -> bool:
+        return self.entry.plan.decision_after() is Decision.OFFLOAD
+
 
 @dataclasses.dataclass(kw_only=True)
 class ProfilingStep(_Step):
@@ -151,6 +161,9 @@ class ProfilingStep(_Step):
 
     def plan_entry(self) -> Optional[ShapePlan]:
         return self.provisional
+
+    def sends_the_rest_eagerly(self) -> bool:
+        return self.stage is Stage.OFFLOAD_TRIAL
 
     # Note: [sizes a recompute trial counts]
     #     A recomputed region hands only its inputs to the store, so what it would save had it run
