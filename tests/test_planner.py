@@ -721,3 +721,14 @@ def test_the_best_plan_never_gets_cheaper_as_the_budget_falls():
             best.append(min((step for step, peak in priced if budget is None or peak <= budget), default=math.inf))
         for larger, smaller in itertools.pairwise(best):
             assert smaller >= larger - TIME_TOL_MS, (regions, machine, best)
+
+
+def test_a_policy_within_the_trials_noise():
+    """``within_noise``: "auto" widens rule 6's margin to the noise (keeping its other settings)
+    and keeps its own where that is wider; a fixed policy does not compare times and is itself."""
+    auto = AutoPolicy(max_search_moves=7)
+    assert auto.compares_within_noise and auto.within_noise(0.01) is auto
+    wide = auto.within_noise(0.2)
+    assert (wide.stable_margin, wide.max_search_moves) == (0.2, 7)
+    offload_policy = get_policy("offload")
+    assert not offload_policy.compares_within_noise and offload_policy.within_noise(0.2) is offload_policy

@@ -72,6 +72,15 @@ class Policy(abc.ABC):
     unplanned: ClassVar[Decision] = Decision.KEEP
     """What a region runs as while no plan is in force: throughout, for a policy that measures
     nothing ("recompute": RECOMPUTE)."""
+    compares_within_noise: ClassVar[bool] = False
+    """Chooses between candidate plans by their predicted times, so two within the trials' noise
+    are a tie ("auto"): the profiler measures a round again where the plan turns on that noise,
+    and plans with ``within_noise`` of what its trials measured."""
+
+    def within_noise(self, margin: float) -> "Policy":
+        """This policy, taking plans whose predicted steps lie within ``margin`` (a fraction) of
+        each other as equal. A policy whose plan does not compare times is itself whatever the noise."""
+        return self
 
     @abc.abstractmethod
     def plan(
@@ -257,6 +266,11 @@ class AutoPolicy(Policy):
     """Rule 6: plans whose predicted steps lie within this fraction of the best are taken as equal.
     Larger holds plans steadier across runs, at up to this much predicted step time; 0 turns it off.
     The engine's profiler passes the noise its trial steps measured where that is wider."""
+    compares_within_noise = True
+
+    def within_noise(self, margin: float) -> "AutoPolicy":
+        """Rule 6's margin widened to ``margin`` where that is wider (kept where it is not)."""
+        return self if margin <= self.stable_margin else dataclasses.replace(self, stable_margin=margin)
 
     def __post_init__(self):
         moves = self.max_search_moves

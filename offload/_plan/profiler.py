@@ -52,7 +52,7 @@ from .fit import ProfileFit, Shape
 from .noise import MAX_SPREAD, Readings
 from .pace import StepPace
 from .planner import Decision, Plan, build_plan, calibrate_link, check_inputs, link_usable, scale_link
-from .policy import AutoPolicy, Policy, get_policy, make_plan
+from .policy import Policy, get_policy, make_plan
 
 __all__ = [
     "AFTER_NAME",
@@ -485,13 +485,10 @@ class Profiler:
         machine = self._planning.machine()
         return machine if self._link_scale is None else scale_link(machine, self._link_scale)
 
-    def _policy_for(self, fam: _Family) -> str | AutoPolicy:
+    def _policy_for(self, fam: _Family) -> Policy:
         """The policy plans are made with: under "auto", rule 6's margin widened to the noise of
         the family's trials (See Note: [a plan that holds still])."""
-        margin = fam.noise()
-        if not isinstance(self._policy, AutoPolicy) or margin <= AutoPolicy.stable_margin:
-            return self.policy
-        return AutoPolicy(stable_margin=margin)
+        return self._policy.within_noise(fam.noise())
 
     def _entry(
         self, fam: _Family, profiles: tuple[RegionProfile, ...], other_ms: float, origin: Origin, why: str
@@ -618,7 +615,7 @@ class Profiler:
                     dataclasses.replace(p, **_sizes_of(s)) for s, p in zip(fam.sizes[1], profiles, strict=True)
                 )
             fam.recompute_span = _RecomputeSpan(shape, profiles, measured.span_ms)
-            in_round = isinstance(self._policy, AutoPolicy) and (not fam.rounds or fam.repeating)
+            in_round = self._policy.compares_within_noise and (not fam.rounds or fam.repeating)
             if in_round:
                 fam.rounds.append(_Round(key, profiles, measured.span_ms))
             timed = fam.round_profiles(key, profiles)
