@@ -41,11 +41,11 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
 import offload  # noqa: E402
 from offload._memory.arena import PinnedSlabs  # noqa: E402
-from offload._memory.pagecache import cached_bytes_under  # noqa: E402
 from offload._memory.transfer import CudaLink  # noqa: E402
 from offload.bench import measure  # noqa: E402
 from offload.bench.config import MB, REFERENCE, RunSettings  # noqa: E402
 from offload.bench.loop import Trainer  # noqa: E402
+from offload.bench.pagecache import cached_bytes_under  # noqa: E402
 from offload.models import load_corpus  # noqa: E402
 from offload.models.gpt import GPTConfig, MiniGPT  # noqa: E402
 

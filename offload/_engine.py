@@ -29,6 +29,7 @@ from ._attach import attach
 from ._budget import FreeMemory
 from ._config import Config
 from ._cost import MB, MachineProfile
+from ._memory.host import Host
 from ._memory.probe import machine_key, probe
 from ._memory.session import Session
 from ._memory.sharded import Sharding, sharding_for
@@ -90,6 +91,7 @@ class Engine:
         link: Optional[Link] = None,
         memory: Optional[FreeMemory] = None,
         shared_inputs: Optional[Sharding] = None,
+        host: Optional[Host] = None,
     ) -> None:
         self.config = config
         self._shared_inputs = shared_inputs
@@ -101,7 +103,7 @@ class Engine:
             self._plan_cache = PlanCache(
                 config.plan_cache, budget=budget, policy=config.policy, machine_key=machine_key
             )
-        self._session = Session(config, link=link, machine=self._machine_profile, memory=memory)
+        self._session = Session(config, link=link, machine=self._machine_profile, memory=memory, host=host)
         self._models: list[torch.nn.Module] = []
         self._closed = False
         self._link_base = Gauges()  # the link's readings at the last reset_stats()
@@ -341,6 +343,7 @@ def engine(
     link: Optional[Link] = None,
     memory: Optional[FreeMemory] = None,
     shared_inputs: Any = None,
+    host: Optional[Host] = None,
     **options: Any,
 ) -> Engine:
     """Make an engine that keeps at most ``budget_mb`` MB of saved activations on the device.
@@ -360,16 +363,19 @@ def engine(
             module the engine decorates).
         machine: a ``MachineProfile`` to plan with instead of measuring this machine with
             ``offload.probe()`` (measured once, then cached on disk).
-        link: the transport between the device and host memory (``offload._memory.transfer.Link``).
+        link: the transport between the device and host memory (an ``offload.seams.Link``).
             None: CUDA side streams on a CUDA device; on the CPU none, and tensors go to disk.
             A test passes its own to run the host tier on the CPU.
         memory: with ``budget_mb="auto"``, how free memory is read: a callable returning the
-            free bytes of the compute device, or an ``offload._budget.FreeMemory`` with its own
+            free bytes of the compute device, or an ``offload.seams.FreeMemory`` with its own
             re-read rule. None: the device's own reading (CUDA allocator and driver, psutil).
         shared_inputs: a ``torch.distributed`` process group whose ranks all run these regions
             on the same inputs (tensor parallelism without sequence parallelism), with
             ``policy="recompute"``: the regions' inputs keep 1/N of their bytes per rank and are
             all-gathered in backward (``offload.sharded`` declares any other saves; see ``offload._memory.sharded``).
+        host: what the engine asks of the machine outside the device (an ``offload.seams.Host``):
+            host memory for the host tier and the spill file's filesystem calls and I/O threads.
+            None: this machine. A test passes a subclass to fill the disk or refuse pinning.
         **options: the engine's settings, each documented on ``offload._config.Config``:
             ``reserve_mb`` (with ``budget_mb="auto"``: MB to keep free on the device),
             ``spill_dir`` (where the spill file goes; None: a private temporary directory),
@@ -411,8 +417,17 @@ def engine(
                 "pass torch.distributed.group.WORLD for every rank"
             )
         sharding = sharding_for(shared_inputs, what="offload.engine(shared_inputs=...)")
+    if host is not None and not isinstance(host, Host):
+        raise TypeError(f"host must be an offload.seams.Host (or a subclass), got {host!r}")
     return Engine(
-        config, model=model, regions=regions, machine=machine, link=link, memory=memory, shared_inputs=sharding
+        config,
+        model=model,
+        regions=regions,
+        machine=machine,
+        link=link,
+        memory=memory,
+        shared_inputs=sharding,
+        host=host,
     )
 
 

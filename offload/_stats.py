@@ -64,7 +64,8 @@ class Stats:
     host_in_use_bytes: int = 0
     """Of ``host_bytes``, what holds copies now; the rest is idle, kept for reuse (a gauge)."""
     spill_bytes: int = 0
-    """Bytes of the spill file holding copies now (a gauge)."""
+    """Bytes of the spill file holding copies now, each copy's extent rounded up to a multiple of
+    4 KiB, the block direct I/O needs (a gauge)."""
     spill_files: int = 0
     """Spill files on disk now: one per engine once it first spilled, none after ``close()`` (a gauge)."""
     prefetch_hits: int = 0

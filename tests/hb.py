@@ -1,6 +1,6 @@
 """A happens-before race detector for the engine's stream protocol, on the CPU (test-only).
 
-``EmulatedStreams`` plays ``offload._memory.transfer.Streams`` (CUDA streams, events, the caching
+``EmulatedStreams`` plays ``offload.seams.Streams`` (CUDA streams, events, the caching
 allocator) and the spill file's ``Jobs``, so ``CudaLink`` and the store run unchanged over them
 (``EmulatedCudaLink``). Nothing runs concurrently: streams and spill jobs are simulated on the
 test's thread and their work runs when a schedule says, so a seed replays exactly. What finds a
@@ -62,8 +62,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import offload._memory.tiers
-from offload._memory.transfer import CudaLink
+from offload.seams import CudaLink, Host
 
 POISON = 0xFF
 """What a racing copy or write, or a released host block, holds instead of data."""
@@ -332,27 +331,11 @@ class _HostOps(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.sim._busy:
             self.sim._host_op(func, args, kwargs)
-        out = func(*args, **kwargs)
-        if func is torch.ops.aten.empty.memory_format and out.dtype is torch.uint8 and _called_from(HOST_ALLOC):
-            self.sim.host_memory(out, what="pageable memory").pageable = True
-        return out
-
-
-HOST_ALLOC = offload._memory.tiers.HostTier.alloc.__code__
-"""Where the host tier falls back to pageable memory (its arena full): an allocation made there
-directly, not through the arena's slabs, is pageable."""
-
-
-def _called_from(code) -> bool:
-    """Whether the nearest frame of the engine on this thread's stack runs ``code``."""
-    frame = sys._getframe(2)
-    while frame is not None and "/offload/" not in frame.f_code.co_filename:
-        frame = frame.f_back
-    return frame is not None and frame.f_code is code
+        return func(*args, **kwargs)
 
 
 class EmulatedStreams:
-    """``offload._memory.transfer.Streams`` and the spill file's ``Jobs`` on the CPU, watched for races
+    """``offload.seams.Streams`` and the spill file's ``Jobs`` on the CPU, watched for races
     (See the module docstring). ``side_delay_s`` fixes the virtual duration of each item on a side
     stream; ``fills_new_memory``: ``empty`` queues a 0xFF fill on the current stream, as
     ``torch.empty`` does under deterministic algorithms with ``fill_uninitialized_memory``.
@@ -831,9 +814,25 @@ def _layout(t: torch.Tensor) -> tuple:
     return t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
 
 
+class _EmulatedHost(Host):
+    """This machine, except that the spill file's jobs run on the emulated streams' schedule and
+    the host tier's pageable memory (its fallback when the arena is full) is known as such."""
+
+    def __init__(self, emulated: "EmulatedStreams") -> None:
+        self.emulated = emulated
+
+    def jobs(self, workers: int):
+        return self.emulated.jobs
+
+    def pageable(self, nbytes: int) -> torch.Tensor:
+        out = super().pageable(nbytes)
+        self.emulated.host_memory(out, what="pageable memory").pageable = True
+        return out
+
+
 class EmulatedCudaLink(CudaLink):
     """``CudaLink`` itself on the CPU, over ``EmulatedStreams``; its spill file's jobs run there too
-    (``spill_jobs``), and a host block the engine gives back is overwritten with 0xFF by the host at
+    (the ``host`` it offers), and a host block the engine gives back is overwritten with 0xFF by the host at
     once (tracked: a copy or job still using it races it)."""
 
     def __init__(
@@ -846,7 +845,7 @@ class EmulatedCudaLink(CudaLink):
         streams = streams or EmulatedStreams(schedule)
         super().__init__(torch.device("cpu"), streams=streams, slabs=slabs, always_wait=always_wait)
         self.emulated: EmulatedStreams = self.streams  # type: ignore[assignment]  # the one passed above
-        self.spill_jobs = self.emulated.jobs
+        self.host = _EmulatedHost(self.emulated)
         self.d2h_count = self.h2d_count = 0
 
     def d2h(self, src_device, dst_host):

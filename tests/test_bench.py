@@ -339,7 +339,7 @@ def test_grad_checksums_see_one_ulp():
 
 def test_memory_counts_the_spill_files_page_cache(tmp_path):
     """A byte parked in the spill directory's page cache is still memory: the figure counts it."""
-    from offload._memory.pagecache import cached_bytes_under
+    from offload.bench.pagecache import cached_bytes_under
 
     memory = measure.Memory(torch.device("cpu"), str(tmp_path))
     memory.reset()

@@ -29,10 +29,9 @@ import torch
 from torch import nn
 
 import offload
-import offload._memory.arena
 import offload._memory.entry
 import offload._memory.transfer
-from offload._memory.transfer import CudaLink
+from offload.seams import CudaLink, CudaStreams, Host
 from zoo import MB, wait_clean
 
 pytestmark = [
@@ -332,6 +331,18 @@ def _pinned_bytes() -> int:
     return torch.cuda.host_memory_stats()[PINNED_BYTES_KEY]
 
 
+class _RecordingStreams(CudaStreams):
+    """The device's own streams, noting each ``record_stream`` the link makes."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.recorded: list = []
+
+    def record_stream(self, t, s):
+        self.recorded.append(s)
+        return super().record_stream(t, s)
+
+
 class OnStream(nn.Module):
     """Runs ``inner`` on ``stream``, ordered after the caller's stream and before its next use, as
     an overlapped block would; autograd runs its backward on that stream too."""
@@ -349,16 +360,12 @@ class OnStream(nn.Module):
         return y
 
 
-def test_forward_on_two_streams_records_reloads_used_on_the_other(spill_dir, monkeypatch):
+def test_forward_on_two_streams_records_reloads_used_on_the_other(spill_dir):
     """Layers alternate between the default stream and a user's stream; at a budget with room to
     prefetch, reloads started by one stream's backward node are used by the other's, so the
     record_stream branch runs (See Note: [a reload used on another stream]); the gradients are
     bitwise those without the engine."""
-    recorded = []
-    real = offload._memory.transfer.CudaStreams.record_stream
-    monkeypatch.setattr(
-        offload._memory.transfer.CudaStreams, "record_stream", lambda self, t, s: recorded.append(s) or real(self, t, s)
-    )
+    streams = _RecordingStreams(torch.device("cuda"))
     torch.manual_seed(0)
     user = torch.cuda.Stream()
     layers = []
@@ -368,8 +375,12 @@ def test_forward_on_two_streams_records_reloads_used_on_the_other(spill_dir, mon
     model = nn.Sequential(*layers, nn.Linear(1024, 1)).cuda()
     x = torch.randn(512, 1024, device="cuda")
     ref = step(copy.deepcopy(model), x)
-    eng = offload.engine(budget_mb_for(model, x, "some"), min_offload_bytes=0, spill_dir=spill_dir, model=model)
+    link = CudaLink(torch.device("cuda"), streams=streams)  # the default link, over streams that log record_stream
+    eng = offload.engine(
+        budget_mb_for(model, x, "some"), min_offload_bytes=0, spill_dir=spill_dir, model=model, link=link
+    )
     got = step(model, x, eng)
+    recorded = streams.recorded
     assert_grads_equal(ref, got, "layers on two streams")
     stats = wait_clean(eng, spill_dir)
     assert stats.reloaded_bytes > 0 and stats.prefetch_misses < stats.reloaded_bytes // ACT_BYTES, stats
@@ -381,7 +392,7 @@ def test_pinned_bytes_held_are_the_bytes_counted(spill_dir):
     """host_bytes is what is really pinned (the caching host allocator's own count agrees), it
     never passes host_budget_mb, and close() gives exactly that back."""
     torch.cuda.synchronize()
-    offload._memory.arena._empty_host_cache()  # what other tests left cached is not counted against us
+    Host().return_pinned()  # what other tests left cached is not counted against us
     before = _pinned_bytes()
     model = chain(depth=8, width=1024)
     x = torch.randn(1024, 1024, device="cuda")

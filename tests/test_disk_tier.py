@@ -1,6 +1,6 @@
 """The disk tier frees RAM: spilled bytes are not left in the page cache, and one file is reused.
 
-Oracle: ``mincore`` over the spill directory (``offload._memory.pagecache``) while a step runs. A buffered
+Oracle: ``mincore`` over the spill directory (``offload.bench.pagecache``) while a step runs. A buffered
 write would leave every spilled page cached (measured before this tier was rebuilt: 98-100 % of the
 bytes spilled per step); direct I/O leaves none, and the fallback (fdatasync + DONTNEED) almost none.
 """
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import offload
-import offload._memory.spill
-from offload._memory.pagecache import cached_bytes_under
+from offload.bench.pagecache import cached_bytes_under
 from offload.models.gpt import GPTConfig, MiniGPT
+from offload.seams import Host
 from zoo import files_under, wait_clean
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and O_DIRECT are Linux's")
@@ -29,7 +29,7 @@ a buffered write measured 1.0). The slack covers the fallback's pages between wr
 
 
 def _real_disk(path) -> bool:
-    return offload._memory.spill._filesystem_type(path) not in ("tmpfs", "ramfs", "")
+    return Host().filesystem_type(path) not in ("tmpfs", "ramfs", "")
 
 
 def _gpt():
@@ -78,14 +78,14 @@ def _open_flags_under(directory) -> list[int]:
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered+dontneed"])
-def test_spilled_bytes_leave_the_page_cache(direct, tmp_path, monkeypatch):
+def test_spilled_bytes_leave_the_page_cache(direct, tmp_path):
     if not _real_disk(tmp_path):
         pytest.skip(f"{tmp_path} is not on a disk (its pages are RAM whatever the engine does)")
-    if not direct:
-        monkeypatch.setattr(offload._memory.spill, "_O_DIRECT", 0)
+    host = Host()
+    host.direct_io = direct
     model = _gpt()
     idx = torch.randint(0, 256, (4, 128))
-    eng = offload.engine(0, spill_dir=tmp_path, model=model)
+    eng = offload.engine(0, spill_dir=tmp_path, model=model, host=host)
     readings = []
     for _ in range(3):
         _step(model, eng, idx, readings)

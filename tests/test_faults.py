@@ -13,8 +13,9 @@ may free up). ``spilled_bytes`` and ``offloaded_bytes`` count only writes that l
 
 The disk tier is one spill file per engine, opened at the first spill and written and read through
 its descriptor (``pwrite``/``preadv`` on worker threads). Faults are injected without touching the
-real filesystem's state where possible: ``FaultyOS`` stands in for ``os`` inside ``offload._memory.spill``
-only, so pytest's own I/O is untouched. The host tier runs on the CPU over the stand-in links of
+real filesystem's state where possible, through the engine's host seam (``offload.seams.Host``):
+``tests/hosts.py``'s ``StandInHost`` sees the spill file's and the host tier's calls to the OS and
+nothing else, so pytest's own I/O is untouched. The host tier runs on the CPU over the stand-in links of
 ``tests/links.py``, both of them: ``DeferredLink`` (copies land when polled) and ``ThreadedLink``
 (copies land on a thread, and a source let go too early is poisoned).
 """
@@ -27,16 +28,13 @@ import logging
 import os
 import shutil
 import threading
-import weakref
 
-import psutil
 import pytest
 import torch
 from torch import nn
 
 import offload
-import offload._memory.arena
-import offload._memory.spill
+from hosts import StandInHost
 from links import DeferredLink, link_named
 from zoo import MB, assert_same, files_under, run_step, wait_clean
 
@@ -70,102 +68,19 @@ def chain_step(eng=None, model=None):
     return run_step(model or TanhChain(), chain_input, eng, loss_fn=torch.sum)
 
 
-class FaultyOS:
-    """Stands in for ``os`` inside ``offload._memory.spill``: writes, opens and reads fail on demand."""
-
-    def __init__(self) -> None:
-        self.writes_ok = None
-        """Whole writes (``pwrite`` calls) that succeed before the disk is full; None: it never fills."""
-        self.partial = False
-        """The failing write first lands half its bytes (a short ``pwrite``), then ENOSPC for the rest."""
-        self.open_error = None
-        """errno for creating the spill file (EACCES: an unwritable directory)."""
-        self.read_error = None
-        """errno for every read (EIO)."""
-        self.writes = self.opens = self.reads = 0
-        self.created: set[str] = set()
-        """Paths the engine tried to create (a retry without O_DIRECT reuses its path)."""
-        self._lock = threading.Lock()
-        self._short = threading.local()  # this worker's last pwrite landed short on purpose
-
-    def __getattr__(self, name):
-        return getattr(os, name)
-
-    def pwrite(self, fd, data, offset):
-        if getattr(self._short, "pending", False):  # the rest of a write that landed short
-            self._short.pending = False
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        with self._lock:
-            n, self.writes = self.writes, self.writes + 1
-        if self.writes_ok is not None and n >= self.writes_ok:
-            if self.partial and len(data) > 1:
-                self._short.pending = True
-                return os.pwrite(fd, data[: len(data) // 2], offset)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return os.pwrite(fd, data, offset)
-
-    def open(self, path, flags, *args):
-        if flags & os.O_CREAT:
-            with self._lock:
-                self.opens += 1
-                self.created.add(path)
-            if self.open_error is not None:
-                raise OSError(self.open_error, os.strerror(self.open_error), path)
-        return os.open(path, flags, *args)
-
-    def preadv(self, fd, buffers, offset):
-        with self._lock:
-            self.reads += 1
-        if self.read_error is not None:
-            raise OSError(self.read_error, os.strerror(self.read_error))
-        return os.preadv(fd, buffers, offset)
-
-
 @pytest.fixture
-def faulty(monkeypatch):
-    fake = FaultyOS()
-    monkeypatch.setattr(offload._memory.spill, "os", fake)
-    return fake
+def host():
+    """This machine with faults on demand (``tests/hosts.py``); a test passes it as ``host=``."""
+    return StandInHost()
 
 
-class SpillWrites:
-    """Every spill write the engine starts (``SpillFile.write``), so a test can wait until all have
-    landed: reading ``eng.stats`` settles nothing, and a test that edits the spill file must not
-    race a write still in flight (a late write would extend a truncated file again)."""
-
-    def __init__(self, monkeypatch) -> None:
-        real = offload._memory.spill.SpillFile.write
-        self.pendings: list = []
-
-        def write(spill, data):
-            extent, pending = real(spill, data)
-            self.pendings.append(pending)
-            return extent, pending
-
-        monkeypatch.setattr(offload._memory.spill.SpillFile, "write", write)
-
-    @property
-    def started(self) -> int:
-        return len(self.pendings)
-
-    def landed(self) -> int:
-        """Wait for every write started so far; returns how many there were."""
-        n = len(self.pendings)
-        for pending in self.pendings[:n]:
-            try:
-                pending.wait()
-            except OSError:
-                pass  # a failed write: the store handles it
-        return n
-
-
-@pytest.fixture
-def spill_writes(monkeypatch):
-    return SpillWrites(monkeypatch)
-
-
-def warnings_from(caplog, logger: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == logger and r.levelno == logging.WARNING]
+def warnings_from(caplog, part: str) -> list[str]:
+    """The warnings of the engine's part named ``part`` (its logger's last name: "store", "spill", "arena")."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("offload.") and r.name.rsplit(".", 1)[-1] == part and r.levelno == logging.WARNING
+    ]
 
 
 def only_file(spill_dir) -> str:
@@ -182,12 +97,12 @@ def only_file(spill_dir) -> str:
 @pytest.mark.parametrize(
     "writes_ok, partial, budget_tensors", [(0, False, 0), (3, True, 0), (3, False, 1.5), (0, True, 1.5)]
 )
-def test_disk_full_keeps_tensors_in_memory(writes_ok, partial, budget_tensors, faulty, spill_dir, caplog):
+def test_disk_full_keeps_tensors_in_memory(writes_ok, partial, budget_tensors, host, spill_dir, caplog):
     """ENOSPC after ``writes_ok`` writes: exact gradients, one warning, nothing left, stats honest;
     the next step with the disk still full is exact too, and once it frees up the engine spills again."""
     ref = chain_step()
-    faulty.writes_ok, faulty.partial = writes_ok, partial
-    eng = offload.engine(budget_tensors * NBYTES / MB, min_offload_bytes=0, spill_dir=spill_dir)
+    host.writes_ok, host.partial = writes_ok, partial
+    eng = offload.engine(budget_tensors * NBYTES / MB, min_offload_bytes=0, spill_dir=spill_dir, host=host)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, chain_step(eng), "disk full")
         stats = wait_clean(eng, spill_dir)
@@ -196,77 +111,73 @@ def test_disk_full_keeps_tensors_in_memory(writes_ok, partial, budget_tensors, f
         # Each moved storage comes back at most once; none came back that was not moved.
         assert stats.reloaded_bytes <= stats.offloaded_bytes and (stats.reloaded_bytes > 0) == (writes_ok > 0)
         assert stats.peak_resident_bytes > eng.config.budget_bytes, "kept in memory, over the budget"
-        tries = faulty.writes
+        tries = host.writes
 
         eng.reset_stats()
         assert_same(ref, chain_step(eng), "disk still full")
         stats = wait_clean(eng, spill_dir)
         assert stats.spilled_bytes == stats.offloaded_bytes == 0
-        assert faulty.writes > tries, "later evictions try the disk again"
-        messages = warnings_from(caplog, "offload._memory.store")
+        assert host.writes > tries, "later evictions try the disk again"
+        messages = warnings_from(caplog, "store")
         assert len(messages) == 1, messages
         assert "spill" in messages[0] and os.strerror(errno.ENOSPC) in messages[0]
 
-        faulty.writes_ok = None  # the disk freed up
+        host.writes_ok = None  # the disk freed up
         eng.reset_stats()
         assert_same(ref, chain_step(eng), "disk freed")
         stats = wait_clean(eng, spill_dir)
         assert stats.spilled_bytes > 0 and stats.peak_resident_bytes <= eng.config.budget_bytes
-        assert len(warnings_from(caplog, "offload._memory.store")) == 1, "still one warning"
-    assert len(faulty.created) == 1, "one spill file for the engine's life, whatever failed"
+        assert len(warnings_from(caplog, "store")) == 1, "still one warning"
+    assert len(host.created) == 1, "one spill file for the engine's life, whatever failed"
     eng.close()
     assert list(spill_dir.iterdir()) == []
 
 
 class _LastWriteFailsLate:
-    """Replaces the spill file's write: the ``depth - 1``-th write (the newest evicted tensor's of a
-    ``TanhChain(depth)`` at a 2.5-tensor budget) waits for ``gate`` and then fails with ENOSPC."""
+    """The ``depth - 1``-th spill write (the newest evicted tensor's of a ``TanhChain(depth)`` at a
+    2.5-tensor budget) waits for ``gate`` and then fails with ENOSPC."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, depth: int) -> None:
-        self.real_write, self.depth = offload._memory.spill._File.write, depth
+    def __init__(self, host: StandInHost, depth: int) -> None:
+        self.depth = depth
         self.gate = threading.Event()
         self.started: list = []
         self.gated_done: list = []
-        gated = self
+        host.before_write = self._before_write
 
-        def write(file, extent, data):  # a plain function: the class binds ``file`` as self
-            return gated._write(file, extent, data)
-
-        monkeypatch.setattr(offload._memory.spill._File, "write", write)
-
-    def _write(self, file, extent, data):
-        self.started.append(extent)
+    def _before_write(self, n: int) -> None:
+        self.started.append(n)
         if len(self.started) != self.depth - 1:
-            return self.real_write(file, extent, data)
+            return
         try:
             self.gate.wait(GATE_TIMEOUT_S)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         finally:
-            self.gated_done.append(extent)
+            self.gated_done.append(n)
 
     def in_flight(self) -> bool:
         return len(self.started) == self.depth - 1 and not self.gated_done and not self.gate.is_set()
 
 
-def _gated_chain(monkeypatch, spill_dir, depth: int = 4):
+def _gated_chain(spill_dir, depth: int = 4):
     """(the gated write, the engine, the model, its reference with gradients, the loss under the engine)."""
-    write = _LastWriteFailsLate(monkeypatch, depth)
+    host = StandInHost()
+    write = _LastWriteFailsLate(host, depth)
     model, ref_model = TanhChain(depth), TanhChain(depth)
     torch.manual_seed(0)
     x = chain_input()
     ref_model(x).sum().backward()
     # 2.5 tensors: one hot, one copy in flight; forward never waits on the gated write.
-    eng = offload.engine(2.5 * NBYTES / MB, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(2.5 * NBYTES / MB, min_offload_bytes=0, spill_dir=spill_dir, host=host)
     with eng:
         loss = model(x).sum()
     return write, eng, model, ref_model, loss
 
 
-def test_write_failing_after_backward_adopted_its_source(monkeypatch, spill_dir):
+def test_write_failing_after_backward_adopted_its_source(spill_dir):
     """The last spill write is still in flight when backward reaches its tensor: backward serves it
     from its source and, with both users served, lets it go. Then the write fails. A second backward
     (retain_graph) must still find the data: the source went back to the store, not away."""
-    write, eng, model, ref_model, loss = _gated_chain(monkeypatch, spill_dir)
+    write, eng, model, ref_model, loss = _gated_chain(spill_dir)
     loss.backward(retain_graph=True)
     assert torch.equal(model.scale.grad, ref_model.scale.grad)
     assert write.in_flight(), "backward ran with the gated write in flight"
@@ -283,11 +194,11 @@ def test_write_failing_after_backward_adopted_its_source(monkeypatch, spill_dir)
     assert list(spill_dir.iterdir()) == []
 
 
-def test_write_failing_after_its_tensor_died_is_not_counted(monkeypatch, spill_dir):
+def test_write_failing_after_its_tensor_died_is_not_counted(spill_dir):
     """The last spill write is still in flight when backward, served from the source, frees the graph:
     the tensor dies with its write in flight. The write then fails. It moved and wrote nothing, so
     once the engine has settled it (close() waits for it) neither count includes it."""
-    write, eng, model, ref_model, loss = _gated_chain(monkeypatch, spill_dir)
+    write, eng, model, ref_model, loss = _gated_chain(spill_dir)
     loss.backward()  # frees the graph
     del loss
     assert torch.equal(model.scale.grad, ref_model.scale.grad)
@@ -300,7 +211,7 @@ def test_write_failing_after_its_tensor_died_is_not_counted(monkeypatch, spill_d
     assert list(spill_dir.iterdir()) == []
 
 
-def test_open_refused_keeps_tensors_in_memory_until_writable(faulty, spill_dir, caplog):
+def test_open_refused_keeps_tensors_in_memory_until_writable(host, spill_dir, caplog):
     """The spill file cannot be created (EACCES): every write fails like a full disk's, exact,
     one warning, nothing left on disk (not even the private directory); once the directory is
     writable again the engine opens its file and spills.
@@ -310,8 +221,8 @@ def test_open_refused_keeps_tensors_in_memory_until_writable(faulty, spill_dir, 
     unwritable later cannot stop the writes (``test_chmod_unwritable_mid_run``); the create is
     the one place an unwritable directory can fail, and every eviction retries it."""
     ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
-    faulty.open_error = errno.EACCES
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    host.open_error = errno.EACCES
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, chain_step(eng), "EACCES")
         assert_same(ref, chain_step(eng), "EACCES, second step")
@@ -319,10 +230,10 @@ def test_open_refused_keeps_tensors_in_memory_until_writable(faulty, spill_dir, 
     assert stats.spilled_bytes == stats.offloaded_bytes == stats.reloaded_bytes == 0
     assert stats.spill_files == 0 and list(spill_dir.iterdir()) == [], "a directory without its file is not kept"
     assert stats.peak_resident_bytes > 0
-    assert len(faulty.created) >= 2 * DEPTH, "every eviction tried to create the file again"
-    messages = warnings_from(caplog, "offload._memory.store")
+    assert len(host.created) >= 2 * DEPTH, "every eviction tried to create the file again"
+    messages = warnings_from(caplog, "store")
     assert len(messages) == 1 and "spill" in messages[0] and os.strerror(errno.EACCES) in messages[0], messages
-    faulty.open_error = None
+    host.open_error = None
     eng.reset_stats()
     assert_same(ref, chain_step(eng), "writable again")
     stats = wait_clean(eng, spill_dir)
@@ -363,13 +274,13 @@ def test_remove_refused_at_close_warns_and_leaves_no_data(spill_dir, caplog, mon
             _refuse_removal(m)
             eng.close()
     assert eng.stats.spill_files == 0 and eng.stats.spill_bytes == 0
-    messages = warnings_from(caplog, "offload._memory.spill")
+    messages = warnings_from(caplog, "spill")
     assert len(messages) == 1, messages
     assert private in messages[0] and os.strerror(errno.EACCES) in messages[0], messages
     assert files_under(spill_dir) == [path] and os.path.getsize(path) == 0, "no tensor bytes stay on disk"
     assert not [fd for fd in os.listdir("/proc/self/fd") if _points_into(fd, private)], "the descriptor is closed"
     eng.close()  # idempotent: nothing more to say
-    assert len(warnings_from(caplog, "offload._memory.spill")) == 1
+    assert len(warnings_from(caplog, "spill")) == 1
     shutil.rmtree(private)
 
 
@@ -404,23 +315,23 @@ def test_chmod_unwritable_mid_run(spill_dir, caplog):
             assert_same(ref, chain_step(eng, model), "unwritable directory")
             stats = wait_clean(eng, spill_dir)
             assert stats.spilled_bytes == DEPTH * NBYTES, "the open file takes the writes"
-            assert warnings_from(caplog, "offload._memory.store") == []
+            assert warnings_from(caplog, "store") == []
             eng.close()
         assert os.path.getsize(path) == 0, "close() emptied the file it could not remove"
-        assert any(private in m for m in warnings_from(caplog, "offload._memory.spill"))
+        assert any(private in m for m in warnings_from(caplog, "spill"))
     finally:
         os.chmod(private, 0o700)
     shutil.rmtree(private, ignore_errors=True)
 
 
-def test_spill_dir_removed_mid_forward_still_reads_back(spill_dir, spill_writes, caplog):
+def test_spill_dir_removed_mid_forward_still_reads_back(spill_dir, host, caplog):
     """The private directory is removed mid-forward (a /tmp cleaner): the open descriptor keeps the
     file's data, so backward is exact, and so is the next step, through the same (unlinked) file.
 
     Changed with the one-file design: with a file per tensor the data went with the directory and
     backward failed with an OffloadError; one open file survives its name."""
     ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
     model = TanhChain()
     got = None
     with caplog.at_level(logging.WARNING, logger="offload"):
@@ -432,7 +343,7 @@ def test_spill_dir_removed_mid_forward_still_reads_back(spill_dir, spill_writes,
             for i in range(DEPTH):
                 h = torch.tanh(h) * model.scale
                 if i == DEPTH // 2:
-                    assert spill_writes.landed() > 0  # data written before the removal is read after it
+                    assert host.landed() > 0  # data written before the removal is read after it
                     shutil.rmtree(os.path.dirname(only_file(spill_dir)))
             loss = h.sum()
         loss.backward()
@@ -467,7 +378,7 @@ def test_spill_parent_removed_keeps_tensors_in_memory_until_it_returns(spill_dir
         stats = wait_clean(eng)
         assert stats.spilled_bytes == stats.offloaded_bytes == 0 and stats.spill_files == 0
         assert stats.peak_resident_bytes > 0
-        messages = warnings_from(caplog, "offload._memory.store")
+        messages = warnings_from(caplog, "store")
         assert len(messages) == 1 and "spill" in messages[0] and os.strerror(errno.ENOTDIR) in messages[0], messages
         spill_dir.unlink()
         spill_dir.mkdir()
@@ -483,30 +394,30 @@ def test_spill_parent_removed_keeps_tensors_in_memory_until_it_returns(spill_dir
 # ---------------------------------------------------------------------------------- failing reads
 
 
-def _forward(eng, model, spill_writes):
+def _forward(eng, model, host):
     torch.manual_seed(0)
     with eng:
         x = chain_input().requires_grad_(True)
         loss = model(x).sum()
-    assert spill_writes.landed() == DEPTH
+    assert host.landed() == DEPTH
     return loss
 
 
-def test_read_error_raises_offload_error_and_releases_everything(faulty, spill_dir, spill_writes):
+def test_read_error_raises_offload_error_and_releases_everything(host, spill_dir):
     """EIO on read: OffloadError naming the tensor and the tier; the failed graph frees everything."""
     ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
     model = TanhChain()
-    loss = _forward(eng, model, spill_writes)
-    faulty.read_error = errno.EIO
+    loss = _forward(eng, model, host)
+    host.read_error = errno.EIO
     with pytest.raises(
         offload.OffloadError, match=rf"\({SIZE},\) torch.float32 on cpu.*spill file.*{os.strerror(errno.EIO)}"
     ):
         loss.backward()
-    assert faulty.reads > 0
+    assert host.reads > 0
     del loss
     wait_clean(eng, spill_dir)
-    faulty.read_error = None
+    host.read_error = None
     eng.reset_stats()
     assert_same(ref, chain_step(eng, model), "after a failed read")
     stats = wait_clean(eng, spill_dir)
@@ -515,14 +426,14 @@ def test_read_error_raises_offload_error_and_releases_everything(faulty, spill_d
     assert list(spill_dir.iterdir()) == []
 
 
-def test_truncated_spill_file_raises_offload_error(spill_dir, spill_writes):
+def test_truncated_spill_file_raises_offload_error(spill_dir, host):
     """The file is cut 100 bytes into the newest tensor's extent (the first backward reads): the read
     ends early, an OffloadError names the tensor, the tier and how far it got; the failed graph
     releases everything and the next step, writing the file again, is exact."""
     ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
     model = TanhChain()
-    loss = _forward(eng, model, spill_writes)
+    loss = _forward(eng, model, host)
     path = only_file(spill_dir)
     # A fresh engine takes extents in eviction order from offset 0, so the newest is at the end.
     os.truncate(path, (DEPTH - 1) * NBYTES + 100)
@@ -539,24 +450,24 @@ def test_truncated_spill_file_raises_offload_error(spill_dir, spill_writes):
     assert list(spill_dir.iterdir()) == []
 
 
-def test_transient_read_error_then_retry_with_retained_graph(faulty, spill_dir):
+def test_transient_read_error_then_retry_with_retained_graph(host, spill_dir):
     """A read that failed is not remembered as data: backward again (retain_graph) reads the file again."""
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
     model, ref_model = TanhChain(), TanhChain()
     torch.manual_seed(0)
     x = chain_input()
     with eng:
         loss = model(x).sum()
     ref_model(x).sum().backward()
-    faulty.read_error = errno.EIO
+    host.read_error = errno.EIO
     with pytest.raises(offload.OffloadError, match="spill file"):
         loss.backward(retain_graph=True)
-    faulty.read_error = None
-    reads = faulty.reads
+    host.read_error = None
+    reads = host.reads
     model.zero_grad(set_to_none=True)
     loss.backward()
     assert torch.equal(model.scale.grad, ref_model.scale.grad)
-    assert faulty.reads > reads, "the retry read the file"
+    assert host.reads > reads, "the retry read the file"
     del loss
     wait_clean(eng, spill_dir)
     eng.close()
@@ -593,8 +504,12 @@ def link(request):
         yield made
 
 
-def _host_engine(link, budget_mb, **options):
-    return offload.engine(budget_mb, device="cpu", min_offload_bytes=0, link=link, **options)
+def _host_engine(link, budget_mb, host=None, **options):
+    """An engine with a host tier over ``link``; a stand-in ``host`` runs its spill jobs where the
+    link's own host would (an emulator's schedule)."""
+    if host is not None:
+        host.base = getattr(link, "host", None)
+    return offload.engine(budget_mb, device="cpu", min_offload_bytes=0, link=link, host=host, **options)
 
 
 def _mlp():
@@ -616,24 +531,24 @@ def _host_clean(eng, spill_dir):
     return stats
 
 
-def test_host_tier_disk_full_keeps_host_copies(link, faulty, spill_dir, caplog):
+def test_host_tier_disk_full_keeps_host_copies(link, host, spill_dir, caplog):
     """Host cap reached and the disk full after two writes: the host copies stay where they are,
     newer tensors stay on the device, gradients exact, no hang; once the disk frees up the oldest
     host copies are written to disk again and the budget holds."""
     model = _mlp()
     ref = _host_step(model)
-    faulty.writes_ok = 2
-    eng = _host_engine(link, 3 * ACT_MB, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
+    host.writes_ok = 2
+    eng = _host_engine(link, 3 * ACT_MB, host=host, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, _host_step(model, eng), "host tier, disk full")
         stats = _host_clean(eng, spill_dir)
         assert stats.spilled_bytes == 2 * ACT_BYTES, "only the writes that landed"
         assert stats.peak_resident_bytes > 3 * ACT_BYTES, "the newest tensors stayed on the device"
         assert stats.host_bytes <= 2 * ACT_BYTES
-        messages = warnings_from(caplog, "offload._memory.store")
+        messages = warnings_from(caplog, "store")
         failed = [m for m in messages if "spill" in m and os.strerror(errno.ENOSPC) in m]
         assert len(failed) == 1 and len(set(messages)) == len(messages), "each cause said once"
-        faulty.writes_ok = None
+        host.writes_ok = None
         eng.reset_stats()
         assert_same(ref, _host_step(model, eng), "host tier, disk freed")
         stats = _host_clean(eng, spill_dir)
@@ -643,20 +558,20 @@ def test_host_tier_disk_full_keeps_host_copies(link, faulty, spill_dir, caplog):
     assert list(spill_dir.iterdir()) == []
 
 
-def test_host_tier_read_error_raises_offload_error(link, faulty, spill_dir):
+def test_host_tier_read_error_raises_offload_error(link, host, spill_dir):
     model = _mlp()
     ref = _host_step(model)
-    eng = _host_engine(link, 3 * ACT_MB, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
+    eng = _host_engine(link, 3 * ACT_MB, host=host, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
     with eng:
         loss = model(_mlp_input()).square().mean()
     assert eng.stats.spilled_bytes > 0
-    faulty.read_error = errno.EIO
+    host.read_error = errno.EIO
     with pytest.raises(
         offload.OffloadError, match=rf"\({BATCH}, 128\) torch.float32 on cpu.*spill file.*{os.strerror(errno.EIO)}"
     ):
         loss.backward()
     del loss
-    faulty.read_error = None
+    host.read_error = None
     _host_clean(eng, spill_dir)
     eng.reset_stats()
     assert_same(ref, _host_step(model, eng), "host tier after a failed read")
@@ -666,71 +581,58 @@ def test_host_tier_read_error_raises_offload_error(link, faulty, spill_dir):
     assert list(spill_dir.iterdir()) == []
 
 
-class _WritesFailWhenLetGo:
-    """Replaces the spill file's write: every write waits for ``gate``, then fails with ENOSPC."""
+def test_a_demotion_failing_while_its_tensor_dies_is_not_counted(spill_dir):
+    """A host copy is being written to disk (demoted) when its graph is freed; the write then fails.
+    It wrote nothing, so once the engine has settled (close() waits for it) spilled_bytes does not
+    count it, and the host copy it would have freed goes with its tensor.
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.gate = threading.Event()
-        self.started = 0
-        failing = self
-
-        def write(file, extent, data):  # a plain function: the class binds ``file`` as self
-            failing.started += 1
-            failing.gate.wait(GATE_TIMEOUT_S)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        monkeypatch.setattr(offload._memory.spill._File, "write", write)
-
-
-def test_a_demotion_failing_after_its_tensor_died_is_not_counted(monkeypatch, spill_dir):
-    """A host copy is being written to disk (demoted) when its tensor dies; the write then fails.
-    It wrote nothing, so once the engine has settled it (close() waits for it) spilled_bytes does not
-    count it: the store keeps the write as an orphan (``InFlight.adopt_orphans``) to learn how it ended.
-
-    Driven through the store itself: a demotion starts in ``InFlight._make_host_room_for``, which waits for
-    it to land before pack returns, so from one thread the tensor can only die with its demotion
-    in flight if another thread (a second one using the engine) frees its graph meanwhile."""
-    writes = _WritesFailWhenLetGo(monkeypatch)
+    A demotion starts when the host tier is full, and pack waits for it to land before it returns
+    (holding the store's lock), so the graph is freed from another thread: a second thread's
+    forward demotes the first forward's oldest host copy, its write is held back, the first graph
+    is freed (its release waits for the lock), and then the write fails. Where the release is
+    handled first, with the write still in flight (the orphan path), is driven through the store
+    itself in ``test_residency.py``."""
     model = _mlp()
-    link = DeferredLink(1)
-    eng = _host_engine(link, 0, spill_dir=spill_dir)
+    host = StandInHost()
+    eng = _host_engine(DeferredLink(1), 0, host=host, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
     with eng:
         loss = model(_mlp_input()).square().mean()
-    store = eng._session.store
-    with store._lock:
-        store._flight.poll()
-        entry = next(iter(store.residency.host_lru.values()))
-        store._flight.free_host_copy_or_demote(entry)  # as _make_host_room_for starts a demotion
-    assert writes.started == 1 and eng.stats.spilled_bytes == ACT_BYTES, "the demotion is in flight, counted"
-    del loss  # the tensor dies with its write in flight
+    host.landed()
+    landed = host.writes
+    assert landed > 0 and eng.stats.spilled_bytes == landed * ACT_BYTES, "the first forward demoted its oldest"
+    gate, held = threading.Event(), threading.Event()
+
+    def fail_the_next_write_late(n: int) -> None:
+        if n == landed:
+            held.set()
+            gate.wait(GATE_TIMEOUT_S)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    host.before_write = fail_the_next_write_late
+    second: list = []
+
+    def forward_on_another_thread() -> None:
+        with eng:
+            second.append(model(_mlp_input()).square().mean())
+
+    thread = threading.Thread(target=forward_on_another_thread)
+    thread.start()
+    assert held.wait(GATE_TIMEOUT_S), "the second forward demoted a host copy of the first"
+    del loss  # the first graph goes: the tensor dies with its write in flight
     gc.collect()
-    writes.gate.set()  # ... and then the write fails
+    gate.set()  # ... and then the write fails
+    thread.join(GATE_TIMEOUT_S)
+    assert not thread.is_alive()
+    second.clear()
+    gc.collect()
+    host.landed()
     eng.close()
-    assert eng.stats.spilled_bytes == 0, "a write that failed is not counted as spilled"
+    assert host.writes > landed, "the demotion was tried"
+    assert eng.stats.spilled_bytes == (host.writes - 1) * ACT_BYTES, "a write that failed is not counted as spilled"
     assert list(spill_dir.iterdir()) == []
 
 
-class _NoPinning:
-    """Stands in for ``torch`` inside ``offload._memory.arena``: slab allocations fail after ``ok`` of them,
-    as ``torch.empty(pin_memory=True)`` does at the locked-memory limit."""
-
-    def __init__(self, ok: int) -> None:
-        self.ok = ok
-        self.tries = 0
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def empty(self, *args, **kwargs):
-        if "pin_memory" in kwargs:
-            self.tries += 1
-            if self.ok <= 0:
-                raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
-            self.ok -= 1
-        return torch.empty(*args, **kwargs)
-
-
-def test_pinning_fails_after_two_slabs_spills_the_oldest(link, monkeypatch, spill_dir, caplog):
+def test_pinning_fails_after_two_slabs_spills_the_oldest(link, host, spill_dir, caplog):
     """Pinning refused after two slabs: one warning from the arena, the host tier stays at what it
     pinned, the oldest host copies go to disk to make room, exact, nothing left in use.
 
@@ -738,13 +640,12 @@ def test_pinning_fails_after_two_slabs_spills_the_oldest(link, monkeypatch, spil
     only where the cap is), so the third slab is the one pinning refuses."""
     model = _mlp()
     ref = _host_step(model)
-    no_pinning = _NoPinning(2)
-    monkeypatch.setattr(offload._memory.arena, "torch", no_pinning)
-    eng = _host_engine(link, 3 * ACT_MB, host_budget_mb=4 * ACT_MB, spill_dir=spill_dir)
+    host.pins_ok = 2
+    eng = _host_engine(link, 3 * ACT_MB, host=host, host_budget_mb=4 * ACT_MB, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, _host_step(model, eng), "pinning refused")
         stats = _host_clean(eng, spill_dir)
-        assert no_pinning.tries == 3, "no new slab is tried once pinning failed"
+        assert host.pin_tries == 3, "no new slab is tried once pinning failed"
         assert stats.spilled_bytes > 0
         assert 0 < stats.host_bytes <= 2 * ACT_BYTES, "what was pinned, no more"
         assert stats.peak_resident_bytes <= 3 * ACT_BYTES
@@ -752,14 +653,14 @@ def test_pinning_fails_after_two_slabs_spills_the_oldest(link, monkeypatch, spil
         assert_same(ref, _host_step(model, eng), "pinning refused, second step")
         stats = _host_clean(eng, spill_dir)
         assert stats.spilled_bytes > 0 and 0 < stats.reloaded_bytes <= stats.offloaded_bytes
-    messages = warnings_from(caplog, "offload._memory.arena")
+    messages = warnings_from(caplog, "arena")
     assert len(messages) == 1 and "pinning" in messages[0], messages
-    assert warnings_from(caplog, "offload._memory.store") == []
+    assert warnings_from(caplog, "store") == []
     eng.close()
     assert list(spill_dir.iterdir()) == []
 
 
-def test_no_pinning_at_all_keeps_tensors_on_the_device(link, monkeypatch, spill_dir, caplog):
+def test_no_pinning_at_all_keeps_tensors_on_the_device(link, host, spill_dir, caplog):
     """No host memory can be pinned: with no host copy to demote there is no safe place below the
     device, so tensors stay on it over the budget (no synchronous pageable copies), one warning
     each from the arena and the store, exact.
@@ -768,8 +669,8 @@ def test_no_pinning_at_all_keeps_tensors_on_the_device(link, monkeypatch, spill_
     issue 9 removed that per-tensor synchronous path, so the tensor is kept instead."""
     model = _mlp()
     ref = _host_step(model)
-    monkeypatch.setattr(offload._memory.arena, "torch", _NoPinning(0))
-    eng = _host_engine(link, 2 * ACT_MB, spill_dir=spill_dir)
+    host.pins_ok = 0
+    eng = _host_engine(link, 2 * ACT_MB, host=host, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, _host_step(model, eng), "no pinning")
         assert_same(ref, _host_step(model, eng), "no pinning, second step")
@@ -777,14 +678,14 @@ def test_no_pinning_at_all_keeps_tensors_on_the_device(link, monkeypatch, spill_
     assert stats.peak_resident_bytes > 2 * ACT_BYTES, "over the budget rather than into pageable host RAM"
     assert stats.offloaded_bytes == stats.spilled_bytes == stats.host_bytes == 0
     assert stats.spill_files == 0 and list(spill_dir.iterdir()) == []
-    arena = warnings_from(caplog, "offload._memory.arena")
+    arena = warnings_from(caplog, "arena")
     assert len(arena) == 1 and "pinning" in arena[0], arena
-    store = warnings_from(caplog, "offload._memory.store")
+    store = warnings_from(caplog, "store")
     assert len(store) == 1 and "no host memory left below the device" in store[0], store
     eng.close()
 
 
-def test_limited_pinning_and_a_failing_disk_keep_tensors_on_the_device(link, faulty, monkeypatch, spill_dir, caplog):
+def test_limited_pinning_and_a_failing_disk_keep_tensors_on_the_device(link, host, spill_dir, caplog):
     """Two slabs pinned, then pinning refused, and the disk failing from its first write: the two
     host copies stay, every newer tensor stays on the device over the budget, exact, and after the
     step nothing is held (device, host blocks, spill extents).
@@ -793,73 +694,44 @@ def test_limited_pinning_and_a_failing_disk_keep_tensors_on_the_device(link, fau
     so the disk's failure is tested behind a host tier that filled."""
     model = _mlp()
     ref = _host_step(model)
-    monkeypatch.setattr(offload._memory.arena, "torch", _NoPinning(2))
-    faulty.writes_ok = 0
-    eng = _host_engine(link, 2 * ACT_MB, host_budget_mb=4 * ACT_MB, spill_dir=spill_dir)
+    host.pins_ok = 2
+    host.writes_ok = 0
+    eng = _host_engine(link, 2 * ACT_MB, host=host, host_budget_mb=4 * ACT_MB, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, _host_step(model, eng), "limited pinning, disk failing")
     stats = _host_clean(eng, spill_dir)
     assert stats.peak_resident_bytes > 2 * ACT_BYTES, "over the budget rather than into host RAM"
     assert stats.spilled_bytes == 0 and stats.offloaded_bytes == 2 * ACT_BYTES, "two host copies, no more"
     assert stats.resident_bytes == 0 and stats.spill_bytes == 0
-    assert faulty.writes > 0, "the disk was tried"
-    store = warnings_from(caplog, "offload._memory.store")
+    assert host.writes > 0, "the disk was tried"
+    store = warnings_from(caplog, "store")
     assert any("keeping saved tensors on the device" in m for m in store), store
     assert len([m for m in store if os.strerror(errno.ENOSPC) in m]) == 1 and len(set(store)) == len(store), store
     eng.close()
     assert list(spill_dir.iterdir()) == []
 
 
-class _SlabsHeld:
-    """Stands in for ``torch`` inside ``offload._memory.arena``: keeps a weak set of the slabs it made, so
-    the psutil stand-in can take what the arena holds off the RAM it reports available, as the OS
-    would (asking the engine instead would re-enter it from inside its own pack)."""
-
-    def __init__(self) -> None:
-        self.slabs: weakref.WeakSet = weakref.WeakSet()
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def empty(self, *args, **kwargs):
-        tensor = torch.empty(*args, **kwargs)
-        if "pin_memory" in kwargs:
-            self.slabs.add(tensor)
-        return tensor
-
-    @property
-    def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in list(self.slabs))
-
-
-def test_low_host_ram_caps_the_arena_and_spills(link, monkeypatch, spill_dir, caplog):
-    """psutil reports barely more than the reserve free: the arena stops growing within it (one
+def test_low_host_ram_caps_the_arena_and_spills(link, host, spill_dir, caplog):
+    """The host reports barely more than the reserve free: the arena stops growing within it (one
     warning), the oldest host copies go to disk, exact."""
     total = 16 << 30
-    reserve = max(
-        int(total * offload._memory.arena.HOST_RESERVE_FRACTION), offload._memory.arena.HOST_RESERVE_MIN_BYTES
-    )
+    reserve = host.ram_reserve(total)
     room = 3 * ACT_BYTES  # three slabs of one activation each (the room is under 64 MiB)
-    real = psutil.virtual_memory()
-    slabs = _SlabsHeld()
-
-    def low_memory():  # what the arena holds is no longer available
-        return real._replace(total=total, available=reserve + room - slabs.held_bytes)
-
-    monkeypatch.setattr(offload._memory.arena, "torch", slabs)
-    monkeypatch.setattr(psutil, "virtual_memory", low_memory)
+    # What the arena holds is no longer available, as the OS would report (asking the engine
+    # instead would re-enter it from inside its own pack).
+    host.ram_reading = lambda available, _total: (reserve + room - host.held_bytes, total)
     model = _mlp()
     ref = _host_step(model)
-    eng = _host_engine(link, 3 * ACT_MB, spill_dir=spill_dir)
+    eng = _host_engine(link, 3 * ACT_MB, host=host, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, _host_step(model, eng), "low host RAM")
         stats = _host_clean(eng, spill_dir)
         assert stats.spilled_bytes > 0
         assert 0 < stats.host_bytes <= room, "the arena never dips into the reserve"
-        assert stats.host_bytes == slabs.held_bytes, "host_bytes counts the slabs really held"
+        assert stats.host_bytes == host.held_bytes, "host_bytes counts the slabs really held"
         assert_same(ref, _host_step(model, eng), "low host RAM, second step")
         assert 0 < _host_clean(eng, spill_dir).host_bytes <= room
-    messages = warnings_from(caplog, "offload._memory.arena")
+    messages = warnings_from(caplog, "arena")
     assert len(messages) == 1 and "host RAM is low" in messages[0], messages
     eng.close()
     assert eng.stats.host_bytes == 0

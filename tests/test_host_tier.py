@@ -21,9 +21,10 @@ import torch.nn as nn
 
 import offload
 import offload._memory.arena
-import offload._memory.spill
 from hb import detecting
+from hosts import StandInHost
 from links import EmulatedCudaLink, EmulatedStreams, LandsOnCue, Reads, ThreadedLink, link_named
+from offload.seams import PinnedSlabs
 from zoo import MB, wait_clean
 
 
@@ -45,8 +46,12 @@ def _grads(model, x, eng=None, retain=False):
     return [p.grad.clone() for p in model.parameters()]
 
 
-def _engine(link, **kwargs):
-    return offload.engine(device="cpu", min_offload_bytes=0, link=link, **kwargs)
+def _engine(link, host=None, **kwargs):
+    """An engine with a host tier over ``link``; a stand-in ``host`` runs its spill jobs where the
+    link's own host would (an emulator's schedule)."""
+    if host is not None:
+        host.base = getattr(link, "host", None)
+    return offload.engine(device="cpu", min_offload_bytes=0, link=link, host=host, **kwargs)
 
 
 @pytest.fixture(
@@ -142,32 +147,29 @@ def test_fresh_inputs_every_step_under_a_slow_link(tmp_path):
     assert link.sources_gone == 0
 
 
-class _SlowReads:
+class _SlowReads(StandInHost):
     """Every spill-file read first sleeps ``delay_s`` on its worker thread, so a read back into a
-    host block is still in flight when the next unpack polls; counts the reads."""
+    host block is still in flight when the next unpack polls; counts the reads (``reads``)."""
 
-    def __init__(self, monkeypatch, delay_s: float) -> None:
-        real, self.reads = offload._memory.spill._File.read, 0
-        slow = self
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
 
-        def read(file, extent, out):  # a plain function: the class binds ``file`` as self
-            slow.reads += 1
-            time.sleep(delay_s)
-            return real(file, extent, out)
-
-        monkeypatch.setattr(offload._memory.spill._File, "read", read)
+    def preadv(self, fd, buffers, offset):
+        time.sleep(self.delay_s)
+        return super().preadv(fd, buffers, offset)
 
 
-def test_a_climb_from_disk_starts_its_copy_up_only_once_the_read_landed(tmp_path, monkeypatch):
+def test_a_climb_from_disk_starts_its_copy_up_only_once_the_read_landed(tmp_path):
     """disk -> host -> device: the copy up from the host block starts only after the disk read into
     it has landed. Reads are slow and the link reads each source over its copy, as a stream does,
     so a copy started on a block still being filled gets garbage (the climb's ``filled.done()``
     condition in ``Store._poll`` is what prevents it; with it removed this test fails)."""
-    reads = _SlowReads(monkeypatch, delay_s=0.05)
+    reads = _SlowReads(delay_s=0.05)
     model, x = _model(), torch.randn(256, 128)
     want = _grads(model, x)
     link = ThreadedLink(delay_s=0.001, reads=Reads.OVER_THE_COPY)
-    eng = _engine(link, budget_mb=0.5, host_budget_mb=0.25, spill_dir=tmp_path)
+    eng = _engine(link, host=reads, budget_mb=0.5, host_budget_mb=0.25, spill_dir=tmp_path)
     got = _grads(model, x, eng)
     stats = wait_clean(eng, tmp_path)
     eng.close()
@@ -239,79 +241,59 @@ def test_a_copy_out_keeps_its_source_until_it_lands(tmp_path):
     assert stats.resident_bytes == 0
 
 
-class _CountsSlabs:
-    """Stands in for ``torch`` inside ``offload._memory.arena``: counts the slabs allocated ("pinned")."""
-
-    def __init__(self) -> None:
-        self.slabs = 0
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def empty(self, *args, **kwargs):
-        self.slabs += "pin_memory" in kwargs
-        return torch.empty(*args, **kwargs)
-
-
-def test_engines_one_after_another_share_pinned_slabs(monkeypatch):
+def test_engines_one_after_another_share_pinned_slabs():
     """Engines whose links share a ``PinnedSlabs`` (a benchmark's configurations) pin once: the
     second takes the slabs the first gave back when it closed, exactly, and the same steps hold
     the same bytes; ``clear()`` lets them go. Without sharing each engine pins its own."""
-    counts = _CountsSlabs()
-    monkeypatch.setattr(offload._memory.arena, "torch", counts)
+    counts = StandInHost()  # counts the slabs allocated ("pinned")
     model, x = _model(), torch.randn(256, 128)
     want = _grads(model, x)
-    shared = offload._memory.arena.PinnedSlabs()
+    shared = PinnedSlabs()
     held = []
     for _ in range(2):
         with detecting(slabs=shared) as link:
-            eng = _engine(link, budget_mb=0)
+            eng = _engine(link, host=counts, budget_mb=0)
             assert all(torch.equal(a, b) for a, b in zip(want, _grads(model, x, eng), strict=True))
             held.append(wait_clean(eng).host_bytes)
             eng.close()
         assert eng.stats.host_bytes == 0 and shared.idle_bytes == held[-1], "closed: its slabs wait in the pool"
-    assert counts.slabs == 1 and held[0] == held[1] > 0, "the second engine pinned nothing"
+    assert counts.pin_tries == 1 and held[0] == held[1] > 0, "the second engine pinned nothing"
     shared.clear()
     assert shared.idle_bytes == 0
     with detecting() as link:
-        eng = _engine(link, budget_mb=0)
+        eng = _engine(link, host=counts, budget_mb=0)
         _grads(model, x, eng)
         eng.close()
-    assert counts.slabs == 2, "an engine of its own pins its own"
+    assert counts.pin_tries == 2, "an engine of its own pins its own"
 
 
-class _PinsAndEmpties(_CountsSlabs):
-    """Stands in for ``torch`` inside ``offload._memory.arena`` with pinning on: slabs are plain memory
-    (no device here), and every emptying of the caching host allocator is counted."""
+class _PinsAndEmpties(StandInHost):
+    """A host whose slabs are "pinned" in plain memory (no device here), counting every emptying
+    of the caching host allocator."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emptied = 0
-        stand_in = self
 
-        class _Accelerator:
-            @staticmethod
-            def empty_host_cache() -> None:
-                stand_in.emptied += 1
+    def allocate(self, nbytes: int, pin: bool) -> torch.Tensor:
+        return super().allocate(nbytes, False)
 
-        self.accelerator = _Accelerator()
-
-    def empty(self, *args, **kwargs):
-        self.slabs += bool(kwargs.pop("pin_memory", False))
-        return torch.empty(*args, **kwargs)
+    def return_pinned(self) -> None:
+        self.emptied += 1
 
 
-def test_emptying_the_pinned_cache_stays_out_of_acquire(monkeypatch):
+def test_emptying_the_pinned_cache_stays_out_of_acquire():
     """At its cap with idle slabs too small for a request, the arena drops them for a larger one;
     the caching host allocator is emptied (process-wide, and it synchronizes the device), and the
     copies settled first, only once the step is over (``return_unpinned``, from the store as the
     next step starts), never in ``acquire``, which runs under the store's lock in a pack (See
-    Note: [emptying the pinned cache])."""
+    Note: [emptying the pinned cache]).
+
+    White-box: the arena (a pure data structure once its host is a stand-in) is driven directly."""
     stand_in = _PinsAndEmpties()
-    monkeypatch.setattr(offload._memory.arena, "torch", stand_in)
     settled = []
     slab = offload._memory.arena.SLAB_BYTES
-    arena = offload._memory.arena.HostArena(2 * slab, pin=True, settle=lambda: settled.append(True))
+    arena = offload._memory.arena.HostArena(2 * slab, pin=True, settle=lambda: settled.append(True), host=stand_in)
     blocks = [arena.acquire(slab * 5 // 8) for _ in range(2)]  # one 64 MiB slab each: the cap
     assert all(b is not None for b in blocks) and arena.held_bytes == 2 * slab
     for block in blocks:

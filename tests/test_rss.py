@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from offload._memory.spill import _filesystem_type
+from offload.seams import Host
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ def _run(use_engine: bool, spill_dir: Path) -> dict:
 @pytest.mark.slow  # fresh processes, each a whole run
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in KiB on Linux only")
 def test_spilled_activations_leave_the_resident_set(spill_dir):
-    if _filesystem_type(Path(spill_dir)) in ("tmpfs", "ramfs"):
+    if Host().filesystem_type(Path(spill_dir)) in ("tmpfs", "ramfs"):
         pytest.skip(f"{spill_dir} is on a RAM filesystem: spilling there frees no memory")
     free = psutil.disk_usage(str(spill_dir)).free
     if free < 2 * DEPTH * BATCH * WIDTH * 4:

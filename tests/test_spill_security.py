@@ -6,9 +6,11 @@ nothing and cannot be guessed, opened so that a planted symlink or file is never
 reused, and nothing left behind however the engine ends (close, garbage collection, interpreter
 exit). Log lines and errors name shapes and dtypes at most, never values.
 
-The disk tier is one spill file per engine (``offload._memory.spill``): made with its private directory
-at the first spill, written and read through its descriptor, removed at close. The private
-directory is the only entry of the ``spill_dir`` a test passes, so tests find it there.
+The disk tier is one spill file per engine: made with its private directory at the first spill,
+written and read through its descriptor, removed at close. The private directory is the only
+entry of the ``spill_dir`` a test passes, so tests find it there. The attacker's moves that need
+timing (a name predicted, a trap laid before the create) are made through the engine's host seam
+(``offload.seams.Host``), which sees the spill file's calls to the OS and nothing else.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch
 from torch import nn
 
 import offload
-import offload._memory.spill
-from test_faults import SpillWrites
+from hosts import StandInHost
+from offload.seams import Host
 from zoo import assert_same, default_loss, files_under, run_step, wait_clean
 
 WIDTH = 128
@@ -62,22 +64,15 @@ def _private(spill_dir) -> Path:
     return entries[0]
 
 
-class _OpenFlags:
-    """Stands in for ``os`` inside ``offload._memory.spill``: records the path, flags and mode of each open."""
+class _OpenFlags(Host):
+    """This machine, recording the path, flags and mode of each open of the spill file."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, int]] = []
 
-    def __getattr__(self, name):
-        return getattr(os, name)
-
-    def open(self, path, flags, mode=0o777, *args, **kwargs):
+    def open(self, path, flags, mode):
         self.calls.append((path, flags, mode))
-        return os.open(path, flags, mode, *args, **kwargs)
-
-    @property
-    def creates(self) -> list[tuple[str, int, int]]:
-        return [call for call in self.calls if call[1] & os.O_CREAT]
+        return super().open(path, flags, mode)
 
 
 def _fds_into(directory) -> dict[int, str]:
@@ -93,22 +88,11 @@ def _fds_into(directory) -> dict[int, str]:
     return found
 
 
-class _Names:
-    """Stands in for ``uuid`` inside ``offload._memory.spill``: hands out names the test knows in advance."""
-
-    def __init__(self) -> None:
-        self.queue: list[str] = []
-
-    def uuid4(self):
-        return uuid.UUID(self.queue.pop(0)) if self.queue else uuid.uuid4()
-
-
-def test_directory_and_file_are_private_and_the_name_says_nothing(spill_dir, monkeypatch):
+def test_directory_and_file_are_private_and_the_name_says_nothing(spill_dir):
     """One 0700 directory of our own, one 0600 regular file with a random (uuid4) name, created
     with O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC; close() closes its descriptor and removes both."""
     opens = _OpenFlags()
-    monkeypatch.setattr(offload._memory.spill, "os", opens)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=opens)
     loss = _forward(eng)
     private = _private(spill_dir)
     info = os.lstat(private)
@@ -137,23 +121,25 @@ def test_directory_and_file_are_private_and_the_name_says_nothing(spill_dir, mon
     assert _fds_into(private) == {} and list(spill_dir.iterdir()) == []
 
 
-class _Planting:
-    """Stands in for ``tempfile`` inside ``offload._memory.spill``: each private directory it makes gets,
-    before the engine's create, a symlink (or a file) at the name the engine will pick next, as an
-    attacker who could predict names and write there would plant it."""
+class _Planting(Host):
+    """This machine, except that the spill file's names are ones the test knows in advance
+    (``queue``, then random ones), and each private directory it makes gets, before the engine's
+    create, a symlink (or a file) at the name the engine will pick next, as an attacker who could
+    predict names and write there would plant it."""
 
-    def __init__(self, names: _Names, planted: str, target: Path) -> None:
-        self.names, self.planted, self.target = names, planted, target
+    def __init__(self, planted: str, target: Path) -> None:
+        self.planted, self.target = planted, target
+        self.queue: list[str] = []
         self.dirs: list[Path] = []
 
-    def __getattr__(self, name):
-        return getattr(tempfile, name)
+    def file_name(self) -> str:
+        return uuid.UUID(self.queue.pop(0)).hex if self.queue else super().file_name()
 
-    def mkdtemp(self, *args, **kwargs):
-        made = Path(tempfile.mkdtemp(*args, **kwargs))
+    def make_directory(self, parent):
+        made = Path(super().make_directory(parent))
         self.dirs.append(made)
-        if self.names.queue:
-            trap = made / uuid.UUID(self.names.queue[0]).hex
+        if self.queue:
+            trap = made / uuid.UUID(self.queue[0]).hex
             if self.planted == "symlink":
                 trap.symlink_to(self.target)
             else:
@@ -162,7 +148,7 @@ class _Planting:
 
 
 @pytest.mark.parametrize("planted", ["symlink", "file"])
-def test_planted_path_is_never_written_through(planted, spill_dir, tmp_path, monkeypatch, caplog):
+def test_planted_path_is_never_written_through(planted, spill_dir, tmp_path, caplog):
     """Someone who can predict the next name plants a symlink (or a file) there first: the engine
     refuses to open it (O_EXCL | O_NOFOLLOW), keeps the tensor in memory and says so; the target is
     untouched, the step exact, and the next eviction makes a new directory and a new name.
@@ -170,20 +156,17 @@ def test_planted_path_is_never_written_through(planted, spill_dir, tmp_path, mon
     Changed with the one-file design: the planted name is the engine's one file, so the trap is
     laid in each private directory as it is made (before, the directory was made first and the
     trap laid for the files of later tensors)."""
-    names = _Names()
-    monkeypatch.setattr(offload._memory.spill, "uuid", names)
     target = tmp_path / "victim"
     target.write_bytes(b"precious")
-    planting = _Planting(names, planted, target)
-    monkeypatch.setattr(offload._memory.spill, "tempfile", planting)
+    planting = _Planting(planted, target)
     model = _model()
     ref = run_step(model, _marked_input)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
-    names.queue = [str(uuid.uuid4()) for _ in range(3)]
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=planting)
+    planting.queue = [str(uuid.uuid4()) for _ in range(3)]
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, run_step(model, _marked_input, eng), f"planted {planted}")
     assert target.read_bytes() == b"precious"
-    assert names.queue == [] and len(planting.dirs) == 4, "three refused creates, then a fresh name"
+    assert planting.queue == [] and len(planting.dirs) == 4, "three refused creates, then a fresh name"
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("offload")]
     assert any(os.strerror(errno.EEXIST) in m for m in messages), messages
     stats = wait_clean(eng, spill_dir)
@@ -194,7 +177,7 @@ def test_planted_path_is_never_written_through(planted, spill_dir, tmp_path, mon
     assert list(spill_dir.iterdir()) == [] and target.read_bytes() == b"precious"
 
 
-def test_spill_file_swapped_for_a_symlink_is_not_read(spill_dir, tmp_path, monkeypatch):
+def test_spill_file_swapped_for_a_symlink_is_not_read(spill_dir, tmp_path):
     """The spill file's name is replaced by a symlink to attacker-chosen bytes: reads go through the
     descriptor opened at the first spill, never through the name, so backward is exact and the
     attacker's file is neither opened nor changed; close() removes the symlink, not its target.
@@ -202,46 +185,41 @@ def test_spill_file_swapped_for_a_symlink_is_not_read(spill_dir, tmp_path, monke
     Changed with the one-file design: with a file per tensor, each read opened the name (and
     O_NOFOLLOW refused the symlink with an OffloadError); now nothing is opened after the first
     spill, so a swapped name has no way in at all, and backward is exact."""
-    writes = SpillWrites(monkeypatch)
-    opens = _OpenFlags()
+    host = StandInHost()  # records every spill write and every open
     model = _model()
     ref = run_step(model, _marked_input)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
     model.zero_grad(set_to_none=True)
     with eng:
         out = model(_marked_input())
-    assert writes.landed() > 0
+    assert host.landed() > 0
     fake = tmp_path / "fake"
     [path] = files_under(spill_dir)
     fake.write_bytes(b"\0" * os.path.getsize(path))
     os.unlink(path)
     os.symlink(fake, path)
-    monkeypatch.setattr(offload._memory.spill, "os", opens)
+    opened = host.opens
     default_loss(out).backward()
     assert torch.equal(out, ref.output)
     assert all(torch.equal(p.grad, ref.grads[n]) for n, p in model.named_parameters()), "read through the descriptor"
-    assert opens.calls == [] and fake.read_bytes() == b"\0" * os.path.getsize(fake)
+    assert host.opens == opened and fake.read_bytes() == b"\0" * os.path.getsize(fake)
     del out
     wait_clean(eng, spill_dir)
     eng.close()
     assert list(spill_dir.iterdir()) == [] and fake.exists(), "the symlink went, its target stayed"
 
 
-def test_logs_and_errors_name_shapes_and_dtypes_at_most(spill_dir, monkeypatch, caplog):
+def test_logs_and_errors_name_shapes_and_dtypes_at_most(spill_dir, caplog):
     """Every line the engine logs or raises while things go wrong (a failed write, a failed read, a
     tmpfs warning) carries no tensor values."""
-    real_write = offload._memory.spill._File.write
-    calls = []
+    writes = StandInHost()
 
-    def every_other_write_fails(file, extent, data):
-        calls.append(extent)
-        if len(calls) % 2:
+    def every_other_write_fails(n: int) -> None:
+        if n % 2 == 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(file, extent, data)
 
-    monkeypatch.setattr(offload._memory.spill._File, "write", every_other_write_fails)
-    writes = SpillWrites(monkeypatch)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    writes.before_write = every_other_write_fails
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=writes)
     with caplog.at_level(logging.DEBUG, logger="offload"):
         loss = _forward(eng)
         assert writes.landed() > 0 and eng.stats.spill_files == 1
@@ -263,13 +241,15 @@ def test_logs_and_errors_name_shapes_and_dtypes_at_most(spill_dir, monkeypatch, 
 
 def test_tmpfs_spill_directory_warns(caplog):
     shm = Path("/dev/shm")
-    if not shm.is_dir() or offload._memory.spill._filesystem_type(shm) != "tmpfs" or not os.access(shm, os.W_OK):
+    if not shm.is_dir() or Host().filesystem_type(shm) != "tmpfs" or not os.access(shm, os.W_OK):
         pytest.skip("no writable tmpfs at /dev/shm here")
     with tempfile.TemporaryDirectory(dir=shm) as parent:
         eng = offload.engine(0, min_offload_bytes=0, spill_dir=parent)
         with caplog.at_level(logging.WARNING, logger="offload"):
             loss = _forward(eng)
-        messages = [r.getMessage() for r in caplog.records if r.name == "offload._memory.spill"]
+        messages = [
+            r.getMessage() for r in caplog.records if r.name.startswith("offload.") and r.name.endswith(".spill")
+        ]
         assert len(messages) == 1 and "tmpfs" in messages[0] and "RAM" in messages[0], messages
         loss.backward()
         del loss

@@ -6,6 +6,9 @@ On the CPU the engine's device is the CPU itself and the next tier is the engine
 and name, its live extents (``stats.spill_bytes``) while backward consumes them, and that nothing
 is held after backward, after a forward never backpropagated, and after an exception, and nothing
 is on disk after close. The budget is checked through ``stats.peak_resident_bytes``.
+
+One test is white-box: the byte view the store takes of a storage it moves
+(``offload._memory.tiers.as_bytes``, a pure function), read under a dispatch mode.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
-import offload._memory.spill
 import offload._memory.tiers
-from test_faults import SpillWrites
+from hosts import StandInHost
 from zoo import MB, assert_same, default_loss, files_under, mlp, run_step, wait_clean
 
+EXTENT_ALIGN_BYTES = 4096
+"""What each spilled copy's extent is rounded up to (``offload.Stats.spill_bytes``)."""
 SIZE = 64 * 1024
 """Elements of each tensor in the chain model (256 KiB in fp32)."""
 
@@ -77,7 +81,7 @@ def test_spill_file_is_private_with_a_random_name(spill_dir):
     assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600, files[0]
     name = os.path.basename(files[0])
     assert re.fullmatch(r"[0-9a-f]{32}", name), f"{name}: a random name, nothing about the tensor in it"
-    align = offload._memory.spill.ALIGN_BYTES
+    align = EXTENT_ALIGN_BYTES
     assert stats.offloaded_bytes == stats.saved_bytes > 0, "budget 0 moves everything"
     assert stats.offloaded_bytes <= stats.spill_bytes < stats.offloaded_bytes + stats.saved_tensors * align
     del loss
@@ -265,12 +269,12 @@ def test_disk_full_keeps_tensors_in_memory(spill_dir):
     assert list(spill_dir.iterdir()) == []
 
 
-def _spilled_step(spill_dir, monkeypatch):
-    writes = SpillWrites(monkeypatch)
+def _spilled_step(spill_dir):
+    writes = StandInHost()  # records every spill write, to wait for them
     model = deep_mlp()
     ref = run_step(model, mlp_input)
     model.zero_grad(set_to_none=True)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=writes)
     torch.manual_seed(1234)  # run_step's seeds: the same input, the same math
     x = mlp_input().requires_grad_(True)
     with eng:
@@ -281,8 +285,8 @@ def _spilled_step(spill_dir, monkeypatch):
     return eng, model, ref, x, out, files[0]
 
 
-def test_truncated_spill_file_is_an_offload_error(spill_dir, monkeypatch):
-    eng, model, ref, x, out, path = _spilled_step(spill_dir, monkeypatch)
+def test_truncated_spill_file_is_an_offload_error(spill_dir):
+    eng, model, ref, x, out, path = _spilled_step(spill_dir)
     os.truncate(path, 10)
     with pytest.raises(offload.OffloadError, match=r"\(64, 128\) torch.float32 on cpu.*spill file.*ended after"):
         default_loss(out).backward()
@@ -292,14 +296,14 @@ def test_truncated_spill_file_is_an_offload_error(spill_dir, monkeypatch):
     assert list(spill_dir.iterdir()) == []
 
 
-def test_deleted_spill_file_is_still_read_through_its_descriptor(spill_dir, monkeypatch):
+def test_deleted_spill_file_is_still_read_through_its_descriptor(spill_dir):
     """The spill file's name is removed (a cleaner, a user): the engine's open descriptor keeps the
     data, so backward is exact; nothing is left on disk, and close() has nothing more to remove.
 
     Changed with the one-file design: with a file per tensor, each read opened its file by name
     and a deleted one was an OffloadError ("No such file"); now the file is read through the
     descriptor opened at the first spill, so its name going changes nothing."""
-    eng, model, ref, x, out, path = _spilled_step(spill_dir, monkeypatch)
+    eng, model, ref, x, out, path = _spilled_step(spill_dir)
     os.unlink(path)
     default_loss(out).backward()
     assert torch.equal(out, ref.output) and torch.equal(x.grad, ref.input_grad)
@@ -312,9 +316,9 @@ def test_deleted_spill_file_is_still_read_through_its_descriptor(spill_dir, monk
     assert list(spill_dir.iterdir()) == []
 
 
-def test_backward_after_close_is_an_offload_error(spill_dir, monkeypatch):
+def test_backward_after_close_is_an_offload_error(spill_dir):
     """The error names the tensor, says the engine was closed, and says the fix."""
-    eng, model, ref, x, out, path = _spilled_step(spill_dir, monkeypatch)
+    eng, model, ref, x, out, path = _spilled_step(spill_dir)
     eng.close()
     assert list(spill_dir.iterdir()) == [], "close() removes the file even while a graph still needs it"
     with pytest.raises(offload.OffloadError, match=r"\(64, 128\) torch.float32 on cpu.*clos") as failure:

@@ -28,9 +28,9 @@ NAME = re.compile(
     r"\btorch\.(?:cuda|_C|accelerator|utils\.deterministic|backends\.cuda|backends\.cudnn)(?:\.[A-Za-z_]\w*)+"
 )
 LOOKED_UP = {"torch._C._host_emptyCache", "torch.accelerator.empty_host_cache"}
-"""Names the code looks up with ``getattr`` and a fallback: ``offload._memory.arena._empty_host_cache``
+"""Names the code looks up with ``getattr`` and a fallback: ``offload.seams.Host.return_pinned``
 takes torch.accelerator's (from 2.13) or torch._C's (2.11; CPU builds of 2.13 lack it).
-(``offload._memory.transfer.CudaStreams`` looks up ``_cuda_getCurrentStream`` of ``torch._C`` by its
+(``offload.seams.CudaStreams`` looks up ``_cuda_getCurrentStream`` of ``torch._C`` by its
 name alone, so the scan does not see it: CPU builds lack it, and without it the class asks
 ``torch.cuda.current_stream``, which is checked here.)"""
 CALLED_ON_TENSORS = ("torch.Tensor.record_stream", "torch.are_deterministic_algorithms_enabled")

@@ -12,7 +12,7 @@ pinned bytes held are the bytes counted and ``clear()`` gives them back.
                                                                                multiples of ALIGN_BYTES
 
 The cap is the smaller of ``cap_bytes`` (``host_budget_mb``) and what the host can spare now:
-available RAM (psutil) minus a reserve, so the arena never pushes the host into swap or the OOM
+available RAM (``Host.ram``) minus a reserve, so the arena never pushes the host into swap or the OOM
 killer. When a new slab would break the cap, idle slabs go first; if that is not enough,
 ``acquire`` returns None and the caller makes room (spills older host copies) or keeps the tensor.
 Not thread-safe: the store's lock guards it.
@@ -39,9 +39,9 @@ import dataclasses
 import logging
 from typing import Callable, Optional
 
-import psutil
 import torch
 
+from .host import Host, empty_host_cache
 from .ranges import ALIGN_BYTES, FreeRanges, round_up
 
 __all__ = ["ALIGN_BYTES", "Block", "HostArena"]
@@ -51,27 +51,10 @@ log = logging.getLogger(__name__)
 SLAB_BYTES = 64 << 20
 """Smallest slab (64 MiB): pinning costs milliseconds per call, so it is done rarely and in bulk.
 A request larger than this gets a slab of the next power of two; the rest of it serves others."""
-HOST_RESERVE_FRACTION = 0.10
-"""Share of total RAM the arena always leaves free for the rest of the process and the OS."""
-HOST_RESERVE_MIN_BYTES = 2 << 30
-"""Floor of that reserve: at least 2 GiB stay free, whatever the machine."""
-
-
-def _reserve_bytes(total_bytes: int) -> int:
-    return max(int(total_bytes * HOST_RESERVE_FRACTION), HOST_RESERVE_MIN_BYTES)
 
 
 def _next_pow2(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 0).bit_length()
-
-
-def _empty_host_cache() -> None:
-    """Give the caching host allocator's idle pinned blocks back to the OS (where torch can)."""
-    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
-        torch._C, "_host_emptyCache", None
-    )
-    if empty is not None:
-        empty()
 
 
 class _Slab:
@@ -143,7 +126,7 @@ class PinnedSlabs:
         self._idle = []
         if self._pinned:
             settle()
-            _empty_host_cache()
+            empty_host_cache()
         self._pinned = False
 
 
@@ -156,8 +139,11 @@ class HostArena:
         pin: bool = True,
         settle: Callable[[], None] = lambda: None,
         shared: Optional[PinnedSlabs] = None,
+        host: Optional[Host] = None,
     ) -> None:
         self._cap_bytes = cap_bytes
+        self._host = host if host is not None else Host()
+        """Where slabs, the RAM reading and giving pinned pages back come from."""
         self._pin = pin
         self._settle = settle
         """Waits for every copy in flight: a dropped slab is given back only once its copies finished."""
@@ -186,11 +172,10 @@ class HostArena:
         """Bytes of blocks handed out and not yet released."""
         return sum(s.used_bytes for s in self._slabs)
 
-    @staticmethod
-    def ram_room_bytes() -> int:
-        """Host RAM the arena may still take: available now (psutil) minus the reserve."""
-        vm = psutil.virtual_memory()
-        return vm.available - _reserve_bytes(vm.total)
+    def ram_room_bytes(self) -> int:
+        """Host RAM the arena may still take: available now minus the reserve."""
+        available, total = self._host.ram()
+        return available - self._host.ram_reserve(total)
 
     def _room_bytes(self) -> int:
         room = self.ram_room_bytes()
@@ -231,14 +216,14 @@ class HostArena:
                 log.warning(
                     "offload: host RAM is low (the host tier keeps %d MB free for the system); "
                     "it stops at %d MB and further tensors spill to disk or stay on the device",
-                    _reserve_bytes(psutil.virtual_memory().total) >> 20,
+                    self._host.ram_reserve(self._host.ram()[1]) >> 20,
                     self.held_bytes >> 20,
                 )
                 self._warned_low_ram = True
             return None
         nbytes = wanted if room >= wanted else smallest
         try:
-            tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+            tensor = self._host.allocate(nbytes, self._pin)
         except RuntimeError as e:  # pinning refused (locked-memory limit, driver)
             # The message, not the error: a record kept by a handler would keep the error's
             # traceback, whose frames (pack, the module forwards) hold this step's graph.
@@ -256,6 +241,10 @@ class HostArena:
         slab = _Slab(tensor)
         self._slabs.append(slab)
         return slab
+
+    def pageable(self, nbytes: int) -> torch.Tensor:
+        """Host memory outside the arena and its cap, not pinned (a last resort of the caller's)."""
+        return self._host.pageable(nbytes)
 
     def release(self, block: Block) -> None:
         """Give a block back; its slab stays for reuse until ``trim`` or ``clear``."""
@@ -285,7 +274,7 @@ class HostArena:
             # copies that used it) have completed: wait for those copies, or the pages would stay
             # pinned while no longer counted.
             self._settle()
-            _empty_host_cache()
+            self._host.return_pinned()
             self.unreturned_bytes = 0
 
     def trim(self) -> None:

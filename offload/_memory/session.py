@@ -29,6 +29,7 @@ from .._observe import Observers
 from .._stats import Counters
 from .entry import Handle
 from .hooks import Eligibility, unpack_passed
+from .host import Host
 from .sharded import ShardedHandle, Sharding, SharedSaves, declared
 from .store import Store
 from .transfer import Link
@@ -70,6 +71,7 @@ class Session:
         link: Optional[Link] = None,
         machine: Optional[Callable[[], MachineProfile]] = None,
         memory: Optional[FreeMemory] = None,
+        host: Optional[Host] = None,
     ) -> None:
         self.config = config
         self.budget = make_budget(config.budget_bytes, config.reserve_bytes, memory)
@@ -78,6 +80,7 @@ class Session:
         self.counters = Counters()
         self.eligible = Eligibility(config.device, config.min_offload_bytes)
         self._link = link
+        self._host = host
         self._machine = machine
         self._store: Optional[Store] = None
         self._store_lock = threading.Lock()
@@ -103,7 +106,9 @@ class Session:
     def _open_store(self, device: torch.device) -> Store:
         with self._store_lock:  # two threads saving their first tensor at once make one store
             if self._store is None:
-                self._store = Store(self.config, device, self.counters, link=self._link, budget=self.budget)
+                self._store = Store(
+                    self.config, device, self.counters, link=self._link, budget=self.budget, host=self._host
+                )
         return self._store
 
     def _make_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:

@@ -19,10 +19,10 @@ data stays readable through the descriptor.
     write: [worker] chunk of data ──copy──▶ aligned bounce buffer ──pwrite(offset)──▶ file ─▶ done
     read:  [worker] file ──pread(offset)──▶ aligned bounce buffer ──copy──▶ out ─▶ done
 
-Where the jobs run is a seam (``Jobs``): worker threads by default (``WorkerThreads``). Each job
-names the memory it reads or writes, so a test's runner can run jobs on its own schedule and
-check every job's accesses against the streams' (``tests/hb.py``); the store takes one from a
-link that offers it (``spill_jobs``).
+Every call to the operating system goes through the engine's ``Host`` (``host``), and so does
+where the jobs run (``Host.jobs``: worker threads by default). Each job names the memory it reads
+or writes, so a test's runner can run jobs on its own schedule and check every job's accesses
+against the streams' (``tests/hb.py``).
 
 Security: a private directory (``mkdtemp``, 0700), the file 0600 with a random name, opened with
 ``O_EXCL | O_NOFOLLOW | O_CLOEXEC``; nothing about a tensor is in a name. The directory goes on
@@ -35,7 +35,6 @@ that was not there before.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import errno
 import functools
@@ -44,21 +43,19 @@ import os
 import shutil
 import stat
 import sys
-import tempfile
 import threading
-import uuid
 import weakref
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Optional
 
 import numpy as np
-import psutil
 import torch
 
+from .host import Host, Jobs
 from .pending import FromFuture, Pending, failed
 from .ranges import ALIGN_BYTES, FreeRanges, round_up
 
-__all__ = ["ALIGN_BYTES", "Extent", "Jobs", "SpillFile", "WorkerThreads"]
+__all__ = ["ALIGN_BYTES", "Extent", "SpillFile"]
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +63,8 @@ CHUNK_BYTES = 8 << 20
 """Bytes per pwrite/pread through a worker's bounce buffer: large enough to run at disk speed,
 small enough that each worker's buffer costs little RAM."""
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the OS has none
 _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-
-
-def _filesystem_type(path: Path) -> str:
-    """The type of the filesystem holding ``path`` ('' if unknown)."""
-    best, fstype = "", ""
-    resolved = str(path.resolve())
-    try:
-        for part in psutil.disk_partitions(all=True):
-            mount = part.mountpoint
-            if (resolved == mount or resolved.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
-                best, fstype = mount, part.fstype
-    except (OSError, RuntimeError):  # psutil cannot read the mount table here
-        return ""
-    return fstype
 
 
 def _aligned_buffer(nbytes: int) -> np.ndarray:
@@ -131,8 +114,8 @@ def _remove_tree(path: str) -> None:
 class _File:
     """The open spill file and how it is written: direct, or buffered and dropped from the cache."""
 
-    def __init__(self, path: str, fd: int, direct: bool) -> None:
-        self.path, self.fd, self.direct = path, fd, direct
+    def __init__(self, host: Host, path: str, fd: int, direct: bool) -> None:
+        self.host, self.path, self.fd, self.direct = host, path, fd, direct
         self._local = threading.local()
 
     def _bounce(self) -> np.ndarray:
@@ -154,13 +137,13 @@ class _File:
             self._pwrite_all(bounce[:padded].data, extent.offset + done)
             done += n
         if not self.direct:
-            os.fdatasync(self.fd)
-            os.posix_fadvise(self.fd, extent.offset, extent.size, os.POSIX_FADV_DONTNEED)
+            self.host.sync(self.fd)
+            self.host.drop_cache(self.fd, extent.offset, extent.size)
 
     def _pwrite_all(self, view: memoryview, offset: int) -> None:
         written = 0
         while written < len(view):
-            written += os.pwrite(self.fd, view[written:], offset + written)
+            written += self.host.pwrite(self.fd, view[written:], offset + written)
 
     def read(self, extent: Extent, out: torch.Tensor) -> None:
         # Returns nothing: a future's result lives as long as the future, which the store keeps as
@@ -173,7 +156,7 @@ class _File:
             padded = round_up(n)
             got = 0
             while got < n:
-                count = os.preadv(self.fd, [bounce[got:padded].data], extent.offset + done + got)
+                count = self.host.preadv(self.fd, [bounce[got:padded].data], extent.offset + done + got)
                 if count == 0:  # an OSError, like every other I/O failure the store turns into OffloadError
                     raise OSError(
                         errno.EIO, f"the spill file ended after {done + got} of {extent.nbytes} bytes of a tensor"
@@ -182,62 +165,30 @@ class _File:
             dst[done : done + n] = bounce[:n]
             done += n
         if not self.direct:
-            os.posix_fadvise(self.fd, extent.offset, extent.size, os.POSIX_FADV_DONTNEED)
+            self.host.drop_cache(self.fd, extent.offset, extent.size)
 
 
-class Jobs(Protocol):
-    """Where the spill file's writes and reads run. ``submit`` starts ``run`` (it raises the
-    ``OSError`` of a failed write or read) and returns its future; ``reads`` / ``writes`` name the
-    memory the job reads (a write's source) or writes (a read's destination)."""
-
-    def submit(
-        self, run: Callable[[], object], *, reads: Optional[torch.Tensor], writes: Optional[torch.Tensor]
-    ) -> concurrent.futures.Future: ...
-
-    def shutdown(self) -> None:
-        """Wait for every job submitted (the spill file is closing)."""
-
-
-class WorkerThreads:
-    """``Jobs`` on a pool of worker threads, started with the first job."""
-
-    def __init__(self, workers: int) -> None:
-        self._workers = workers
-        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
-
-    def submit(
-        self, run: Callable[[], object], *, reads: Optional[torch.Tensor], writes: Optional[torch.Tensor]
-    ) -> concurrent.futures.Future:
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(self._workers, thread_name_prefix="offload-spill")
-        return self._executor.submit(run)
-
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-
-
-def _open_file(directory: str) -> _File:
-    path = os.path.join(directory, uuid.uuid4().hex)
-    if _O_DIRECT:
+def _open_file(host: Host, directory: str) -> _File:
+    path = os.path.join(directory, host.file_name())
+    if _O_DIRECT and host.direct_io:
         try:
-            return _File(path, os.open(path, _OPEN_FLAGS | _O_DIRECT, 0o600), direct=True)
+            return _File(host, path, host.open(path, _OPEN_FLAGS | _O_DIRECT, 0o600), direct=True)
         except OSError as error:
             if error.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct I/O
                 raise
-    fd = os.open(path, _OPEN_FLAGS, 0o600)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: it would cache pages nobody asked for
-    return _File(path, fd, direct=False)
+    fd = host.open(path, _OPEN_FLAGS, 0o600)
+    host.no_readahead(fd)
+    return _File(host, path, fd, direct=False)
 
 
 class SpillFile:
-    """One private spill file and the jobs that write and read it (``WorkerThreads`` of
-    ``workers`` threads, unless ``jobs`` is given); opened lazily."""
+    """One private spill file and the jobs that write and read it (``host.jobs(workers)``); opened
+    lazily, through ``host``."""
 
-    def __init__(self, parent: Optional[Path], workers: int, jobs: Optional[Jobs] = None) -> None:
+    def __init__(self, parent: Optional[Path], workers: int, host: Optional[Host] = None) -> None:
         self._parent = parent
-        self._jobs: Jobs = jobs if jobs is not None else WorkerThreads(workers)
+        self._host = host if host is not None else Host()
+        self._jobs: Jobs = self._host.jobs(workers)
         self._dir: Optional[str] = None
         self._file: Optional[_File] = None
         self._extents = FreeRanges()
@@ -273,15 +224,15 @@ class SpillFile:
             return self._file
         if self._closed:
             raise FileNotFoundError(errno.ENOENT, "the engine was closed; its spill file is gone")
-        made, directory = _make_private_directory(self._parent)
+        made, directory = _make_private_directory(self._host, self._parent)
         try:
             os.chmod(directory, 0o700)
-            file = _open_file(directory)
+            file = _open_file(self._host, directory)
         except OSError:
             _remove_tree(directory)
             _remove_empty(made)
             raise
-        if _filesystem_type(Path(directory)) == "tmpfs":
+        if self._host.filesystem_type(Path(directory)) == "tmpfs":
             log.warning(
                 "offload spill directory %s is on tmpfs: spilled tensors stay in RAM; "
                 "pass spill_dir= on a real disk to take them out of memory",
@@ -341,14 +292,14 @@ _MAKE_TRIES = 3
 this one just found (two engines sharing a spill_dir that did not exist)."""
 
 
-def _make_private_directory(parent: Optional[Path]) -> tuple[list[str], str]:
+def _make_private_directory(host: Host, parent: Optional[Path]) -> tuple[list[str], str]:
     """The directories made for ``parent`` (missing ones, deepest last) and the private one inside."""
     if parent is None:
-        return [], tempfile.mkdtemp(prefix="offload-")
+        return [], host.make_directory(None)
     for attempt in range(_MAKE_TRIES):
         made = _make_parents(parent)
         try:
-            return made, tempfile.mkdtemp(prefix="offload-", dir=str(parent))
+            return made, host.make_directory(str(parent))
         except FileNotFoundError:  # an empty parent went with another engine's close: make it again
             _remove_empty(made)
             if attempt == _MAKE_TRIES - 1:

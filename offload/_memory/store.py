@@ -47,6 +47,7 @@ from .._config import Config
 from .._errors import OffloadError, inplace_error
 from .._stats import Counters, Gauges, record
 from .entry import CopyState, Entry, Handle, Residence, Tier
+from .host import Host
 from .inflight import InFlight, wait_quietly
 from .residency import Residency
 from .spill import SpillFile
@@ -82,6 +83,7 @@ class Store:
         link: Optional[Link] = None,
         memory: Optional[FreeMemory] = None,
         budget: Optional[Budget] = None,
+        host: Optional[Host] = None,
     ) -> None:
         self.config = config
         self.device = device
@@ -89,9 +91,10 @@ class Store:
         # The engine's one budget, made with its session; a store made alone (a test) makes its own.
         self.budget = make_budget(config.budget_bytes, config.reserve_bytes, memory) if budget is None else budget
         self.budget.bind(device)
-        # A test's link may run the spill file's I/O on its own schedule (``offload._memory.spill.Jobs``).
-        self.spill = SpillFile(config.spill_dir, config.spill_workers, jobs=getattr(link, "spill_jobs", None))
-        self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link)
+        if host is None:  # a test's stand-in, one its link carries (an emulator), or this machine
+            host = getattr(link, "host", None) or Host()
+        self.spill = SpillFile(config.spill_dir, config.spill_workers, host)
+        self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link, host)
         self._tier = {t.tier: t for t in self.tiers}
         self._top = self.tiers[0]
         host = self._tier.get(_HOST)

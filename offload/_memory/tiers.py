@@ -29,6 +29,7 @@ import torch
 
 from .arena import Block, HostArena
 from .entry import Copy, CopyState, Tier
+from .host import Host
 from .pending import FINISHED
 from .spill import SpillFile
 from .transfer import CudaLink, Link
@@ -155,7 +156,7 @@ class HostTier(_Tier):
                 "(its copy to the device is slower); raise host_budget_mb to avoid this"
             )
             self._warned_pageable = True
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return self.arena.pageable(nbytes)
 
     @property
     def in_use_bytes(self) -> int:
@@ -205,7 +206,9 @@ class DiskTier(_Tier):
         copy.data = None
 
 
-def make_tiers(device: torch.device, host_budget_bytes: Optional[int], spill: SpillFile, link: Optional[Link]) -> list:
+def make_tiers(
+    device: torch.device, host_budget_bytes: Optional[int], spill: SpillFile, link: Optional[Link], host: Host
+) -> list:
     """The tiers for one engine, hottest first. A host tier sits between the device and the disk
     when there is a link: CUDA side streams on a CUDA device, or the link a test passes."""
     tiers: list = [DeviceTier(device)]
@@ -213,7 +216,9 @@ def make_tiers(device: torch.device, host_budget_bytes: Optional[int], spill: Sp
         link = CudaLink(device)
     if link is not None:
         shared = link.slabs if isinstance(link, CudaLink) else None  # pinned slabs shared with other engines
-        arena = HostArena(host_budget_bytes, pin=device.type == "cuda", settle=link.synchronize, shared=shared)
+        arena = HostArena(
+            host_budget_bytes, pin=device.type == "cuda", settle=link.synchronize, shared=shared, host=host
+        )
         tiers.append(HostTier(arena, link))
     tiers.append(DiskTier(spill))
     return tiers

@@ -121,9 +121,10 @@ class Link(Protocol):
     """The transport between a device and host memory; ``offload.engine(link=...)`` takes one.
 
     Copies return pendings (``offload._memory.pending.Pending``); ``h2d`` allocates its destination.
-    ``released`` is told when the engine lets a host buffer go (a test link may poison it). A test
-    link may also offer ``spill_jobs`` (``offload._memory.spill.Jobs``): the store's spill file then runs
-    its writes and reads through it.
+    ``released`` is told when the engine lets a host buffer go (a test link may poison it). A link
+    that stands in for the whole machine (an emulator) may also offer ``host`` (an
+    ``offload.seams.Host``), used where ``offload.engine(host=...)`` gives none: its spill file's I/O
+    then runs on the emulator's schedule too.
     """
 
     def batch(self) -> contextlib.AbstractContextManager[None]: ...

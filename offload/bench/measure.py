@@ -31,8 +31,8 @@ from typing import Any, Iterable, Iterator, Optional, Union
 import torch
 
 import offload
-from offload._memory.pagecache import cached_bytes_under
 from offload._memory.probe import cpu_model
+from offload.bench.pagecache import cached_bytes_under
 
 __all__ = ["THREADS_ENV", "Column", "Memory", "describe_machine", "environment", "median", "paired_median"]
 __all__ += ["OUT_ENV", "RESULTS_DIR", "check_out", "out_dir", "records_table"]
