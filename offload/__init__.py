@@ -16,6 +16,8 @@ from ._memory.hooks import no_offload
 from ._memory.probe import probe
 from ._memory.sharded import sharded
 from ._plan.planner import Decision, Plan
+from ._plan.profiler import LIMITS as limits
+from ._plan.profiler import ProfilingLimits
 from ._plan.policy import Policy, register_policy
 from ._plan.policy import policy_names as policies
 from ._predict.predict import OptimizerState, Prediction, predict
@@ -32,11 +34,13 @@ __all__ = [
     "Plan",
     "Policy",
     "Prediction",
+    "ProfilingLimits",
     "RegionProfile",
     "Stats",
     "checkpoint",
     "engine",
     "explain",
+    "limits",
     "no_offload",
     "policies",
     "predict",

@@ -23,7 +23,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # the Trainer needs it
 
 import offload  # noqa: E402
-from offload._plan.profiler import MAX_MEASURED_SHAPES  # noqa: E402
 from offload.bench.padding import Ragged, pad_to_longest  # noqa: E402
 from offload.integrations.hf import OffloadCallback  # noqa: E402
 from zoo import files_under, most_profiling_steps, tiny_llama  # noqa: E402
@@ -327,7 +326,9 @@ def test_dynamic_padding_with_regions_auto(tmp_path, spill_dir):
     # a handful: the trials at the first length (their round again where the noise decided and the
     # next batch had the same length, an implausible link reading measured again), and one
     # "recompute" trial per further length measured (``most_profiling_steps``)
-    assert sum(s is not None for s in stages) <= most_profiling_steps("auto", shapes=MAX_MEASURED_SHAPES), stages
+    assert sum(s is not None for s in stages) <= most_profiling_steps(
+        "auto", shapes=offload.limits.max_measured_shapes
+    ), stages
     assert len(set(padded)) >= 8, f"the premise: many distinct padded lengths, got {sorted(set(padded))}"
     derived = [p for p in eng.plans.values() if p.origin.startswith("derived")]
     assert derived, "lengths never measured are planned from the fit"

@@ -27,8 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("plan_cache_worker.py")
 BUDGET_MB = 0.3
 """Below the blocks' saved bytes, so the plan moves something."""
-PROFILE_STEPS = 2
-"""policy "offload" profiles two "measure" steps per input signature (``_plan.profiler.PROFILE_STEPS``)."""
+PROFILE_STEPS = offload.limits.profile_steps
+"""policy "offload" profiles this many "measure" steps per input signature."""
 
 
 PACED = ("baseline_step_ms", "predicted_step_ms", "predicted_overhead_ms")

@@ -22,8 +22,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import offload
-from offload._plan.pace import WINDOW
-from offload._plan.profiler import MAX_MEASURED_SHAPES, MAX_PLANS, SEARCH_BUCKET, SIZE_TOLERANCE
 from offload.models.gpt import GPTConfig, MiniGPT
 from test_regions import MACHINE, assert_same_history, block_engine, train_lengths
 from zoo import most_profiling_steps
@@ -31,6 +29,12 @@ from zoo import most_profiling_steps
 CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=64, seq_len=160, dropout=0.1, attention="math")
 BATCH = 2
 MIN_OFFLOAD_BYTES = 0
+WINDOW, MAX_MEASURED_SHAPES, MAX_PLANS = (
+    offload.limits.pace_window,
+    offload.limits.max_measured_shapes,
+    offload.limits.max_plans,
+)
+SEARCH_BUCKET, SIZE_TOLERANCE = offload.limits.search_bucket, offload.limits.size_tolerance
 """Every saved storage counted: sizes linear in the shape, as a real model's MB-sized saves are."""
 
 
@@ -194,7 +198,7 @@ def test_a_derived_plan_whose_sizes_miss_refits_them(spill_dir, caplog):
     on the derived sizes are exact."""
     model = make_model()
     eng = block_engine(model, 0.05, "offload", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
-    with caplog.at_level(logging.INFO, logger="offload._plan.profiler"):
+    with caplog.at_level(logging.INFO, logger="offload"):
         train(model, [64, 64, 128, 96, 160, 112], eng)
     assert list(eng.recent_stages) == ["measure", "measure", None, None, None, None]
     misses = [r for r in caplog.records if "missed the sizes of regions ['blocks" in r.getMessage()]
@@ -356,7 +360,7 @@ def test_a_region_raising_after_its_last_save_in_the_counting_re_run_keeps_its_s
 
     block.forward = raising_in_the_third_call
     eng = block_engine(model, 0.05, "selective", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
-    with caplog.at_level(logging.INFO, logger="offload._regions.selective"):
+    with caplog.at_level(logging.INFO, logger="offload"):
         assert_same_history(train(model, seqs, eng), reference, "a region that raises after its last save")
     trial = next(p for p in eng.profiled_steps if p.stage == "recompute")
     eng.close()
@@ -385,7 +389,7 @@ def test_a_loop_of_new_lengths_searches_once_per_bucket_not_once_a_step(spill_di
     eng = block_engine(model, 0.05, "auto", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
     train(model, first, eng)
     assert not eng.profiling
-    with caplog.at_level(logging.INFO, logger="offload._plan.profiler"):
+    with caplog.at_level(logging.INFO, logger="offload"):
         train(model, again, eng)
     searches = [r for r in caplog.records if "decisions searched" in r.getMessage()]
     stages = list(eng.recent_stages)[-len(again) :]

@@ -303,11 +303,10 @@ def stage_letters(stages) -> str:
 def auto_trials(link: bool = True) -> str:
     """The trial steps "auto" may legitimately run at one fixed input shape, as a pattern over
     ``stage_letters``: a round is a "recompute" trial and, with a link, an "offload" trial after
-    it (run again where its reading was implausible: ``CALIBRATION_TRIES`` in all); where the noise
-    decides the plan the round runs again, ``MAX_TRIAL_ROUNDS`` in all (``_plan.profiler``'s Note: [a
-    plan that holds still]). How many depends on how noisy the steps ran, so tests accept each."""
-    from offload._plan.profiler import CALIBRATION_TRIES, MAX_TRIAL_ROUNDS
-
+    it (run again where its reading was implausible: ``calibration_tries`` in all); where the noise
+    decides the plan the round runs again, ``max_trial_rounds`` in all (``offload.limits``). How
+    many depends on how noisy the steps ran, so tests accept each."""
+    CALIBRATION_TRIES, MAX_TRIAL_ROUNDS = offload.limits.calibration_tries, offload.limits.max_trial_rounds
     if not link:
         return f"R{{1,{MAX_TRIAL_ROUNDS}}}"
     # A round repeated after every reading of the first was implausible calibrates nothing: the
@@ -318,14 +317,15 @@ def auto_trials(link: bool = True) -> str:
 
 def most_profiling_steps(policy: str, *, shapes: int = 1, link: bool = True) -> int:
     """The profiling steps one family of inputs may legitimately take under ``policy``, ``shapes``
-    of them measured, read off ``_plan.profiler``'s rules: at its first inputs up to ``PROFILE_STEPS``
-    "measure" steps (a second where the first's plan moved nothing); a "recompute" trial at each
-    shape measured (``MAX_MEASURED_SHAPES`` at most); under "auto" the first trial round again
-    where the noise decides the plan (``MAX_TRIAL_ROUNDS`` rounds), and with a link an "offload"
-    trial per round, plus one more for each implausible reading while none was accepted
-    (``CALIBRATION_TRIES``). "offload" plans from sizes alone: its "measure" steps only."""
-    from offload._plan.profiler import CALIBRATION_TRIES, MAX_MEASURED_SHAPES, MAX_TRIAL_ROUNDS, PROFILE_STEPS
-
+    of them measured, read off the rules ``offload.limits`` states: at its first inputs up to
+    ``profile_steps`` "measure" steps (a second where the first's plan moved nothing); a "recompute"
+    trial at each shape measured (``max_measured_shapes`` at most); under "auto" the first trial
+    round again where the noise decides the plan (``max_trial_rounds`` rounds), and with a link an
+    "offload" trial per round, plus one more for each implausible reading while none was accepted
+    (``calibration_tries``). "offload" plans from sizes alone: its "measure" steps only."""
+    limits = offload.limits
+    CALIBRATION_TRIES, MAX_MEASURED_SHAPES = limits.calibration_tries, limits.max_measured_shapes
+    MAX_TRIAL_ROUNDS, PROFILE_STEPS = limits.max_trial_rounds, limits.profile_steps
     measured = min(shapes, MAX_MEASURED_SHAPES)
     if policy == "offload":
         return PROFILE_STEPS

@@ -50,6 +50,7 @@ from .._cost import MachineProfile, RegionProfile, Saved, Scope
 from .cache import PlanCache
 from .fit import ProfileFit, Shape
 from .noise import MAX_SPREAD, Readings
+from .pace import WINDOW as PACE_WINDOW
 from .pace import StepPace
 from .planner import Decision, Plan, build_plan, calibrate_link, check_inputs, link_usable, scale_link
 from .policy import Policy, get_policy, make_plan
@@ -59,6 +60,7 @@ __all__ = [
     "BEFORE_NAME",
     "CALIBRATION_TRIES",
     "EXTRAPOLATION_LIMIT",
+    "LIMITS",
     "MAX_TRIAL_ROUNDS",
     "MAX_MEASURED_SHAPES",
     "MAX_PLANS",
@@ -70,6 +72,7 @@ __all__ = [
     "Measured",
     "Planning",
     "Profiler",
+    "ProfilingLimits",
     "ShapePlan",
     "Stage",
     "family_and_shape",
@@ -173,6 +176,49 @@ within it differs from the figures' own, the round is measured again."""
 MAX_NOISE_MARGIN = MAX_SPREAD
 """The widest noise (a share of the step) plans are taken as equal within: readings spread wider
 than ``MAX_SPREAD`` are not built on elsewhere either (``noise``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfilingLimits:
+    """How long an engine with regions profiles, and what it keeps (``offload.limits``).
+
+    A loop can bound its profiling steps with them (``Engine.recent_stages``: a stage that is not
+    None is a profiling step), or its plans (``Engine.plans``). At a family's first input shape
+    the engine runs up to ``profile_steps`` "measure" steps; ``"selective"`` and ``"auto"`` add a
+    "recompute" trial at each shape measured (``max_measured_shapes`` at most), and ``"auto"``
+    with a host tier or disk an "offload" trial after it, run again while its reading is
+    implausible (``calibration_tries`` in all); where the step's noise decides the plan, ``"auto"``
+    runs its trial round again (``max_trial_rounds`` in all).
+    """
+
+    profile_steps: int
+    """"measure" steps at a family's first shape."""
+    calibration_tries: int
+    """"offload" trials at most whose link reading is implausible before the probe's figures stand."""
+    max_trial_rounds: int
+    """Trial rounds at most at a family's deciding inputs."""
+    max_measured_shapes: int
+    """Shapes per family measured by a profiling step; beyond them every shape's plan is derived."""
+    max_plans: int
+    """Plans kept per family (least recently used out)."""
+    size_tolerance: float
+    """How far a derived plan's saved bytes per region may miss the step's before it is made again."""
+    search_bucket: float
+    """Derived shapes whose element counts and lengths lie within this ratio share one plan search."""
+    pace_window: int
+    """Steps under plans whose times explain's spread is read over."""
+
+
+LIMITS = ProfilingLimits(
+    profile_steps=PROFILE_STEPS,
+    calibration_tries=CALIBRATION_TRIES,
+    max_trial_rounds=MAX_TRIAL_ROUNDS,
+    max_measured_shapes=MAX_MEASURED_SHAPES,
+    max_plans=MAX_PLANS,
+    size_tolerance=SIZE_TOLERANCE,
+    search_bucket=SEARCH_BUCKET,
+    pace_window=PACE_WINDOW,
+)
 _TIME_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "selective_ms")
 """The fields a trial round times: their median over the rounds is what the fit is given."""
 
