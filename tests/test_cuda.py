@@ -12,7 +12,7 @@ Every test here needs a CUDA device and is skipped cleanly without one. Oracles:
   (``CudaLink.before_copy``), uninitialized memory filled with NaN
   (``torch.utils.deterministic.fill_uninitialized_memory``), a new input every step so a stale
   reload cannot look right; and each race test is run once more with its guard removed (a
-  keep-alive, the wait at the point of use) and must then fail;
+  keep-alive, the wait at the point of use) and must then fail (``test_cuda_guards.py``, white-box);
 - the memory identity: the activation peak (forward start to backward end, weight gradients
   allocated before the window) without the engine minus with it at budget 0 is the bytes the
   engine moved, less what must be on the device anyway at the peak (the tensor in use), within
@@ -29,8 +29,6 @@ import torch
 from torch import nn
 
 import offload
-import offload._memory.entry
-import offload._memory.transfer
 from offload.seams import CudaLink, CudaStreams, Host
 from zoo import MB, wait_clean
 
@@ -265,48 +263,6 @@ def test_delayed_streams_and_reused_memory(budget, prefetch, slow_link, host_bud
     of the model without the engine. With a host cap, host blocks are reused for reads back from
     disk while copies up from them may still be queued on the (delayed) h2d stream."""
     _race_run(budget, prefetch, spill_dir, slow_link, host_budget_mb=host_budget_mb)
-
-
-def _without_wait_at_use(monkeypatch) -> None:
-    """The guard removed: the compute stream does not wait for a reload's event before using it."""
-    monkeypatch.setattr(
-        offload._memory.transfer.CudaLink, "wait_on_compute", lambda self, event: self.streams.current()
-    )
-
-
-def _without_fence(monkeypatch) -> None:
-    """The guard removed: side streams start copies without waiting for any fence, so a d2h can
-    read its source before the (delayed) kernel producing it has run."""
-
-    def enter(self, batch, fences):
-        if self.stream is None:
-            self.stream = self.streams.new_stream()
-        self._start = None
-        return self.stream
-
-    monkeypatch.setattr(offload._memory.transfer._Direction, "enter", enter)
-
-
-def _without_keep_alive(monkeypatch) -> None:
-    """The guard removed: a copy in flight does not keep its source (See Note: [keep-alive until
-    the copy event]), so a host block can go back to the arena, and be filled by a read back from
-    disk, while the (delayed) h2d copying from it is still queued."""
-    monkeypatch.setattr(offload._memory.entry.Copy, "add_reader", lambda self, pending: None)
-
-
-@pytest.mark.parametrize(
-    "remove, budget, slow_link, host_budget_mb",
-    [(_without_wait_at_use, 0, True, None), (_without_fence, 0, False, None), (_without_keep_alive, "some", True, 4)],
-    ids=["wait-at-use", "fence", "keep-alive"],
-)
-def test_race_test_fails_with_its_guard_removed(remove, budget, slow_link, host_budget_mb, spill_dir, monkeypatch):
-    """The race test can fail: with a guard removed it must see wrong gradients (else it tests
-    nothing). The wait at use matters when the h2d is late (side streams delayed); the fence when
-    the producer is late (compute stream delayed); the keep-alive when host blocks are reused
-    under a host cap while the h2d is late."""
-    remove(monkeypatch)
-    with pytest.raises(AssertionError, match="gradient"):
-        _race_run(budget, False, spill_dir, slow_link=slow_link, steps=2, host_budget_mb=host_budget_mb)
 
 
 def test_forward_on_a_side_stream(spill_dir):

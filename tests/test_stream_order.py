@@ -7,7 +7,7 @@ reload, a free) checked against the earlier ones by happens-before (vector clock
 accesses to the same bytes that nothing orders is a race, found whatever the timing, and the
 gradients show it too (the racing op writes 0xFF). Oracle: the model without the engine,
 bitwise. Each test here names the guard it checks, and was run once with that guard removed: it
-failed. ``test_races.py`` runs the spill-heavy scenarios and removes every guard in turn.
+failed. ``test_races.py`` runs the spill-heavy scenarios, and ``test_race_guards.py`` removes every guard in turn.
 """
 
 from __future__ import annotations
