@@ -308,7 +308,7 @@ class _JobFuture(concurrent.futures.Future):
 
 
 class SpillJobs:
-    """``offload._memory.spill.Jobs`` as simulated agents (See the module docstring)."""
+    """``offload.seams.Jobs`` as simulated agents (See the module docstring)."""
 
     def __init__(self, sim: EmulatedStreams) -> None:
         self.sim = sim

@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
-from offload._memory.transfer import CudaLink
+from offload.seams import CudaLink
 
 NUMEL = 4096
 """fp32 elements of each saved tensor (16 KiB): taken with min_offload_bytes=0, passed through under the default."""
@@ -73,7 +73,7 @@ class _Event:
 
 
 class CountingStreams:
-    """``offload._memory.transfer.Streams`` on the CPU that counts every call; copies are done at once and
+    """``offload.seams.Streams`` on the CPU that counts every call; copies are done at once and
     every event has completed, so the link's ordering code runs and nothing waits."""
 
     def __init__(self) -> None:

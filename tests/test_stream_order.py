@@ -12,6 +12,7 @@ failed. ``test_races.py`` runs the spill-heavy scenarios, and ``test_race_guards
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -21,7 +22,6 @@ from torch import nn
 
 import hb
 import offload
-import offload._memory.transfer
 from links import EmulatedCudaLink, EmulatedStreams
 from zoo import MB, wait_clean
 
@@ -83,25 +83,38 @@ class TanhChain(nn.Module):
 # ---------------------------------------------------------------------------------- item 2
 
 
-def test_every_reload_destination_is_allocated_before_its_copy(streams, monkeypatch):
+class _ReloadsPerBatch(EmulatedCudaLink):
+    """The emulated ``CudaLink``, counting the reloads (``h2d``) each batch (one pack or unpack) starts."""
+
+    def __init__(self, streams) -> None:
+        super().__init__(streams)
+        self.per_batch: list[int] = [0]
+
+    @contextlib.contextmanager
+    def _counted(self):
+        self.per_batch.append(0)
+        with super().batch():
+            yield
+
+    def batch(self):
+        return self._counted()
+
+    def h2d(self, src_host, nbytes):
+        self.per_batch[-1] += 1
+        return super().h2d(src_host, nbytes)
+
+
+def test_every_reload_destination_is_allocated_before_its_copy(streams):
     """Under deterministic algorithms with ``fill_uninitialized_memory`` each new device tensor is
     filled on the current stream. A batch that starts several reloads (a miss, then prefetches)
     must order each copy after its own destination's fill, not only the first one's (See Note:
     [fences before a copy]). Guard: the re-fence in ``CudaLink.h2d``."""
     streams.fills_new_memory = True
-    per_batch: dict[int, int] = {}
-    real_h2d = offload._memory.transfer.CudaLink.h2d
-
-    def h2d(self, src_host, nbytes):
-        per_batch[id(self._batch)] = per_batch.get(id(self._batch), 0) + 1
-        return real_h2d(self, src_host, nbytes)
-
-    monkeypatch.setattr(offload._memory.transfer.CudaLink, "h2d", h2d)
     model, x = TanhChain(12), torch.randn(SIZE)
     want = _grads(copy.deepcopy(model), x)
-    link = EmulatedCudaLink(streams)
+    link = _ReloadsPerBatch(streams)
     got, stats = _under_engine(lambda eng: _grads(model, x, eng), link, 4 * NBYTES / MB)
-    assert max(per_batch.values()) >= 2, "a batch started several reloads (the path under test)"
+    assert max(link.per_batch) >= 2, "a batch started several reloads (the path under test)"
     assert stats.prefetch_misses < stats.reloaded_bytes // NBYTES, "prefetch started reloads ahead of use"
     assert streams.races == [], streams.races[:3]
     _assert_equal(want, got, "every destination filled before its copy")
