@@ -1,4 +1,8 @@
-"""offload.predict: named machines, predictions on meta tensors, and the predict command."""
+"""offload.predict: named machines, predictions on meta tensors, and the predict command.
+
+``test_predict_internals.py`` tests, white-box, the parts ``predict`` composes (this CPU's timed
+calibration, what a plan holds).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +10,20 @@ import dataclasses
 
 import pytest
 
+import offload
 from offload import MachineProfile
-from offload._predict.machines import MACHINES, from_probe, get_machine, machine_names
 
 # -- machines: plain numbers ------------------------------------------------------------------
 
 
 def test_named_machines_carry_their_datasheet_figures():
-    h100 = get_machine("h100-sxm")
+    h100 = offload.machine("h100-sxm")
     assert h100.peak_flops == 989e12
     assert h100.memory_gb_per_s == 3350
     assert (h100.link_out_gb_per_s, h100.link_back_gb_per_s, h100.link_both_gb_per_s) == (64, 64, 128)
-    assert get_machine("a100-80gb-sxm").peak_flops == 312e12
-    assert set(machine_names()) == {"a100-80gb-sxm", "h100-sxm", "h100-pcie", "h200", "gh200"}
-    for machine in MACHINES.values():
+    assert offload.machine("a100-80gb-sxm").peak_flops == 312e12
+    assert set(offload.machines()) == {"a100-80gb-sxm", "h100-sxm", "h100-pcie", "h200", "gh200"}
+    for machine in map(offload.machine, offload.machines()):
         assert "http" in machine.source  # every figure names where it comes from
         assert machine.memory_source
 
@@ -28,12 +32,12 @@ def test_device_memory_is_what_the_device_reports_less_context_and_allocator():
     """Issue 40, item 5: nvidia-smi's total in MiB, not the datasheet's decimal GB, and "fits" is
     against that less the CUDA context and the caching allocator's reserve, both named."""
     mib = 1 << 20
-    assert get_machine("h100-sxm").memory_bytes == 81559 * mib
-    assert get_machine("h100-pcie").memory_bytes == 81559 * mib
-    assert get_machine("h200").memory_bytes == 143771 * mib
-    assert get_machine("a100-80gb-sxm").memory_bytes == 81920 * mib
-    assert "143771MiB" in get_machine("h200").memory_source and "http" in get_machine("h200").memory_source
-    h100 = get_machine("h100-sxm")
+    assert offload.machine("h100-sxm").memory_bytes == 81559 * mib
+    assert offload.machine("h100-pcie").memory_bytes == 81559 * mib
+    assert offload.machine("h200").memory_bytes == 143771 * mib
+    assert offload.machine("a100-80gb-sxm").memory_bytes == 81920 * mib
+    assert "143771MiB" in offload.machine("h200").memory_source and "http" in offload.machine("h200").memory_source
+    h100 = offload.machine("h100-sxm")
     assert (h100.assumptions.context_mib, h100.assumptions.allocator_fraction) == (400.0, 0.05)
     assert h100.usable_memory_bytes() == int(81559 * mib * 0.95 - 400 * mib)
     roomy = h100.with_assumptions(context_mib=0, allocator_fraction=0)
@@ -45,7 +49,7 @@ def test_device_memory_is_what_the_device_reports_less_context_and_allocator():
 def test_gh200_moves_out_at_its_measured_slower_direction():
     """Issue 40, item 4: NVLink-C2C as measured each way alone (device to host ~300 GB/s, host to
     device ~346), not the datasheet's 450 each way; offload copies out first, at the slower one."""
-    gh200 = get_machine("gh200")
+    gh200 = offload.machine("gh200")
     assert (gh200.link_out_gb_per_s, gh200.link_back_gb_per_s) == (300, 346)
     assert gh200.assumptions.link_fraction == 1.0, "measured copies: no fraction taken off"
     profile = gh200.machine_profile()
@@ -57,41 +61,43 @@ def test_each_gpu_has_its_own_calibrated_compute_efficiency_with_its_source():
     """Issue 40, item 1: not one flops_fraction for every GPU: A100 and H100 each carry the one
     calibrated on published runs (bench/results/predict-published.md), which names them; the
     Hopper machines without a published run of their own say they take the H100's."""
-    a100, h100 = get_machine("a100-80gb-sxm").assumptions, get_machine("h100-sxm").assumptions
+    a100, h100 = offload.machine("a100-80gb-sxm").assumptions, offload.machine("h100-sxm").assumptions
     assert a100.flops_fraction > h100.flops_fraction, "published bf16 runs reach more of the A100's peak"
     for machine in (a100, h100):
         assert "llm-foundry" in machine.flops_source and "calibrated" in machine.flops_source
     for name in ("h200", "gh200", "h100-pcie"):
-        assumed = get_machine(name).assumptions
+        assumed = offload.machine(name).assumptions
         assert assumed.flops_fraction == h100.flops_fraction and "not calibrated" in assumed.flops_source
-    given = get_machine("h100-sxm").with_assumptions(flops_fraction=0.5)
+    given = offload.machine("h100-sxm").with_assumptions(flops_fraction=0.5)
     assert given.assumptions.flops_source == "given (0.5)"
 
 
 def test_achieved_figures_are_peak_times_the_named_assumptions():
-    h200 = get_machine("h200").with_assumptions(flops_fraction=0.5, memory_fraction=0.75, link_fraction=0.25)
+    h200 = offload.machine("h200").with_assumptions(flops_fraction=0.5, memory_fraction=0.75, link_fraction=0.25)
     assert h200.achieved_flops() == 989e12 * 0.5
     assert h200.achieved_memory_gb_per_s() == 4800 * 0.75
     assert h200.achieved_link_gb_per_s() == (16.0, 16.0, 16.0)
     profile = h200.machine_profile()
     assert (profile.device_type, profile.d2h_gb_per_s, profile.h2d_gb_per_s) == ("cuda", 16.0, 16.0)
-    assert get_machine("h200").assumptions.flops_fraction == get_machine("h100-sxm").assumptions.flops_fraction
+    assert offload.machine("h200").assumptions.flops_fraction == offload.machine("h100-sxm").assumptions.flops_fraction
 
 
 def test_bad_assumptions_name_the_value_and_the_choices():
     with pytest.raises(ValueError, match="flops_fraction must be a number in"):
-        get_machine("h100-sxm").with_assumptions(flops_fraction=1.5)
+        offload.machine("h100-sxm").with_assumptions(flops_fraction=1.5)
     with pytest.raises(ValueError, match="valid ones are: flops_fraction"):
-        get_machine("h100-sxm").with_assumptions(flop_fraction=0.5)
+        offload.machine("h100-sxm").with_assumptions(flop_fraction=0.5)
     with pytest.raises(ValueError, match="named machines are: a100-80gb-sxm"):
-        get_machine("h300")
+        offload.machine("h300")
 
 
 def test_a_probe_becomes_a_machine_with_measured_figures():
     profile = MachineProfile(
         device_type="cpu", device_name="x", disk_write_gb_per_s=0.5, disk_read_gb_per_s=2.0, per_tensor_overhead_us=7
     )
-    machine = from_probe(profile, flops=1e11, memory_gb_per_s=5.0, memory_bytes=24 * 10**9, op_overhead_us=3.0)
+    machine = offload.Machine.from_probe(
+        profile, flops=1e11, memory_gb_per_s=5.0, memory_bytes=24 * 10**9, op_overhead_us=3.0
+    )
     assert machine.achieved_flops() == 1e11  # measured: fractions are 1
     assert machine.achieved_memory_gb_per_s() == 5.0
     assert machine.assumptions.op_overhead_us == 3.0
@@ -99,14 +105,16 @@ def test_a_probe_becomes_a_machine_with_measured_figures():
     assert (back.device_type, back.disk_write_gb_per_s, back.disk_read_gb_per_s) == ("cpu", 0.5, 2.0)
     assert back.per_tensor_overhead_us == 7
     assert back.spare_cores == 0
-    spare = from_probe(
+    spare = offload.Machine.from_probe(
         dataclasses.replace(profile, spare_cores=1), flops=1e11, memory_gb_per_s=5.0, memory_bytes=1, op_overhead_us=3
     )
     assert spare.spare_cores == 1 and spare.machine_profile().spare_cores == 1, "the planner's timeline follows"
     with pytest.raises(ValueError, match="spare_cores"):
         dataclasses.replace(spare, spare_cores=-1)
     with pytest.raises(ValueError, match="unusable link"):
-        from_probe(MachineProfile(device_type="cuda"), flops=1, memory_gb_per_s=1, memory_bytes=1, op_overhead_us=0)
+        offload.Machine.from_probe(
+            MachineProfile(device_type="cuda"), flops=1, memory_gb_per_s=1, memory_bytes=1, op_overhead_us=0
+        )
 
 
 # -- predictions on meta tensors ----------------------------------------------------------------
@@ -116,14 +124,10 @@ import resource  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-import offload  # noqa: E402
-from offload._cost import Scope  # noqa: E402
-from offload._errors import OffloadError  # noqa: E402
-from offload._predict.predict import POLICIES, Attention, predict  # noqa: E402
-from offload._predict.this_cpu import calibrate_compute, reference_step_ms  # noqa: E402
+from offload import OffloadError, Scope, predict  # noqa: E402
 from offload.models import GPTConfig, MiniGPT  # noqa: E402
 
-CPU = from_probe(
+CPU = offload.Machine.from_probe(
     MachineProfile(device_type="cpu", device_name="test", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0),
     flops=50e9,
     memory_gb_per_s=10.0,
@@ -131,6 +135,8 @@ CPU = from_probe(
     op_overhead_us=5.0,
 )
 """A made-up CPU: the figures below that depend on it are computed from these numbers alone."""
+TABLED = {"none", "checkpoint", "offload", "recompute", "selective", "auto"}
+"""The policies every prediction tables (``docs/predict.md``)."""
 
 
 def _tiny(attention: str = "sdpa", longest: int = 128) -> tuple[MiniGPT, torch.Tensor, torch.Tensor]:
@@ -151,45 +157,6 @@ def _measured_profiles(model, x, y) -> tuple:
     step = eng.profiled_steps[-1]
     eng.close()
     return step.outside[:1] + step.regions + step.outside[1:]
-
-
-def test_measured_compute_is_scaled_to_a_timed_reference_step():
-    """A lone matmul's best run is not what a step gets from the CPU: the measured machine is
-    scaled so that the roofline prices a real, timed reference step as long as it took."""
-    for peak_flops, memory_gb_per_s, op_us, wrong in ((1e15, 1e5, 0.001, "fast"), (1e7, 1e-2, 1000.0, "slow")):
-        machine = dataclasses.replace(CPU, peak_flops=peak_flops, memory_gb_per_s=memory_gb_per_s)
-        machine = machine.with_assumptions(op_overhead_us=op_us)
-        before, measured = reference_step_ms(machine)
-        assert (before < 0.01 * measured) if wrong == "fast" else (before > 100 * measured), (wrong, before, measured)
-        calibrated = calibrate_compute(machine)
-        factor = calibrated.compute_scale
-        assert calibrated.peak_flops == pytest.approx(machine.peak_flops * factor)
-        assert calibrated.memory_gb_per_s == pytest.approx(machine.memory_gb_per_s * factor)
-        assert calibrated.assumptions.op_overhead_us == pytest.approx(op_us / factor), "the op cost by the inverse"
-        assert calibrated.assumptions.flops_fraction == 1.0, "measured figures: the fractions stay 1"
-        assert "timed reference step" in calibrated.source
-        with torch.no_grad():  # a training step is timed whatever the caller's grad mode
-            after, measured_again = reference_step_ms(calibrated)
-        assert after == pytest.approx(before / factor, rel=1e-6), "every term of the roofline scales by one factor"
-        assert 0.25 < after / measured_again < 4.0, (wrong, after, measured_again)  # the step timed again: noise
-    with pytest.raises(ValueError, match="times this CPU"):
-        calibrate_compute(MACHINES["h100-sxm"])
-
-
-def test_this_cpu_is_measured_in_the_models_dtype(monkeypatch):
-    """A bf16 model on this CPU is priced on bf16 matmuls and a bf16 reference step."""
-    import offload._predict.predict as predict_module
-
-    seen = []
-
-    def measured(profile, *, dtype=torch.float32):
-        seen.append(dtype)
-        return CPU
-
-    monkeypatch.setattr(predict_module, "measure_machine", measured)
-    model, x, y = _tiny()
-    predict(model.to(torch.bfloat16), x, y, machine=CPU.machine_profile(), regions=model.blocks, budgets=(1.0,))
-    assert seen == [torch.bfloat16]
 
 
 def test_saved_bytes_per_region_equal_a_measured_cpu_run():
@@ -241,7 +208,7 @@ def test_the_plan_and_every_policy_come_from_the_planner():
     assert p.plan.fits_budget and p.plan.predicted_peak_bytes <= keep_peak / 2
     assert p.plan.predicted_step_ms > p.plan.baseline_step_ms  # moving bytes on a CPU is never free
     assert "0 spare core(s), the spill on the compute's cores" in str(p)
-    assert {q.policy for q in p.points} == set(POLICIES)
+    assert {q.policy for q in p.points} == TABLED
     at_10 = {q.policy: q for q in p.points if q.budget_fraction == 0.1}
     assert at_10["none"].peak_bytes == keep_peak and not at_10["none"].fits
     assert at_10["recompute"].peak_bytes < keep_peak
@@ -300,7 +267,7 @@ def test_a_model_built_on_meta_predicts_without_its_memory():
 def test_fused_attention_saves_no_sequence_squared_scores():
     model, x, y = _tiny()
     fused = predict(model, x, y, machine="h100-sxm", regions=model.blocks)
-    written = predict(model, x, y, machine="h100-sxm", regions=model.blocks, attention=Attention.AS_WRITTEN)
+    written = predict(model, x, y, machine="h100-sxm", regions=model.blocks, attention="as-written")
     scores = 2 * 4 * 128 * 128 * 4  # batch x heads x seq x seq, fp32: the math path saves its probabilities
     # flash saves its output and log-sum-exp instead, and the two paths save q, k, v differently (scaled,
     # transposed), so the difference is not exactly the scores; at this shape they dominate it
@@ -383,11 +350,11 @@ def test_predict_command_prints_the_table_and_writes_json(tmp_path, capsys):
     argv = ["predict", "--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "64"]
     assert main(argv + ["--machine", "gh200", "--dtype", "fp32", "--out", str(tmp_path), "--longest"]) == 0
     out = capsys.readouterr().out
-    usable = get_machine("gh200").usable_memory_bytes() / (1 << 20)
+    usable = offload.machine("gh200").usable_memory_bytes() / (1 << 20)
     assert "prediction for gh200" in out and "selective" in out and f"longest sequence within {usable:,.0f} MiB" in out
     written = json.loads((tmp_path / "prediction.json").read_text())
     assert written["machine"]["name"] == "gh200"
-    assert {p["policy"] for p in written["points"]} == set(POLICIES)
+    assert {p["policy"] for p in written["points"]} == TABLED
     assert [p["budget_fraction"] for p in written["points"][:4]] == [1.0, 0.5, 0.25, 0.1]
     if importlib.util.find_spec("matplotlib") is not None:  # the plot is optional, like matplotlib
         assert (tmp_path / "pareto.png").stat().st_size > 0
@@ -414,21 +381,6 @@ def test_predict_command_reads_a_hugging_face_config_file(tmp_path, capsys):
     assert main(["predict", "--hf-config", str(tmp_path / "missing.json")]) == 2
     assert main(["predict", "--machine", "h300", "--layers", "2", "--width", "64", "--heads", "4"]) == 2
     assert "named machines are" in capsys.readouterr().err
-
-
-def test_a_plan_that_moves_bytes_is_held_up_to_its_budget():
-    from offload._plan.policy import make_plan
-    from offload._predict.predict import held_bytes
-
-    regions = [offload.RegionProfile(name=f"r{i}", saved_bytes=100 << 20, forward_ms=10.0) for i in range(4)]
-    link = MachineProfile(device_type="cuda", d2h_gb_per_s=20.0, h2d_gb_per_s=20.0)
-    keep = make_plan(regions, link, None, "none")
-    moving = make_plan(regions, link, 150 << 20, "offload")
-    assert moving.predicted_peak_bytes == 100 << 20  # one region kept hot: what the plan needs
-    assert held_bytes(moving, keep.predicted_peak_bytes) == 150 << 20  # the store prefetches into the room left
-    assert held_bytes(keep, keep.predicted_peak_bytes) == keep.predicted_peak_bytes
-    recompute = make_plan(regions, link, 150 << 20, "recompute")
-    assert held_bytes(recompute, keep.predicted_peak_bytes) == recompute.predicted_peak_bytes
 
 
 def test_regions_of_another_model_are_refused_by_name():

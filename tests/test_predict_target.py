@@ -14,12 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import offload
-from offload import MachineProfile
-from offload._cost import Scope
-from offload._predict.machines import from_probe
-from offload._predict.predict import predict
+from offload import MachineProfile, Scope, predict
 
-CPU = from_probe(
+CPU = offload.Machine.from_probe(
     MachineProfile(device_type="cpu", device_name="test", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0),
     flops=50e9,
     memory_gb_per_s=10.0,

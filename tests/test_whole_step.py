@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import offload
-from offload._cost import Scope
+from offload import Scope
 from offload.models.gpt import GPTConfig, MiniGPT
 from test_regions import MACHINE, assert_same_history
 from zoo import most_profiling_steps

@@ -15,7 +15,7 @@ overridable (``with_assumptions``), never measured here.
             ├─usable_memory_bytes()──▶ "does it fit on this device"
             └─machine_profile()──▶ MachineProfile ──▶ planner (the link's achieved bandwidth)
 
-The machine at hand comes from measurements instead (``from_probe``): ``offload.probe()``'s link
+The machine at hand comes from measurements instead (``Machine.from_probe``): ``offload.probe()``'s link
 figures plus a measured compute rate and copy bandwidth, with every fraction 1 (they are already
 what was achieved; ``this_cpu`` scales them to a timed reference step and records the
 factor in ``compute_scale``). Nothing here touches torch or a device.
@@ -28,7 +28,7 @@ import math
 
 from .._cost import MachineProfile
 
-__all__ = ["MACHINES", "Assumptions", "Machine", "from_probe", "get_machine", "machine_names"]
+__all__ = ["MACHINES", "Assumptions", "Machine", "get_machine", "machine_names"]
 
 _GB = 1e9
 """Bandwidths count GB of 1e9 bytes (as ``MachineProfile`` does)."""
@@ -120,7 +120,7 @@ MEASURED = Assumptions(
     context_mib=0.0,
     allocator_fraction=0.0,
 )
-"""The fractions of a machine whose figures were measured (``from_probe``): already achieved."""
+"""The fractions of a machine whose figures were measured (``Machine.from_probe``): already achieved."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,11 +151,57 @@ class Machine:
     assumptions: Assumptions = Assumptions()
     spare_cores: int = 0
     """CPU only: cores beyond torch's threads, free for the spill threads
-    (``MachineProfile.spare_cores``; ``from_probe`` takes the probe's)."""
+    (``MachineProfile.spare_cores``; ``Machine.from_probe`` takes the probe's)."""
     compute_scale: float = 1.0
     """A measured machine: the factor its microbenchmarked FLOP/s and memory bandwidth were scaled
     by to price a timed reference step as long as it took (``this_cpu.calibrate_compute``);
     1 for a named machine and an uncalibrated measurement."""
+
+    @classmethod
+    def from_probe(
+        cls,
+        profile: MachineProfile,
+        *,
+        flops: float,
+        memory_gb_per_s: float,
+        memory_bytes: int,
+        op_overhead_us: float,
+        held_tensor_overhead_us: float = 0.0,
+        dispatch_overhead_us: float = 0.0,
+    ) -> "Machine":
+        """The machine ``profile`` (from ``offload.probe()``) was measured on, as a ``Machine``: its
+        link (device <-> host on CUDA, the spill disk on the CPU) and per-tensor cost from the probe,
+        with the matmul rate ``flops`` (FLOP/s), copy bandwidth, per-op cost and the engine's host
+        costs (``Assumptions``; 0: not measured, not charged) measured beside it.
+        Every fraction is 1: the figures are what was achieved. Both directions at once were not
+        measured: twice the slower one stands for it (the planner does not read it)."""
+        out_gb_per_s, back_gb_per_s = profile.offload_gb_per_s()
+        if not (out_gb_per_s > 0 and back_gb_per_s > 0):
+            raise ValueError(
+                f"the probe measured an unusable link ({out_gb_per_s} GB/s out, {back_gb_per_s} GB/s back); "
+                "run offload.probe(refresh=True), or pass a named machine"
+            )
+        return cls(
+            name=f"probe:{profile.device_type}:{profile.device_name}" if profile.device_name else "probe",
+            device_type=profile.device_type,
+            peak_flops=flops,
+            memory_gb_per_s=memory_gb_per_s,
+            memory_bytes=memory_bytes,
+            link_out_gb_per_s=out_gb_per_s,
+            link_back_gb_per_s=back_gb_per_s,
+            link_both_gb_per_s=2 * min(out_gb_per_s, back_gb_per_s),
+            link="spill disk" if profile.device_type == "cpu" else "device <-> pinned host",
+            source="measured here: offload.probe() for the link; a timed matmul, copy and tiny op for the compute",
+            memory_source="this machine's RAM (psutil)",
+            assumptions=dataclasses.replace(
+                MEASURED,
+                op_overhead_us=op_overhead_us,
+                per_tensor_overhead_us=profile.per_tensor_overhead_us,
+                held_tensor_overhead_us=held_tensor_overhead_us,
+                dispatch_overhead_us=dispatch_overhead_us,
+            ),
+            spare_cores=profile.spare_cores,
+        )
 
     def __post_init__(self) -> None:
         if self.device_type not in ("cuda", "cpu"):
@@ -359,7 +405,7 @@ MACHINES: dict[str, Machine] = {
             memory_bytes=96 * 10**9,
             link_out_gb_per_s=300,
             link_back_gb_per_s=346,
-            link_both_gb_per_s=600,  # not measured: twice the slower direction, as from_probe takes it
+            link_both_gb_per_s=600,  # not measured: twice the slower direction, as Machine.from_probe takes it
             link="NVLink-C2C",
             source=_GH200_SOURCE,
             memory_source=_GH200_MEMORY,
@@ -372,60 +418,16 @@ MACHINES: dict[str, Machine] = {
 
 
 def machine_names() -> tuple[str, ...]:
-    """Names ``get_machine`` takes, sorted."""
+    """The named machines ``offload.predict`` and ``offload.machine`` take, sorted (``offload.machines()``)."""
     return tuple(sorted(MACHINES))
 
 
 def get_machine(name: str) -> Machine:
-    """The named machine; a ``ValueError`` lists the names where ``name`` is none of them."""
+    """The named machine (``offload.machine(name)``), to pass to ``offload.predict`` as it is or with
+    ``.with_assumptions(...)``; a ``ValueError`` lists the names where ``name`` is none of them."""
     if name not in MACHINES:
         raise ValueError(
             f"unknown machine {name!r}; named machines are: {', '.join(machine_names())} "
             "(or pass machine=offload.probe() for this one)"
         )
     return MACHINES[name]
-
-
-def from_probe(
-    profile: MachineProfile,
-    *,
-    flops: float,
-    memory_gb_per_s: float,
-    memory_bytes: int,
-    op_overhead_us: float,
-    held_tensor_overhead_us: float = 0.0,
-    dispatch_overhead_us: float = 0.0,
-) -> Machine:
-    """The machine ``profile`` (from ``offload.probe()``) was measured on, as a ``Machine``: its
-    link (device <-> host on CUDA, the spill disk on the CPU) and per-tensor cost from the probe,
-    with the matmul rate ``flops`` (FLOP/s), copy bandwidth, per-op cost and the engine's host
-    costs (``Assumptions``; 0: not measured, not charged) measured beside it.
-    Every fraction is 1: the figures are what was achieved. Both directions at once were not
-    measured: twice the slower one stands for it (the planner does not read it)."""
-    out_gb_per_s, back_gb_per_s = profile.offload_gb_per_s()
-    if not (out_gb_per_s > 0 and back_gb_per_s > 0):
-        raise ValueError(
-            f"the probe measured an unusable link ({out_gb_per_s} GB/s out, {back_gb_per_s} GB/s back); "
-            "run offload.probe(refresh=True), or pass a named machine"
-        )
-    return Machine(
-        name=f"probe:{profile.device_type}:{profile.device_name}" if profile.device_name else "probe",
-        device_type=profile.device_type,
-        peak_flops=flops,
-        memory_gb_per_s=memory_gb_per_s,
-        memory_bytes=memory_bytes,
-        link_out_gb_per_s=out_gb_per_s,
-        link_back_gb_per_s=back_gb_per_s,
-        link_both_gb_per_s=2 * min(out_gb_per_s, back_gb_per_s),
-        link="spill disk" if profile.device_type == "cpu" else "device <-> pinned host",
-        source="measured here: offload.probe() for the link; a timed matmul, copy and tiny op for the compute",
-        memory_source="this machine's RAM (psutil)",
-        assumptions=dataclasses.replace(
-            MEASURED,
-            op_overhead_us=op_overhead_us,
-            per_tensor_overhead_us=profile.per_tensor_overhead_us,
-            held_tensor_overhead_us=held_tensor_overhead_us,
-            dispatch_overhead_us=dispatch_overhead_us,
-        ),
-        spare_cores=profile.spare_cores,
-    )

@@ -113,7 +113,7 @@ def predict(
 ) -> Prediction:
     """Predict one training step of ``model(*example_args, **example_kwargs)`` on ``machine``.
 
-    ``machine``: a name (``offload._predict.machines.machine_names()``), a ``Machine`` (e.g. a named one
+    ``machine``: a name (``offload.machines()``), a ``Machine`` (e.g. a named one, ``offload.machine(name)``,
     ``.with_assumptions(flops_fraction=0.5)``), or ``offload.probe()`` for this machine (its
     compute is then measured: ``measure_machine``). ``budget_mb`` and ``policy`` choose
     ``Prediction.plan``; ``budgets`` are the fractions of the peak without the engine at which

@@ -48,7 +48,7 @@ from .._memory.probe import probe
 from .._memory.session import Session
 from .count import is_alias
 from .fake_step import Attention, fake_step
-from .machines import Machine, from_probe
+from .machines import Machine
 
 __all__ = ["calibrate_compute", "measure_machine", "reference_step_ms"]
 
@@ -196,7 +196,7 @@ def measure_machine(
     matmul_s = _best_s(lambda: a @ a)
     copy_s = _best_s(lambda: dst.copy_(src))
     tiny_s = _best_s(chain)
-    machine = from_probe(
+    machine = Machine.from_probe(
         profile,
         flops=2 * _MATMUL_SIZE**3 / matmul_s,
         memory_gb_per_s=2 * _COPY_BYTES / copy_s / _GB,
