@@ -9,6 +9,7 @@ Per region, measured: ``offload.engine(budget_mb=512, regions=model.blocks)`` pr
 on its first steps and keeps, offloads or recomputes it, whichever is cheapest under the budget.
 """
 
+from ._config import Config
 from ._cost import MachineProfile, RegionProfile, Scope
 from ._engine import Engine, engine, explain
 from ._errors import OffloadError
@@ -29,6 +30,7 @@ from ._stats import Stats
 from ._version import __version__ as __version__
 
 __all__ = [
+    "Config",
     "Decision",
     "Engine",
     "Machine",

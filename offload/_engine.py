@@ -376,7 +376,7 @@ def engine(
         host: what the engine asks of the machine outside the device (an ``offload.seams.Host``):
             host memory for the host tier and the spill file's filesystem calls and I/O threads.
             None: this machine. A test passes a subclass to fill the disk or refuse pinning.
-        **options: the engine's settings, each documented on ``offload._config.Config``:
+        **options: the engine's settings, each documented on ``offload.Config`` (``Engine.config``):
             ``reserve_mb`` (with ``budget_mb="auto"``: MB to keep free on the device),
             ``spill_dir`` (where the spill file goes; None: a private temporary directory),
             ``host_budget_mb`` (cap on host memory below a CUDA device; beyond it tensors spill
@@ -486,7 +486,8 @@ def explain(what: Union[Engine, Plan, None]) -> str:
     small = f"\n{what._all_small_note()}" if isinstance(what, Engine) and what._last_step.all_small() else ""
     if plan is None:
         if isinstance(what, Engine):
-            return _no_plan_note(what) + small
+            found = f"\nregions: {what._regions.why}" if isinstance(what._regions, Regions) else ""
+            return _no_plan_note(what) + small + found
         return "no plan: explain() of None (an engine's plan before it made one)"
     if not isinstance(plan, Plan):
         raise TypeError(f"explain() takes an offload Engine or Plan, got {type(what).__name__}")

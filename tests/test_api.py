@@ -376,14 +376,14 @@ def test_unknown_keyword_lists_every_valid_one_and_the_closest():
     memory) and Config's options, read from the signatures; the closest match is named."""
     import inspect
 
-    from offload._config import Config
-
     with pytest.raises(TypeError) as info:
         offload.engine(budget_mb=1, regoins="auto")
     message = str(info.value)
     assert "'regoins' (did you mean 'regions'?)" in message
     expected = [n for n in inspect.signature(offload.engine).parameters if n != "options"]
-    expected += [n for n in inspect.signature(Config.from_user).parameters if n not in ("has_regions", "budget_mb")]
+    expected += [
+        n for n in inspect.signature(offload.Config.from_user).parameters if n not in ("has_regions", "budget_mb")
+    ]
     assert {"budget_mb", "model", "regions", "machine", "link", "memory", "policy", "reserve_mb"} <= set(expected)
     listed = message.split("valid keywords: ", 1)[1].split(", ")
     assert sorted(listed) == sorted(expected)

@@ -17,23 +17,32 @@ import torch
 from torch import nn
 
 import offload
-from offload._regions.blocks import find_blocks
 from test_regions import CONFIG, LR, MACHINE, SEED, assert_same_history, batch, make_model, train
 from zoo import ResBlock, cnn, mlp
 
 
-def names(found) -> list[str]:
+class Found:
+    """What ``regions="auto"`` found in ``model``: the engine's regions, and why, as ``explain`` says it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        eng = offload.engine(1, regions="auto", model=model, machine=MACHINE)
+        self.regions = eng.regions
+        (self.why,) = [line for line in offload.explain(eng).splitlines() if line.startswith("regions: ")]
+        eng.close()
+
+
+def names(found: Found) -> list[str]:
     return [name for name, _ in found.regions]
 
 
 def test_minigpt_blocks():
-    found = find_blocks(make_model())
+    found = Found(make_model())
     assert names(found) == [f"blocks.{i}" for i in range(CONFIG.n_layer)]
     assert "3 × Block in blocks" in found.why and "of the parameters" in found.why
 
 
 def test_a_sequential_of_residual_blocks():
-    found = find_blocks(cnn(blocks=3))
+    found = Found(cnn(blocks=3))
     assert [type(m) for _, m in found.regions] == [ResBlock] * 3
     assert names(found) == ["1", "2", "3"]
 
@@ -45,20 +54,18 @@ def test_the_heavier_stack_wins_over_a_longer_light_one():
             self.small = nn.ModuleList(nn.Linear(2, 2) for _ in range(6))
             self.big = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
 
-    assert names(find_blocks(Model())) == ["big.0", "big.1", "big.2"]
+    assert names(Found(Model())) == ["big.0", "big.1", "big.2"]
 
 
 def test_a_plain_stack_of_linears():
-    found = find_blocks(mlp(depth=4))
+    found = Found(mlp(depth=4))
     assert [type(m) for _, m in found.regions] == [nn.Linear] * 5  # the head is a Linear too
 
 
 def test_no_repeated_block_is_an_error_that_says_what_to_pass():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    with pytest.raises(ValueError, match="no repeated block in Sequential.*regions=\\[model.a"):
-        find_blocks(model)
-    with pytest.raises(ValueError, match="no repeated block.*or leave regions out"):
-        offload.engine(1, regions="auto", model=model)
+    with pytest.raises(ValueError, match="no repeated block in Sequential.*regions=\\[model.a.*or leave regions out"):
+        Found(model)
 
 
 def test_auto_needs_a_model():
@@ -76,7 +83,7 @@ def test_hugging_face_names_its_blocks():
         hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=64
     )
     model = transformers.LlamaForCausalLM(config)
-    found = find_blocks(model)
+    found = Found(model)
     assert names(found) == [f"model.layers.{i}" for i in range(3)]
     assert "LlamaDecoderLayer" in found.why and "_no_split_modules" in found.why
 

@@ -6,7 +6,9 @@ lands it on a background thread after a delay; both poison a host block the mome
 gives it back, and read each source either when the copy completes or, with "-start", over the
 copy as a stream does (taken at the start, still alive and unchanged at the end). A store that
 used a destination before its copy landed, let a copy's source go before the copy finished, or
-started a copy from a source not yet filled, reads 0xFF and the gradients differ.
+started a copy from a source not yet filled, reads 0xFF and the gradients differ. Host memory
+comes through the engine's host seam (``tests/hosts.py``); one test drives the pinned arena
+(``offload._memory.arena``) directly, white-box, to see when it empties the pinned cache.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ attributes must end each step exactly as the run without the engine leaves them,
 output depends on state its forward updates must get the same gradients. The oracle is the same
 model without the engine, compared with ``torch.equal`` every step, at a batch size that changes
 every step. ``torch.utils.checkpoint`` is shown to count BatchNorm's batches twice, which is what
-this goes beyond.
+this goes beyond. One test removes the guard (``ForwardStart.rerun``, monkeypatched) to show the
+comparisons fail without it: white-box by nature.
 """
 
 from __future__ import annotations

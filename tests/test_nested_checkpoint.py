@@ -11,7 +11,9 @@ forward with and without ``create_graph``, double backward, dropout), and under 
 Oracles: the same functions without any checkpoint, and torch's non-reentrant checkpoint. On the
 CPU in fp32 the math is identical op for op, so every gradient must be bitwise equal
 (``torch.equal``). The cost bound is counted with ``FlopCounterMode``: each recomputed region
-costs at most one extra forward of itself per backward pass.
+costs at most one extra forward of itself per backward pass. What a step leaves behind is counted
+on the recompute frames themselves (``offload._regions.recompute.Frame``), white-box: no public
+reading shows them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Oracle for the restart: two real processes run the same job (``plan_cache_worker.py``); the
 second does no profiling and follows the first one's plan exactly, and both train bitwise like
 the model without the engine. The bad-file cases run in this process on the MiniGPT of
-``test_regions`` (same oracle there: ``assert_same_history``).
+``test_regions`` (same oracle there: ``assert_same_history``). The bad files are made by hand
+from the file's format (``offload._plan.cache``: its version, fingerprint and per-rank paths),
+white-box: a file the engine would never write is the case under test.
 """
 
 from __future__ import annotations
@@ -94,7 +96,11 @@ def engine(model, path, budget_mb=BUDGET_MB, spill_dir=None):
 
 
 def warnings_from(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "offload._plan.cache" and r.levelno >= logging.WARNING]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("offload.") and r.name.endswith(".cache") and r.levelno >= logging.WARNING
+    ]
 
 
 def profile_and_save(path: Path, spill_dir, budget_mb=BUDGET_MB) -> offload.Plan:
@@ -310,7 +316,7 @@ def test_one_warning_per_engine_however_many_inputs_miss(tmp_path, spill_dir, ca
 def test_a_saved_plan_under_budget_auto_is_followed_then_replanned_without_profiling(tmp_path, spill_dir, reference):
     """budget "auto": the restarted engine follows the saved plan while free memory reads the
     same, and re-plans from the saved profiles (still no profiling step) once it falls."""
-    from offload._budget import FreeMemory
+    from offload.seams import FreeMemory
 
     path = tmp_path / "plans.json"
     free = {"bytes": 1 << 40}

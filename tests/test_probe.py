@@ -1,7 +1,9 @@
 """The machine probe: figures, the cache, argument checks and the ``python -m offload probe`` CLI.
 
 Real measurements use small transfers (``SIZE_MB``); the cache tests replace the measuring
-functions with counting fakes, so they check "measured or not" without timing anything.
+functions with counting fakes, so they check "measured or not" without timing anything. Those
+fakes, the core counts and the probe's spill file stand in inside ``offload._memory.probe``
+(white-box): what is checked is which measurement ran, which no public figure tells apart.
 """
 
 from __future__ import annotations

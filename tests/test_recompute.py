@@ -5,7 +5,9 @@ Oracles: the same block (same weights, RNG reseeded before each forward so dropo
 without checkpointing, and torch's own non-reentrant checkpoint. On the CPU in fp32 the math is
 identical op for op, so outputs and gradients must be bitwise equal (``torch.equal``). The cost
 bound is counted with ``FlopCounterMode``: a recomputed region costs at most one extra forward per
-backward pass, never two.
+backward pass, never two. Where a test counts what a step leaves behind, or which phase a
+region's re-run is in mid-backward, it reads the recompute frames themselves
+(``offload._regions.recompute.Frame``), white-box: no public reading shows them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Oracle: the same model from the same seed without the engine, the RNG reseeded b
 step so dropout masks match. Every policy changes only where saved activations live, or re-runs
 a block's forward with its RNG state restored, so on the CPU in fp32 the gradients must be
 bitwise equal (``torch.equal``), step after step. The machine profile is fixed numbers, so no
-probe runs and the plans do not depend on this machine.
+probe runs and the plans do not depend on this machine. Two tests are white-box: they price
+plans for the CPU's disk tier against a CUDA link straight through the planner's pure functions
+(``offload._plan``), with numbers alone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import pytest
 import torch
 
 import offload
-import offload._regions.regions
 from offload.models.gpt import Block, GPTConfig, MiniGPT
 from zoo import auto_trials, most_profiling_steps, stage_letters
 

@@ -3,7 +3,9 @@
 Oracle: the same region without the engine. A cache argument (Hugging Face's names) is kept from
 a region that will be re-run, as Hugging Face's own checkpointed layers do, so the first run and
 the re-run compute the same thing; any other argument the forward changes and that makes the
-re-run save something else is named in the error.
+re-run save something else is named in the error. One test is white-box: the rule itself
+(``offload._regions.regions.without_cache``, a pure function of a module and its keyword
+arguments), checked against Hugging Face's names.
 """
 
 from __future__ import annotations

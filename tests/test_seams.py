@@ -1,12 +1,15 @@
 """The public seams (``offload.seams``): the module's own example runs as written, each seam the
 engine takes is refused with a clear error when it is not one, and a stand-in host sees the
-engine's traffic and nothing of pytest's.
+engine's traffic and nothing of pytest's. And the rule they serve: a test reaches the engine
+through its public API and these seams, and a test file that reaches inside says so.
 """
 
 from __future__ import annotations
 
+import ast
 import logging
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +75,40 @@ def test_a_stand_in_host_sees_every_spill_write_and_read(spill_dir):
     assert host.landed() == host.writes > 0 and host.opens == 1
     assert stats.spilled_bytes > 0 and host.reads >= stats.reloaded_bytes // (256 * 64 * 4) > 0
     eng.close()
+
+
+def _private_names_in_code(path: Path) -> set[str]:
+    """The private ``offload`` modules ``path``'s code imports or names in a string (its docstrings
+    and comments aside; ``offload.__main__``, the command line, is public)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.startswith("offload._") and not node.module.startswith("offload.__"):
+                found.add(node.module)
+            if node.module == "offload":
+                found.update(f"offload.{a.name}" for a in node.names if a.name.startswith("_"))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("offload._"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"offload\._[a-z][\w.]*", node.value):
+                found.add(node.value)
+    return found
+
+
+def test_a_test_file_that_reaches_inside_says_so():
+    """Tests reach the engine through ``offload``'s public names and ``offload.seams``; a file
+    that imports a private module (a guard removed, a pure module tested with numbers, an
+    invariant no seam shows) says "white-box" in its docstring, and why. The helpers every file
+    shares (stand-in links, hosts, models) reach nothing private."""
+    tests = Path(__file__).parent
+    unsaid, helpers = [], []
+    for path in sorted(tests.glob("*.py")):
+        private = _private_names_in_code(path)
+        if not private:
+            continue
+        if not path.name.startswith("test_"):
+            helpers.append(f"{path.name}: {sorted(private)}")
+        elif "white-box" not in (ast.get_docstring(ast.parse(path.read_text())) or "").lower():
+            unsaid.append(f"{path.name}: {sorted(private)}")
+    assert helpers == [], "helpers shared by every test reach inside offload"
+    assert unsaid == [], "these files reach inside offload without saying why in their docstring"

@@ -4,6 +4,11 @@ The oracle everywhere is the same model without the engine (same seed, same RNG 
 with ``torch.equal``. The FLOP bound is counted with ``FlopCounterMode``: a selective region's
 backward re-runs its cheap ops only, so its FLOPs (matmul, attention, convolution) equal the
 backward of the model without the engine; whole-region recompute adds one forward.
+
+Many tests drive the selective machinery directly (``offload._regions.selective``: one region's
+``selective_checkpoint``, its table of expensive ops, its profiling mode), white-box, to hold a
+region's re-run against torch's own selective checkpoint op by op and to reach a failure inside
+it; the tests of the engine use ``policy="selective"``.
 """
 
 from __future__ import annotations

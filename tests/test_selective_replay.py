@@ -4,6 +4,7 @@ A region whose re-run takes another branch must not be handed the forward's stas
 backward would then use inputs the stash was not made from and give wrong gradients, silently.
 ``test_selective.py`` covers another op on the re-run (mm in the forward, bmm in the re-run); this
 covers the same op on other shapes, which a check of the op's name alone would let through.
+White-box: one region's ``selective_checkpoint`` (``offload._regions.selective``) is run directly.
 """
 
 from __future__ import annotations

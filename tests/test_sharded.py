@@ -9,7 +9,9 @@ Oracle: each rank's gradients against its own run without the engine, ``torch.eq
 moves bytes; the collectives sum the same values in the same order).
 
 The rest runs in this process: what happens without a group, with a group of one, and with
-arguments that cannot work.
+arguments that cannot work. One test is white-box: the all-gather's fallback for backends without
+``all_gather_into_tensor`` (``offload._memory.sharded._all_gather_into``) over a stand-in
+``torch.distributed``.
 """
 
 from __future__ import annotations

@@ -219,6 +219,7 @@ LIMITS = ProfilingLimits(
     search_bucket=SEARCH_BUCKET,
     pace_window=PACE_WINDOW,
 )
+"""The profiling limits every engine works under (``offload.limits``)."""
 _TIME_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "selective_ms")
 """The fields a trial round times: their median over the rounds is what the fit is given."""
 
