@@ -7,8 +7,10 @@ at them must say so and stop, unless ``--overwrite-results`` asks for it.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -122,3 +124,28 @@ def test_the_shape_cases_script_writes_under_the_env_and_refuses_the_results(els
     monkeypatch.setenv(measure.OUT_ENV, str(RESULTS))
     with pytest.raises(ValueError, match="committed results"):
         module.write_result({"rows": []})
+
+
+def _backed_names() -> list[str]:
+    """The file names (or glob patterns) each row of bench/results/README.md's table backs a claim
+    with: its first cell's names, a bare ``.json`` / ``.png`` standing for the row's first name's."""
+    names = []
+    for row in (RESULTS / "README.md").read_text().splitlines():
+        if not row.startswith("| [`"):
+            continue
+        cell = row.split(" | ", 1)[0]
+        named = re.findall(r"`([^`]+)`", cell)
+        stem = named[0].rsplit(".", 1)[0]
+        names += [stem + n if n.startswith(".") else n for n in named]
+    return names
+
+
+def test_every_committed_result_backs_a_claim_the_results_readme_names():
+    """One file per claim that still stands: a file in bench/results/ that no row of its README
+    names is a copy or a leftover (git keeps those), and a row naming no file is stale."""
+    names = _backed_names()
+    files = sorted(p.name for p in RESULTS.iterdir() if p.name != "README.md")
+    unbacked = [f for f in files if not any(fnmatch.fnmatch(f, n) for n in names)]
+    assert unbacked == [], "results no row of bench/results/README.md names"
+    missing = [n for n in names if not any(fnmatch.fnmatch(f, n) for f in files)]
+    assert missing == [], "rows of bench/results/README.md naming no file"
