@@ -375,7 +375,8 @@ def engine(
             all-gathered in backward (``offload.sharded`` declares any other saves; see ``offload._memory.sharded``).
         host: what the engine asks of the machine outside the device (an ``offload.seams.Host``):
             host memory for the host tier and the spill file's filesystem calls and I/O threads.
-            None: this machine. A test passes a subclass to fill the disk or refuse pinning.
+            None: this machine (or the host ``link`` carries, an emulator's). A test passes a
+            subclass to fill the disk or refuse pinning; it replaces the link's.
         **options: the engine's settings, each documented on ``offload.Config`` (``Engine.config``):
             ``reserve_mb`` (with ``budget_mb="auto"``: MB to keep free on the device),
             ``spill_dir`` (where the spill file goes; None: a private temporary directory),

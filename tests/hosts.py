@@ -9,12 +9,17 @@ Each fault is a field a test sets and clears while the engine runs:
   failing one lands half its bytes first), ``open_error`` (errno for creating the spill file),
   ``read_error`` (errno for every read);
 - host memory: ``pins_ok`` (slabs that may still be allocated before pinning is refused, as at
-  the locked-memory limit), ``ram`` (what free RAM reads, given the real reading);
+  the locked-memory limit), ``ram_reading`` (what free RAM reads, given the real reading);
 - ``before_write``: called with each ``pwrite``'s index (from 0) before it runs; it may wait
   for the test or raise (a write that fails late);
 - and a record: ``writes`` / ``opens`` / ``reads`` / ``pin_tries``, the paths it was asked to
   create, the slabs it handed out (weakly), and every spill write's job (``landed()`` waits for
   them).
+
+A write is counted per ``pwrite``: the spill file writes a tensor in chunks of 8 MiB, so one
+``pwrite`` is one tensor's write only for tensors of 8 MiB or less, as every test's here are. The
+open that creates the spill file may come twice (``O_DIRECT`` refused with EINVAL, then buffered),
+to one path (``created``).
 """
 
 from __future__ import annotations

@@ -589,9 +589,10 @@ def test_a_demotion_failing_while_its_tensor_dies_is_not_counted(spill_dir):
     A demotion starts when the host tier is full, and pack waits for it to land before it returns
     (holding the store's lock), so the graph is freed from another thread: a second thread's
     forward demotes the first forward's oldest host copy, its write is held back, the first graph
-    is freed (its release waits for the lock), and then the write fails. Where the release is
-    handled first, with the write still in flight (the orphan path), is driven through the store
-    itself in ``test_residency.py``."""
+    is freed (its release finds the lock held and is queued), and then the write fails: the
+    failure is taken first, the queued release after it. Where the release is handled first, with
+    the write still in flight (the orphan path), is driven through the store itself in
+    ``test_residency.py``."""
     model = _mlp()
     host = StandInHost()
     eng = _host_engine(DeferredLink(1), 0, host=host, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
@@ -715,7 +716,7 @@ def test_low_host_ram_caps_the_arena_and_spills(link, host, spill_dir, caplog):
     """The host reports barely more than the reserve free: the arena stops growing within it (one
     warning), the oldest host copies go to disk, exact."""
     total = 16 << 30
-    reserve = host.ram_reserve(total)
+    reserve = 2 << 30  # 10 % of 16 GiB is under the reserve's 2 GiB floor
     room = 3 * ACT_BYTES  # three slabs of one activation each (the room is under 64 MiB)
     # What the arena holds is no longer available, as the OS would report (asking the engine
     # instead would re-enter it from inside its own pack).

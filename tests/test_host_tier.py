@@ -284,15 +284,24 @@ class _PinsAndEmpties(StandInHost):
         self.emptied += 1
 
 
-def test_emptying_the_pinned_cache_stays_out_of_acquire():
+def test_emptying_the_pinned_cache_stays_out_of_acquire(monkeypatch):
     """At its cap with idle slabs too small for a request, the arena drops them for a larger one;
     the caching host allocator is emptied (process-wide, and it synchronizes the device), and the
     copies settled first, only once the step is over (``return_unpinned``, from the store as the
     next step starts), never in ``acquire``, which runs under the store's lock in a pack (See
     Note: [emptying the pinned cache]).
 
-    White-box: the arena (a pure data structure once its host is a stand-in) is driven directly."""
+    White-box: the arena (a pure data structure once its host is a stand-in) is driven directly.
+    torch's own ways to empty the cache count too, so an emptying that went around the host would
+    be seen."""
     stand_in = _PinsAndEmpties()
+
+    def emptied_around_the_host() -> None:
+        stand_in.emptied += 1
+
+    for owner, name in ((getattr(torch, "accelerator", None), "empty_host_cache"), (torch._C, "_host_emptyCache")):
+        if owner is not None:
+            monkeypatch.setattr(owner, name, emptied_around_the_host, raising=False)
     settled = []
     slab = offload._memory.arena.SLAB_BYTES
     arena = offload._memory.arena.HostArena(2 * slab, pin=True, settle=lambda: settled.append(True), host=stand_in)

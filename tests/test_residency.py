@@ -150,10 +150,11 @@ def test_a_demotion_failing_after_its_tensor_died_is_not_counted(tmp_path):
     count it: the store keeps the write as an orphan (``InFlight.adopt_orphans``) to learn how it ended.
 
     Driven through the store itself: a demotion starts where pack makes host room, and pack waits
-    for it to land before it returns, holding the lock that a dying handle's release waits for;
-    so the orphan path, a release handled while the write is still in flight, is reached only by
-    starting the demotion as that code does. (``test_faults.py`` runs the public path: a second
-    thread's forward demotes while the first graph is freed.)"""
+    for it to land before it returns, holding the store's lock, so a handle dying meanwhile has its
+    release queued until after the write's failure is taken; the orphan path, a release handled
+    while the write is still in flight, is reached only by starting the demotion as that code
+    does. (``test_faults.py`` runs the public path: a second thread's forward demotes while the
+    first graph is freed.)"""
     host = StandInHost()
     gate = threading.Event()
 
@@ -178,3 +179,4 @@ def test_a_demotion_failing_after_its_tensor_died_is_not_counted(tmp_path):
     store.close()
     assert store.counters.spilled_bytes == 0, "a write that failed is not counted as spilled"
     assert host.writes == 1
+    assert list(tmp_path.iterdir()) == [], "the spill file and its directory went with close()"

@@ -2,17 +2,26 @@
 filesystem calls and I/O threads of the disk tier's spill file.
 
 ``offload.engine(host=...)`` takes one (public as ``offload.seams.Host``); the default is this
-machine. Every call the arena (``arena``) and the spill file (``spill``) make to the operating
-system goes through it, and nothing else of the process does, so a stand-in sees exactly the
-engine's traffic and pytest's own I/O is untouched:
+machine. What the arena (``arena``) and the spill file (``spill``) ask of the machine while a step
+runs goes through it, and nothing else of the process does, so a stand-in sees exactly the
+engine's traffic there and pytest's own I/O is untouched:
 
     HostArena ── allocate / pageable / ram / ram_reserve / return_pinned ──▶ Host ──▶ torch (pinned), psutil
-    SpillFile ── make_directory / file_name / open / pwrite / preadv / sync / drop_cache / jobs ──▶ Host ──▶ os
+    SpillFile ── make_directory / file_name / filesystem_type / open / no_readahead
+                 / pwrite / preadv / sync / drop_cache / jobs ──▶ Host ──▶ os, psutil
+
+Not through it: the spill file's clean-up (``chmod`` of the new directory, making a missing
+``spill_dir``'s parents, and at close the file's truncate and close and the directory's removal),
+which also runs from a finalizer at interpreter exit, so a stand-in's open must return a real
+descriptor and its ``make_directory`` a real directory; and ``PinnedSlabs.clear``, which belongs
+to no engine. A stand-in that fails those uses the OS itself (a read-only directory).
 
 A stand-in subclasses ``Host``, overrides the calls it changes and calls ``super()`` for the real
 ones: a disk that fills after N writes, a driver that refuses to pin, RAM that runs low, a name an
 attacker predicted. It must keep each call's contract (the docstrings below); the engine's answer
-to a failure is the same whichever layer raised it.
+to a failure is the same whichever layer raised it. A host given to the engine replaces the one
+a link may carry (an emulator's, whose spill jobs run on its schedule): a stand-in meant to run
+over an emulator delegates ``jobs`` and ``pageable`` to it (``tests/hosts.py``'s ``base``).
 """
 
 from __future__ import annotations

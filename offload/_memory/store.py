@@ -91,14 +91,14 @@ class Store:
         # The engine's one budget, made with its session; a store made alone (a test) makes its own.
         self.budget = make_budget(config.budget_bytes, config.reserve_bytes, memory) if budget is None else budget
         self.budget.bind(device)
-        if host is None:  # a test's stand-in, one its link carries (an emulator), or this machine
+        if host is None:  # one its link carries (an emulator), or this machine; a host given replaces both
             host = getattr(link, "host", None) or Host()
         self.spill = SpillFile(config.spill_dir, config.spill_workers, host)
         self.tiers = make_tiers(device, config.host_budget_bytes, self.spill, link, host)
         self._tier = {t.tier: t for t in self.tiers}
         self._top = self.tiers[0]
-        host = self._tier.get(_HOST)
-        self._host: Optional[HostTier] = host if isinstance(host, HostTier) else None
+        host_tier = self._tier.get(_HOST)
+        self._host: Optional[HostTier] = host_tier if isinstance(host_tier, HostTier) else None
         self.link: Optional[Link] = None if self._host is None else self._host.link
         self._lock = threading.Lock()
         self._dead: collections.deque = collections.deque()  # (entry, unseen) released while locked

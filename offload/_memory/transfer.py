@@ -120,11 +120,11 @@ def _always_wait_from_env() -> bool:
 class Link(Protocol):
     """The transport between a device and host memory; ``offload.engine(link=...)`` takes one.
 
-    Copies return pendings (``offload._memory.pending.Pending``); ``h2d`` allocates its destination.
+    Copies return pendings (``offload.seams.Pending``); ``h2d`` allocates its destination.
     ``released`` is told when the engine lets a host buffer go (a test link may poison it). A link
     that stands in for the whole machine (an emulator) may also offer ``host`` (an
-    ``offload.seams.Host``), used where ``offload.engine(host=...)`` gives none: its spill file's I/O
-    then runs on the emulator's schedule too.
+    ``offload.seams.Host``), used where ``offload.engine(host=...)`` gives none (a host given
+    replaces it): its spill file's I/O then runs on the emulator's schedule too.
     """
 
     def batch(self) -> contextlib.AbstractContextManager[None]: ...
@@ -385,7 +385,7 @@ class CudaLink:
     """Two side streams of one CUDA device (d2h, h2d) and the copies over them.
 
     ``slabs``: pinned slabs the engine's host arena shares with other engines made one after
-    another (``offload._memory.arena.PinnedSlabs``); None: it pins its own and unpins them at close.
+    another (``offload.seams.PinnedSlabs``); None: it pins its own and unpins them at close.
     ``always_wait``: wait at every use, even for a copy already done (See Note: [every wait
     unconditional under the sanitizer]); None: from the environment.
     """

@@ -192,7 +192,7 @@ class ProfilingLimits:
     """
 
     profile_steps: int
-    """"measure" steps at a family's first shape."""
+    """"measure" steps at most at a family's first shape (one where a trial follows it)."""
     calibration_tries: int
     """"offload" trials at most whose link reading is implausible before the probe's figures stand."""
     max_trial_rounds: int
