@@ -255,6 +255,26 @@ def _floor_unpack(save: _FloorSave) -> torch.Tensor:
     return alias
 
 
+def _floor_passed_pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The least a pass-through save can be: a size read of the storage (a small view of a large
+    storage is not small), then a detached alias and its version (no cycle through a node saving
+    its own output; the in-place check). Every save here is small, so the test always passes."""
+    if t.untyped_storage().nbytes() < FLOOR_MIN_BYTES:
+        return (t.detach(), t._version)
+    raise AssertionError("the pass-through floor saw a large save")
+
+
+def _floor_passed_unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    alias, version = packed
+    if alias._version != version:
+        raise RuntimeError("a saved tensor was modified in place")
+    return alias
+
+
+FLOOR_MIN_BYTES = 1 << 16
+"""The pass-through floor's size threshold: the engine's default ``min_offload_bytes``."""
+
+
 def import_old(checkout: str) -> Any:
     """The package of another checkout (``CHECKOUT/offload``), imported as ``OLD_PACKAGE`` beside this one."""
     package_dir = Path(checkout).resolve() / "offload"
@@ -347,6 +367,9 @@ def per_tensor(
         "detach pair": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t),
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"),
         "floor: minimal counting pair": FloorPair().context,
+        "floor: minimal pass-through pair": lambda: torch.autograd.graph.saved_tensors_hooks(
+            _floor_passed_pack, _floor_passed_unpack
+        ),
     }
     skipped = {}
     if OffloadActivations is not None:
