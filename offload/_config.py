@@ -31,6 +31,15 @@ DEFAULT_SPILL_WORKERS = 2
 without fighting the compute threads for cores on small machines."""
 
 
+_MB_MEANINGS = {
+    "budget_mb": "use None for no limit or 0 to move everything eligible off the device",
+    "host_budget_mb": (
+        "use None for no cap (available RAM less a reserve) or 0 to send everything past the device to disk"
+    ),
+}
+"""What None and 0 mean for each setting in megabytes, for its error message."""
+
+
 def _check_mb(name: str, value: object, *, allow_none: bool = True) -> Optional[float]:
     if value is None:
         if allow_none:
@@ -43,10 +52,7 @@ def _check_mb(name: str, value: object, *, allow_none: bool = True) -> Optional[
         )
     value = float(value)
     if math.isnan(value) or value < 0 or math.isinf(value):
-        raise ValueError(
-            f"{name} must be a finite number >= 0 (megabytes), got {value!r}; "
-            f"use None for no limit or 0 to move everything eligible off the device"
-        )
+        raise ValueError(f"{name} must be a finite number >= 0 (megabytes), got {value!r}; {_MB_MEANINGS[name]}")
     return value
 
 

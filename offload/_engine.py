@@ -29,6 +29,7 @@ from ._attach import attach
 from ._budget import FreeMemory
 from ._config import Config
 from ._cost import MB, MachineProfile
+from ._errors import OffloadError
 from ._memory.host import Host
 from ._memory.probe import machine_key, probe
 from ._memory.session import Session
@@ -140,7 +141,7 @@ class Engine:
 
     def __enter__(self) -> "Engine":
         if self._closed:
-            raise RuntimeError("this offload engine was closed; make a new one with offload.engine(...)")
+            raise OffloadError("this offload engine was closed; make a new one with offload.engine(...)")
         if self._regions_to_find:
             raise ValueError(
                 "regions='auto' needs the model to search: pass model= to offload.engine(), call "

@@ -220,7 +220,7 @@ def test_the_decorator_form_gives_the_engine_back(spill_dir):
     assert "offload_engine" not in model.state_dict() and "offload_engine" not in dict(model.named_modules())
     eng.close()
     assert files_under(spill_dir) == []
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(offload.OffloadError, match="closed"):  # what the engine cannot do, as backward after close
         model(x_input())
 
 
@@ -318,7 +318,7 @@ def test_close_removes_the_spill_dir(spill_dir):
     eng.close()
     assert not made[0].exists(), "close() removes the private spill directory"
     eng.close()  # idempotent
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(offload.OffloadError, match="closed"):
         with eng:
             pass
     del loss
@@ -478,3 +478,11 @@ def test_explain_of_a_policy_that_measures_nothing(spill_dir):
     text = offload.explain(eng)
     assert "policy 'recompute' measures nothing" in text and "2 regions is recomputed" in text
     eng.close()
+
+
+def test_a_bad_host_cap_names_what_none_and_0_mean_for_it():
+    """Not the budget's meanings: for the host cap 0 sends everything past the device to disk."""
+    with pytest.raises(ValueError, match=r"host_budget_mb must be .*got -5.0; use None for no cap .* 0 to send every"):
+        offload.engine(0, host_budget_mb=-5)
+    with pytest.raises(ValueError, match=r"budget_mb must be .*got -1.0; use None for no limit or 0 to move every"):
+        offload.engine(-1)

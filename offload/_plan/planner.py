@@ -410,7 +410,10 @@ class Plan:
         if self.pace != 1.0:
             lines.append(f"step times read at x{self.pace:.3g} the cost model's, as steps under plans measured")
         verdict = "" if self.budget_bytes is None else ("  (fits)" if self.fits_budget else "  (OVER BUDGET)")
-        lines.append(f"predicted peak: {_mb(self.predicted_peak_bytes)} MB vs budget {budget}{verdict}")
+        lines.append(
+            f"predicted peak: {_mb(self.predicted_peak_bytes)} MB vs budget {budget}{verdict} "
+            "(what the store holds; a re-run region's own working set comes on top while it runs)"
+        )
         if self.origin:
             lines.append(f"profiles: {self.origin}")
         return "\n".join(lines)

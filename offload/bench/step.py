@@ -146,7 +146,8 @@ def collect(
             activation_bytes = activation_bytes or record["activation_bytes"]
         else:
             result[kind] = record[kind]
-        print(f"bench: {record['config']} (repeat {record['repeat'] + 1}/{run.repeats}) {kind}", file=sys.stderr)
+        what = "done" if kind == "summary" else kind
+        print(f"bench: {record['config']} (repeat {record['repeat'] + 1}/{run.repeats}) {what}", file=sys.stderr)
         on_done(results)
 
     longest_s = 0.0
