@@ -10,8 +10,10 @@ Each fault is a field a test sets and clears while the engine runs:
   ``read_error`` (errno for every read);
 - host memory: ``pins_ok`` (slabs that may still be allocated before pinning is refused, as at
   the locked-memory limit), ``ram_reading`` (what free RAM reads, given the real reading);
-- ``before_write``: called with each ``pwrite``'s index (from 0) before it runs; it may wait
-  for the test or raise (a write that fails late);
+- ``before_write``: called with each ``pwrite``'s index (from 0, in the order the spill
+  threads reach it, which two threads may swap) and its file offset (the spill file's extents
+  are taken in eviction order, so the offset names the tensor) before it runs; it may wait for
+  the test or raise (a write that fails late);
 - and a record: ``writes`` / ``opens`` / ``reads`` / ``pin_tries``, the paths it was asked to
   create, the slabs it handed out (weakly), and every spill write's job (``landed()`` waits for
   them).
@@ -69,8 +71,8 @@ class StandInHost(Host):
         """errno for every read (EIO)."""
         self.pins_ok: Optional[int] = None
         """Slab allocations that may still succeed; None: no limit."""
-        self.before_write: Optional[Callable[[int], None]] = None
-        """Called with each write's index before it runs (it may wait, or raise an ``OSError``)."""
+        self.before_write: Optional[Callable[[int, int], None]] = None
+        """Called with each write's index and file offset before it runs (it may wait, or raise an ``OSError``)."""
         self.ram_reading: Optional[Callable[[int, int], tuple[int, int]]] = None
         """(available, total) from the real reading; None: the real reading."""
         self.writes = self.opens = self.reads = self.failed_reads = self.pin_tries = 0
@@ -91,7 +93,7 @@ class StandInHost(Host):
         with self._lock:
             n, self.writes = self.writes, self.writes + 1
         if self.before_write is not None:
-            self.before_write(n)
+            self.before_write(n, offset)
         if self.writes_ok is not None and n >= self.writes_ok:
             if self.partial and len(data) > 1:
                 self._short.pending = True

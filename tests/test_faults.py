@@ -134,8 +134,10 @@ def test_disk_full_keeps_tensors_in_memory(writes_ok, partial, budget_tensors, h
 
 
 class _LastWriteFailsLate:
-    """The ``depth - 1``-th spill write (the newest evicted tensor's of a ``TanhChain(depth)`` at a
-    2.5-tensor budget) waits for ``gate`` and then fails with ENOSPC."""
+    """The spill write of the newest evicted tensor of a ``TanhChain(depth)`` at a 2.5-tensor budget
+    (the ``depth - 1``-th evicted: its extent is the ``depth - 1``-th from the file's start, as a fresh
+    engine takes them in eviction order) waits for ``gate`` and then fails with ENOSPC. Told by its
+    offset, not by when it starts: two spill threads may start consecutive writes in either order."""
 
     def __init__(self, host: StandInHost, depth: int) -> None:
         self.depth = depth
@@ -144,9 +146,9 @@ class _LastWriteFailsLate:
         self.gated_done: list = []
         host.before_write = self._before_write
 
-    def _before_write(self, n: int) -> None:
+    def _before_write(self, n: int, offset: int) -> None:
         self.started.append(n)
-        if len(self.started) != self.depth - 1:
+        if offset != (self.depth - 2) * NBYTES:
             return
         try:
             self.gate.wait(GATE_TIMEOUT_S)
@@ -155,6 +157,7 @@ class _LastWriteFailsLate:
             self.gated_done.append(n)
 
     def in_flight(self) -> bool:
+        """Every evicted tensor's write started, the gated one not yet through."""
         return len(self.started) == self.depth - 1 and not self.gated_done and not self.gate.is_set()
 
 
@@ -603,7 +606,7 @@ def test_a_demotion_failing_while_its_tensor_dies_is_not_counted(spill_dir):
     assert landed > 0 and eng.stats.spilled_bytes == landed * ACT_BYTES, "the first forward demoted its oldest"
     gate, held = threading.Event(), threading.Event()
 
-    def fail_the_next_write_late(n: int) -> None:
+    def fail_the_next_write_late(n: int, offset: int) -> None:
         if n == landed:
             held.set()
             gate.wait(GATE_TIMEOUT_S)

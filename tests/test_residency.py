@@ -158,7 +158,7 @@ def test_a_demotion_failing_after_its_tensor_died_is_not_counted(tmp_path):
     host = StandInHost()
     gate = threading.Event()
 
-    def held_then_failed(n: int) -> None:
+    def held_then_failed(n: int, offset: int) -> None:
         gate.wait(10.0)
         raise OSError(errno.ENOSPC, "No space left on device")
 

@@ -214,7 +214,7 @@ def test_logs_and_errors_name_shapes_and_dtypes_at_most(spill_dir, caplog):
     tmpfs warning) carries no tensor values."""
     writes = StandInHost()
 
-    def every_other_write_fails(n: int) -> None:
+    def every_other_write_fails(n: int, offset: int) -> None:
         if n % 2 == 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
