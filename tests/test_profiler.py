@@ -238,7 +238,7 @@ class Trials:
             span = self._recompute_span = sum(p.forward_ms + p.backward_ms + p.recompute_ms for p in profiles)
         elif stage is Stage.OFFLOAD_TRIAL:
             keep_ms = self._recompute_span - sum(p.recompute_ms for p in profiles)
-            machine = LINK if self.prof._link_scale is None else scale_link(LINK, self.prof._link_scale)
+            machine = LINK if self.prof.link.scale is None else scale_link(LINK, self.prof.link.scale)
             transfer_ms = sum(sum(region_transfer_ms(p, machine)) for p in profiles if p.scope is Scope.REGION)
             span = keep_ms + link_scale * transfer_ms
         self.prof.finish(Measured(stage=stage, key=key(seq), profiles=profiles, span_ms=span))
@@ -292,10 +292,10 @@ def test_the_link_is_planned_at_the_median_of_the_rounds_readings():
     for link_scale in (1.0, 1.0, 2.0, 1.0, 2.4):
         trials.step(ratios=NOISY, link_scale=link_scale)
     assert trials.stages[2:5] == [Stage.OFFLOAD_TRIAL, Stage.RECOMPUTE_TRIAL, Stage.OFFLOAD_TRIAL]
-    first, second = trials.prof.calibrations
+    first, second = trials.prof.link.accepted
     assert second > 1.5 * first, "the premise: the second round read a slower link"
-    assert trials.prof._pooled_uncertainty() <= MAX_SPREAD, "the premise: close enough to plan on"
-    assert trials.prof._link_scale == pytest.approx((first + second) / 2)
+    assert trials.prof.link.pooled_uncertainty() <= MAX_SPREAD, "the premise: close enough to plan on"
+    assert trials.prof.link.scale == pytest.approx((first + second) / 2)
     assert f"offload trials read x{first:.3g}, x{second:.3g}" in trials.prof.link_note()
 
 
@@ -310,8 +310,8 @@ def test_a_link_reading_too_uncertain_is_not_planned_on_alone():
         trials.step(ratios=DISTURBED, link_scale=link_scale)
     measure, recompute, calibrate = Stage.MEASURE, Stage.RECOMPUTE_TRIAL, Stage.OFFLOAD_TRIAL
     assert trials.stages == [measure, recompute, calibrate, recompute, calibrate, None, None]
-    assert len(trials.prof.calibrations) == 2 and trials.prof._pooled_uncertainty() > MAX_SPREAD
-    assert trials.prof._link_scale == 1.0
+    assert len(trials.prof.link.accepted) == 2 and trials.prof.link.pooled_uncertainty() > MAX_SPREAD
+    assert trials.prof.link.scale == 1.0
     assert "too uncertain to plan on" in trials.prof.link_note()
 
 
@@ -320,5 +320,5 @@ def test_readings_certain_together_are_planned_on():
     trials = Trials()
     for _ in range(4):
         trials.step(link_scale=3.0)
-    (reading,) = trials.prof.calibrations
-    assert trials.prof._pooled_uncertainty() <= MAX_SPREAD and trials.prof._link_scale == reading
+    (reading,) = trials.prof.link.accepted
+    assert trials.prof.link.pooled_uncertainty() <= MAX_SPREAD and trials.prof.link.scale == reading

@@ -49,6 +49,7 @@ from .._budget import replan_needed
 from .._cost import MachineProfile, RegionProfile, Saved, Scope
 from .cache import PlanCache
 from .fit import ProfileFit, Shape
+from .link_readings import CALIBRATION_TRIES, PLAUSIBLE_LINK_SCALE, LinkReadings, Verdict
 from .noise import MAX_SPREAD, Readings
 from .pace import WINDOW as PACE_WINDOW
 from .pace import StepPace
@@ -113,25 +114,7 @@ alone). Wider than sizes: CPU timings drift from step to step (10-20 % on the 2-
 ``bench/results/demo-cpu-selective.md``), and every miss re-plans."""
 
 
-# Note: [a calibration that cannot lie]
-#     The probe times one large buffer with nothing else running; an "offload" trial step scales
-#     all transfer costs by what moving every region really cost it (``calibrate_link``). That
-#     figure comes from the difference of two noisy step times, and can read absurd: a trial no
-#     slower than its reference gives ``calibrate_link``'s floor, x0.001, a link far faster than the
-#     disk under it, and a plan built on it would flip with the next build's reading. A transfer
-#     cannot be much faster than the probe measured the link alone, and one many times slower says
-#     the step was disturbed: a scale outside ``PLAUSIBLE_LINK_SCALE`` is not planned on. The trial is run
-#     again (``CALIBRATION_TRIES`` in all); if every one is implausible, the probe's own figures
-#     are used, and a warning says so.
-PLAUSIBLE_LINK_SCALE = (0.01, 100.0)
-"""A calibrated transfer cost may be from a hundredth to 100 times the probe's. Below: the step
-that moved everything was no slower than the one that kept it (``calibrate_link`` then returns its
-floor, 1e-3), which the bytes it moved rule out, a timing fluke, not a link. A scale well under 1
-is plausible (the probe charges each small tensor a disk round trip that a step's spill threads
-overlap: x0.17-x0.4 measured on GPT-2 here); one above 100 says the step was disturbed."""
-
-CALIBRATION_TRIES = 2
-"""Offload trials at most whose calibration is implausible before the probe's figures are used."""
+# Note: [a calibration that cannot lie] is in ``link_readings``, with the readings it rules.
 
 
 # Note: [a plan that holds still]
@@ -435,14 +418,8 @@ class Profiler:
         """What the policy needs measured (``Policy.measures``, ``times``, ...), asked instead of its name."""
         self._planning = planning
         self._families: collections.OrderedDict[tuple, _Family] = collections.OrderedDict()
-        self._link_scale: Optional[float] = None
-        """The calibration of the probe's transfer costs (from the first "offload" trial), or None."""
-        self.calibrations: list[float] = []
-        """Link scales accepted (see Note: [a calibration that cannot lie])."""
-        self.rejected_calibrations: list[float] = []
-        """Link scales measured and discarded as implausible."""
-        self.calibration_uncertainty: list[float] = []
-        """How far off each of ``calibrations`` may be, as a share of it (See Note: [a plan that holds still])."""
+        self.link = LinkReadings()
+        """What the "offload" trials read of the link, and the scale transfers are priced at."""
         self.misses = 0
         """Derived plans whose sizes or times missed what their step saw (each added it to the fit)."""
         self._pace = StepPace()
@@ -510,27 +487,12 @@ class Profiler:
         return distance >= (SECOND_SHAPE_SPREAD if len(fam.fit.measured) == 1 else EXTRAPOLATION_LIMIT)
 
     def link_note(self) -> str:
-        """How this engine prices a transfer, in words, for ``explain()``: the probe's figures as
-        measured, or scaled by what its "offload" trial steps read (accepted and rejected)."""
-        rejected = ", ".join(f"x{s:.3g}" for s in self.rejected_calibrations)
-        rejected = f"; rejected as implausible: {rejected}" if rejected else ""
-        if self._link_scale is None:
-            return f"the probe's figures (no offload trial yet{rejected})"
-        if not (self.calibrations or self.rejected_calibrations):
-            return f"x{self._link_scale:.3g} the probe's figures (the plan cache's calibration)"
-        if not self.calibrations:
-            return f"the probe's figures (every offload trial implausible{rejected})"
-        read = ", ".join(f"x{s:.3g}" for s in self.calibrations)
-        within = f"within {100 * self._pooled_uncertainty():.0f}%"
-        if self._pooled_uncertainty() > MAX_SPREAD:
-            return (
-                f"the probe's figures (offload trials read {read}, {within} only: too uncertain to plan on{rejected})"
-            )
-        return f"x{self._link_scale:.3g} the probe's figures (offload trials read {read}, {within}{rejected})"
+        """How this engine prices a transfer, in words, for ``explain()``."""
+        return self.link.note()
 
     def _machine(self) -> MachineProfile:
         machine = self._planning.machine()
-        return machine if self._link_scale is None else scale_link(machine, self._link_scale)
+        return machine if self.link.scale is None else scale_link(machine, self.link.scale)
 
     def _policy_for(self, fam: _Family) -> Policy:
         """The policy plans are made with: under "auto", rule 6's margin widened to the noise of
@@ -555,7 +517,7 @@ class Profiler:
         searched = fam.searched.get(bucket)
         if (
             searched is not None
-            and searched.link_scale == self._link_scale
+            and searched.link_scale == self.link.scale
             and not replan_needed(searched.budget_bytes, budget)
         ):
             decisions = searched.decisions
@@ -566,7 +528,7 @@ class Profiler:
             top_plan = make_plan(top_profiles, machine, budget, self._policy_for(fam), other_ms=top_other_ms)
             chosen = {r.name: r.decision for r in (*top_plan.outside, *top_plan.regions)}
             decisions = tuple(chosen.get(p.name, Decision.KEEP) for p in top_profiles)
-            fam.remember_search(bucket, _Searched(budget, self._link_scale, decisions))
+            fam.remember_search(bucket, _Searched(budget, self.link.scale, decisions))
             log.info("offload: decisions searched for inputs up to n=%d, s=%d: %s", top.n, top.s, decisions)
         check_inputs(profiles, machine, budget)
         plan = build_plan(profiles, decisions, machine, budget, self.policy, other_ms)
@@ -577,7 +539,7 @@ class Profiler:
         return (
             self._policy.prices_link
             and any(d is not Decision.KEEP for d in plan.decisions)
-            and self._link_scale is None
+            and self.link.scale is None
             and link_usable(self._planning.machine())
         )
 
@@ -691,12 +653,12 @@ class Profiler:
         if self._decided_by_noise(fam, key, entry):
             # Not where every reading was implausible: the probe's figures stand, a reading would not.
             fam.repeat_at = key
-            fam.repeat_calibrates = calibrated and not (self.rejected_calibrations and not self.calibrations)
+            fam.repeat_calibrates = calibrated and not self.link.all_rejected
             log.info(
                 "offload: the trials at inputs %s read %.0f%% noise, the link within %.0f%%: measuring them again",
                 key,
                 100 * fam.noise(),
-                100 * self._pooled_uncertainty(),
+                100 * self.link.pooled_uncertainty(),
             )
 
     def _decided_by_noise(self, fam: _Family, key: tuple, entry: ShapePlan) -> bool:
@@ -712,10 +674,10 @@ class Profiler:
             alone = make_plan(entry.profiles, self._machine(), budget, self.policy, other_ms=entry.other_ms)
             if alone.decisions != entry.plan.decisions:
                 return True
-        if not self.calibrations or (len(self.calibrations) > 1 and self._pooled_uncertainty() <= MAX_SPREAD):
+        if not self.link.accepted or (len(self.link.accepted) > 1 and self.link.pooled_uncertainty() <= MAX_SPREAD):
             return False
         probe = self._planning.machine()
-        read = scale_link(probe, statistics.median(self.calibrations))
+        read = scale_link(probe, statistics.median(self.link.accepted))
         at_reading = make_plan(entry.profiles, read, budget, policy, other_ms=entry.other_ms)
         at_probe = make_plan(entry.profiles, probe, budget, policy, other_ms=entry.other_ms)
         return at_reading.decisions != at_probe.decisions
@@ -766,64 +728,10 @@ class Profiler:
         )
         return noise * measured.span_ms / excess_ms
 
-    def _pooled_uncertainty(self) -> float:
-        """How far off the link readings' median may be: one reading's, from the noise of the
-        steps it is the difference of (``_uncertainty``); several readings', how far they lie
-        apart (``Readings.deviation``: two, four times apart, 60 %)."""
-        if not self.calibration_uncertainty:
-            return math.inf
-        if len(self.calibrations) == 1:
-            return self.calibration_uncertainty[0]
-        return Readings(self.calibrations).deviation
-
     def _accept_calibration(self, fam: _Family, scale: float, uncertainty: float) -> None:
         """See Note: [a calibration that cannot lie] and Note: [a plan that holds still]."""
-        low, high = PLAUSIBLE_LINK_SCALE
-        if low <= scale <= high:
-            # A later round's trial ran with the costs scaled already: its reading is relative to them.
-            self.calibrations.append((self._link_scale or 1.0) * scale)
-            self.calibration_uncertainty.append(uncertainty)
-            pooled = self._pooled_uncertainty()
-            self._link_scale = statistics.median(self.calibrations) if pooled <= MAX_SPREAD else 1.0
-            log.info(
-                "offload: a step that offloaded every region read transfer costs x%.3g the probe's, within %.0f%%; "
-                "the trials so far (x%s) plan on x%.3g",
-                self.calibrations[-1],
-                100 * uncertainty,
-                ", x".join(f"{c:.3g}" for c in self.calibrations),
-                self._link_scale,
-            )
-            return
-        self.rejected_calibrations.append(scale)
-        if self.calibrations:
-            log.warning(
-                "offload: a step that offloaded every region implied transfer costs x%.3g the figures planned "
-                "on, outside the plausible x%g..x%g; keeping x%.3g, what the earlier trials read",
-                scale,
-                low,
-                high,
-                self._link_scale,
-            )
-            return
-        if len(self.rejected_calibrations) < CALIBRATION_TRIES:
+        if self.link.offer(scale, uncertainty) is Verdict.AGAIN:
             fam.queue.insert(0, Stage.OFFLOAD_TRIAL)
-            log.warning(
-                "offload: a step that offloaded every region implied transfer costs x%.3g the probe's, outside "
-                "the plausible x%g..x%g; measuring it again",
-                scale,
-                low,
-                high,
-            )
-            return
-        self._link_scale = 1.0
-        log.warning(
-            "offload: %d offload steps implied transfer costs x%s the probe's, all outside x%g..x%g; planning on "
-            "the probe's own figures (offload.probe(refresh=True) measures the machine again)",
-            len(self.rejected_calibrations),
-            ", x".join(f"{s:.3g}" for s in self.rejected_calibrations),
-            low,
-            high,
-        )
 
     def rerun(self, key: tuple, stage: Stage) -> None:
         """A profiling step that never reached its last region: run its stage again next time."""
@@ -893,8 +801,7 @@ class Profiler:
             text: ShapePlan(plan, profiles, other_ms, Origin.MEASURED)
             for text, plan, profiles, other_ms in cached.plans
         }
-        if self._link_scale is None:
-            self._link_scale = cached.link_scale
+        self.link.adopt(cached.link_scale)
 
     def _store_cached(self, family: tuple, fam: _Family) -> None:
         cache = self._planning.plan_cache
@@ -904,7 +811,7 @@ class Profiler:
             (key, e.plan, e.profiles, e.other_ms) for key, e in fam.plans.items() if e.origin is Origin.MEASURED
         ]
         measured += [(_Repr(text), e.plan, e.profiles, e.other_ms) for text, e in fam.cached.items()]
-        cache.store(family, self.regions, fam.fit, measured[-MAX_PLANS:], self._link_scale)
+        cache.store(family, self.regions, fam.fit, measured[-MAX_PLANS:], self.link.scale)
 
 
 def _sizes_of(profile: RegionProfile) -> dict:

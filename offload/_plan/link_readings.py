@@ -1,0 +1,158 @@
+"""What an engine's "offload" trial steps read of the link: the scales accepted (each with how far
+off it may be), those rejected as implausible, and the scale transfers are priced at.
+
+The profiler offers each trial's reading (``offer``) and plans at ``scale``; explain says in words
+what the readings are (``note``). Pure: numbers in, a verdict and a scale out.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import statistics
+from typing import Optional
+
+from .noise import MAX_SPREAD, Readings
+
+__all__ = ["CALIBRATION_TRIES", "PLAUSIBLE_LINK_SCALE", "LinkReadings", "Verdict"]
+
+log = logging.getLogger(__name__)
+
+# Note: [a calibration that cannot lie]
+#     The probe times one large buffer with nothing else running; an "offload" trial step scales
+#     all transfer costs by what moving every region really cost it (``calibrate_link``). That
+#     figure comes from the difference of two noisy step times, and can read absurd: a trial no
+#     slower than its reference gives ``calibrate_link``'s floor, x0.001, a link far faster than the
+#     disk under it, and a plan built on it would flip with the next build's reading. A transfer
+#     cannot be much faster than the probe measured the link alone, and one many times slower says
+#     the step was disturbed: a scale outside ``PLAUSIBLE_LINK_SCALE`` is not planned on. The trial is run
+#     again (``CALIBRATION_TRIES`` in all); if every one is implausible, the probe's own figures
+#     are used, and a warning says so.
+PLAUSIBLE_LINK_SCALE = (0.01, 100.0)
+"""A calibrated transfer cost may be from a hundredth to 100 times the probe's. Below: the step
+that moved everything was no slower than the one that kept it (``calibrate_link`` then returns its
+floor, 1e-3), which the bytes it moved rule out, a timing fluke, not a link. A scale well under 1
+is plausible (the probe charges each small tensor a disk round trip that a step's spill threads
+overlap: x0.17-x0.4 measured on GPT-2 here); one above 100 says the step was disturbed."""
+
+CALIBRATION_TRIES = 2
+"""Offload trials at most whose calibration is implausible before the probe's figures are used."""
+
+
+class Verdict(enum.Enum):
+    """What became of one trial's reading."""
+
+    ACCEPTED = "accepted"
+    """Plausible: added to the readings, the scale is their median (or the probe's, x1, where they
+    lie too far apart to plan on)."""
+    KEPT = "kept"
+    """Implausible, and earlier readings were accepted: they stand."""
+    AGAIN = "again"
+    """Implausible, none accepted yet, tries left: measure it again."""
+    PROBE = "probe"
+    """Implausible on every try: the probe's own figures (x1) stand."""
+
+
+class LinkReadings:
+    """The link's readings of one engine (See Note: [a calibration that cannot lie] and the
+    profiler's Note: [a plan that holds still])."""
+
+    __slots__ = ("scale", "accepted", "uncertainty", "rejected")
+
+    def __init__(self) -> None:
+        self.scale: Optional[float] = None
+        """The scale the probe's transfer costs are priced at; None before any trial (or cached one)."""
+        self.accepted: list[float] = []
+        """Scales read by trials and accepted, in order."""
+        self.uncertainty: list[float] = []
+        """How far off each of ``accepted`` may be, as a share of it."""
+        self.rejected: list[float] = []
+        """Scales read and discarded as implausible."""
+
+    @property
+    def all_rejected(self) -> bool:
+        """Trials read the link and none was plausible: the probe's figures stand, a reading would not."""
+        return bool(self.rejected) and not self.accepted
+
+    def adopt(self, scale: Optional[float]) -> None:
+        """A plan cache's scale (None: it kept none), where no trial has read one here."""
+        if self.scale is None:
+            self.scale = scale
+
+    def pooled_uncertainty(self) -> float:
+        """How far off the accepted readings' median may be: one reading's, from the noise of the
+        steps it is the difference of; several readings', how far they lie apart
+        (``Readings.deviation``: two, four times apart, 60 %)."""
+        if not self.uncertainty:
+            return math.inf
+        if len(self.accepted) == 1:
+            return self.uncertainty[0]
+        return Readings(self.accepted).deviation
+
+    def offer(self, scale: float, uncertainty: float) -> Verdict:
+        """One trial's reading, relative to the scale it ran at, and how far off it may be."""
+        low, high = PLAUSIBLE_LINK_SCALE
+        if low <= scale <= high:
+            # A later round's trial ran with the costs scaled already: its reading is relative to them.
+            self.accepted.append((self.scale or 1.0) * scale)
+            self.uncertainty.append(uncertainty)
+            self.scale = statistics.median(self.accepted) if self.pooled_uncertainty() <= MAX_SPREAD else 1.0
+            log.info(
+                "offload: a step that offloaded every region read transfer costs x%.3g the probe's, within %.0f%%; "
+                "the trials so far (x%s) plan on x%.3g",
+                self.accepted[-1],
+                100 * uncertainty,
+                ", x".join(f"{c:.3g}" for c in self.accepted),
+                self.scale,
+            )
+            return Verdict.ACCEPTED
+        self.rejected.append(scale)
+        if self.accepted:
+            log.warning(
+                "offload: a step that offloaded every region implied transfer costs x%.3g the figures planned "
+                "on, outside the plausible x%g..x%g; keeping x%.3g, what the earlier trials read",
+                scale,
+                low,
+                high,
+                self.scale,
+            )
+            return Verdict.KEPT
+        if len(self.rejected) < CALIBRATION_TRIES:
+            log.warning(
+                "offload: a step that offloaded every region implied transfer costs x%.3g the probe's, outside "
+                "the plausible x%g..x%g; measuring it again",
+                scale,
+                low,
+                high,
+            )
+            return Verdict.AGAIN
+        self.scale = 1.0
+        log.warning(
+            "offload: %d offload steps implied transfer costs x%s the probe's, all outside x%g..x%g; planning on "
+            "the probe's own figures (offload.probe(refresh=True) measures the machine again)",
+            len(self.rejected),
+            ", x".join(f"{s:.3g}" for s in self.rejected),
+            low,
+            high,
+        )
+        return Verdict.PROBE
+
+    def note(self) -> str:
+        """How transfers are priced, in words, for ``explain()``: the probe's figures as measured, or
+        scaled by what the trials read (accepted and rejected)."""
+        rejected = ", ".join(f"x{s:.3g}" for s in self.rejected)
+        rejected = f"; rejected as implausible: {rejected}" if rejected else ""
+        if self.scale is None:
+            return f"the probe's figures (no offload trial yet{rejected})"
+        if not (self.accepted or self.rejected):
+            return f"x{self.scale:.3g} the probe's figures (the plan cache's calibration)"
+        if not self.accepted:
+            return f"the probe's figures (every offload trial implausible{rejected})"
+        read = ", ".join(f"x{s:.3g}" for s in self.accepted)
+        within = f"within {100 * self.pooled_uncertainty():.0f}%"
+        if self.pooled_uncertainty() > MAX_SPREAD:
+            return (
+                f"the probe's figures (offload trials read {read}, {within} only: too uncertain to plan on{rejected})"
+            )
+        return f"x{self.scale:.3g} the probe's figures (offload trials read {read}, {within}{rejected})"
