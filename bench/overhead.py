@@ -16,6 +16,7 @@ compared in one process, round by round; ``--profile`` adds where each engine's 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import cProfile
 import dataclasses
@@ -25,6 +26,7 @@ import json
 import operator
 import os
 import pstats
+import shutil
 import sys
 import tempfile
 import threading
@@ -281,6 +283,7 @@ def import_old(checkout: str) -> Any:
     if not (package_dir / "__init__.py").is_file():
         raise ValueError(f"--old {checkout!r} holds no offload package (no {package_dir}/__init__.py); pass a checkout")
     holder = Path(tempfile.mkdtemp(prefix="offload-old-"))
+    atexit.register(shutil.rmtree, holder, ignore_errors=True)  # only a link lives there; the import is done by then
     os.symlink(package_dir, holder / OLD_PACKAGE)
     sys.path.insert(0, str(holder))
     return importlib.import_module(OLD_PACKAGE)
