@@ -14,6 +14,7 @@ VENV ?= .venv
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,torch==2.13.0)
 
 VENV_PYTHON := $(VENV)/bin/python
+BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.installed-lint
 DOCS_STAMP := $(VENV)/.installed-docs
@@ -22,10 +23,15 @@ DOCS_STAMP := $(VENV)/.installed-docs
 
 install: $(STAMP)
 
-# torch goes in first so that the editable install does not pull a different build.
-$(STAMP): pyproject.toml
+# torch goes in first so that the editable install does not pull a different build. The demo needs
+# the package and the plot extra only; the tests add the trainers' and exporters' extras they test.
+$(BASE_STAMP): pyproject.toml
 	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
 	$(VENV_PYTHON) -m pip install '$(TORCH_SPEC)'
+	$(VENV_PYTHON) -m pip install -e '.[plot]'
+	touch $@
+
+$(STAMP): $(BASE_STAMP) pyproject.toml
 	$(VENV_PYTHON) -m pip install -e '.[test,plot,hf,lightning,metrics]'
 	touch $@
 
@@ -58,7 +64,7 @@ lint: $(LINT_STAMP)
 docs: $(DOCS_STAMP)
 	$(VENV_PYTHON) -m mkdocs build --strict
 
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	$(VENV_PYTHON) -m offload.bench --demo
 
 bench: $(STAMP)
