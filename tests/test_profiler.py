@@ -18,9 +18,9 @@ from typing import Optional
 import pytest
 import torch
 
-from offload._cost import MachineProfile, RegionProfile, Scope
-from offload._memory.session import Saved
+from offload._cost import MachineProfile, RegionProfile, Saved, Scope
 from offload._plan.fit import Shape
+from offload._plan.link_readings import CALIBRATION_TRIES, PLAUSIBLE_LINK_SCALE, LinkReadings, Verdict
 from offload._plan.noise import MAX_SPREAD
 from offload._plan.planner import Decision, region_transfer_ms, scale_link
 from offload._plan.profiler import (
@@ -322,3 +322,31 @@ def test_readings_certain_together_are_planned_on():
         trials.step(link_scale=3.0)
     (reading,) = trials.prof.link.accepted
     assert trials.prof.link.pooled_uncertainty() <= MAX_SPREAD and trials.prof.link.scale == reading
+
+
+def test_link_readings_accept_the_plausible_and_stand_on_the_probe_when_none_is():
+    """Numbers alone (``LinkReadings``): an implausible reading before any accepted one is measured
+    again, up to ``CALIBRATION_TRIES``, then the probe's figures (x1) stand; one after an accepted
+    reading leaves it standing; readings too far apart to plan on price at the probe's figures."""
+    low, high = PLAUSIBLE_LINK_SCALE
+    readings = LinkReadings()
+    assert readings.scale is None and "no offload trial yet" in readings.note()
+    verdicts = [readings.offer(low / 10, 0.1) for _ in range(CALIBRATION_TRIES)]
+    assert verdicts == [Verdict.AGAIN] * (CALIBRATION_TRIES - 1) + [Verdict.PROBE]
+    assert readings.scale == 1.0 and readings.all_rejected and "every offload trial implausible" in readings.note()
+
+    readings = LinkReadings()
+    assert readings.offer(0.5, 0.1) is Verdict.ACCEPTED and readings.scale == 0.5
+    assert readings.offer(high * 10, 0.1) is Verdict.KEPT and readings.scale == 0.5 and not readings.all_rejected
+    assert "rejected as implausible" in readings.note()
+
+    apart = LinkReadings()
+    apart.offer(0.5, 0.1)
+    apart.offer(4.0, 0.1)  # read at x0.5 already: x2.0 of the probe's, four times the first
+    assert apart.accepted == [0.5, 2.0] and apart.pooled_uncertainty() > MAX_SPREAD
+    assert apart.scale == 1.0 and "too uncertain to plan on" in apart.note()
+
+    cached = LinkReadings()
+    cached.adopt(0.7)
+    cached.adopt(0.9)  # the first cached scale stands until a trial reads one
+    assert cached.scale == 0.7 and "plan cache" in cached.note()
