@@ -25,10 +25,12 @@ install: $(STAMP)
 
 # torch goes in first so that the editable install does not pull a different build. The demo needs
 # the package and the plot extra only; the tests add the trainers' and exporters' extras they test.
+# A .venv made before the two stamps (only .installed, up to date) has all of it already.
 $(BASE_STAMP): pyproject.toml
-	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
-	$(VENV_PYTHON) -m pip install '$(TORCH_SPEC)'
-	$(VENV_PYTHON) -m pip install -e '.[plot]'
+	if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then touch -r $(STAMP) $@; exit 0; fi; \
+	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV); \
+	$(VENV_PYTHON) -m pip install '$(TORCH_SPEC)' && \
+	$(VENV_PYTHON) -m pip install -e '.[plot]' && \
 	touch $@
 
 $(STAMP): $(BASE_STAMP) pyproject.toml

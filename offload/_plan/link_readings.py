@@ -17,7 +17,9 @@ from .noise import MAX_SPREAD, Readings
 
 __all__ = ["CALIBRATION_TRIES", "PLAUSIBLE_LINK_SCALE", "LinkReadings", "Verdict"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("offload._plan.profiler")
+"""The profiler's logger, as before these readings had a module of their own: users filter the
+calibration's messages by that name."""
 
 # Note: [a calibration that cannot lie]
 #     The probe times one large buffer with nothing else running; an "offload" trial step scales

@@ -114,7 +114,7 @@ alone). Wider than sizes: CPU timings drift from step to step (10-20 % on the 2-
 ``bench/results/demo-cpu-selective.md``), and every miss re-plans."""
 
 
-# Note: [a calibration that cannot lie] is in ``link_readings``, with the readings it rules.
+# See Note: [a calibration that cannot lie] in ``link_readings``, with the readings it rules.
 
 
 # Note: [a plan that holds still]
