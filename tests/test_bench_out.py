@@ -149,3 +149,17 @@ def test_every_committed_result_backs_a_claim_the_results_readme_names():
     assert unbacked == [], "results no row of bench/results/README.md names"
     missing = [n for n in names if not any(fnmatch.fnmatch(f, n) for f in files)]
     assert missing == [], "rows of bench/results/README.md naming no file"
+
+
+def test_every_mutant_still_edits_the_code_it_names():
+    """``bench/mutants.py`` removes each guard by replacing one piece of source text: a guard whose
+    line was rewritten would go unmutated and read as "not applied" in a run nobody makes daily.
+    Each piece must stand once in its file, and the test file it names must exist. (Whether that
+    file still holds the test that catches it is for a run of ``bench/mutants.py`` to say.)"""
+    mutants = _bench_script("mutants")
+    for mutant in mutants.MUTANTS:
+        source = (REPO_ROOT / mutant.path).read_text()
+        assert source.count(mutant.old) == 1, (
+            f"{mutant.name}: {mutant.old!r} stands {source.count(mutant.old)} times in {mutant.path}"
+        )
+        assert (REPO_ROOT / mutant.tests).is_file(), f"{mutant.name}: no {mutant.tests}"
