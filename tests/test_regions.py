@@ -336,7 +336,7 @@ def test_plan_after_first_step_keyed_by_shape(saved_bytes, spill_dir):
     text, explained = str(eng.plan), offload.explain(eng)
     # The plan's own lines may carry a note that its step times are uncertain where the steps under
     # it ran far apart (a busy machine: test_pace.py); the lines after the plan come in this order.
-    plan_part, after = explained.split(f"\nregions: regions=: {CONFIG.n_layer} modules given\n")
+    plan_part, after = explained.split(f"\nregions: the {CONFIG.n_layer} modules passed as regions=\n")
     assert plan_part == text or plan_part.startswith(f"{text}\nnote: these step times are uncertain"), plan_part
     link, pace, *held = after.split("\n")
     assert link.startswith("transfers priced at: "), link  # the offload trial's reading (test_shapes.py)

@@ -230,7 +230,7 @@ def test_explain_says_where_a_plan_comes_from(spill_dir):
     text = offload.explain(eng)
     assert "profiles: derived, measured at" in text, text
     assert "(2, 160, 64)" in text and "(2, 80, 64)" in text
-    assert "regions: regions=: 3 modules given" in text
+    assert "regions: the 3 modules passed as regions=" in text
     # the link's level, as the "offload" trial at 160 read it (a reading this machine's noise made
     # implausible, or too uncertain to plan on, is named as such: test_calibration.py, test_profiler.py)
     assert re.search(

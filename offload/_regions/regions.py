@@ -91,7 +91,7 @@ def resolve_regions(regions: RegionsArg, model: Optional[torch.nn.Module]) -> Fo
         if model is None:
             raise ValueError("regions= given as a filter (module, name) -> bool needs model= to search; pass model=")
         found = [(name, m) for name, m in model.named_modules() if name and regions(m, name)]
-        why = f"regions=: the filter chose {len(found)} modules"
+        why = f"the {len(found)} modules the regions= filter chose"
     else:
         if isinstance(regions, torch.nn.Module) and not isinstance(regions, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise TypeError(
@@ -107,7 +107,7 @@ def resolve_regions(regions: RegionsArg, model: Optional[torch.nn.Module]) -> Fo
                     "e.g. regions=model.blocks or regions=[model.blocks[i] for i in (0, 2)]"
                 )
             found.append((names.get(id(m), f"region{i}"), m))
-        why = f"regions=: {len(found)} modules given"
+        why = f"the {len(found)} modules passed as regions="
     if not found:
         raise ValueError("regions= selected no module; pass e.g. regions=model.blocks, or regions='auto' with model=")
     if len({id(m) for _, m in found}) != len(found):
