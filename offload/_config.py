@@ -31,20 +31,10 @@ DEFAULT_SPILL_WORKERS = 2
 without fighting the compute threads for cores on small machines."""
 
 
-_MB_MEANINGS = {
-    "budget_mb": "use None for no limit or 0 to move everything eligible off the device",
-    "host_budget_mb": (
-        "use None for no cap (available RAM less a reserve) or 0 to send everything past the device to disk"
-    ),
-}
-"""What None and 0 mean for each setting in megabytes, for its error message."""
-
-
-def _check_mb(name: str, value: object, *, allow_none: bool = True) -> Optional[float]:
+def _check_mb(name: str, value: object, meaning: str) -> Optional[float]:
+    """``value`` MB as a float, or None; ``meaning``: what None and 0 mean for ``name``, for its error."""
     if value is None:
-        if allow_none:
-            return None
-        raise TypeError(f"{name} must be a number of megabytes, got None")
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
             f"{name} must be a number of megabytes (int or float) or None for no limit, "
@@ -52,7 +42,7 @@ def _check_mb(name: str, value: object, *, allow_none: bool = True) -> Optional[
         )
     value = float(value)
     if math.isnan(value) or value < 0 or math.isinf(value):
-        raise ValueError(f"{name} must be a finite number >= 0 (megabytes), got {value!r}; {_MB_MEANINGS[name]}")
+        raise ValueError(f"{name} must be a finite number >= 0 (megabytes), got {value!r}; {meaning}")
     return value
 
 
@@ -98,7 +88,9 @@ def _check_budget(budget_mb: object, reserve_mb: object) -> tuple[Optional[float
             f"reserve_mb={reserve_mb!r} applies only to budget_mb='auto', but budget_mb={budget_mb!r}; "
             f"pass budget_mb='auto' to keep reserve_mb free, or drop reserve_mb to keep the fixed budget"
         )
-    return _check_mb("budget_mb", budget_mb), None
+    return _check_mb(
+        "budget_mb", budget_mb, "use None for no limit or 0 to move everything eligible off the device"
+    ), None
 
 
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
@@ -245,7 +237,11 @@ class Config:
         if policy is None:
             policy = "auto" if has_regions else "offload"
         budget, reserve = _check_budget(budget_mb, reserve_mb)
-        host_budget = _check_mb("host_budget_mb", host_budget_mb)
+        host_budget = _check_mb(
+            "host_budget_mb",
+            host_budget_mb,
+            "use None for no cap (available RAM less a reserve) or 0 to send everything past the device to disk",
+        )
         if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes must be an int >= 0 (bytes), got {min_offload_bytes!r}")
         if isinstance(spill_workers, bool) or not isinstance(spill_workers, int) or spill_workers < 1:

@@ -152,8 +152,9 @@ class LinkReadings:
         if not self.accepted:
             return f"the probe's figures (every offload trial implausible{rejected})"
         read = ", ".join(f"x{s:.3g}" for s in self.accepted)
-        within = f"within {100 * self.pooled_uncertainty():.0f}%"
-        if self.pooled_uncertainty() > MAX_SPREAD:
+        pooled = self.pooled_uncertainty()
+        within = f"within {100 * pooled:.0f}%"
+        if pooled > MAX_SPREAD:
             return (
                 f"the probe's figures (offload trials read {read}, {within} only: too uncertain to plan on{rejected})"
             )
