@@ -100,7 +100,7 @@ def _spare_cores_row(profile: MachineProfile) -> list[tuple[str, str]]:
 
 _DTYPES = DTYPES
 _DEFAULT_OUT = Path("out") / "predict"
-_ASSUMABLE = tuple(f.name for f in dataclasses.fields(Assumptions) if f.name != "flops_source")
+_ASSUMABLE = tuple(f.name for f in dataclasses.fields(Assumptions) if not f.name.endswith("_source"))
 """Assumptions ``--assume NAME=VALUE`` sets (``Machine.with_assumptions``)."""
 _HF_ATTENTION = {"eager": Attention.AS_WRITTEN}
 """Hugging Face attention implementations counted otherwise than as a fused kernel; every other
@@ -152,6 +152,14 @@ def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--moment-dtype", default="fp32", choices=sorted(_DTYPES), help="dtype of Adam's two moments (default: fp32)"
+    )
+    parser.add_argument(
+        "--sharded-over",
+        type=int,
+        default=1,
+        metavar="GPUS",
+        help="GPUs of one node the parameters, gradients and optimizer state are sharded over, as FSDP's full "
+        "sharding does: the device holds its shard and each step adds its exposed collectives (default: 1, none)",
     )
     parser.add_argument(
         "--assume",
@@ -244,6 +252,7 @@ def _run_predict(args: argparse.Namespace) -> int:
             state=state,
             longest_in=inputs_at if args.longest else None,
             memory_bytes=None if args.memory_gb is None else int(args.memory_gb * 1e9),
+            sharded_over=args.sharded_over,
         )
     except (ValueError, TypeError, OffloadError) as e:
         print(f"offload predict: error: {e}", file=sys.stderr)

@@ -390,3 +390,84 @@ def test_regions_of_another_model_are_refused_by_name():
         predict(model, x, y, machine=CPU, regions=other.blocks)
     listed = predict(model, x, y, machine=CPU, regions=[model.blocks[0], model.blocks[2]])
     assert [r.name for r in listed.regions[1:-1]] == ["blocks.0", "blocks.2"]
+
+
+# -- fused attention's own efficiency, and sharding over GPUs (issue 40, item 7) -----------------
+
+
+def test_fused_attention_is_charged_at_its_own_efficiency():
+    """Named GPUs carry FlashAttention-2's published fraction of peak for SDPA's fused kernels, lower
+    than their matmuls'; an attention fraction equal to the matmuls' prices the step exactly as
+    none set, and a model without attention is not touched by it."""
+    for name in ("a100-80gb-sxm", "h100-sxm", "h200"):
+        a = offload.machine(name).assumptions
+        assert a.attention_fraction < a.flops_fraction and "arXiv" in a.attention_source
+    model, x, y = _tiny()
+    h100 = offload.machine("h100-sxm")
+    as_matmuls = h100.with_assumptions(attention_fraction=None)
+    same = h100.with_assumptions(attention_fraction=h100.assumptions.flops_fraction)
+    slower = h100.with_assumptions(attention_fraction=0.1)
+    steps = {
+        m: [p.step_ms for p in predict(model, x, y, machine=m, regions=model.blocks, budgets=(1.0,)).points]
+        for m in (as_matmuls, same, slower)
+    }
+    assert steps[same] == steps[as_matmuls]
+    assert all(s > a for s, a in zip(steps[slower], steps[as_matmuls], strict=True))
+    assert slower.assumptions.attention_source == "given (0.1)"
+    mlp = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3)))
+    inputs = torch.randn(8, 64)
+    plain = [p.step_ms for p in predict(mlp, inputs, machine=as_matmuls, budgets=(1.0,)).points]
+    assert plain == [p.step_ms for p in predict(mlp, inputs, machine=slower, budgets=(1.0,)).points]
+    with pytest.raises(ValueError, match="attention_fraction must be a number in"):
+        h100.with_assumptions(attention_fraction=0.0)
+
+
+def test_sharding_holds_a_shard_and_adds_the_exposed_collectives_to_every_step():
+    """predict(sharded_over=N), as FSDP's full sharding: the device holds 1/N of the parameters,
+    gradients and optimizer state plus what is gathered (the parameters outside the regions, two
+    regions' parameters, one's gradients); each step all-gathers the parameters twice and
+    reduce-scatters the gradients, (N - 1) / N of each over the interconnect, and waits on the
+    exposed fraction of that. Every figure below is computed from the model's sizes alone."""
+    model, x, y = _tiny()
+    h100 = offload.machine("h100-sxm").with_assumptions(exposed_fraction=0.5, collective_fraction=0.8)
+    whole = predict(model, x, y, machine=h100, regions=model.blocks, budgets=(1.0, 0.5))
+    sharded = predict(model, x, y, machine=h100, regions=model.blocks, budgets=(1.0, 0.5), sharded_over=4)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())  # fp32: gradients as large
+    block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
+    outside = params - sum(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
+    moved = int((2 * params + params) * 3 / 4)
+    s = sharded.sharding
+    assert (s.gpus, s.collective_bytes) == (4, moved)
+    assert s.collective_ms == pytest.approx(moved / (450 * 0.8 * 1e9) * 1e3)
+    assert s.exposed_ms == pytest.approx(s.collective_ms * 0.5)
+    assert s.static_bytes == -(-(params + whole.state_bytes) // 4) + outside + 2 * block + block
+    for one, four in zip(whole.points, sharded.points, strict=True):
+        assert four.step_ms == pytest.approx(one.step_ms + s.exposed_ms)
+        assert one.device_bytes - four.device_bytes == params + whole.state_bytes - s.static_bytes
+    assert whole.sharding.gpus == 1 and whole.sharding.static_bytes == params + whole.state_bytes
+    assert "sharded over 4 GPUs" in str(sharded) and "NVLink 4" in str(sharded)
+    assert "FSDP's all-gathers and reduce-scatters" in sharded.to_dict()["step_includes"]
+    assert "sharding: none" in str(whole)
+
+
+def test_bad_sharding_names_the_value_and_the_fix():
+    model, x, y = _tiny()
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=f"sharded_over= takes .* got {bad!r}"):
+            predict(model, x, y, machine="h100-sxm", regions=model.blocks, sharded_over=bad)
+    with pytest.raises(ValueError, match="no GPU interconnect figure .* pass a named GPU"):
+        predict(model, x, y, machine=CPU, regions=model.blocks, sharded_over=2)
+    with pytest.raises(ValueError, match="exposed_fraction must be a number in \\[0, 1\\]"):
+        offload.machine("h100-sxm").with_assumptions(exposed_fraction=1.5)
+
+
+def test_predict_command_prices_sharding(tmp_path, capsys):
+    argv = ["predict", "--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "64"]
+    assert main(argv + ["--sharded-over", "8", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "sharded over 8 GPUs (FSDP's full sharding)" in out and "held per GPU, sharded over 8" in out
+    assert json.loads((tmp_path / "prediction.json").read_text())["sharding"]["gpus"] == 8
+    assert main(argv + ["--sharded-over", "0", "--out", str(tmp_path)]) == 2
+    assert "sharded_over= takes" in capsys.readouterr().err
+    assert main(argv + ["--assume", "exposed_fraction=0.25", "--sharded-over", "2", "--out", str(tmp_path)]) == 0
+    assert "0.25 of it exposed" in capsys.readouterr().out

@@ -10,7 +10,8 @@ region, after them. It reads no clock; every time it keeps is a roofline on ``ma
                         run what it drops and what it stashes (``_regions.selective``'s split);
                         unpack: which region the backward is in
     dispatch mode       op: FLOPs (``torch.utils.flop_counter``'s formulas), bytes touched, time
-                            max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + op cost;
+                            max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + op cost
+                            (a fused attention kernel at its own achieved FLOP/s);
                             the storages it creates (``transient``: the step's transients)
 
 Backward ops are charged to the region whose saved tensor was unpacked last (autograd unpacks a
@@ -35,10 +36,23 @@ from .._regions.selective import MIN_SELECTIVE_MS, flop_formula, is_expensive
 from .machines import Machine
 from .transient import LiveBytes
 
-__all__ = ["RegionCount", "StepCounter", "is_alias"]
+__all__ = ["FUSED_ATTENTION", "RegionCount", "StepCounter", "is_alias"]
 
 _MS_PER_S = 1e3
 _GB = 1e9
+
+
+FUSED_ATTENTION = frozenset(
+    (
+        torch.ops.aten._scaled_dot_product_flash_attention,
+        torch.ops.aten._scaled_dot_product_flash_attention_backward,
+        torch.ops.aten._scaled_dot_product_efficient_attention,
+        torch.ops.aten._scaled_dot_product_efficient_attention_backward,
+        torch.ops.aten._scaled_dot_product_cudnn_attention,
+        torch.ops.aten._scaled_dot_product_cudnn_attention_backward,
+    )
+)
+"""SDPA's fused kernels, forward and backward: charged at ``Machine.achieved_attention_flops``."""
 
 
 def is_alias(func: Any) -> bool:
@@ -161,6 +175,7 @@ class StepCounter:
         self.reached = 0  # expensive calls made before its latest save
         self.dropped: dict[int, int] = {}  # its droppable saves: storage -> bytes
         self.flop_ms_per_flop = _MS_PER_S / machine.achieved_flops()
+        self.attention_ms_per_flop = _MS_PER_S / machine.achieved_attention_flops()
         self.ms_per_byte = _MS_PER_S / (machine.achieved_memory_gb_per_s() * _GB)
         self.op_ms = machine.assumptions.op_overhead_us / _MS_PER_S
         self.live = LiveBytes()
@@ -235,7 +250,8 @@ class StepCounter:
         formula = flop_formula(func)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
         touched = sum(_nbytes(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
-        ms = max(flops * self.flop_ms_per_flop, touched * self.ms_per_byte) + self.op_ms
+        per_flop = self.attention_ms_per_flop if func.overloadpacket in FUSED_ATTENTION else self.flop_ms_per_flop
+        ms = max(flops * per_flop, touched * self.ms_per_byte) + self.op_ms
         count = self.counts[self.slot()]
         if self.where.phase is _Phase.FORWARD:
             count.forward_flops += flops

@@ -248,6 +248,8 @@ class StepRun:
     transient_bytes: int = 0
     """The most bytes the step held at once besides its saves and the parameters' gradients
     (``transient``): the running ops' tensors at their largest (an LM's loss)."""
+    region_parameter_bytes: tuple[int, ...] = ()
+    """Bytes of each region's parameters (what sharding gathers per region: ``sharding``)."""
 
 
 def fake_step(
@@ -308,4 +310,5 @@ def fake_step(
     parameter_bytes = sum(p.numel() * p.element_size() for p in fake.parameters())
     grads = step.live.ids_of(p.grad for p in fake.parameters() if p.grad is not None)
     transient_bytes = step.live.transient_peak_bytes(excluded=grads)
-    return StepRun(tuple(step.counts), parameter_bytes, tuple(observe.assumed), transient_bytes)
+    per_region = tuple(sum(p.numel() * p.element_size() for p in module.parameters()) for _, module in found.regions)
+    return StepRun(tuple(step.counts), parameter_bytes, tuple(observe.assumed), transient_bytes, per_region)

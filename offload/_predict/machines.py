@@ -1,15 +1,18 @@
 """Named machines, as plain numbers: what a prediction for a GPU needs to know of it without one.
 
 A ``Machine`` holds the vendor's peak figures (dense bf16 FLOP/s, HBM bandwidth, host link
-bandwidth per direction and both directions at once), its device memory as the device reports it,
-and the ``Assumptions`` a prediction makes of them: which fraction of each peak a training step
-achieves, the fixed cost of one op, the engine's host costs (per saved tensor, per op under a
-dispatch mode), and what the CUDA context and the caching allocator take of the device's memory.
+bandwidth per direction and both directions at once, the GPU interconnect per direction), its
+device memory as the device reports it, and the ``Assumptions`` a prediction makes of them: which
+fraction of each peak a training step achieves (the matmuls, fused attention kernels, memory-bound
+ops, copies, collectives), how much of a sharded step's collectives it waits on, the fixed cost of
+one op, the engine's host costs (per saved tensor, per op under a dispatch mode), and what the
+CUDA context and the caching allocator take of the device's memory.
 Peaks are facts with a source (the datasheet named in ``source``); device memory is what the device
-reports (``memory_source``); the compute efficiency of each GPU was calibrated on published
-training runs (``Assumptions.flops_source`` names them; ``bench/results/predict-published.md``
-holds the runs and the check); the other fractions and costs are assumptions, named as such and
-overridable (``with_assumptions``), never measured here.
+reports (``memory_source``); the compute efficiency of each GPU and the exposed fraction of its
+collectives were calibrated on published training runs (``Assumptions.flops_source`` names them;
+``bench/results/predict-published.md`` holds the runs and the check); fused attention's fraction
+is FlashAttention-2's published one (``attention_source``); the other fractions and costs are
+assumptions, named as such and overridable (``with_assumptions``), never measured here.
 
     Machine ──achieved_flops(), achieved_memory_gb_per_s()──▶ roofline per op (``count``)
             ├─usable_memory_bytes()──▶ "does it fit on this device"
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 from .._cost import MachineProfile
 
@@ -49,6 +53,20 @@ class Assumptions:
     machines carry one calibrated on published runs (``flops_source``); 0.6 is a round figure."""
     flops_source: str = "a round figure (0.6), not calibrated"
     """Where ``flops_fraction`` comes from: the published runs it was calibrated on, or who set it."""
+    attention_fraction: Optional[float] = None
+    """Fraction of peak dense FLOP/s a fused attention kernel (SDPA's flash, memory-efficient or
+    cuDNN kernel, forward and backward) achieves; None: as the matmuls (``flops_fraction``). Named
+    GPUs carry FlashAttention-2's published figure (``attention_source``): attention kernels reach
+    less of a GPU's peak than large matmuls, the more so on Hopper."""
+    attention_source: str = "as the matmuls (flops_fraction)"
+    """Where ``attention_fraction`` comes from."""
+    collective_fraction: float = 0.8
+    """Fraction of the GPU interconnect's figure per direction (``Machine.interconnect_gb_per_s``)
+    a large all-gather or reduce-scatter achieves: an assumption, as ``link_fraction`` is."""
+    exposed_fraction: float = 1.0
+    """Of a sharded step's collectives (``predict(sharded_over=N)``), the fraction of their time the
+    step waits on: 1 hides none behind compute. Named GPUs carry one calibrated with
+    ``flops_fraction`` on published FSDP runs (``flops_source``)."""
     memory_fraction: float = 0.8
     """Fraction of peak HBM bandwidth a memory-bound op (elementwise, norm, softmax) achieves."""
     link_fraction: float = 0.8
@@ -83,10 +101,18 @@ class Assumptions:
     less). 0 on a CPU."""
 
     def __post_init__(self) -> None:
-        for name in ("flops_fraction", "memory_fraction", "link_fraction"):
+        for name in ("flops_fraction", "memory_fraction", "link_fraction", "collective_fraction", "attention_fraction"):
             value = getattr(self, name)
+            if value is None and name == "attention_fraction":
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"Assumptions.{name} must be a number in (0, 1], got {value!r}; 1 means the peak")
+        exposed = self.exposed_fraction
+        if isinstance(exposed, bool) or not isinstance(exposed, (int, float)) or not 0 <= exposed <= 1:
+            raise ValueError(
+                f"Assumptions.exposed_fraction must be a number in [0, 1], got {exposed!r}; "
+                "1 means the step waits on all of its collectives, 0 that compute hides them"
+            )
         allocator = self.allocator_fraction
         if isinstance(allocator, bool) or not isinstance(allocator, (int, float)) or not 0 <= allocator < 1:
             raise ValueError(
@@ -108,13 +134,16 @@ class Assumptions:
             ):
                 unit = "MiB" if name.endswith("_mib") else "microseconds"
                 raise ValueError(f"Assumptions.{name} must be a finite number >= 0 ({unit}), got {value!r}")
-        if not isinstance(self.flops_source, str):
-            raise TypeError(f"Assumptions.flops_source must be a string, got {self.flops_source!r}")
+        for name in ("flops_source", "attention_source"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"Assumptions.{name} must be a string, got {getattr(self, name)!r}")
 
 
 MEASURED = Assumptions(
     flops_fraction=1.0,
     flops_source="measured here",
+    attention_fraction=None,
+    attention_source="as the measured matmul rate",
     memory_fraction=1.0,
     link_fraction=1.0,
     context_mib=0.0,
@@ -152,6 +181,12 @@ class Machine:
     spare_cores: int = 0
     """CPU only: cores beyond torch's threads, free for the spill threads
     (``MachineProfile.spare_cores``; ``Machine.from_probe`` takes the probe's)."""
+    interconnect_gb_per_s: Optional[float] = None
+    """GPU to GPU within one node, one direction (NVLink), GB/s, as the datasheet gives it: what a
+    sharded step's collectives run over (``predict(sharded_over=N)``). None: not known (a CPU, a
+    probed machine)."""
+    interconnect: str = ""
+    """What the interconnect is: "NVLink 3 (12 links)"."""
     compute_scale: float = 1.0
     """A measured machine: the factor its microbenchmarked FLOP/s and memory bandwidth were scaled
     by to price a timed reference step as long as it took (``this_cpu.calibrate_compute``);
@@ -217,10 +252,27 @@ class Machine:
                 raise ValueError(f"Machine {self.name!r}: {name} must be a finite number > 0, got {value!r}")
         if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
             raise ValueError(f"Machine {self.name!r}: memory_bytes must be an int > 0, got {self.memory_bytes!r}")
+        link = self.interconnect_gb_per_s
+        if link is not None and not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
+            raise ValueError(
+                f"Machine {self.name!r}: interconnect_gb_per_s must be a finite number > 0 or None, got {link!r}"
+            )
 
     def achieved_flops(self) -> float:
         """FLOP/s a matmul achieves: peak x ``flops_fraction``."""
         return self.peak_flops * self.assumptions.flops_fraction
+
+    def achieved_attention_flops(self) -> float:
+        """FLOP/s a fused attention kernel achieves: peak x ``attention_fraction`` (or ``flops_fraction``)."""
+        a = self.assumptions
+        return self.peak_flops * (a.flops_fraction if a.attention_fraction is None else a.attention_fraction)
+
+    def achieved_collective_gb_per_s(self) -> Optional[float]:
+        """GB/s a large all-gather or reduce-scatter achieves over the interconnect, per direction;
+        None where the interconnect is not known."""
+        if self.interconnect_gb_per_s is None:
+            return None
+        return self.interconnect_gb_per_s * self.assumptions.collective_fraction
 
     def achieved_memory_gb_per_s(self) -> float:
         """Bandwidth a memory-bound op achieves: peak x ``memory_fraction``."""
@@ -260,31 +312,33 @@ class Machine:
             )
         return dataclasses.replace(host, d2h_gb_per_s=out_gb_per_s, h2d_gb_per_s=back_gb_per_s)
 
-    def with_assumptions(self, **changes: float | str) -> Machine:
+    def with_assumptions(self, **changes: Optional[float | str]) -> Machine:
         """This machine with some assumptions replaced, e.g. ``flops_fraction=0.45`` (its
         ``flops_source`` then says it was given, unless given too)."""
         names = [f.name for f in dataclasses.fields(Assumptions)]
         unknown = sorted(set(changes) - set(names))
         if unknown:
             raise ValueError(f"unknown assumptions {unknown}; valid ones are: {', '.join(names)}")
-        if "flops_fraction" in changes and "flops_source" not in changes:
-            changes["flops_source"] = f"given ({changes['flops_fraction']})"
+        for fraction, source in (("flops_fraction", "flops_source"), ("attention_fraction", "attention_source")):
+            if fraction in changes and source not in changes:
+                changes[source] = f"given ({changes[fraction]})"
         return dataclasses.replace(self, assumptions=dataclasses.replace(self.assumptions, **changes))  # type: ignore[arg-type]  # validated by Assumptions
 
 
 _A100_SOURCE = (
     "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column): BF16 312 TFLOPS dense, HBM2e 2,039 GB/s, "
-    "80 GB; PCIe Gen4 x16 64 GB/s bidirectional; https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
+    "80 GB; PCIe Gen4 x16 64 GB/s bidirectional; NVLink 600 GB/s; https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
     "a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
 )
 _H100_SOURCE = (
     "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 (SXM) / 1,513 (PCIe) TFLOPS with sparsity, half that "
-    "dense; HBM3 3.35 TB/s (SXM), HBM2e 2 TB/s (PCIe); 80 GB; PCIe Gen5 128 GB/s bidirectional; "
+    "dense; HBM3 3.35 TB/s (SXM), HBM2e 2 TB/s (PCIe); 80 GB; PCIe Gen5 128 GB/s bidirectional; NVLink 900 GB/s "
+    "(SXM), 600 GB/s (PCIe, bridged); "
     "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
 )
 _H200_SOURCE = (
     "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): BF16 1,979 TFLOPS with sparsity (989 dense), HBM3e "
-    "4.8 TB/s, 141 GB; PCIe Gen5 128 GB/s bidirectional; https://www.nvidia.com/en-us/data-center/h200/"
+    "4.8 TB/s, 141 GB; PCIe Gen5 128 GB/s bidirectional; NVLink 900 GB/s; https://www.nvidia.com/en-us/data-center/h200/"
 )
 _GH200_SOURCE = (
     "NVIDIA GH200 Grace Hopper Superchip datasheet (96 GB HBM3 version): H100 GPU, BF16 1,979 TFLOPS with "
@@ -292,7 +346,8 @@ _GH200_SOURCE = (
     "https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip. Link as measured, each way alone: "
     "host to device 346 GB/s (copy engine, nvbandwidth; https://github.com/NVIDIA/nvbandwidth/issues/23), device "
     "to host 300 GB/s (the same report: host to device is ~15 % faster; Fusco et al., arXiv 2408.11556, measured "
-    "297 GB/s on the Alps GH200)"
+    "297 GB/s on the Alps GH200). GPU to GPU: taken as the H100 SXM's NVLink 4, 900 GB/s both ways (the "
+    "datasheet names NVLink-C2C only)"
 )
 
 # Device memory as the device reports it (nvidia-smi's total, MiB).
@@ -313,25 +368,41 @@ _GH200_MEMORY = (
 
 # The compute efficiency of each GPU: calibrated by bench/predict_published.py on the calibration
 # half of the published runs in bench/results/predict-published.md (the other half is the check).
+_A100_FLOPS, _A100_EXPOSED = 0.74, 0.6
+_H100_FLOPS, _H100_EXPOSED = 0.59, 0.95
 _LLM_FOUNDRY = (
     "https://github.com/mosaicml/llm-foundry/blob/061f2c7ce64e655100286584a7629e2a09f827ba/scripts/train/"
     "benchmarking/README.md"
 )
+_FLASH_ATTENTION_2 = (
+    "FlashAttention-2 reaches 50-73 % of the A100's peak (Dao 2023, arXiv 2307.08691, abstract), 0.6 taken; "
+    "torch's SDPA flash kernel is FlashAttention-2's"
+)
+_FLASH_ATTENTION_2_HOPPER = (
+    "FlashAttention-2 reaches 35 % of the H100's peak (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, "
+    "abstract); torch's SDPA flash kernel is FlashAttention-2's"
+)
 _A100_EFFICIENCY = Assumptions(
-    flops_fraction=0.69,
+    flops_fraction=_A100_FLOPS,
+    exposed_fraction=_A100_EXPOSED,
     flops_source=(
-        "calibrated on MosaicML's A100 80GB bf16 runs of MPT 1b, 3b, 7b, 13b and 30b at sequence 2048 on 8 GPUs "
-        f"(tokens/s/GPU as published, {_LLM_FOUNDRY}); checked on their runs at 8192: "
-        "bench/results/predict-published.md"
+        "calibrated, with the exposed fraction of FSDP's collectives, on MosaicML's A100 80GB bf16 FSDP runs of "
+        f"MPT 1b, 3b, 7b, 13b and 30b at sequence 2048 on 8 GPUs (tokens/s/GPU as published, {_LLM_FOUNDRY}); "
+        "checked on their other runs: bench/results/predict-published.md"
     ),
+    attention_fraction=0.6,
+    attention_source=_FLASH_ATTENTION_2,
 )
 _H100_EFFICIENCY = Assumptions(
-    flops_fraction=0.49,
+    flops_fraction=_H100_FLOPS,
+    exposed_fraction=_H100_EXPOSED,
     flops_source=(
-        "calibrated on MosaicML's H100 80GB bf16 runs of MPT 1b, 7b, 13b and 30b at sequence 2048 and 3b at 4096 "
-        f"on 8 GPUs (tokens/s/GPU as published, {_LLM_FOUNDRY}); checked on their runs at 4096-8192: "
-        "bench/results/predict-published.md"
+        "calibrated, with the exposed fraction of FSDP's collectives, on MosaicML's H100 80GB bf16 FSDP runs of "
+        f"MPT 1b, 7b, 13b and 30b at sequence 2048 and 3b at 4096 on 8 GPUs (tokens/s/GPU as published, "
+        f"{_LLM_FOUNDRY}); checked on their other runs: bench/results/predict-published.md"
     ),
+    attention_fraction=0.35,
+    attention_source=_FLASH_ATTENTION_2_HOPPER,
 )
 _HOPPER_UNCALIBRATED = (
     "the H100 SXM's figure, not calibrated on this machine: no published training run of it was found; its "
@@ -351,6 +422,8 @@ MACHINES: dict[str, Machine] = {
             link_back_gb_per_s=32,
             link_both_gb_per_s=64,
             link="PCIe Gen4 x16",
+            interconnect_gb_per_s=300,
+            interconnect="NVLink 3 (600 GB/s both ways)",
             source=_A100_SOURCE,
             memory_source=_A100_MEMORY,
             assumptions=_A100_EFFICIENCY,
@@ -365,6 +438,8 @@ MACHINES: dict[str, Machine] = {
             link_back_gb_per_s=64,
             link_both_gb_per_s=128,
             link="PCIe Gen5 x16",
+            interconnect_gb_per_s=450,
+            interconnect="NVLink 4 (900 GB/s both ways)",
             source=_H100_SOURCE,
             memory_source=_H100_MEMORY,
             assumptions=_H100_EFFICIENCY,
@@ -379,6 +454,8 @@ MACHINES: dict[str, Machine] = {
             link_back_gb_per_s=64,
             link_both_gb_per_s=128,
             link="PCIe Gen5 x16",
+            interconnect_gb_per_s=300,
+            interconnect="NVLink bridge (600 GB/s both ways)",
             source=_H100_SOURCE,
             memory_source=_H100_PCIE_MEMORY,
             assumptions=dataclasses.replace(_H100_EFFICIENCY, flops_source=_HOPPER_UNCALIBRATED),
@@ -393,6 +470,8 @@ MACHINES: dict[str, Machine] = {
             link_back_gb_per_s=64,
             link_both_gb_per_s=128,
             link="PCIe Gen5 x16",
+            interconnect_gb_per_s=450,
+            interconnect="NVLink 4 (900 GB/s both ways)",
             source=_H200_SOURCE,
             memory_source=_H200_MEMORY,
             assumptions=dataclasses.replace(_H100_EFFICIENCY, flops_source=_HOPPER_UNCALIBRATED),
@@ -407,6 +486,8 @@ MACHINES: dict[str, Machine] = {
             link_back_gb_per_s=346,
             link_both_gb_per_s=600,  # not measured: twice the slower direction, as Machine.from_probe takes it
             link="NVLink-C2C",
+            interconnect_gb_per_s=450,
+            interconnect="NVLink 4 to other GH200s (900 GB/s both ways)",
             source=_GH200_SOURCE,
             memory_source=_GH200_MEMORY,
             # the link figures are measured copies: no fraction of them is taken off

@@ -17,8 +17,9 @@ laptop. The model's own parameters are never read, moved or copied.
 
 ``machine`` is a named one (``machines``: datasheet peaks, calibrated compute efficiency,
 assumed fractions) or this CPU, measured (``this_cpu``). This module checks what the user
-passed, adds the parameters, gradients and optimizer state (``train_state.OptimizerState``) and
-the step's largest transient to the step's memory, and keeps the names the package and the
+passed, adds the parameters, gradients and optimizer state (``train_state.OptimizerState``; with
+``sharded_over``, a device's shard and what is gathered, and the exposed collectives in every
+step: ``sharding``) and the step's largest transient to the step's memory, and keeps the names the package and the
 benchmarks import from ``offload._predict.predict``.
 """
 
@@ -38,6 +39,7 @@ from .count import RegionCount
 from .fake_step import Attention, fake_step
 from .machines import Machine, get_machine
 from .prediction import EXCLUDES, Prediction, write_plot
+from .sharding import shard
 from .table import (
     BUDGET_FRACTIONS,
     POLICIES,
@@ -110,6 +112,7 @@ def predict(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     attention_source: str = "",
     assume: Optional[Mapping[str, float]] = None,
+    sharded_over: int = 1,
 ) -> Prediction:
     """Predict one training step of ``model(*example_args, **example_kwargs)`` on ``machine``.
 
@@ -126,7 +129,11 @@ def predict(
     fp32, ``OptimizerState``); ``state_bytes_per_param`` overrides it with one figure.
     ``longest_in(seq) -> (args, kwargs)``: inputs at another sequence length; with it, the longest
     sequence fitting the device under each policy is searched. ``memory_bytes``: device memory the
-    step may use (default: the machine's usable memory, ``Machine.usable_memory_bytes``). Raises
+    step may use (default: the machine's usable memory, ``Machine.usable_memory_bytes``).
+    ``sharded_over``: the GPUs of one node the parameters, gradients and optimizer state are sharded
+    over, as FSDP's full sharding does (``sharding``): the device holds its shard, and every step
+    adds the exposed part of the collectives over the machine's interconnect; 1 (the default): one
+    device holds them whole and no collective is priced. Raises
     ``OffloadError`` for an op that cannot run on meta tensors, naming it.
 
     Examples:
@@ -163,16 +170,24 @@ def predict(
         per_param = float(state_bytes_per_param)
         state_text = f"{per_param:g} bytes per parameter besides it (given)"
     state_bytes = int(num_parameters * per_param)
+    grad_itemsize = (state.grad_dtype or dtype).itemsize if state_bytes_per_param is None else dtype.itemsize
+    sharding = shard(
+        target,
+        sharded_over,
+        parameter_bytes=run.parameter_bytes,
+        gradient_bytes=num_parameters * grad_itemsize,
+        state_bytes=state_bytes,
+        region_parameter_bytes=run.region_parameter_bytes,
+    )
     counts = run.counts
     profiles = tuple(c.profile() for c in counts)
     other_ms = sum(c.forward_ms + c.backward_ms for c in counts if c.scope is not Scope.REGION)
     link = target.machine_profile()
     budget = None if budget_mb is None else int(budget_mb * MB)
-    plan = plan_policy(profiles, link, policy, budget, other_ms)
+    outside_ms = other_ms + sharding.exposed_ms  # what every plan's step adds to its regions'
+    plan = plan_policy(profiles, link, policy, budget, outside_ms)
     memory = target.usable_memory_bytes() if memory_bytes is None else int(memory_bytes)
-    device = DeviceMemory(
-        static_bytes=run.parameter_bytes + state_bytes, transient_bytes=run.transient_bytes, usable_bytes=memory
-    )
+    device = DeviceMemory(static_bytes=sharding.static_bytes, transient_bytes=run.transient_bytes, usable_bytes=memory)
     longest: tuple[Longest, ...] = ()
     if longest_in is not None:
         base_seq = next((c.input_dims[-2] for c in counts if c.scope is Scope.REGION and len(c.input_dims) >= 3), 2)
@@ -185,7 +200,8 @@ def predict(
             attention,
             loss_fn,
             min_offload_bytes,
-            memory - (run.parameter_bytes + state_bytes),
+            memory - sharding.static_bytes,
+            extra_ms=sharding.exposed_ms,
         )
     attention_text = {
         Attention.FUSED: "fused: SDPA counted as the target's flash kernel (q, k, v, output and log-sum-exp saved; "
@@ -198,7 +214,7 @@ def predict(
         regions=counts,
         other_ms=other_ms,
         plan=plan,
-        points=policy_points(profiles, link, other_ms, fractions, device),
+        points=policy_points(profiles, link, outside_ms, fractions, device),
         parameter_bytes=run.parameter_bytes,
         state_bytes=state_bytes,
         forward_flops=sum(c.forward_flops for c in counts),
@@ -210,5 +226,6 @@ def predict(
         transient_bytes=run.transient_bytes,
         memory_bytes=memory,
         state=state_text,
+        sharding=sharding,
         attention=attention_text + (f" ({attention_source})" if attention_source else ""),
     )

@@ -19,6 +19,7 @@ from .._cost import MB, RegionProfile, spill_where
 from .._plan.planner import Plan
 from .count import RegionCount
 from .machines import Machine
+from .sharding import NOT_SHARDED, Sharding
 from .table import POLICIES, SELECTIVE_MEANS, WITHOUT_ENGINE, Longest, PolicyPoint
 
 __all__ = ["EXCLUDES", "INCLUDES", "Prediction", "write_plot"]
@@ -28,14 +29,15 @@ _MIB = 1 << 20
 
 INCLUDES = "the forward, the loss and the backward of one micro-batch on one device"
 """What a predicted step is."""
+SHARDED_INCLUDES = "; and the exposed part of FSDP's all-gathers and reduce-scatters (sharded_over=)"
+"""What a sharded step adds to ``INCLUDES``."""
 EXCLUDES = (
     "the optimizer step",
-    "FSDP's and tensor parallelism's communication (all-gathers, reduce-scatters, all-reduces) and any wait on it",
+    "tensor parallelism's and DDP's communication, and FSDP's unless priced with sharded_over=",
     "data loading",
     "torch.compile's fusions",
 )
-"""What a predicted step leaves out: not modelled, so add them where they are exposed (a small
-micro-batch leaves FSDP's communication less compute to hide behind)."""
+"""What a predicted step leaves out: not modelled, so add them where they are exposed."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,6 +75,14 @@ class Prediction:
     """What the step holds per parameter besides it (``OptimizerState.describe``)."""
     attention: str = ""
     """How attention was counted, and why (the argument, or the model's config)."""
+    sharding: Sharding = NOT_SHARDED
+    """What sharding the training state over GPUs holds and costs (``predict(sharded_over=N)``);
+    its exposed collectives are in every point's step."""
+
+    @property
+    def includes(self) -> str:
+        """What the predicted step is."""
+        return INCLUDES + (SHARDED_INCLUDES if self.sharding.gpus > 1 else "")
 
     @property
     def profiles(self) -> tuple[RegionProfile, ...]:
@@ -136,6 +146,12 @@ class Prediction:
         out_gb_per_s, back_gb_per_s, _ = m.achieved_link_gb_per_s()
         lines = [
             f"compute: {a.flops_fraction:g} of {m.peak_flops / 1e12:,.0f} TFLOP/s peak dense ({a.flops_source})",
+            "fused attention kernels: "
+            + (
+                "as the matmuls"
+                if a.attention_fraction is None
+                else f"{a.attention_fraction:g} of peak ({a.attention_source})"
+            ),
             f"memory-bound ops: {a.memory_fraction:g} of {m.memory_gb_per_s:,.0f} GB/s; {a.op_overhead_us:g} us an op",
             f"link ({m.link}): {out_gb_per_s:,.1f} GB/s out, {back_gb_per_s:,.1f} GB/s back",
             f"engine host costs: {a.held_tensor_overhead_us:g} us a saved tensor, {a.per_tensor_overhead_us:g} us a "
@@ -145,6 +161,7 @@ class Prediction:
             f"{m.usable_memory_bytes() / _MIB:,.0f} MiB usable"
             + ("" if self.memory_bytes == m.usable_memory_bytes() else f"; {self.memory_bytes / _MIB:,.0f} MiB given"),
             f"gradients and optimizer state: {self.state}",
+            "sharding: " + (self.sharding.text or "none (the training state whole on one device; sharded_over=1)"),
             f"attention: {self.attention}",
             "dropout: "
             + (
@@ -173,11 +190,16 @@ class Prediction:
             f"({m.link}), all achieved{spill}",
             f"step: {self.forward_flops / 1e12:,.3f} TFLOP forward, {self.backward_flops / 1e12:,.3f} TFLOP backward; "
             f"parameters {self.parameter_bytes / MB:,.1f} MB, "
-            f"gradients and optimizer state {self.state_bytes / MB:,.1f} MB",
+            f"gradients and optimizer state {self.state_bytes / MB:,.1f} MB"
+            + (
+                f"; held per GPU, sharded over {self.sharding.gpus}: {self.sharding.static_bytes / MB:,.1f} MB"
+                if self.sharding.gpus > 1
+                else ""
+            ),
             "",
             self.table(),
             "",
-            f"step: {INCLUDES}; not modelled, so not in it: {'; '.join(EXCLUDES)}",
+            f"step: {self.includes}; not modelled, so not in it: {'; '.join(EXCLUDES)}",
             SELECTIVE_MEANS,
             "assumed:",
             *(f"  {line}" for line in self.assumptions()),
@@ -208,7 +230,8 @@ class Prediction:
             "backward_flops": self.backward_flops,
             "longest": [dataclasses.asdict(x) for x in self.longest],
             "longest_memory_bytes": self.longest_memory_bytes,
-            "step_includes": INCLUDES,
+            "step_includes": self.includes,
+            "sharding": dataclasses.asdict(self.sharding),
             "step_excludes": list(EXCLUDES),
             "selective": SELECTIVE_MEANS,
             "assumptions": list(self.assumptions()),

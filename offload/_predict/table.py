@@ -253,12 +253,15 @@ def longest_sequences(
     loss_fn: Optional[Callable[[Any], torch.Tensor]],
     min_offload_bytes: int,
     free_bytes: int,
+    *,
+    extra_ms: float = 0.0,
 ) -> tuple[Longest, ...]:
     """Per policy, the longest sequence whose predicted activation peak plus working set fits
     ``free_bytes`` (usable device memory less parameters, gradients and optimizer state), searched
     over profiles fitted (``_plan.fit``) to fake steps at ``base_seq`` and fractions of it; the working
     set is the largest region's saves plus the step's largest transient, taken as growing with the
-    sequence at the most bytes per token any of those steps had."""
+    sequence at the most bytes per token any of those steps had. ``extra_ms``: time every step adds
+    whatever its length (a sharded step's exposed collectives)."""
     fit: Optional[ProfileFit] = None
     dims: tuple[int, ...] = ()
     transient_per_token = 0.0  # the largest transient grows with the tokens (the loss's logits)
@@ -283,7 +286,9 @@ def longest_sequences(
     def plan_at(policy: str, seq: int, quick: bool) -> tuple[Plan, int]:
         profiles, other_ms = fit.derive(Shape.of((*dims[:-2], seq, dims[-1])))
         working = _working_bytes(profiles) + int(transient_per_token * seq)
-        return plan_policy(profiles, link, policy, max(0, free_bytes - working), other_ms, quick=quick), working
+        return plan_policy(
+            profiles, link, policy, max(0, free_bytes - working), other_ms + extra_ms, quick=quick
+        ), working
 
     def fits(policy: str, seq: int) -> bool:
         plan, working = plan_at(policy, seq, quick=True)
