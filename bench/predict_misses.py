@@ -1,20 +1,22 @@
-"""Why one compute efficiency per GPU missed published runs: what offload.predict now adds, taken
-away one part at a time and fitted again on the calibration half alone.
+"""Why one compute efficiency per GPU missed published runs: the parts of the step model the
+predictor now prices them with, taken away one at a time and each model fitted again on the
+calibration half alone.
 
     python bench/predict_misses.py [--out bench/results]
 
 ``predict_published.py`` sets ``offload.predict``'s step against MosaicML's published MPT runs: the
 calibration half fits each GPU's figures, the check half and the wider runs are never fitted to.
-With one compute efficiency per GPU and nothing else, 8 of the 10 check runs and 33 of the 44
-wider ones landed within +-15 %. Two parts were added; this script scores each model on the same
-runs, every one fitted per GPU on the calibration half only:
+Two parts of the step were missing:
 
 - **FSDP's collectives** (``predict(sharded_over=8)``, ``sharding``): the runs sharded their training
-  state over 8 GPUs of one node; each micro-batch all-gathers the parameters twice and
-  reduce-scatters the gradients over NVLink, and the step waits on a fitted fraction of that.
-- **Fused attention at its own efficiency** (``Assumptions.attention_fraction``): FlashAttention-2's
-  published fraction of peak (A100 0.6, H100 0.35) instead of the matmuls'.
+  state over 8 GPUs of one node; each micro-batch all-gathers the parameters and reduce-scatters the
+  gradients over NVLink, and a fitted fraction of that time is added to the step.
+- **The runs' attention kernel at its own efficiency** (``Assumptions.attention_fraction``): their
+  Triton FlashAttention reached far less of a GPU's peak than its matmuls (``RUN_ATTENTION``, with
+  its sources: A100 0.3, H100 0.175), and a causal call computes half its scores (counted so).
 
+The last two models move that kernel's figure to the ends of its source's range (FlashAttention's
+25-40 % of the A100's peak, the H100's scaled alike), to show how much the check leans on it.
 Prints a table, writes ``predict-misses.md`` and ``.json`` under ``--out``, and ends with one JSON line.
 """
 
@@ -27,14 +29,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # predict_published, beside this file
 
-import torch  # noqa: E402
-
 import predict_published as published  # noqa: E402
-from offload._predict.machines import Machine, get_machine  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,22 +43,32 @@ class _Model:
     name: str
     collectives: bool
     attention: bool
-
-    def machine(self, gpu: str) -> Machine:
-        named = get_machine(published.MACHINE[gpu])
-        if self.attention:
-            return named
-        return named.with_assumptions(attention_fraction=None, attention_source="as the matmuls")
+    a100_attention: Optional[float] = None
+    """The runs' attention kernel's fraction of the A100's peak; None: ``RUN_ATTENTION``'s."""
 
     def parts(self, row: tuple) -> published.Parts:
-        return published.parts(row, self.machine(row[0]), published.GPUS if self.collectives else 1)
+        gpu = row[0]
+        if not self.attention:
+            machine = published.run_machine(gpu).with_assumptions(attention_fraction=None, attention_source="")
+        elif self.a100_attention is None:
+            machine = published.run_machine(gpu)
+        else:  # the H100's scaled as RUN_ATTENTION scales it
+            scale = published.RUN_ATTENTION[gpu] / published.RUN_ATTENTION["A100 80GB"]
+            machine = published.run_machine(gpu, self.a100_attention * scale)
+        return published.parts(row, machine, published.GPUS if self.collectives else 1)
 
 
 MODELS = (
-    _Model("one efficiency (offload.predict before)", collectives=False, attention=False),
+    _Model("one efficiency (attention as the matmuls)", collectives=False, attention=False),
     _Model("+ FSDP's collectives", collectives=True, attention=False),
-    _Model("+ fused attention at FlashAttention-2's efficiency", collectives=False, attention=True),
-    _Model("both (offload.predict now)", collectives=True, attention=True),
+    _Model("+ the runs' attention kernel at its own efficiency", collectives=False, attention=True),
+    _Model("both (as offload.predict prices the runs)", collectives=True, attention=True),
+    _Model(
+        "both, the attention kernel at 0.25 of the A100's peak", collectives=True, attention=True, a100_attention=0.25
+    ),
+    _Model(
+        "both, the attention kernel at 0.40 of the A100's peak", collectives=True, attention=True, a100_attention=0.4
+    ),
 )
 
 
@@ -132,7 +143,7 @@ def _markdown(record: dict[str, Any]) -> str:
     env, summary = record["env"], record["summary"]
     totals = summary["models"]
     lines = [
-        "# Why one efficiency per GPU missed published runs: offload.predict's model, a part at a time",
+        "# Why one efficiency per GPU missed published runs: the step model, a part at a time",
         "",
         f"`python bench/predict_misses.py`: predictions from numbers alone on {env['cpu']}, torch {env['torch']}, "
         f"{env['date']}; no GPU ran. The runs, their sources and the halves are `predict-published.md`'s. Each "

@@ -18,7 +18,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -162,6 +162,12 @@ def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
         "sharding does: the device holds its shard and each step adds its exposed collectives (default: 1, none)",
     )
     parser.add_argument(
+        "--reduce-dtype",
+        default=None,
+        choices=sorted(_DTYPES),
+        help="with --sharded-over: the dtype gradients are reduce-scattered in (default: the gradients')",
+    )
+    parser.add_argument(
         "--assume",
         action="append",
         default=[],
@@ -253,6 +259,7 @@ def _run_predict(args: argparse.Namespace) -> int:
             longest_in=inputs_at if args.longest else None,
             memory_bytes=None if args.memory_gb is None else int(args.memory_gb * 1e9),
             sharded_over=args.sharded_over,
+            reduce_dtype=None if args.reduce_dtype is None else _DTYPES[args.reduce_dtype],
         )
     except (ValueError, TypeError, OffloadError) as e:
         print(f"offload predict: error: {e}", file=sys.stderr)
@@ -271,15 +278,18 @@ def _run_predict(args: argparse.Namespace) -> int:
     return _EXIT_OK
 
 
-def _assumed(pairs: Sequence[str]) -> dict[str, float]:
-    """``--assume NAME=VALUE`` pairs as ``with_assumptions`` keywords; a ``ValueError`` names the
-    bad pair and the valid names."""
-    changes: dict[str, float] = {}
+def _assumed(pairs: Sequence[str]) -> dict[str, Optional[float]]:
+    """``--assume NAME=VALUE`` pairs as ``with_assumptions`` keywords (``attention_fraction=none``:
+    as the matmuls); a ``ValueError`` names the bad pair and the valid names."""
+    changes: dict[str, Optional[float]] = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
         name = name.strip()
         if name not in _ASSUMABLE:
             raise ValueError(f"--assume {pair!r}: unknown name {name!r}; valid names are: {', '.join(_ASSUMABLE)}")
+        if name == "attention_fraction" and value.strip().lower() == "none":
+            changes[name] = None
+            continue
         try:
             changes[name] = float(value)
         except ValueError:

@@ -7,7 +7,9 @@ calibration, what a plan holds).
 from __future__ import annotations
 
 import dataclasses
+import re
 
+import numpy as np
 import pytest
 
 import offload
@@ -395,6 +397,32 @@ def test_regions_of_another_model_are_refused_by_name():
 # -- fused attention's own efficiency, and sharding over GPUs (issue 40, item 7) -----------------
 
 
+class _Attention(torch.nn.Module):
+    def __init__(self, causal: bool, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+        self.causal, self.heads = causal, heads
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q = self.proj(x).view(b, s, self.heads, w // self.heads).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=self.causal)
+        return out.transpose(1, 2).reshape(b, s, w)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, blocks: list) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(64, 64)  # outside the regions: FSDP's root unit
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.float().sum()
+
+
 def test_fused_attention_is_charged_at_its_own_efficiency():
     """Named GPUs carry FlashAttention-2's published fraction of peak for SDPA's fused kernels, lower
     than their matmuls'; an attention fraction equal to the matmuls' prices the step exactly as
@@ -402,18 +430,19 @@ def test_fused_attention_is_charged_at_its_own_efficiency():
     for name in ("a100-80gb-sxm", "h100-sxm", "h200"):
         a = offload.machine(name).assumptions
         assert a.attention_fraction < a.flops_fraction and "arXiv" in a.attention_source
-    model, x, y = _tiny()
+    model = _Stack([_Attention(True), _Attention(True)])  # at 1024 its kernels are compute-bound
+    x = torch.randn(2, 1024, 64)
     h100 = offload.machine("h100-sxm")
     as_matmuls = h100.with_assumptions(attention_fraction=None)
     same = h100.with_assumptions(attention_fraction=h100.assumptions.flops_fraction)
     slower = h100.with_assumptions(attention_fraction=0.1)
     steps = {
-        m: [p.step_ms for p in predict(model, x, y, machine=m, regions=model.blocks, budgets=(1.0,)).points]
-        for m in (as_matmuls, same, slower)
+        m: [p.step_ms for p in predict(model, x, machine=m, budgets=(1.0,)).points] for m in (as_matmuls, same, slower)
     }
     assert steps[same] == steps[as_matmuls]
     assert all(s > a for s, a in zip(steps[slower], steps[as_matmuls], strict=True))
     assert slower.assumptions.attention_source == "given (0.1)"
+    assert as_matmuls.assumptions.attention_source == "as the matmuls (given)"
     mlp = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3)))
     inputs = torch.randn(8, 64)
     plain = [p.step_ms for p in predict(mlp, inputs, machine=as_matmuls, budgets=(1.0,)).points]
@@ -422,52 +451,117 @@ def test_fused_attention_is_charged_at_its_own_efficiency():
         h100.with_assumptions(attention_fraction=0.0)
 
 
-def test_sharding_holds_a_shard_and_adds_the_exposed_collectives_to_every_step():
-    """predict(sharded_over=N), as FSDP's full sharding: the device holds 1/N of the parameters,
-    gradients and optimizer state plus what is gathered (the parameters outside the regions, two
-    regions' parameters, one's gradients); each step all-gathers the parameters twice and
-    reduce-scatters the gradients, (N - 1) / N of each over the interconnect, and waits on the
-    exposed fraction of that. Every figure below is computed from the model's sizes alone."""
-    model, x, y = _tiny()
+@pytest.mark.parametrize("seq", [64, 128])
+def test_a_causal_fused_attention_counts_half_its_scores(seq):
+    """torch's FLOP formulas ignore is_causal; a causal kernel skips the masked half, and the
+    published kernel efficiencies count it so: forward 4 b h s^2 d of the scores, halved, backward 2.5 x that."""
+    x = torch.randn(2, seq, 64)
+    full, causal = (
+        predict(_Stack([_Attention(c), _Attention(c)]), x, machine="h100-sxm", budgets=(1.0,)) for c in (False, True)
+    )
+    scores = 4 * 2 * 4 * seq * seq * 16  # b, heads, s, s, head dim: one block's forward attention FLOPs
+    assert full.forward_flops - causal.forward_flops == 2 * scores // 2
+    assert full.backward_flops - causal.backward_flops == 2 * int(2.5 * scores) // 2
+
+
+def _sizes(model: _Stack) -> tuple[int, list[int]]:
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params, [sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks]
+
+
+@pytest.mark.parametrize("gpus", [2, 8])
+@pytest.mark.parametrize("reduce", [None, torch.bfloat16], ids=["reduce-as-gradients", "reduce-bf16"])
+def test_sharding_holds_a_shard_and_adds_the_exposed_collectives_to_every_step(gpus, reduce):
+    """predict(sharded_over=N), as FSDP's full sharding with a unit per region: the device holds 1/N
+    of the parameters, gradients and optimizer state plus what is unsharded (the root unit's
+    parameters and gradients, two of the largest region's parameters, one's gradients); each step
+    all-gathers the regions' parameters twice and the root's once and reduce-scatters the gradients
+    in the reduce dtype, (N - 1) / N of each over the interconnect, and adds the exposed fraction of
+    that. bf16 parameters, fp32 gradients, regions of unequal size and one without parameters; every
+    figure below is computed from the model's sizes alone."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Linear(64, 64), _Attention(True), torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())]
+    blocks.append(torch.nn.GELU())  # a region with no parameters
+    model = _Stack(blocks).to(torch.bfloat16)
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    state = offload.OptimizerState(grad_dtype=torch.float32)
     h100 = offload.machine("h100-sxm").with_assumptions(exposed_fraction=0.5, collective_fraction=0.8)
-    whole = predict(model, x, y, machine=h100, regions=model.blocks, budgets=(1.0, 0.5))
-    sharded = predict(model, x, y, machine=h100, regions=model.blocks, budgets=(1.0, 0.5), sharded_over=4)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())  # fp32: gradients as large
-    block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
-    outside = params - sum(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
-    moved = int((2 * params + params) * 3 / 4)
+    common = dict(machine=h100, regions=model.blocks, budgets=(1.0, 0.5), state=state)
+    whole = predict(model, x, **common)
+    sharded = predict(model, x, **common, sharded_over=gpus, reduce_dtype=reduce)
+    params, per_block = _sizes(model)
+    root = params - sum(per_block)
+    n = sum(p.numel() for p in model.parameters())
+    gradients = 4 * n
+    reduced = (2 if reduce is torch.bfloat16 else 4) * n  # fp32 gradients, reduced in fp32 unless told
+    moved = int((2 * params - root + reduced) * (gpus - 1) / gpus)
+    unsharded = int(root * (1 + gradients / params) + max(per_block) * (2 + gradients / params))
     s = sharded.sharding
-    assert (s.gpus, s.collective_bytes) == (4, moved)
+    assert (s.gpus, s.collective_bytes) == (gpus, moved)
     assert s.collective_ms == pytest.approx(moved / (450 * 0.8 * 1e9) * 1e3)
     assert s.exposed_ms == pytest.approx(s.collective_ms * 0.5)
-    assert s.static_bytes == -(-(params + whole.state_bytes) // 4) + outside + 2 * block + block
-    for one, four in zip(whole.points, sharded.points, strict=True):
-        assert four.step_ms == pytest.approx(one.step_ms + s.exposed_ms)
-        assert one.device_bytes - four.device_bytes == params + whole.state_bytes - s.static_bytes
+    assert s.static_bytes == -(-(params + whole.state_bytes) // gpus) + unsharded
+    for one, many in zip(whole.points, sharded.points, strict=True):
+        assert many.step_ms == pytest.approx(one.step_ms + s.exposed_ms)
+        assert one.device_bytes - many.device_bytes == params + whole.state_bytes - s.static_bytes
     assert whole.sharding.gpus == 1 and whole.sharding.static_bytes == params + whole.state_bytes
-    assert "sharded over 4 GPUs" in str(sharded) and "NVLink 4" in str(sharded)
+    assert f"sharded over {gpus} GPUs" in str(sharded) and "NVLink 4" in str(sharded)
     assert "FSDP's all-gathers and reduce-scatters" in sharded.to_dict()["step_includes"]
     assert "sharding: none" in str(whole)
 
 
+def test_the_reduce_dtype_prices_the_reduce_scatter():
+    """bf16 gradients reduce-scattered in fp32 (FSDP's reduce_dtype) move twice the gradient bytes."""
+    model = _Stack([torch.nn.Linear(64, 64) for _ in range(3)]).to(torch.bfloat16)
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    bf16, fp32 = (
+        predict(model, x, machine="a100-80gb-sxm", regions=model.blocks, budgets=(1.0,), sharded_over=8, reduce_dtype=r)
+        for r in (None, torch.float32)
+    )
+    n = sum(p.numel() for p in model.parameters())
+    assert fp32.sharding.collective_bytes - bf16.sharding.collective_bytes == int(2 * n * 7 / 8)
+    with pytest.raises(TypeError, match="reduce_dtype= takes a floating torch.dtype"):
+        predict(model, x, machine="a100-80gb-sxm", regions=model.blocks, sharded_over=8, reduce_dtype=torch.int8)
+
+
+def test_the_longest_sequence_of_a_sharded_step_carries_its_collectives():
+    model, x, y = _tiny(longest=1024)
+
+    def inputs_at(seq: int):
+        ids = torch.zeros(2, seq, dtype=torch.long)
+        return (ids, ids), {}
+
+    common = dict(machine="h100-sxm", regions=model.blocks, longest_in=inputs_at, memory_bytes=1 << 60)
+    whole, sharded = predict(model, x, y, **common), predict(model, x, y, **common, sharded_over=8)
+    for one, many in zip(whole.longest, sharded.longest, strict=True):
+        assert one.sequence == many.sequence  # both at the search's cap: memory is no limit here
+        assert many.step_ms == pytest.approx(one.step_ms + sharded.sharding.exposed_ms)
+
+
 def test_bad_sharding_names_the_value_and_the_fix():
     model, x, y = _tiny()
-    for bad in (0, True, 2.0):
-        with pytest.raises(ValueError, match=f"sharded_over= takes .* got {bad!r}"):
+    for bad in (0, True, 2.0, 9, "8"):
+        with pytest.raises(ValueError, match=f"sharded_over= takes .* got {re.escape(repr(bad))}"):
             predict(model, x, y, machine="h100-sxm", regions=model.blocks, sharded_over=bad)
-    with pytest.raises(ValueError, match="no GPU interconnect figure .* pass a named GPU"):
-        predict(model, x, y, machine=CPU, regions=model.blocks, sharded_over=2)
+    assert predict(model, x, y, machine="h100-sxm", regions=model.blocks, sharded_over=np.int64(8)).sharding.gpus == 8
+    for machine in (CPU, offload.machine("gh200")):
+        with pytest.raises(ValueError, match="no GPU interconnect figure .* machine.with_interconnect"):
+            predict(model, x, y, machine=machine, regions=model.blocks, sharded_over=2)
+    linked = offload.machine("gh200").with_interconnect(450, "NVLink 4 over an NVLink switch")
+    assert "NVLink 4 over an NVLink switch" in predict(model, x, y, machine=linked, sharded_over=2).sharding.text
     with pytest.raises(ValueError, match="exposed_fraction must be a number in \\[0, 1\\]"):
         offload.machine("h100-sxm").with_assumptions(exposed_fraction=1.5)
 
 
 def test_predict_command_prices_sharding(tmp_path, capsys):
     argv = ["predict", "--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "64"]
-    assert main(argv + ["--sharded-over", "8", "--out", str(tmp_path)]) == 0
+    assert main(argv + ["--sharded-over", "8", "--reduce-dtype", "fp32", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "sharded over 8 GPUs (FSDP's full sharding)" in out and "held per GPU, sharded over 8" in out
+    assert "sharded over 8 GPUs (FSDP's full sharding" in out and "held per GPU, sharded over 8" in out
     assert json.loads((tmp_path / "prediction.json").read_text())["sharding"]["gpus"] == 8
     assert main(argv + ["--sharded-over", "0", "--out", str(tmp_path)]) == 2
     assert "sharded_over= takes" in capsys.readouterr().err
     assert main(argv + ["--assume", "exposed_fraction=0.25", "--sharded-over", "2", "--out", str(tmp_path)]) == 0
-    assert "0.25 of it exposed" in capsys.readouterr().out
+    assert "0.25 of it added to the step" in capsys.readouterr().out
+    assert main(argv + ["--assume", "attention_fraction=none", "--out", str(tmp_path)]) == 0
+    assert "fused attention kernels: as the matmuls" in capsys.readouterr().out

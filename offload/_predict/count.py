@@ -55,6 +55,23 @@ FUSED_ATTENTION = frozenset(
 """SDPA's fused kernels, forward and backward: charged at ``Machine.achieved_attention_flops``."""
 
 
+def _causal_share(func: Any, args: tuple, kwargs: dict) -> float:
+    """Of the FLOPs ``torch.utils.flop_counter`` counts for a fused attention call, the share its
+    kernel computes: 1/2 where the call is causal over as many keys as queries (the kernel skips the
+    masked blocks; the formulas ignore ``is_causal``, and FlashAttention's published utilization
+    counts a causal call's FLOPs halved), else 1."""
+    names = [a.name for a in func._schema.arguments]
+    if "is_causal" not in names:
+        return 1.0
+
+    def arg(name: str) -> Any:
+        i = names.index(name)
+        return kwargs[name] if name in kwargs else args[i] if i < len(args) else None
+
+    query, key = arg("query"), arg("key")
+    return 0.5 if arg("is_causal") and query.shape[-2] == key.shape[-2] else 1.0
+
+
 def is_alias(func: Any) -> bool:
     """Whether an op only aliases (a view, a detach): no memory touched, no kernel, so no op cost
     charged. ``this_cpu`` counts the ops of its timed chain by the same rule, so the cost
@@ -249,8 +266,11 @@ class StepCounter:
             return
         formula = flop_formula(func)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+        fused_attention = func.overloadpacket in FUSED_ATTENTION
+        if fused_attention:
+            flops = int(flops * _causal_share(func, args, kwargs))
         touched = sum(_nbytes(t) for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
-        per_flop = self.attention_ms_per_flop if func.overloadpacket in FUSED_ATTENTION else self.flop_ms_per_flop
+        per_flop = self.attention_ms_per_flop if fused_attention else self.flop_ms_per_flop
         ms = max(flops * per_flop, touched * self.ms_per_byte) + self.op_ms
         count = self.counts[self.slot()]
         if self.where.phase is _Phase.FORWARD:

@@ -64,9 +64,10 @@ class Assumptions:
     """Fraction of the GPU interconnect's figure per direction (``Machine.interconnect_gb_per_s``)
     a large all-gather or reduce-scatter achieves: an assumption, as ``link_fraction`` is."""
     exposed_fraction: float = 1.0
-    """Of a sharded step's collectives (``predict(sharded_over=N)``), the fraction of their time the
-    step waits on: 1 hides none behind compute. Named GPUs carry one calibrated with
-    ``flops_fraction`` on published FSDP runs (``flops_source``)."""
+    """Of a sharded step's collective time (``predict(sharded_over=N)``), the fraction added to the
+    step: 1 adds all of it, as if nothing hid it. Named GPUs carry one fitted with
+    ``flops_fraction`` on published FSDP runs (``flops_source``): a fitted term in proportion to the
+    bytes the collectives move, not a measured overlap (``sharding`` says what it stands for)."""
     memory_fraction: float = 0.8
     """Fraction of peak HBM bandwidth a memory-bound op (elementwise, norm, softmax) achieves."""
     link_fraction: float = 0.8
@@ -312,6 +313,12 @@ class Machine:
             )
         return dataclasses.replace(host, d2h_gb_per_s=out_gb_per_s, h2d_gb_per_s=back_gb_per_s)
 
+    def with_interconnect(self, gb_per_s: float, what: str) -> Machine:
+        """This machine with a GPU interconnect of ``gb_per_s`` GB/s a direction, described as
+        ``what``: for ``predict(sharded_over=N)`` on a machine whose figure is not known (a probed
+        one) or is another than the named one's."""
+        return dataclasses.replace(self, interconnect_gb_per_s=gb_per_s, interconnect=what)
+
     def with_assumptions(self, **changes: Optional[float | str]) -> Machine:
         """This machine with some assumptions replaced, e.g. ``flops_fraction=0.45`` (its
         ``flops_source`` then says it was given, unless given too)."""
@@ -321,7 +328,8 @@ class Machine:
             raise ValueError(f"unknown assumptions {unknown}; valid ones are: {', '.join(names)}")
         for fraction, source in (("flops_fraction", "flops_source"), ("attention_fraction", "attention_source")):
             if fraction in changes and source not in changes:
-                changes[source] = f"given ({changes[fraction]})"
+                given = changes[fraction]
+                changes[source] = "as the matmuls (given)" if given is None else f"given ({given})"
         return dataclasses.replace(self, assumptions=dataclasses.replace(self.assumptions, **changes))  # type: ignore[arg-type]  # validated by Assumptions
 
 
@@ -333,7 +341,7 @@ _A100_SOURCE = (
 _H100_SOURCE = (
     "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 (SXM) / 1,513 (PCIe) TFLOPS with sparsity, half that "
     "dense; HBM3 3.35 TB/s (SXM), HBM2e 2 TB/s (PCIe); 80 GB; PCIe Gen5 128 GB/s bidirectional; NVLink 900 GB/s "
-    "(SXM), 600 GB/s (PCIe, bridged); "
+    "(SXM), 600 GB/s (PCIe: a bridge between two GPUs); "
     "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
 )
 _H200_SOURCE = (
@@ -346,8 +354,8 @@ _GH200_SOURCE = (
     "https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip. Link as measured, each way alone: "
     "host to device 346 GB/s (copy engine, nvbandwidth; https://github.com/NVIDIA/nvbandwidth/issues/23), device "
     "to host 300 GB/s (the same report: host to device is ~15 % faster; Fusco et al., arXiv 2408.11556, measured "
-    "297 GB/s on the Alps GH200). GPU to GPU: taken as the H100 SXM's NVLink 4, 900 GB/s both ways (the "
-    "datasheet names NVLink-C2C only)"
+    "297 GB/s on the Alps GH200). GPU to GPU: not given (a node has one GH200; machine.with_interconnect "
+    "sets one)"
 )
 
 # Device memory as the device reports it (nvidia-smi's total, MiB).
@@ -368,8 +376,8 @@ _GH200_MEMORY = (
 
 # The compute efficiency of each GPU: calibrated by bench/predict_published.py on the calibration
 # half of the published runs in bench/results/predict-published.md (the other half is the check).
-_A100_FLOPS, _A100_EXPOSED = 0.74, 0.6
-_H100_FLOPS, _H100_EXPOSED = 0.59, 0.95
+_A100_FLOPS, _A100_EXPOSED = 0.74, 0.65
+_H100_FLOPS, _H100_EXPOSED = 0.59, 0.7
 _LLM_FOUNDRY = (
     "https://github.com/mosaicml/llm-foundry/blob/061f2c7ce64e655100286584a7629e2a09f827ba/scripts/train/"
     "benchmarking/README.md"
@@ -387,8 +395,9 @@ _A100_EFFICIENCY = Assumptions(
     exposed_fraction=_A100_EXPOSED,
     flops_source=(
         "calibrated, with the exposed fraction of FSDP's collectives, on MosaicML's A100 80GB bf16 FSDP runs of "
-        f"MPT 1b, 3b, 7b, 13b and 30b at sequence 2048 on 8 GPUs (tokens/s/GPU as published, {_LLM_FOUNDRY}); "
-        "checked on their other runs: bench/results/predict-published.md"
+        f"MPT 1b, 3b, 7b, 13b and 30b at sequence 2048 on 8 GPUs (tokens/s/GPU as published, {_LLM_FOUNDRY}; their "
+        "Triton attention kernel priced at its own published efficiency); checked on their other runs: "
+        "bench/results/predict-published.md"
     ),
     attention_fraction=0.6,
     attention_source=_FLASH_ATTENTION_2,
@@ -399,7 +408,8 @@ _H100_EFFICIENCY = Assumptions(
     flops_source=(
         "calibrated, with the exposed fraction of FSDP's collectives, on MosaicML's H100 80GB bf16 FSDP runs of "
         f"MPT 1b, 7b, 13b and 30b at sequence 2048 and 3b at 4096 on 8 GPUs (tokens/s/GPU as published, "
-        f"{_LLM_FOUNDRY}); checked on their other runs: bench/results/predict-published.md"
+        f"{_LLM_FOUNDRY}; their Triton attention kernel priced at its own efficiency); checked on their other runs: "
+        "bench/results/predict-published.md"
     ),
     attention_fraction=0.35,
     attention_source=_FLASH_ATTENTION_2_HOPPER,
@@ -454,8 +464,8 @@ MACHINES: dict[str, Machine] = {
             link_back_gb_per_s=64,
             link_both_gb_per_s=128,
             link="PCIe Gen5 x16",
-            interconnect_gb_per_s=300,
-            interconnect="NVLink bridge (600 GB/s both ways)",
+            interconnect_gb_per_s=64,
+            interconnect="PCIe Gen5 x16 (its NVLink bridge joins pairs of GPUs only)",
             source=_H100_SOURCE,
             memory_source=_H100_PCIE_MEMORY,
             assumptions=dataclasses.replace(_H100_EFFICIENCY, flops_source=_HOPPER_UNCALIBRATED),
@@ -486,8 +496,6 @@ MACHINES: dict[str, Machine] = {
             link_back_gb_per_s=346,
             link_both_gb_per_s=600,  # not measured: twice the slower direction, as Machine.from_probe takes it
             link="NVLink-C2C",
-            interconnect_gb_per_s=450,
-            interconnect="NVLink 4 to other GH200s (900 GB/s both ways)",
             source=_GH200_SOURCE,
             memory_source=_GH200_MEMORY,
             # the link figures are measured copies: no fraction of them is taken off

@@ -113,6 +113,7 @@ def predict(
     attention_source: str = "",
     assume: Optional[Mapping[str, float]] = None,
     sharded_over: int = 1,
+    reduce_dtype: Optional[torch.dtype] = None,
 ) -> Prediction:
     """Predict one training step of ``model(*example_args, **example_kwargs)`` on ``machine``.
 
@@ -131,9 +132,12 @@ def predict(
     sequence fitting the device under each policy is searched. ``memory_bytes``: device memory the
     step may use (default: the machine's usable memory, ``Machine.usable_memory_bytes``).
     ``sharded_over``: the GPUs of one node the parameters, gradients and optimizer state are sharded
-    over, as FSDP's full sharding does (``sharding``): the device holds its shard, and every step
-    adds the exposed part of the collectives over the machine's interconnect; 1 (the default): one
-    device holds them whole and no collective is priced. Raises
+    over, as FSDP's full sharding does with a unit per region (``sharding``): the device holds its
+    shard, and every step adds the exposed part of the collectives over the machine's interconnect;
+    1 (the default): one device holds them whole and no collective is priced. ``reduce_dtype``: the
+    dtype the gradients are reduce-scattered in (FSDP's ``MixedPrecision.reduce_dtype``; default:
+    the gradients'). With ``state_bytes_per_param`` the gradients are taken in the parameters'
+    dtype. Raises
     ``OffloadError`` for an op that cannot run on meta tensors, naming it.
 
     Examples:
@@ -170,12 +174,15 @@ def predict(
         per_param = float(state_bytes_per_param)
         state_text = f"{per_param:g} bytes per parameter besides it (given)"
     state_bytes = int(num_parameters * per_param)
-    grad_itemsize = (state.grad_dtype or dtype).itemsize if state_bytes_per_param is None else dtype.itemsize
+    grad_dtype = (state.grad_dtype or dtype) if state_bytes_per_param is None else dtype
+    if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
+        raise TypeError(f"reduce_dtype= takes a floating torch.dtype or None (the gradients'), got {reduce_dtype!r}")
     sharding = shard(
         target,
         sharded_over,
         parameter_bytes=run.parameter_bytes,
-        gradient_bytes=num_parameters * grad_itemsize,
+        gradient_bytes=num_parameters * grad_dtype.itemsize,
+        reduce_bytes=num_parameters * (reduce_dtype or grad_dtype).itemsize,
         state_bytes=state_bytes,
         region_parameter_bytes=run.region_parameter_bytes,
     )

@@ -1,15 +1,21 @@
 """What sharding the training state over GPUs, as FSDP's full sharding does, changes in a step.
 
 ``predict(sharded_over=N)``: the parameters, their gradients and the optimizer's state are split
-over ``N`` GPUs of one node. Per micro-batch each GPU then
+over ``N`` GPUs of one node, one FSDP unit per region and one root unit for the parameters outside
+the regions (embeddings, head). Per micro-batch each GPU then
 
-- holds 1/N of them, plus what is gathered at the time: the parameters outside the regions (the
-  root unit: embeddings, head), the running region's and the prefetched next region's parameters,
-  and the running region's unsharded gradients (the largest region stands for both);
-- all-gathers the parameters for the forward and again for the backward, and reduce-scatters the
-  gradients: each moves (N - 1) / N of its full size over the interconnect (a ring's share);
-- waits on ``Assumptions.exposed_fraction`` of that time (the rest hides behind compute; named GPUs
-  carry one calibrated on published FSDP runs).
+- holds 1/N of the state, plus what is unsharded at the time: the root unit's parameters and
+  gradients (FSDP keeps the root gathered from its forward to its backward), the running region's
+  and the prefetched next region's parameters, and the running region's gradients before they are
+  reduce-scattered (the largest region stands for each);
+- all-gathers each region's parameters for its forward and again for its backward, the root's once,
+  and reduce-scatters every gradient, in the reduce dtype (FSDP's ``reduce_dtype``: the gradients'
+  unless given): each moves (N - 1) / N of its full size over the interconnect (a ring's share);
+- adds ``Assumptions.exposed_fraction`` of that collective time to its step. That fraction is fitted
+  on published runs, not derived: it stands for what the overlap with compute fails to hide
+  (the first all-gather, the last reduce-scatter, the SMs and memory bandwidth the collectives
+  take from the matmuls beside them), and for whatever else those runs spent in proportion to their
+  parameters.
 
 Numbers only: nothing here touches torch or a device.
 """
@@ -17,14 +23,19 @@ Numbers only: nothing here touches torch or a device.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
+from typing import Any
 
 from .machines import Machine
 
-__all__ = ["NOT_SHARDED", "Sharding", "shard"]
+__all__ = ["MAX_GPUS", "NOT_SHARDED", "Sharding", "shard"]
 
 _MIB = 1 << 20
 _GB = 1e9
+MAX_GPUS = 8
+"""The GPUs of one node (an HGX board): sharding over more crosses the network between nodes,
+which is not priced."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,13 +44,13 @@ class Sharding:
 
     gpus: int
     static_bytes: int
-    """Parameters, gradients and optimizer state the device holds: its shard and what is gathered."""
+    """Parameters, gradients and optimizer state the device holds: its shard and what is unsharded."""
     collective_bytes: int
     """Bytes each GPU moves over the interconnect in one micro-batch's collectives."""
     collective_ms: float
     """Their time at the interconnect's achieved bandwidth."""
     exposed_ms: float
-    """What the step waits on of it: added to every policy's step."""
+    """What is added to every policy's step: ``exposed_fraction`` of ``collective_ms``."""
     text: str = ""
     """One line for the printout's assumptions; empty when not sharded."""
 
@@ -47,24 +58,35 @@ class Sharding:
 NOT_SHARDED = Sharding(gpus=1, static_bytes=0, collective_bytes=0, collective_ms=0.0, exposed_ms=0.0)
 
 
+def _gpus(value: Any) -> int:
+    try:
+        gpus = operator.index(value)
+    except TypeError:
+        gpus = 0
+    if isinstance(value, bool) or not 1 <= gpus <= MAX_GPUS:
+        raise ValueError(
+            f"sharded_over= takes the number of GPUs of one node the training state is sharded over, an int from 1 "
+            f"(not sharded) to {MAX_GPUS}, got {value!r}; across nodes (HSDP, or FSDP over the network) the "
+            f"collectives are not priced: predict one node's share with sharded_over={MAX_GPUS}"
+        )
+    return gpus
+
+
 def shard(
     machine: Machine,
-    gpus: int,
+    gpus: Any,
     *,
     parameter_bytes: int,
     gradient_bytes: int,
+    reduce_bytes: int,
     state_bytes: int,
     region_parameter_bytes: Sequence[int],
 ) -> Sharding:
-    """The sharding of a step whose model has ``parameter_bytes`` of parameters (``gradient_bytes``
-    of gradients; ``state_bytes`` of gradients and optimizer state together), its regions
-    ``region_parameter_bytes`` each, over ``gpus`` GPUs of ``machine``. ``gpus`` 1: the state
-    whole on one device, no collectives."""
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(
-            f"sharded_over= takes the number of GPUs the training state is sharded over (an int >= 1; 1: not "
-            f"sharded), got {gpus!r}"
-        )
+    """The sharding of a step whose model has ``parameter_bytes`` of parameters, ``gradient_bytes``
+    of gradients (``reduce_bytes`` in the dtype they are reduce-scattered in) and ``state_bytes`` of
+    gradients and optimizer state together, its regions ``region_parameter_bytes`` each, over
+    ``gpus`` GPUs of ``machine``. ``gpus`` 1: the state whole on one device, no collectives."""
+    gpus = _gpus(gpus)
     whole = parameter_bytes + state_bytes
     if gpus == 1:
         return dataclasses.replace(NOT_SHARDED, static_bytes=whole)
@@ -72,31 +94,34 @@ def shard(
     if bandwidth is None:
         raise ValueError(
             f"sharded_over={gpus}: machine {machine.name!r} has no GPU interconnect figure to price the collectives "
-            "on; pass a named GPU (offload.machines()), or sharded_over=1"
+            "on; pass a named GPU (offload.machines()), give this one its figure with "
+            "machine.with_interconnect(gb_per_s, 'what it is'), or pass sharded_over=1"
         )
+    per_gradient_byte = gradient_bytes / max(1, parameter_bytes)
     largest = max(region_parameter_bytes, default=0)
-    outside = max(0, parameter_bytes - sum(region_parameter_bytes))
-    unsharded_gradients = largest * gradient_bytes // max(1, parameter_bytes)
-    gathered = outside + 2 * largest + unsharded_gradients
-    static = -(-whole // gpus) + gathered
+    root = max(0, parameter_bytes - sum(region_parameter_bytes))
+    unsharded = int(root * (1 + per_gradient_byte) + largest * (2 + per_gradient_byte))
     ring = (gpus - 1) / gpus
-    moved = int((2 * parameter_bytes + gradient_bytes) * ring)
+    moved = int((2 * parameter_bytes - root + reduce_bytes) * ring)
     collective_ms = moved / (bandwidth * _GB) * 1e3
-    a = machine.assumptions
-    exposed_ms = collective_ms * a.exposed_fraction
-    text = (
-        f"sharded over {gpus} GPUs (FSDP's full sharding): 1/{gpus} of the parameters, gradients and optimizer "
-        f"state held, plus {gathered / _MIB:,.0f} MiB gathered (the parameters outside the regions, two regions' "
-        f"parameters, one's gradients); each micro-batch all-gathers the parameters twice and reduce-scatters the "
-        f"gradients, {moved / _GB:,.2f} GB a GPU over {machine.interconnect} at {a.collective_fraction:g} of "
-        f"{machine.interconnect_gb_per_s:,.0f} GB/s a direction: {collective_ms:,.1f} ms, {a.exposed_fraction:g} of it "
-        f"exposed ({exposed_ms:,.1f} ms in every step)"
-    )
+    exposed_ms = collective_ms * machine.assumptions.exposed_fraction
     return Sharding(
         gpus=gpus,
-        static_bytes=static,
+        static_bytes=-(-whole // gpus) + unsharded,
         collective_bytes=moved,
         collective_ms=collective_ms,
         exposed_ms=exposed_ms,
-        text=text,
+        text=_describe(machine, gpus, unsharded, moved, collective_ms, exposed_ms),
+    )
+
+
+def _describe(machine: Machine, gpus: int, unsharded: int, moved: int, collective_ms: float, exposed_ms: float) -> str:
+    a = machine.assumptions
+    return (
+        f"sharded over {gpus} GPUs (FSDP's full sharding, a unit per region and a root unit): 1/{gpus} of the "
+        f"parameters, gradients and optimizer state held, plus {unsharded / _MIB:,.0f} MiB unsharded (the root's "
+        f"parameters and gradients, two regions' parameters, one's gradients); each micro-batch all-gathers the "
+        f"regions' parameters twice and the root's once and reduce-scatters the gradients, {moved / _GB:,.2f} GB a "
+        f"GPU over {machine.interconnect} at {a.collective_fraction:g} of {machine.interconnect_gb_per_s:,.0f} GB/s "
+        f"a direction: {collective_ms:,.1f} ms, {a.exposed_fraction:g} of it added to the step ({exposed_ms:,.1f} ms)"
     )
