@@ -15,8 +15,10 @@ Two parts of the step were missing:
   Triton FlashAttention reached far less of a GPU's peak than its matmuls (``RUN_ATTENTION``, with
   its sources: A100 0.3, H100 0.175), and a causal call computes half its scores (counted so).
 
-The last two models move that kernel's figure to the ends of its source's range (FlashAttention's
-25-40 % of the A100's peak, the H100's scaled alike), to show how much the check leans on it.
+Two models move that kernel's figure to the ends of its source's range (FlashAttention's 25-40 % of
+the A100's peak, the H100's scaled alike), to show how much the check leans on it; the last reduces
+the H100 runs' gradients in bf16 instead of fp32 (``REDUCE_DTYPE``: which their Composer did is not
+recorded).
 Prints a table, writes ``predict-misses.md`` and ``.json`` under ``--out``, and ends with one JSON line.
 """
 
@@ -45,6 +47,8 @@ class _Model:
     attention: bool
     a100_attention: Optional[float] = None
     """The runs' attention kernel's fraction of the A100's peak; None: ``RUN_ATTENTION``'s."""
+    h100_reduce: Optional[torch.dtype] = None
+    """The dtype the H100 runs reduce-scattered in; None: ``REDUCE_DTYPE``'s."""
 
     def parts(self, row: tuple) -> published.Parts:
         gpu = row[0]
@@ -55,7 +59,8 @@ class _Model:
         else:  # the H100's scaled as RUN_ATTENTION scales it
             scale = published.RUN_ATTENTION[gpu] / published.RUN_ATTENTION["A100 80GB"]
             machine = published.run_machine(gpu, self.a100_attention * scale)
-        return published.parts(row, machine, published.GPUS if self.collectives else 1)
+        reduce = self.h100_reduce if gpu == "H100 80GB" else None
+        return published.parts(row, machine, published.GPUS if self.collectives else 1, reduce)
 
 
 MODELS = (
@@ -68,6 +73,9 @@ MODELS = (
     ),
     _Model(
         "both, the attention kernel at 0.40 of the A100's peak", collectives=True, attention=True, a100_attention=0.4
+    ),
+    _Model(
+        "both, the H100 runs' gradients reduced in bf16", collectives=True, attention=True, h100_reduce=torch.bfloat16
     ),
 )
 

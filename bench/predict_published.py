@@ -54,7 +54,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -156,17 +156,20 @@ WIDER = [  # every other 8-GPU run of the same two tables for MPT-1b to 30b: nev
 GPUS = 8
 """Every run taken trained on 8 GPUs of one node with FSDP's full sharding."""
 REDUCE_DTYPE = {"A100 80GB": torch.bfloat16, "H100 80GB": torch.float32}
-"""The dtype each table's runs reduce-scattered gradients in: Composer's FSDP "DEFAULT" mixed
-precision (the tables' "MP Mode") left ``reduce_dtype`` unset, so the parameters' bf16, in 0.14
-(llm-foundry's pin when the A100 table was committed, May 2023) and set it to fp32 by 0.16.4 (the
-pin when the H100 table was, October 2023): ``composer/trainer/mosaic_fsdp*.py`` at those tags."""
+"""The dtype each table's runs reduce-scattered gradients in. Composer's FSDP "DEFAULT" mixed
+precision (the tables' "MP Mode") left ``reduce_dtype`` unset up to 0.16.3, so the parameters' bf16,
+and sets it to fp32 from 0.16.4 (commit d745fcb1b, released 2023-10-11; ``mosaic_fsdp*.py`` at the
+tags). Both tables' rows came in the October 2023 refresh, whose branch pinned ``>=0.16.3,<0.17``:
+the A100 rows were committed on 2023-10-03 (4b482bd6f), before 0.16.4 existed: bf16. The H100 rows
+were committed on 2023-10-17, after it; which version their runs installed is not recorded: fp32
+taken, and ``predict_misses.py`` scores bf16 too."""
 RUN_ATTENTION = {"A100 80GB": 0.3, "H100 80GB": 0.175}
 """What of each GPU's peak the runs' attention kernel reached. They ran llm-foundry's Triton
 FlashAttention (``attn_impl: triton``, ``submit_benchmarks.py``'s default, which ``sweep.sh`` keeps),
 not torch's SDPA kernel (FlashAttention-2, the named machines' ``attention_fraction``). Its source,
 ``flash_attn/flash_attn_triton.py`` in Dao-AILab/flash-attention, says its forward and backward
 together are "slightly slower" than FlashAttention's CUDA kernel, which reaches 25-40 % of the A100's
-peak (FlashAttention-2, arXiv 2307.08691, abstract): 0.3 taken. It was written for the A100; on the
+peak (FlashAttention-2, arXiv 2307.08691, abstract): 0.3 taken. It was tested on the A100 only; on the
 H100 it is taken to lose what FlashAttention-2 loses there (0.35 of peak against 0.6 on the A100):
 0.3 x 0.35 / 0.6 = 0.175. ``predict_misses.py`` shows how the check moves with these figures."""
 RUN_ATTENTION_SOURCE = "the runs' Triton FlashAttention kernel (bench/predict_published.py RUN_ATTENTION)"
@@ -219,10 +222,12 @@ def run_machine(gpu: str, attention: float | None = None) -> Machine:
     )
 
 
-def _predicted(row: tuple, machine: Machine, sharded_over: int = GPUS) -> tuple[float, float, float]:
+def _predicted(
+    row: tuple, machine: Machine, sharded_over: int = GPUS, reduce_dtype: Optional[torch.dtype] = None
+) -> tuple[float, float, float]:
     """(step ms, ms of the step's collectives before any is hidden, seconds the prediction took) of
     ``row`` on ``machine``, its training state sharded over ``sharded_over`` GPUs, its gradients
-    reduce-scattered in the run's dtype (``REDUCE_DTYPE``)."""
+    reduce-scattered in ``reduce_dtype`` (default: the run's, ``REDUCE_DTYPE``)."""
     gpu, model, seq, mbs, checkpointing = row[:5]
     width, heads, layers = MPT[model]
     ids = torch.zeros(mbs, seq, dtype=torch.long, device="meta")
@@ -233,7 +238,7 @@ def _predicted(row: tuple, machine: Machine, sharded_over: int = GPUS) -> tuple[
         example_kwargs={"input_ids": ids, "labels": ids},
         budgets=(1.0,),
         sharded_over=sharded_over,
-        reduce_dtype=REDUCE_DTYPE[gpu],
+        reduce_dtype=reduce_dtype or REDUCE_DTYPE[gpu],
     )
     policy = "checkpoint" if checkpointing else "none"
     step = next(q.step_ms for q in p.points if q.policy == policy)
@@ -290,13 +295,13 @@ class Parts:
         return self.scaled_ms / flops_fraction + self.fixed_ms + exposed_fraction * self.collective_ms
 
 
-def parts(row: tuple, machine: Machine, sharded_over: int = GPUS) -> Parts:
+def parts(row: tuple, machine: Machine, sharded_over: int = GPUS, reduce_dtype: Optional[torch.dtype] = None) -> Parts:
     """``row``'s ``Parts`` on ``machine``, from predictions at two efficiencies with nothing exposed."""
     low, high = _FIT_FRACTIONS
     at_low = machine.with_assumptions(flops_fraction=low, exposed_fraction=0.0)
     at_high = machine.with_assumptions(flops_fraction=high, exposed_fraction=0.0)
-    t_low, collective_ms, _ = _predicted(row, at_low, sharded_over)
-    t_high = _predicted(row, at_high, sharded_over)[0]
+    t_low, collective_ms, _ = _predicted(row, at_low, sharded_over, reduce_dtype)
+    t_high = _predicted(row, at_high, sharded_over, reduce_dtype)[0]
     scaled = (t_low - t_high) / (1 / low - 1 / high)
     return Parts(scaled, t_high - scaled / high, collective_ms, _published_ms(row))
 
@@ -492,7 +497,8 @@ def _markdown(record: dict[str, Any], machines: dict[str, Machine]) -> str:
         "layers and vocabulary, bf16, fused attention, one micro-batch's forward, loss and backward; 'none' where "
         "the run had no activation checkpointing, 'checkpoint' where it had; the training state sharded over the "
         "run's 8 GPUs (`sharded_over=8`: FSDP's all-gathers and reduce-scatters priced over NVLink, gradients "
-        "reduced in bf16 on the A100 runs and fp32 on the H100 runs, as their Composer versions did: `REDUCE_DTYPE`); "
+        "reduced in bf16 on the A100 runs and fp32 on the H100 runs, as their Composer versions did as far as the "
+        "record shows: `REDUCE_DTYPE`); "
         "fused "
         "attention as the runs' Triton FlashAttention kernel (A100 0.3, H100 0.175 of peak: `RUN_ATTENTION`, with "
         "its sources), causal calls counted at half their scores' FLOPs. The published steps "
