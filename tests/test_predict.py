@@ -474,10 +474,10 @@ def _sizes(model: _Stack) -> tuple[int, list[int]]:
 def test_sharding_holds_a_shard_and_adds_the_exposed_collectives_to_every_step(gpus, reduce):
     """predict(sharded_over=N), as FSDP's full sharding with a unit per region: the device holds 1/N
     of the parameters, gradients and optimizer state plus what is unsharded (the root unit's
-    parameters and gradients, two of the largest region's parameters, one's gradients); each step
-    all-gathers the regions' parameters twice and the root's once and reduce-scatters the gradients
-    in the reduce dtype, (N - 1) / N of each over the interconnect, and adds the exposed fraction of
-    that. bf16 parameters, fp32 gradients, regions of unequal size and one without parameters; every
+    parameters and gradients; two of the largest region's parameters and gradients, the running
+    one's and the previous one's, whose reduce-scatter overlaps this backward); each step all-gathers
+    the regions' parameters twice and the root's once and reduce-scatters the gradients in the
+    reduce dtype, (N - 1) / N of each over the interconnect, and adds the exposed fraction of that. bf16 parameters, fp32 gradients, regions of unequal size and one without parameters; every
     figure below is computed from the model's sizes alone."""
     torch.manual_seed(0)
     blocks = [torch.nn.Linear(64, 64), _Attention(True), torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())]
@@ -495,7 +495,7 @@ def test_sharding_holds_a_shard_and_adds_the_exposed_collectives_to_every_step(g
     gradients = 4 * n
     reduced = (2 if reduce is torch.bfloat16 else 4) * n  # fp32 gradients, reduced in fp32 unless told
     moved = int((2 * params - root + reduced) * (gpus - 1) / gpus)
-    unsharded = int(root * (1 + gradients / params) + max(per_block) * (2 + gradients / params))
+    unsharded = int(root * (1 + gradients / params) + max(per_block) * 2 * (1 + gradients / params))
     s = sharded.sharding
     assert (s.gpus, s.collective_bytes) == (gpus, moved)
     assert s.collective_ms == pytest.approx(moved / (450 * 0.8 * 1e9) * 1e3)

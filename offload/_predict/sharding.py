@@ -6,8 +6,9 @@ the regions (embeddings, head). Per micro-batch each GPU then
 
 - holds 1/N of the state, plus what is unsharded at the time: the root unit's parameters and
   gradients (FSDP keeps the root gathered from its forward to its backward), the running region's
-  and the prefetched next region's parameters, and the running region's gradients before they are
-  reduce-scattered (the largest region stands for each);
+  and the prefetched next region's parameters, and two regions' unsharded gradients: the running
+  region's, and the previous one's while its reduce-scatter overlaps this backward (the largest
+  region stands for each);
 - all-gathers each region's parameters for its forward and again for its backward, the root's once,
   and reduce-scatters every gradient, in the reduce dtype (FSDP's ``reduce_dtype``: the gradients'
   unless given): each moves (N - 1) / N of its full size over the interconnect (a ring's share);
@@ -100,7 +101,7 @@ def shard(
     per_gradient_byte = gradient_bytes / max(1, parameter_bytes)
     largest = max(region_parameter_bytes, default=0)
     root = max(0, parameter_bytes - sum(region_parameter_bytes))
-    unsharded = int(root * (1 + per_gradient_byte) + largest * (2 + per_gradient_byte))
+    unsharded = int(root * (1 + per_gradient_byte) + largest * 2 * (1 + per_gradient_byte))
     ring = (gpus - 1) / gpus
     moved = int((2 * parameter_bytes - root + reduce_bytes) * ring)
     collective_ms = moved / (bandwidth * _GB) * 1e3
@@ -120,7 +121,7 @@ def _describe(machine: Machine, gpus: int, unsharded: int, moved: int, collectiv
     return (
         f"sharded over {gpus} GPUs (FSDP's full sharding, a unit per region and a root unit): 1/{gpus} of the "
         f"parameters, gradients and optimizer state held, plus {unsharded / _MIB:,.0f} MiB unsharded (the root's "
-        f"parameters and gradients, two regions' parameters, one's gradients); each micro-batch all-gathers the "
+        f"parameters and gradients, two regions' parameters and gradients); each micro-batch all-gathers the "
         f"regions' parameters twice and the root's once and reduce-scatters the gradients, {moved / _GB:,.2f} GB a "
         f"GPU over {machine.interconnect} at {a.collective_fraction:g} of {machine.interconnect_gb_per_s:,.0f} GB/s "
         f"a direction: {collective_ms:,.1f} ms, {a.exposed_fraction:g} of it added to the step ({exposed_ms:,.1f} ms)"
