@@ -477,7 +477,8 @@ def test_sharding_holds_a_shard_and_adds_the_exposed_collectives_to_every_step(g
     parameters and gradients; two of the largest region's parameters and gradients, the running
     one's and the previous one's, whose reduce-scatter overlaps this backward); each step all-gathers
     the regions' parameters twice and the root's once and reduce-scatters the gradients in the
-    reduce dtype, (N - 1) / N of each over the interconnect, and adds the exposed fraction of that. bf16 parameters, fp32 gradients, regions of unequal size and one without parameters; every
+    reduce dtype, (N - 1) / N of each over the interconnect, and adds the exposed fraction of that.
+    bf16 parameters, fp32 gradients, regions of unequal size and one without parameters; every
     figure below is computed from the model's sizes alone."""
     torch.manual_seed(0)
     blocks = [torch.nn.Linear(64, 64), _Attention(True), torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())]
