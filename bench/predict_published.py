@@ -245,12 +245,6 @@ def _predicted(
     return step, p.sharding.collective_ms, time.perf_counter() - start
 
 
-def _predicted_ms(row: tuple, machine: Machine) -> tuple[float, float]:
-    """(step ms, seconds the prediction took) of ``row`` on ``machine``, sharded as the run was."""
-    step, _, seconds = _predicted(row, machine)
-    return step, seconds
-
-
 def _run_class(run: dict[str, Any]) -> str:
     """The kind of run a ratio belongs to, by what the prediction might get wrong about it: the GPU,
     whether the run checkpointed, and a long sequence (>= 16384, where attention dominates)."""
@@ -393,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     results = []
     for row in ROWS + WIDER:
-        predicted, seconds = _predicted_ms(row, machines[row[0]])
+        predicted, _, seconds = _predicted(row, machines[row[0]])
         gpu, model, seq, mbs, checkpointing, tokens, mfu = row
         published = _published_ms(row)
         results.append(

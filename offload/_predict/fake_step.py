@@ -307,8 +307,12 @@ def fake_step(
     finally:
         for handle in handles:
             handle.remove()
-    parameter_bytes = sum(p.numel() * p.element_size() for p in fake.parameters())
+    parameter_bytes = _parameter_bytes(fake)
     grads = step.live.ids_of(p.grad for p in fake.parameters() if p.grad is not None)
     transient_bytes = step.live.transient_peak_bytes(excluded=grads)
-    per_region = tuple(sum(p.numel() * p.element_size() for p in module.parameters()) for _, module in found.regions)
+    per_region = tuple(_parameter_bytes(module) for _, module in found.regions)
     return StepRun(tuple(step.counts), parameter_bytes, tuple(observe.assumed), transient_bytes, per_region)
+
+
+def _parameter_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
