@@ -486,9 +486,10 @@ def explain(what: Union[Engine, Plan, None]) -> str:
     """The plan table of an engine (its latest plan) or of a ``Plan``, as text."""
     plan = what.plan if isinstance(what, Engine) else what
     small = f"\n{what._all_small_note()}" if isinstance(what, Engine) and what._last_step.all_small() else ""
+    regions = what._regions if isinstance(what, Engine) and isinstance(what._regions, Regions) else None
+    found = f"\nregions: {regions.why}" if regions is not None else ""
     if plan is None:
         if isinstance(what, Engine):
-            found = f"\nregions: {what._regions.why}" if isinstance(what._regions, Regions) else ""
             return _no_plan_note(what) + small + found
         return "no plan: explain() of None (an engine's plan before it made one)"
     if not isinstance(plan, Plan):
@@ -499,8 +500,7 @@ def explain(what: Union[Engine, Plan, None]) -> str:
         if uncertain:
             text = f"{text}\n{uncertain}"
         text = (
-            f"{text}\nregions: {what._regions.why}\ntransfers priced at: {what._regions.link_note()}"
-            f"\nstep times: {what._regions.pace_note()}"
+            f"{text}{found}\ntransfers priced at: {what._regions.link_note()}\nstep times: {what._regions.pace_note()}"
         )
         held = _held_note(what.stats)
         if held:

@@ -60,15 +60,15 @@ class LinkReadings:
     """The link's readings of one engine (See Note: [a calibration that cannot lie] and the
     profiler's Note: [a plan that holds still])."""
 
-    __slots__ = ("scale", "accepted", "uncertainty", "rejected")
+    __slots__ = ("scale", "accepted", "first_uncertainty", "rejected")
 
     def __init__(self) -> None:
         self.scale: Optional[float] = None
         """The scale the probe's transfer costs are priced at; None before any trial (or cached one)."""
         self.accepted: list[float] = []
         """Scales read by trials and accepted, in order."""
-        self.uncertainty: list[float] = []
-        """How far off each of ``accepted`` may be, as a share of it."""
+        self.first_uncertainty = math.inf
+        """How far off the first of ``accepted`` may be, as a share of it (what one reading's is read by)."""
         self.rejected: list[float] = []
         """Scales read and discarded as implausible."""
 
@@ -86,11 +86,19 @@ class LinkReadings:
         """How far off the accepted readings' median may be: one reading's, from the noise of the
         steps it is the difference of; several readings', how far they lie apart
         (``Readings.deviation``: two, four times apart, 60 %)."""
-        if not self.uncertainty:
-            return math.inf
-        if len(self.accepted) == 1:
-            return self.uncertainty[0]
+        if len(self.accepted) <= 1:
+            return self.first_uncertainty
         return Readings(self.accepted).deviation
+
+    @property
+    def plannable(self) -> bool:
+        """Whether the accepted readings agree well enough to plan on (``MAX_SPREAD``)."""
+        return self.pooled_uncertainty() <= MAX_SPREAD
+
+    @property
+    def median(self) -> float:
+        """The accepted readings' median (some must have been accepted)."""
+        return statistics.median(self.accepted)
 
     def offer(self, scale: float, uncertainty: float) -> Verdict:
         """One trial's reading, relative to the scale it ran at, and how far off it may be."""
@@ -98,8 +106,9 @@ class LinkReadings:
         if low <= scale <= high:
             # A later round's trial ran with the costs scaled already: its reading is relative to them.
             self.accepted.append((self.scale or 1.0) * scale)
-            self.uncertainty.append(uncertainty)
-            self.scale = statistics.median(self.accepted) if self.pooled_uncertainty() <= MAX_SPREAD else 1.0
+            if len(self.accepted) == 1:
+                self.first_uncertainty = uncertainty
+            self.scale = self.median if self.plannable else 1.0
             log.info(
                 "offload: a step that offloaded every region read transfer costs x%.3g the probe's, within %.0f%%; "
                 "the trials so far (x%s) plan on x%.3g",
@@ -152,9 +161,8 @@ class LinkReadings:
         if not self.accepted:
             return f"the probe's figures (every offload trial implausible{rejected})"
         read = ", ".join(f"x{s:.3g}" for s in self.accepted)
-        pooled = self.pooled_uncertainty()
-        within = f"within {100 * pooled:.0f}%"
-        if pooled > MAX_SPREAD:
+        within = f"within {100 * self.pooled_uncertainty():.0f}%"
+        if not self.plannable:
             return (
                 f"the probe's figures (offload trials read {read}, {within} only: too uncertain to plan on{rejected})"
             )

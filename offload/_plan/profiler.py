@@ -49,7 +49,7 @@ from .._budget import replan_needed
 from .._cost import MachineProfile, RegionProfile, Saved, Scope
 from .cache import PlanCache
 from .fit import ProfileFit, Shape
-from .link_readings import CALIBRATION_TRIES, PLAUSIBLE_LINK_SCALE, LinkReadings, Verdict
+from .link_readings import CALIBRATION_TRIES, LinkReadings, Verdict
 from .noise import MAX_SPREAD, Readings
 from .pace import WINDOW as PACE_WINDOW
 from .pace import StepPace
@@ -59,13 +59,11 @@ from .policy import Policy, get_policy, make_plan
 __all__ = [
     "AFTER_NAME",
     "BEFORE_NAME",
-    "CALIBRATION_TRIES",
     "EXTRAPOLATION_LIMIT",
     "LIMITS",
     "MAX_TRIAL_ROUNDS",
     "MAX_MEASURED_SHAPES",
     "MAX_PLANS",
-    "PLAUSIBLE_LINK_SCALE",
     "SEARCH_BUCKET",
     "SECOND_SHAPE_SPREAD",
     "SIZE_TOLERANCE",
@@ -674,10 +672,10 @@ class Profiler:
             alone = make_plan(entry.profiles, self._machine(), budget, self.policy, other_ms=entry.other_ms)
             if alone.decisions != entry.plan.decisions:
                 return True
-        if not self.link.accepted or (len(self.link.accepted) > 1 and self.link.pooled_uncertainty() <= MAX_SPREAD):
+        if not self.link.accepted or (len(self.link.accepted) > 1 and self.link.plannable):
             return False
         probe = self._planning.machine()
-        read = scale_link(probe, statistics.median(self.link.accepted))
+        read = scale_link(probe, self.link.median)
         at_reading = make_plan(entry.profiles, read, budget, policy, other_ms=entry.other_ms)
         at_probe = make_plan(entry.profiles, probe, budget, policy, other_ms=entry.other_ms)
         return at_reading.decisions != at_probe.decisions
@@ -703,7 +701,9 @@ class Profiler:
             budget = self._planning.budget_in_force()
             excess_ms = measured.span_ms - keep_span_ms
             _, scale = calibrate_link(timed, self._machine(), excess_ms, budget)
-            self._accept_calibration(fam, scale, self._uncertainty(fam, trial.profiles, measured, excess_ms))
+            uncertainty = self._uncertainty(fam, trial.profiles, measured, excess_ms)
+            if self.link.offer(scale, uncertainty) is Verdict.AGAIN:  # Note: [a calibration that cannot lie]
+                fam.queue.insert(0, Stage.OFFLOAD_TRIAL)
         timed = fam.round_profiles(key, timed)
         return self._entry(fam, timed, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
 
@@ -727,11 +727,6 @@ class Profiler:
             Readings(ratios).deviation if len(ratios) >= 2 else 0.0,
         )
         return noise * measured.span_ms / excess_ms
-
-    def _accept_calibration(self, fam: _Family, scale: float, uncertainty: float) -> None:
-        """See Note: [a calibration that cannot lie] and Note: [a plan that holds still]."""
-        if self.link.offer(scale, uncertainty) is Verdict.AGAIN:
-            fam.queue.insert(0, Stage.OFFLOAD_TRIAL)
 
     def rerun(self, key: tuple, stage: Stage) -> None:
         """A profiling step that never reached its last region: run its stage again next time."""
