@@ -164,6 +164,8 @@ class Engine:
     def __exit__(self, *exc: Any) -> None:
         self._session.exit(*exc)
         if not self._session.active():
+            if exc and exc[0] is not None:
+                self._regions.forward_raised()
             now, start = self._saves_so_far(), self._step_start
             self._last_step = _StepSaves(now.managed - start.managed, now.small - start.small)
             if self._last_step.all_small() and not self._warned_all_small:

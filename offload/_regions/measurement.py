@@ -14,7 +14,9 @@ the few profiling steps pay for them, the simpler wall-clock stamps are used.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -22,7 +24,7 @@ import torch
 from .._cost import RegionProfile
 from .selective import SelectiveProfile
 
-__all__ = ["ForwardClock", "Measurement", "finish_after_backward", "span_ms", "tensors_in"]
+__all__ = ["ForwardClock", "Measurement", "finish_after_backward", "merged_profile", "span_ms", "tensors_in"]
 
 
 def finish_after_backward(out: Any, finish: Callable[[], None]) -> None:
@@ -61,8 +63,8 @@ def tensors_in(value: Any) -> list:
 class Measurement:
     """One region on a profiling step (see the module docstring)."""
 
-    def __init__(self, *, name: str, input_bytes: int) -> None:
-        self.name, self.input_bytes = name, input_bytes
+    def __init__(self, *, name: str, index: int, input_bytes: int) -> None:
+        self.name, self.index, self.input_bytes = name, index, input_bytes
         self.saved_bytes = self.num_tensors = self.largest_tensor_bytes = 0
         self.forward_start, self.forward_ms = 0.0, 0.0
         self.recompute_ms = 0.0
@@ -141,6 +143,39 @@ class Measurement:
             "expensive_bytes": s.expensive_bytes,
             "expensive_tensors": s.expensive_tensors,
         }
+
+
+_SUMMED = (
+    "saved_bytes",
+    "input_bytes",
+    "forward_ms",
+    "num_tensors",
+    "forward_dispatches",
+    "backward_ms",
+    "recompute_ms",
+    "forward_flops",
+)
+"""``RegionProfile`` fields that add up over a region's calls in one step."""
+_SELECTIVE = ("cheap_bytes", "expensive_bytes", "expensive_tensors", "selective_ms")
+"""The fields of a measured selective run: summed where every call measured one, else all 0."""
+
+
+def merged_profile(name: str, calls: Sequence[Measurement]) -> RegionProfile:
+    """One region's profile over its calls in a step (See Note: [region calls] in ``regions``): the
+    sums of what adds up, the largest storage of any call; a selective run only where every call
+    measured one (a call that cannot be split makes the region unsplittable); a region that did
+    not run saves and costs nothing."""
+    profiles = [m.profile() for m in calls]
+    if len(profiles) == 1:
+        return profiles[0]
+    if not profiles:
+        return RegionProfile(name=name, saved_bytes=0)
+    merged = {field: sum(getattr(p, field) for p in profiles) for field in _SUMMED}
+    every = all(p.selective_measured() for p in profiles)
+    merged.update({field: sum(getattr(p, field) for p in profiles) if every else 0 for field in _SELECTIVE})
+    note = next((p.note for p in profiles if p.note), "")
+    largest = max(p.largest_tensor_bytes for p in profiles)
+    return dataclasses.replace(profiles[0], **merged, largest_tensor_bytes=largest, note=note)
 
 
 class ForwardClock:

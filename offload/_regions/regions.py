@@ -3,9 +3,10 @@
 Owns the per-region side of the engine: wrapping the region modules' call, measuring them on
 profiling steps (``measurement``), and carrying each region's decision out on steps under a plan.
 What a step is (a profiling stage, or a plan for its inputs, measured or derived from other
-shapes) is the profiler's (``_plan.profiler``), asked when the first region of a step runs::
+shapes) is the profiler's (``_plan.profiler``), asked at a step's first region call, the first
+after ``with eng:`` (See Note: [region calls]; a region may run any number of times in a step)::
 
-    region 0 runs ─▶ the step before it ended: a step under a derived plan hands the profiler what
+    region call ─▶ the step before it ended: a step under a derived plan hands the profiler what
                      its regions saved (its check); a measured one, its time outside the regions
                   ─▶ profiler.begin(inputs) ─▶ a profiling stage: every region measured
                                                  "measure"    run as is
@@ -16,7 +17,7 @@ shapes) is the profiler's (``_plan.profiler``), asked when the first region of a
                             ─▶ RECOMPUTE: offload.checkpoint(region): only inputs saved
                             ─▶ SELECTIVE: inputs and expensive outputs saved, cheap ops re-run
                             ─▶ SELECTIVE_OFFLOAD: the same, each of those saves starting its copy out at once
-    last region's backward ends ─▶ a profiling step's measurements go to profiler.finish: a plan
+    a backward through a call ends ─▶ a profiling step's measurements go to profiler.finish: a plan
 
 Every profiling stage stays within the budget: "measure" holds it per tensor, "recompute"
 keeps only the regions' inputs (themselves under the budget) and "offload" moves everything.
@@ -44,7 +45,7 @@ from .._plan.planner import Decision, Plan
 from .._plan.policy import Policy, get_policy
 from .._plan.profiler import Measured, Planning, Profiler, Stage
 from .blocks import Found, find_blocks
-from .measurement import ForwardClock, Measurement, finish_after_backward, span_ms
+from .measurement import ForwardClock, Measurement, finish_after_backward, merged_profile, span_ms
 from .module_state import RegionState
 from .selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
 from .steps import AnyStep, PlannedStep, ProfilingStep, Seen, StepPhase, UnplannedStep, begin_step
@@ -232,6 +233,9 @@ class NoRegions:
     def refuse_another_thread(self) -> None:
         pass  # an engine without regions serves several threads at once
 
+    def forward_raised(self) -> None:
+        pass
+
 
 class Regions:
     """The regions of one engine: wrapped forwards, a step record, and the profiler."""
@@ -342,21 +346,21 @@ class Regions:
 
         def region_step(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
-            if index == 0:
+            if self._begins_step(index):
                 self._begin_step(args, kwargs)
             step = self._step
-            if step is None:
-                return self._run(self._decision(index), forward, args, kwargs, name, module)
-            step.region_starts(index, self._session.saved())
-            if isinstance(step, ProfilingStep):
+            assert step is not None  # _begins_step is True while there is none
+            step.region_starts(self._session.saved())
+            if isinstance(step, ProfilingStep) and step.phase is not StepPhase.MEASURED:
                 out = self._measure(step, index, name, module, forward, args, kwargs)
+            elif isinstance(step, ProfilingStep):  # a call after its backward was measured: See Note: [region calls]
+                out = self._run(self._decision(index), forward, args, kwargs, name, module)
             else:
                 out = self._planned(step, index, name, module, forward, args, kwargs)
             step.region_ends(self._session.saved())
-            if index == len(self.regions) - 1:
-                step.moved_in_forward = self._session.moved_bytes() - step.moved_at_start
-                if step.sends_the_rest_eagerly():
-                    self._session.eagerly_to_end()  # the head's and the loss's saves leave as they are made
+            step.moved_in_forward = self._session.moved_bytes() - step.moved_at_start
+            if index == len(self.regions) - 1 and step.sends_the_rest_eagerly():
+                self._session.eagerly_to_end()  # the head's and the loss's saves leave as they are made
             return out
 
         region_forward.__wrapped__ = forward  # type: ignore[attr-defined]  # functions take attributes; Callable does not say so
@@ -405,7 +409,11 @@ class Regions:
         sizes = self._session.saved() - saved_before
         if clock is not None:
             clock.stop()
-        step.seen[index] = Seen(sizes if decision in _SIZES_SEEN else None, clock)
+        sizes_seen = sizes if decision in _SIZES_SEEN else None
+        if index in step.seen:  # See Note: [region calls]
+            step.seen[index].add(sizes_seen, clock)
+        else:
+            step.seen[index] = Seen(sizes_seen, [] if clock is None else [clock])
         return out
 
     def _run(
@@ -458,6 +466,39 @@ class Regions:
         return self._policy.unplanned
 
     # ------------------------------------------------------------------ step boundaries
+
+    # Note: [region calls]
+    #     A step does not run each region exactly once, in order: a block is called twice (shared
+    #     or tied weights, a block reused), a step runs a subset (one engine over a GAN's two
+    #     networks, whose discriminator step runs the discriminator alone; a block skipped by
+    #     control flow, an early exit), or a region runs a varying number of times (a recurrent
+    #     block). So a step is not "region 0 to the last region": it begins at the first region
+    #     call after the engine was entered (its outermost ``with eng:``, a new ``ForwardMarks``),
+    #     and every region call until the next such entry is part of it. Each call is measured
+    #     and run on its own (a re-run region re-runs per call), and a region's profile is the sum
+    #     of its calls' (``measurement.merged_profile``): a region called twice saves and costs
+    #     twice, one that did not run is a zero row, and the plan's one decision for a region
+    #     applies to each of its calls. What this gives up: the planner's timeline places a
+    #     region's calls at its index, not where they ran. A profiling step's figures go to the
+    #     profiler when the first backward through one of its calls' outputs ends; a call after
+    #     that (a forward that runs its own backward, as a gradient penalty does) runs the
+    #     step's decision unmeasured. One ``with eng:`` around several forwards and backwards
+    #     still begins a step at region 0 once the previous step's backward was measured; so a
+    #     forward whose own backward ran through its regions begins a new step where it calls the
+    #     first region again.
+    def _begins_step(self, index: int) -> bool:
+        """Whether this call of region ``index`` begins a step: See Note: [region calls]."""
+        step = self._step
+        if step is None or step.marks is not self._session.marks:
+            return True
+        return index == 0 and isinstance(step, ProfilingStep) and step.phase is StepPhase.MEASURED
+
+    def forward_raised(self) -> None:
+        """The engine was left with an exception: a profiling step still measuring is not planned
+        from (its stage runs again), as one whose backward another thread overtook."""
+        step = self._step
+        if isinstance(step, ProfilingStep) and step.phase is not StepPhase.MEASURED:
+            self._abandon(step)
 
     def _begin_step(self, args: tuple, kwargs: dict) -> None:
         now = time.perf_counter()
@@ -514,13 +555,14 @@ class Regions:
                 # Forward times count where nothing moved meanwhile: a copy shares the CPU's cores
                 # (or, with a core spare, its memory bandwidth) and waits for the budget.
                 clean = step.moved_in_forward == 0
-                clocks = [step.seen[i].clock if i in step.seen and clean else None for i in range(len(self.regions))]
-                forward_ms = [None if c is None else c.ms() for c in clocks]
+                forward_ms = [
+                    step.seen[i].forward_ms() if i in step.seen and clean else None for i in range(len(self.regions))
+                ]
                 self._profiler.observe(step.key, [before, *sizes, after], [None, *forward_ms, None])
             return
-        if len(step.measurements) < len(self.regions):
-            # It never reached its last region (its forward raised, or skipped regions): run that
-            # stage again rather than plan from half a measurement.
+        if step.regions_ms is None:
+            # Nothing it measured went to the profiler (its forward raised, or another thread's
+            # step overtook it): run that stage again rather than plan from half a measurement.
             self._profiler.rerun(step.key, step.stage)
         elif (
             step.regions_ms is not None and step.stage is not Stage.OFFLOAD_TRIAL
@@ -554,7 +596,11 @@ class Regions:
                 m.profiling_ms() for m in step.measurements
             )  # less the re-runs that only measured selective costs
         before, after = step.outside_profiles(self._session.saved())
-        profiles = (before, *(m.profile() for m in step.measurements), after)
+        calls: list[list[Measurement]] = [[] for _ in self.regions]
+        for m in step.measurements:
+            calls[m.index].append(m)
+        regions = (merged_profile(name, of) for (name, _), of in zip(self.regions, calls, strict=True))
+        profiles = (before, *regions, after)
         clean = step.moved_in_forward == 0
         measured = Measured(stage=step.stage, key=step.key, profiles=profiles, span_ms=span, clean=clean)
         entry = self._profiler.finish(measured)
@@ -581,7 +627,7 @@ class Regions:
         kwargs: dict,
     ) -> Any:
         cuda = _cuda_device(args, kwargs)
-        m = Measurement(name=name, input_bytes=_input_bytes(args, kwargs))
+        m = Measurement(name=name, index=index, input_bytes=_input_bytes(args, kwargs))
         if cuda is not None:
             torch.cuda.synchronize(cuda)
         saved_before = self._session.saved()
@@ -622,9 +668,8 @@ class Regions:
         m.largest_tensor_bytes = self._session.take_largest_saved() if counted is None else step.largest
         m.time_backward(args, kwargs, out, cuda)
         step.measurements.append(m)
-        if index == len(self.regions) - 1:
-            step.phase = StepPhase.AWAITING_BACKWARD
-            finish_after_backward(out, functools.partial(self.finish_measured_step, step))
+        step.phase = StepPhase.AWAITING_BACKWARD  # See Note: [region calls]
+        finish_after_backward(out, functools.partial(self.finish_measured_step, step))  # once: it checks the phase
         return out
 
 

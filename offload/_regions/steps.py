@@ -1,10 +1,11 @@
 """One record per kind of step of the regions: what a step saw, from its first region's forward on.
 
-A step of the regions begins when its first region runs forward and ends when the next step's
-first region does (See Note: [a step's span] in ``regions``). It is one of three kinds, fixed when
+A step of the regions begins at the first region call after the engine was entered and ends when
+the next step begins (See Notes: [a step's span], [region calls] in ``regions``): a region may run
+any number of times in it, or not at all. It is one of three kinds, fixed when
 it begins by what the profiler says of its inputs:
 
-    ProfilingStep   a profiling stage runs (measure, a trial): one ``Measurement`` per region, a
+    ProfilingStep   a profiling stage runs (measure, a trial): one ``Measurement`` per call, a
                     phase (running, awaiting its backward, measured), what a recompute trial counted
     PlannedStep     a plan is in force for its inputs: what each region saved and how long its
                     forward took, which the profiler checks the plan against
@@ -36,11 +37,25 @@ __all__ = ["AnyStep", "PlannedStep", "ProfilingStep", "Seen", "StepPhase", "Unpl
 
 @dataclasses.dataclass
 class Seen:
-    """What a step under a plan saw of one region: what it saved through the store (where every
-    save goes there) and its forward's clock (where the forward is its compute alone)."""
+    """What a step under a plan saw of one region, over its calls (See Note: [region calls] in
+    ``regions``): what they saved through the store (where every save goes there) and their
+    forwards' clocks (where the forward is its compute alone)."""
 
     sizes: Optional[Saved]
-    clock: Optional[ForwardClock]
+    clocks: list[ForwardClock]
+
+    def add(self, sizes: Optional[Saved], clock: Optional[ForwardClock]) -> None:
+        """Another call of the region in the same step."""
+        self.sizes = None if self.sizes is None or sizes is None else self.sizes + sizes
+        if clock is not None:
+            self.clocks.append(clock)
+
+    def forward_ms(self) -> Optional[float]:
+        """The calls' forward time, ms; None where a call was not timed or a clock has no reading yet."""
+        if not self.clocks:
+            return None
+        readings = [c.ms() for c in self.clocks]
+        return None if any(r is None for r in readings) else sum(r for r in readings if r is not None)
 
 
 class StepPhase(enum.Enum):
@@ -90,10 +105,10 @@ class _Step:
         offload."""
         return False
 
-    def region_starts(self, index: int, saved: Saved) -> None:
+    def region_starts(self, saved: Saved) -> None:
         if self.first_start is None:
             self.first_start = saved
-        elif index > 0:
+        else:
             self.between += saved - self.last_end
 
     def region_ends(self, saved: Saved) -> None:
@@ -150,7 +165,7 @@ class ProfilingStep(_Step):
     phase: StepPhase = StepPhase.RUNNING
     """Where it is: it awaits its backward, then hands the profiler what it measured."""
     measurements: list[Measurement] = dataclasses.field(default_factory=list)
-    """One per region that ran, in region order."""
+    """One per region call, in call order (See Note: [region calls] in ``regions``)."""
     regions_ms: Optional[float] = None
     """The regions' own time (forwards and backwards), once its backward ran."""
     counted: dict = dataclasses.field(default_factory=dict)
