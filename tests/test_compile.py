@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload
-from zoo import MB, assert_same, run_step, wait_clean
+from zoo import MB, assert_same, run_step, saved_bytes, wait_clean
 
 torch_dynamo = pytest.importorskip("torch._dynamo")
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
@@ -218,3 +218,71 @@ def test_fake_tensors_pass_through():
     eng.close()
     assert stats.saved_tensors == 0 and stats.passthrough_tensors >= 3
     assert stats.resident_bytes == 0 and stats.spill_bytes == 0
+
+
+# ------------------------------------------------------------------ a whole model compiled, its blocks regions
+
+WHOLE_SEQS = (SEQ, SEQ // 2, SEQ, SEQ // 2, SEQ, SEQ // 2)
+"""Sequence lengths step by step: the shape changes every step, so Dynamo recompiles (dynamic) and
+each shape is profiled and planned on its own."""
+WHOLE_FORMS = ("compiled-wrapper", "compiled-original", "in-place")
+"""``torch.compile(model)`` with the engine given the wrapper or the original as model=, and
+``model.compile()``."""
+
+
+def compiled_whole(base: Net, form: str) -> tuple[nn.Module, Net]:
+    """A copy of ``base`` compiled whole in ``form``: (what the loop calls, what the engine is given)."""
+    model = copy.deepcopy(base)
+    if form == "in-place":
+        model.compile(backend="aot_eager")
+        return model, model
+    wrapper = torch.compile(model, backend="aot_eager")
+    return wrapper, wrapper if form == "compiled-wrapper" else model
+
+
+def train_whole(model: nn.Module, eng=None) -> list:
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR / 20)  # at LR the loss reaches NaN in a few steps
+    results = []
+    for seq in WHOLE_SEQS:
+        results.append(run_step(model, lambda seq=seq: torch.randn(BATCH, seq, WIDTH), eng))
+        optimizer.step()
+    return results
+
+
+WHOLE_CASES = [(form, "zero") for form in WHOLE_FORMS] + [("compiled-original", "mid")]
+"""Every form at budget 0 (everything leaves or is re-run); one form at a budget that keeps some."""
+
+
+@pytest.mark.parametrize(("form", "budget"), WHOLE_CASES)
+@pytest.mark.parametrize("policy", ["auto", "offload", "selective", "recompute"])
+def test_whole_model_compiled_with_regions_equal_no_engine(policy, form, budget, fresh_dynamo, spill_dir):
+    """``torch.compile(model)`` (or ``model.compile()``) with regions=model.blocks trains bitwise as
+    the same compiled model without the engine. Dynamo breaks the graph at each region (its wrapper
+    is ``torch.compiler.disable``d: See Note: [a region is a graph break]) and, the break being in
+    a loop, runs the model's forward eagerly; the saved-tensor hooks then start outside any graph
+    (See Note: [Dynamo never traces the hooks]). "aot_eager" runs eager kernels, so the reference,
+    compiled whole, is bitwise comparable."""
+    torch.manual_seed(0)
+    base = Net()
+    reference = train_whole(compiled_whole(base, form)[0])
+    torch._dynamo.reset()  # the engine's run compiles afresh
+    budget_mb = 0 if budget == "zero" else 0.4 * saved_bytes(base, make_input) / MB
+    model, given = compiled_whole(base, form)
+    eng = offload.engine(
+        budget_mb,
+        regions=given.blocks,
+        policy=policy,
+        model=given,
+        min_offload_bytes=MIN_OFFLOAD_BYTES,
+        spill_dir=spill_dir,
+    )
+    results = train_whole(model, eng)
+    stats = wait_clean(eng, spill_dir)
+    assert len(eng.recent_stages) == len(WHOLE_SEQS), "the regions did not run under the engine"
+    eng.close()
+    if policy == "recompute":
+        assert stats.recomputed_regions == DEPTH * len(WHOLE_SEQS)
+    if budget == "zero":
+        assert stats.peak_resident_bytes == 0
+    for step, (want, got) in enumerate(zip(reference, results, strict=True)):
+        assert_same(want, got, f"{policy} {form} budget {budget} step {step}")

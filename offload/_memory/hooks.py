@@ -19,13 +19,13 @@ Passed through, and why:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .._errors import inplace_error
 
-__all__ = ["Eligibility", "no_offload", "pack_passed", "unpack_passed", "users_own"]
+__all__ = ["Eligibility", "never_traced", "no_offload", "pack_passed", "unpack_passed", "users_own"]
 
 _is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 _Tensor = torch.Tensor
@@ -137,6 +137,28 @@ def unpack_passed(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     if alias._version != version:
         raise inplace_error(alias.type(), alias.shape, alias._version, version)
     return alias
+
+
+# Note: [Dynamo never traces the hooks]
+#     Autograd calls pack and unpack from C++, as new Python frames. Where those frames start while
+#     a compiled function runs its Python code eagerly (the frame Dynamo gave up on: a graph break
+#     in a loop, such as a region in ``for block in self.blocks`` of a compiled model), Dynamo
+#     compiles them as frames of their own: it traced pack's eligibility test into a graph and
+#     failed there (``'NoneType' object has no attribute 'is_leaf'`` from ``users_own``), and a
+#     pack it did compile would have run the store's side effects as a graph. So the hooks' code
+#     is marked for Dynamo to skip, with everything it calls: a flag on the code object that the
+#     frame evaluator reads (torch 2.6+), free on a call, unlike ``torch.compiler.disable``, whose
+#     wrapper costs ~0.9 us a call (older torch gets that wrapper).
+
+
+def never_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, never compiled by Dynamo, nor anything it calls. See Note: [Dynamo never traces the hooks]."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return torch.compiler.disable(fn)
+    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    return fn
 
 
 def no_offload() -> torch.autograd.graph.saved_tensors_hooks:

@@ -28,7 +28,7 @@ from .._errors import OffloadError
 from .._observe import Observers
 from .._stats import Counters
 from .entry import Handle
-from .hooks import Eligibility, unpack_passed
+from .hooks import Eligibility, never_traced, unpack_passed
 from .host import Host
 from .sharded import ShardedHandle, Sharding, SharedSaves, declared
 from .store import Store
@@ -148,7 +148,7 @@ class Session:
             assert isinstance(packed, ShardedHandle)  # pack returns one of the three
             return shared.unpack(packed)
 
-        return pack, unpack
+        return never_traced(pack), never_traced(unpack)  # See Note: [Dynamo never traces the hooks]
 
     def _pack_shared(self, t: torch.Tensor, sharding: Sharding, store: Store, eager: bool) -> ShardedHandle:
         """A save declared shared across a process group (``offload.sharded``): this rank's slice goes to the store."""

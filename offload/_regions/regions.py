@@ -335,6 +335,17 @@ class Regions:
             w.put_back()
         self._wrapped = []
 
+    # Note: [a region is a graph break]
+    #     A region's wrapper decides at run time, step by step (profile, keep, move, re-run), and keeps
+    #     a record of the step; none of that can be a graph. In a model compiled whole
+    #     (``torch.compile(model)``, ``model.compile()``) Dynamo traced into the wrapper, the engine's
+    #     clocks and the probe's ``time.strftime`` included, and failed. So the wrapper is
+    #     ``torch.compiler.disable``d: Dynamo breaks the graph at each region and calls it as Python.
+    #     The region's own module then runs eagerly (a break inside ``for block in self.blocks`` makes
+    #     Dynamo run that whole forward eagerly, compiling the modules it calls one by one), unless it
+    #     is compiled itself: a compiled block called from the wrapper still runs its compiled code.
+    #     Hence the docs' advice to compile the blocks. The hooks' side: See Note: [Dynamo never
+    #     traces the hooks].
     def _wrap(self, index: int, name: str, module: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         def region_forward(*args: Any, **kwargs: Any) -> Any:
             if not (self._session.active() and torch.is_grad_enabled()):
@@ -363,6 +374,7 @@ class Regions:
                 self._session.eagerly_to_end()  # the head's and the loss's saves leave as they are made
             return out
 
+        region_forward = torch.compiler.disable(region_forward)  # See Note: [a region is a graph break]
         region_forward.__wrapped__ = forward  # type: ignore[attr-defined]  # functions take attributes; Callable does not say so
         return region_forward
 
