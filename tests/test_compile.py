@@ -286,3 +286,21 @@ def test_whole_model_compiled_with_regions_equal_no_engine(policy, form, budget,
         assert stats.peak_resident_bytes == 0
     for step, (want, got) in enumerate(zip(reference, results, strict=True)):
         assert_same(want, got, f"{policy} {form} budget {budget} step {step}")
+
+
+def test_hooks_never_traced_on_a_torch_without_frame_strategies(monkeypatch):
+    """Where torch has no per-code frame strategy (before 2.6), ``never_traced`` falls back to
+    ``torch.compiler.disable``: Dynamo then skips the call (and what it calls) by the wrapper."""
+    from torch._C._dynamo import eval_frame
+
+    from offload._memory.hooks import never_traced
+
+    monkeypatch.delattr(eval_frame, "set_code_exec_strategy")
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    wrapped = never_traced(pack)
+    assert wrapped is not pack and getattr(wrapped, "_torchdynamo_disable", False)
+    t = torch.ones(2)
+    assert wrapped(t) is t
