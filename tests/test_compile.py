@@ -291,11 +291,10 @@ def test_whole_model_compiled_with_regions_equal_no_engine(policy, form, budget,
 def test_hooks_never_traced_on_a_torch_without_frame_strategies(monkeypatch):
     """Where torch has no per-code frame strategy (before 2.6), ``never_traced`` falls back to
     ``torch.compiler.disable``: Dynamo then skips the call (and what it calls) by the wrapper."""
-    from torch._C._dynamo import eval_frame
-
+    from offload._memory import hooks
     from offload._memory.hooks import never_traced
 
-    monkeypatch.delattr(eval_frame, "set_code_exec_strategy")
+    monkeypatch.setattr(hooks, "_set_code_exec_strategy", None)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         return t

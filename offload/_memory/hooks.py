@@ -27,6 +27,12 @@ from .._errors import inplace_error
 
 __all__ = ["Eligibility", "never_traced", "no_offload", "pack_passed", "unpack_passed", "users_own"]
 
+try:  # torch 2.6+: a per-code flag Dynamo's frame evaluator reads (See Note: [Dynamo never traces the hooks])
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy as _set_code_exec_strategy
+except ImportError:
+    _set_code_exec_strategy = None  # type: ignore[assignment]  # torch before 2.6: the disable wrapper
+
 _is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -153,11 +159,9 @@ def unpack_passed(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
 
 def never_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, never compiled by Dynamo, nor anything it calls. See Note: [Dynamo never traces the hooks]."""
-    try:
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-    except ImportError:
+    if _set_code_exec_strategy is None:
         return torch.compiler.disable(fn)
-    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    _set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
     return fn
 
 
