@@ -139,6 +139,16 @@ def _check_spill_dir(spill_dir: object) -> Optional[Path]:
     if not isinstance(spill_dir, (str, os.PathLike)):
         raise TypeError(f"spill_dir must be a path (str or os.PathLike) or None, got {spill_dir!r}")
     path = Path(spill_dir).expanduser()
+    # A symlink whose target is missing (or a loop) reads as missing, yet nothing can be made there:
+    # every spill would fail. It, or a dangling link among the parents to be made, is refused by name.
+    dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:
+        which = "is" if dangling == path else f"cannot be made: its parent {str(dangling)!r} is"
+        raise ValueError(
+            f"spill_dir {str(path)!r} {which} a symbolic link to {os.readlink(dangling)!r}, which does not "
+            f"resolve to a directory (missing, or a loop); create its target, or pass an existing directory "
+            f"or None for a private temporary one"
+        )
     if path.exists() and not path.is_dir():
         raise ValueError(f"spill_dir {str(path)!r} exists and is not a directory; pass a directory path")
     # A missing spill_dir is made by the first spill and removed at close (``_memory.spill``), so nothing

@@ -110,6 +110,21 @@ def test_unwritable_spill_dir_is_refused_with_its_path(tmp_path):
         path.chmod(0o700)
 
 
+@pytest.mark.parametrize("under", [False, True], ids=["the-dir", "a-parent"])
+def test_spill_dir_through_a_dangling_symlink_is_refused_with_its_path(under, tmp_path):
+    """A symlink whose target is gone reads as missing, yet no spill could ever make it: refused at
+    construction, naming the link, its target and the fix, whether it is spill_dir or a parent."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    path = link / "spill" if under else link
+    with pytest.raises(ValueError, match="spill_dir") as info:
+        offload.engine(0, spill_dir=path)
+    message = str(info.value)
+    assert str(path) in message and str(tmp_path / "gone") in message, message
+    assert "symbolic link" in message and "create its target" in message, message
+    assert not (tmp_path / "gone").exists(), "checking the settings made nothing"
+
+
 def test_missing_spill_dir_is_created_private(tmp_path):
     """Made by the first spill (not by checking the settings), private, and gone with close():
     tests/test_spill_security.py::test_a_missing_spill_dir_is_made_when_needed_and_removed_at_close."""
