@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -107,6 +108,54 @@ _HF_ATTENTION = {"eager": Attention.AS_WRITTEN}
 ("sdpa", "flash_attention_2", ...) runs a fused kernel on the GPU, and the model is built with "sdpa"."""
 
 
+def _finite_number(text: str, low: float, *, low_allowed: bool) -> Optional[float]:
+    """``text`` as a finite number above ``low`` (or at it, where ``low_allowed``); None if it is not one."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    if not math.isfinite(value) or value < low or (value == low and not low_allowed):
+        return None
+    return value
+
+
+# The argparse ``type=`` of the numeric flags: a bad value is refused as argparse refuses one (exit 2),
+# naming the flag, the valid range in the flag's own unit and an example.
+
+
+def _memory_gb(text: str) -> float:
+    value = _finite_number(text, 0, low_allowed=False)
+    if value is None:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of GB > 0, got {text!r}; e.g. --memory-gb 80, or leave it out for the machine's "
+            "usable memory"
+        )
+    return value
+
+
+def _budget_mb(text: str) -> float:
+    value = _finite_number(text, 0, low_allowed=True)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"must be a number of MB >= 0, got {text!r}; e.g. --budget-mb 2048")
+    return value
+
+
+def _budget_fractions(text: str) -> tuple[float, ...]:
+    """``--budgets``: comma-separated percentages of the peak without the engine, as the fractions
+    ``predict`` takes."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    fractions = []
+    for item in items or [text]:
+        value = _finite_number(item, 0, low_allowed=True)
+        if value is None:
+            raise argparse.ArgumentTypeError(
+                f"each budget must be a percentage of the peak without the engine >= 0, got {item!r} in {text!r}; "
+                "e.g. --budgets 100,50,25,10"
+            )
+        fractions.append(value / 100)
+    return tuple(fractions)
+
+
 def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", default="minigpt", choices=["minigpt"], help="built-in model (offload.models)")
@@ -122,16 +171,21 @@ def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="batch size (default: 1)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="parameter dtype (default: bf16)")
     parser.add_argument(
-        "--budgets", default="100,50,25,10", help="budgets, %% of the peak without the engine (default: 100,50,25,10)"
+        "--budgets",
+        type=_budget_fractions,
+        default="100,50,25,10",
+        help="budgets, %% of the peak without the engine, each >= 0 (default: 100,50,25,10)",
     )
-    parser.add_argument("--budget-mb", type=float, default=None, help="the budget of the plan printed in full")
+    parser.add_argument(
+        "--budget-mb", type=_budget_mb, default=None, help="the budget of the plan printed in full, MB >= 0"
+    )
     parser.add_argument("--policy", default="auto", choices=POLICIES, help="the policy of that plan (default: auto)")
     parser.add_argument("--longest", action="store_true", help="search the longest sequence fitting device memory")
     parser.add_argument(
         "--memory-gb",
-        type=float,
+        type=_memory_gb,
         default=None,
-        help="device memory the step may use, GB (default: the machine's usable memory: what it reports, less the "
+        help="device memory the step may use, GB > 0 (default: the machine's usable memory: what it reports, less the "
         "CUDA context and the allocator's reserve)",
     )
     parser.add_argument(
@@ -229,7 +283,6 @@ def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, Attention, s
 
 def _run_predict(args: argparse.Namespace) -> int:
     try:
-        budgets = tuple(float(b) / 100 for b in args.budgets.split(",") if b.strip())
         for name in ("seq", "batch"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -252,7 +305,7 @@ def _run_predict(args: argparse.Namespace) -> int:
             machine=machine,
             budget_mb=args.budget_mb,
             policy=args.policy,
-            budgets=budgets,
+            budgets=args.budgets,
             attention=attention,
             attention_source=why,
             state=state,

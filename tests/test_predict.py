@@ -385,6 +385,43 @@ def test_predict_command_reads_a_hugging_face_config_file(tmp_path, capsys):
     assert "named machines are" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flag, value, valid",
+    [
+        ("--memory-gb", "-1", "a number of GB > 0"),
+        ("--memory-gb", "0", "a number of GB > 0"),
+        ("--memory-gb", "nan", "a number of GB > 0"),
+        ("--memory-gb", "lots", "a number of GB > 0"),
+        ("--budget-mb", "-5", "a number of MB >= 0"),
+        ("--budget-mb", "nan", "a number of MB >= 0"),
+        ("--budget-mb", "inf", "a number of MB >= 0"),
+        ("--budgets", "50,-10", "a percentage of the peak without the engine >= 0"),
+        ("--budgets", "50,abc", "a percentage of the peak without the engine >= 0"),
+        ("--budgets", "inf", "a percentage of the peak without the engine >= 0"),
+        ("--budgets", ",", "a percentage of the peak without the engine >= 0"),
+    ],
+)
+def test_predict_command_refuses_a_bad_number_by_its_flag(flag, value, valid, tmp_path, capsys):
+    """As argparse refuses a bad value (exit 2, before any work): the message names the flag, the
+    value and the valid range in the flag's own unit, never an internal field, bytes or fractions."""
+    argv = ["predict", "--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "64"]
+    assert main(argv + [flag, value, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and valid in err and repr(value) in err, err
+    assert f"e.g. {flag} " in err, err
+    for internal in ("budget_bytes", "memory_bytes", "budgets=", "fraction", "Traceback"):
+        assert internal not in err, err
+    assert not (tmp_path / "prediction.json").exists()
+
+
+def test_predict_command_takes_budgets_over_the_peak_and_zero(tmp_path):
+    """The edges of the valid ranges pass: 150 % and 0 % of the peak, a 0 MB plan."""
+    argv = ["predict", "--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "64"]
+    assert main(argv + ["--budgets", "150, 0", "--budget-mb", "0", "--memory-gb", "0.5", "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "prediction.json").read_text())
+    assert [p["budget_fraction"] for p in written["points"][:2]] == [1.5, 0.0]
+
+
 def test_regions_of_another_model_are_refused_by_name():
     model, x, y = _tiny()
     other, _, _ = _tiny()
