@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -224,6 +225,118 @@ def test_an_entry_that_does_not_hold_up_is_ignored_with_one_warning(tamper, tmp_
     if tamper == "digest":  # filed under this run's digest but keyed otherwise: the key itself is checked
         assert digest in data["entries"]
     assert_profiles_and_rewrites(path, spill_dir, reference, caplog, "unusable")
+
+
+def _plan(entry):
+    return entry["plans"][0]["plan"]
+
+
+def _profile(entry):
+    return entry["plans"][0]["profiles"][1]  # the first block's (the saves before the regions come first)
+
+
+WRONG_FIELDS = {
+    # A number stored as a string: trusted before, then a TypeError in the first forward or in explain.
+    "budget_bytes-as-string": (
+        "plan.budget_bytes '314572'",
+        lambda e: _plan(e).update(budget_bytes=str(_plan(e)["budget_bytes"])),
+    ),
+    "baseline_step_ms-as-string": (
+        "plan.baseline_step_ms '962.1'",
+        lambda e: _plan(e).update(baseline_step_ms="962.1"),
+    ),
+    "region-saved_bytes-as-string": (
+        "plan.regions[0].saved_bytes '1900544'",
+        lambda e: _plan(e)["regions"][0].update(saved_bytes="1900544"),
+    ),
+    "region-exposed_ms-as-string": (
+        "plan.regions[1].exposed_ms '2.9'",
+        lambda e: _plan(e)["regions"][1].update(exposed_ms="2.9"),
+    ),
+    "profile-saved_bytes-as-string": (
+        "profiles[1].saved_bytes '1900544'",
+        lambda e: _profile(e).update(saved_bytes="1900544"),
+    ),
+    "other_ms-as-string": ("other_ms '89.0'", lambda e: e["plans"][0].update(other_ms="89.0")),
+    # A bool is not a number, a float is not a count, a number is not a flag or a name.
+    "region-saved_bytes-as-bool": (
+        "regions[0].saved_bytes True",
+        lambda e: _plan(e)["regions"][0].update(saved_bytes=True),
+    ),
+    "predicted_peak_bytes-as-float": (
+        "plan.predicted_peak_bytes 1.5",
+        lambda e: _plan(e).update(predicted_peak_bytes=1.5),
+    ),
+    "fits_budget-as-string": ("plan.fits_budget 'true'", lambda e: _plan(e).update(fits_budget="true")),
+    "policy-as-number": ("plan.policy 7", lambda e: _plan(e).update(policy=7)),
+    "region-note-as-number": ("regions[0].note 5", lambda e: _plan(e)["regions"][0].update(note=5)),
+    "inputs-as-number": ("plans[0].inputs 5", lambda e: e["plans"][0].update(inputs=5)),
+    # Out of range: NaN anywhere, infinity where no time can be infinite, a negative count or budget.
+    "profile-forward_ms-nan": ("profiles[1].forward_ms nan", lambda e: _profile(e).update(forward_ms=math.nan)),
+    "region-exposed_ms-infinite": (
+        "regions[0].exposed_ms inf",
+        lambda e: _plan(e)["regions"][0].update(exposed_ms=math.inf),
+    ),
+    "region-transfer_ms-nan": (
+        "regions[0].transfer_ms nan",
+        lambda e: _plan(e)["regions"][0].update(transfer_ms=math.nan),
+    ),
+    "overhead-infinite": ("plan.predicted_overhead_ms inf", lambda e: _plan(e).update(predicted_overhead_ms=math.inf)),
+    "budget_bytes-negative": ("plan.budget_bytes -1", lambda e: _plan(e).update(budget_bytes=-1)),
+    "outside-resident_bytes-negative": (
+        "outside[0].resident_bytes -1",
+        lambda e: _plan(e)["outside"][0].update(resident_bytes=-1),
+    ),
+    # The fit's shapes and notes.
+    "fit-dims-as-strings": (
+        "bad shape [16384, 64, ['4', '64', '64']]",
+        lambda e: e["fit"]["measured"][0].__setitem__(2, ["4", "64", "64"]),
+    ),
+    "fit-note-as-number": ("note 5 is not a string", lambda e: e["fit"]["regions"][1].update(note=5)),
+}
+
+
+@pytest.mark.parametrize("wrong", WRONG_FIELDS)
+def test_a_field_of_the_wrong_type_or_range_is_ignored_with_one_warning(wrong, tmp_path, spill_dir, reference, caplog):
+    """Every field is checked on load, by type and range (issue 47, item 3): a hand-edited or
+    corrupt entry is one warning naming the field and its value (``why``), then profiling as if
+    there were no file, and training bitwise equal to the model without the engine."""
+    path = tmp_path / "plans.json"
+    profile_and_save(path, spill_dir)
+    data = json.loads(path.read_text())
+    (entry,) = data["entries"].values()
+    why, tamper = WRONG_FIELDS[wrong]
+    tamper(entry)
+    path.write_text(json.dumps(data))  # NaN and Infinity as Python's json writes and reads them
+    assert_profiles_and_rewrites(path, spill_dir, reference, caplog, why)
+
+
+def test_an_infinite_transfer_and_a_negative_overhead_read_back():
+    """The ranges are the planner's own: a link that cannot carry the bytes prices a transfer at
+    infinity, and a plan can predict a step a hair faster than the baseline; both load as written."""
+    from offload._plan.cache import _decode_plan, _encode_plan
+    from offload._plan.planner import Plan, RegionPlan
+
+    region = RegionPlan(
+        name="blocks.0",
+        decision=offload.Decision.KEEP,
+        saved_bytes=10,
+        forward_ms=1.0,
+        transfer_ms=math.inf,
+        exposed_ms=0.0,
+        resident_bytes=10,
+    )
+    plan = Plan(
+        regions=(region,),
+        policy="recompute",
+        budget_bytes=None,
+        baseline_step_ms=3.0,
+        predicted_step_ms=3.0 - 1e-12,
+        predicted_overhead_ms=-1e-12,
+        predicted_peak_bytes=10,
+        fits_budget=True,
+    )
+    assert _decode_plan(json.loads(json.dumps(_encode_plan(plan))), "plan") == plan
 
 
 def test_a_restart_with_new_shapes_plans_them_from_the_saved_fit(tmp_path, spill_dir):

@@ -20,10 +20,12 @@ An entry is filed under the sha256 of its key, whose parts are all written out b
     machine  the probe's key for this machine (``offload._memory.probe.machine_key``)
 
 What is trusted: nothing that does not parse, carry this module's format marker and version,
-and match every part of the key, and whose plans have one decision per region, by name. Anything
-else (a missing file, a corrupt or truncated one, a foreign JSON file, an entry for another
-model, budget, torch or machine) is ignored and the family profiled as if there were no
-file; the engine warns about it once (a missing file is not worth a warning) and the file is
+and match every part of the key, and whose plans have one decision per region, by name, and
+every field of the type and in the range its dataclass declares (checked on load, field by field:
+see ``_checked_fields``). Anything else (a missing file, a corrupt or truncated one, a foreign
+JSON file, an entry for another model, budget, torch or machine, a number stored as a string, a
+NaN) is ignored and the family profiled as if there were no file; the engine warns about it
+once, naming what did not hold up (a missing file is not worth a warning), and the file is
 rewritten after profiling. Decisions are stored by their value (``Decision(value)``), so a new
 decision needs no change here.
 
@@ -295,8 +297,8 @@ def _encode_profile(profile: RegionProfile) -> dict:
     return dataclasses.asdict(profile) | {"scope": profile.scope.value}
 
 
-def _decode_profile(stored: dict) -> RegionProfile:
-    return RegionProfile(**{**stored, "scope": Scope(stored["scope"])})
+def _decode_profile(stored: object, what: str) -> RegionProfile:
+    return RegionProfile(**_checked_fields(RegionProfile, stored, what))
 
 
 def _encode_region(r: RegionPlan) -> dict:
@@ -306,8 +308,8 @@ def _encode_region(r: RegionPlan) -> dict:
     }
 
 
-def _decode_region(stored: dict) -> RegionPlan:
-    return RegionPlan(**{**stored, "decision": Decision(stored["decision"]), "scope": Scope(stored["scope"])})
+def _decode_region(stored: object, what: str) -> RegionPlan:
+    return RegionPlan(**_checked_fields(RegionPlan, stored, what))
 
 
 def _encode_plan(plan: Plan) -> dict:
@@ -317,30 +319,132 @@ def _encode_plan(plan: Plan) -> dict:
     return fields
 
 
-def _decode_plan(stored: dict) -> Plan:
-    plan = dict(stored)
-    plan.pop("pace", None)  # a live reading, never saved (older files: ignored)
-    plan["regions"] = tuple(_decode_region(r) for r in plan["regions"])
-    plan["outside"] = tuple(_decode_region(r) for r in plan["outside"])
+def _decode_plan(stored: object, what: str) -> Plan:
+    if not isinstance(stored, dict):
+        raise ValueError(f"{what} is not an object")
+    fields = dict(stored)
+    fields.pop("pace", None)  # a live reading, never saved (older files: ignored)
+    rows = {part: fields.pop(part, None) for part in ("regions", "outside")}
+    plan = _checked_fields(Plan, fields, what)
+    for part, items in rows.items():
+        if not isinstance(items, list):
+            raise ValueError(f"{what}.{part} is not a list")
+        plan[part] = tuple(_decode_region(r, f"{what}.{part}[{i}]") for i, r in enumerate(items))
     return Plan(**plan)
 
 
-def _number(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or not math.isfinite(value):
-        raise ValueError(f"{what} {value!r} is not a number >= 0")
+# -- what a field may hold ---------------------------------------------------------------------
+#
+# Every number, string and flag read back is checked before an object is made of it: a cache
+# edited by hand, or written by a bug, fails here (one warning, profiling again), never in the
+# first forward, in ``eng.plan`` or in ``explain``. The check follows the field's annotation, so a
+# field added to a profile or a plan is checked with no change here (an annotation no check knows
+# is a KeyError: the entry is refused, and the restart tests fail); a field whose range is not its
+# annotation's is named in ``_CHECK_BY_FIELD``.
+
+
+def _count(value: object, what: str) -> int:
+    """Bytes, tensors, FLOPs: an int >= 0 (a bool, a float or a string is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} {value!r} is not a whole number >= 0")
+    return value
+
+
+def _optional_count(value: object, what: str) -> Optional[int]:
+    """A budget in bytes, or None: no limit."""
+    return None if value is None else _count(value, what)
+
+
+def _ms(value: object, what: str) -> float:
+    """A time: a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{what} {value!r} is not a finite number >= 0")
     return float(value)
+
+
+def _ms_or_never(value: object, what: str) -> float:
+    """A transfer time: a number >= 0, infinite where the link cannot carry the bytes (``planner``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:  # NaN is not >= 0
+        raise ValueError(f"{what} {value!r} is not a number >= 0 (or infinity)")
+    return float(value)
+
+
+def _signed_ms(value: object, what: str) -> float:
+    """A difference of times (the predicted overhead): any finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{what} {value!r} is not a finite number")
+    return float(value)
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} {value!r} is not a string")
+    return value
+
+
+def _flag(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} {value!r} is not true or false")
+    return value
+
+
+def _decision(value: object, what: str) -> Decision:
+    return Decision(_text(value, what))
+
+
+def _scope(value: object, what: str) -> Scope:
+    return Scope(_text(value, what))
+
+
+_CHECK_BY_ANNOTATION: dict[str, Callable[[object, str], object]] = {
+    "int": _count,
+    "int | None": _optional_count,
+    "float": _ms,
+    "str": _text,
+    "bool": _flag,
+    "Decision": _decision,
+    "Scope": _scope,
+}
+_CHECK_BY_FIELD: dict[tuple[type, str], Callable[[object, str], object]] = {
+    (RegionPlan, "transfer_ms"): _ms_or_never,
+    (Plan, "predicted_overhead_ms"): _signed_ms,
+}
+"""The fields whose range is not their annotation's."""
+
+
+def _checked_fields(cls: type, stored: object, what: str) -> dict:
+    """``stored``'s fields of the dataclass ``cls``, each checked (see above); ``ValueError`` naming
+    the first one unknown or out of its range (a missing one is left to the constructor)."""
+    if not isinstance(stored, dict):
+        raise ValueError(f"{what} is not an object")
+    annotations = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    checked = {}
+    for name, value in stored.items():
+        if name not in annotations:
+            raise ValueError(f"{what} has an unknown field {name!r}")
+        check = _CHECK_BY_FIELD.get((cls, name)) or _CHECK_BY_ANNOTATION[annotations[name]]
+        checked[name] = check(value, f"{what}.{name}")
+    return checked
 
 
 def _decode(entry: dict, names: list[str], profile_names: Sequence[str]) -> CachedPlan:
     link_scale = entry["link_scale"]
     if link_scale is not None and not (isinstance(link_scale, float) and math.isfinite(link_scale) and link_scale > 0):
         raise ValueError(f"link_scale {link_scale!r} is not a positive number")
+    if not isinstance(entry["plans"], list):
+        raise ValueError("plans is not a list")
     plans = []
-    for stored in entry["plans"]:
-        plan = _decode_plan(stored["plan"])
-        profiles = tuple(_decode_profile(p) for p in stored["profiles"])
+    for i, stored in enumerate(entry["plans"]):
+        what = f"plans[{i}]"
+        plan = _decode_plan(stored["plan"], f"{what}.plan")
+        if not isinstance(stored["profiles"], list):
+            raise ValueError(f"{what}.profiles is not a list")
+        profiles = tuple(_decode_profile(p, f"{what}.profiles[{j}]") for j, p in enumerate(stored["profiles"]))
         if [r.name for r in plan.regions] != names or [p.name for p in profiles] != list(profile_names):
             raise ValueError("its regions are not this engine's")
-        plans.append((str(stored["inputs"]), plan, profiles, _number(stored["other_ms"], "other_ms")))
+        inputs = _text(stored["inputs"], f"{what}.inputs")
+        plans.append((inputs, plan, profiles, _ms(stored["other_ms"], f"{what}.other_ms")))
+    if not isinstance(entry["fit"], dict):
+        raise ValueError("fit is not an object")
     fit = ProfileFit.from_dict(entry["fit"], profile_names)
     return CachedPlan(fit=fit, plans=tuple(plans), link_scale=link_scale)

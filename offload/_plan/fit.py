@@ -440,9 +440,11 @@ def _shape_from_json(item: list) -> Shape:
         isinstance(n, bool)
         or isinstance(s, bool)
         or not (isinstance(n, int) and isinstance(s, int) and n > 0 and s > 0)
+        or not isinstance(dims, list)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims)
     ):
         raise ValueError(f"bad shape {item[:3]!r}")
-    return Shape(n=n, s=s, dims=tuple(int(d) for d in dims))
+    return Shape(n=n, s=s, dims=tuple(dims))
 
 
 def _number_from_json(value: object) -> float:
@@ -545,7 +547,9 @@ class ProfileFit:
             raise ValueError("its regions are not this engine's")
         fit = ProfileFit(names)
         for region, stored in zip(fit._regions, stored_regions, strict=True):
-            region.note = str(stored["note"])
+            if not isinstance(stored["note"], str):
+                raise ValueError(f"note {stored['note']!r} is not a string")
+            region.note = stored["note"]
             region.scope = Scope(stored["scope"])
             for field, points in stored["fields"].items():
                 target = region.fields[field]  # KeyError for a field this version does not know
