@@ -197,7 +197,8 @@ class Config:
     ``DEFAULT_RESERVE_MB``, see there why); 0 moves nothing the device can hold; more than the
     device moves everything eligible. None: the budget is ``budget_bytes``."""
     spill_dir: Optional[Path] = None
-    """Parent directory for spill files; None: a private directory under the system temp dir.
+    """Where the spill file is made (in a private directory; both unlinked once the file is open, so
+    nothing of it stays on disk after the process, ``kill -9`` included); None: the system temp dir.
     On the CPU the disk is the tier behind the budget; on CUDA it takes what exceeds host memory."""
     host_budget_bytes: Optional[int] = None
     """Pinned host bytes the engine may hold (CUDA). None: bounded only by available RAM

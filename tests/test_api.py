@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import offload
-from zoo import assert_same, files_under, mlp, run_step, wait_clean
+from zoo import assert_same, files_under, mlp, run_step, spill_files, wait_clean
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -322,16 +322,17 @@ def test_repr_names_budget():
 # ---------------------------------------------------------------------------------- close
 
 
-def test_close_removes_the_spill_dir(spill_dir):
+def test_close_removes_the_spill_file(spill_dir):
+    """Changed with the nameless spill file (issue 47, item 4): nothing is in spill_dir while the
+    engine spills; close() closes the file, which the disk then frees."""
     model = mlp()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     with eng:
         loss = model(torch.randn(16, 64)).sum()
-    made = [p for p in spill_dir.iterdir()]
-    assert len(made) == 1 and made[0].is_dir(), "one private directory under spill_dir"
-    assert files_under(spill_dir), "budget 0: the activations are in spill files now"
+    assert spill_files(spill_dir), "budget 0: the activations are in the spill file now"
+    assert list(spill_dir.iterdir()) == [], "the file has no name there"
     eng.close()
-    assert not made[0].exists(), "close() removes the private spill directory"
+    assert spill_files(spill_dir) == [], "close() closes the spill file"
     eng.close()  # idempotent
     with pytest.raises(offload.OffloadError, match="closed"):
         with eng:
@@ -340,16 +341,16 @@ def test_close_removes_the_spill_dir(spill_dir):
     assert list(spill_dir.iterdir()) == []
 
 
-def test_engine_collected_removes_the_spill_dir(spill_dir):
+def test_engine_collected_removes_the_spill_file(spill_dir):
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     with eng:
         loss = mlp()(torch.randn(16, 64)).sum()
-    assert files_under(spill_dir)
+    assert spill_files(spill_dir) and files_under(spill_dir) == []
     del loss, eng
     import gc
 
     gc.collect()
-    assert files_under(spill_dir) == []
+    assert spill_files(spill_dir) == [] and files_under(spill_dir) == []
 
 
 # ---------------------------------------------------------------------------------- import

@@ -19,7 +19,7 @@ import offload
 from offload.bench.pagecache import cached_bytes_under
 from offload.models.gpt import GPTConfig, MiniGPT
 from offload.seams import Host
-from zoo import files_under, wait_clean
+from zoo import files_under, spill_files, wait_clean
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and O_DIRECT are Linux's")
 
@@ -111,14 +111,14 @@ def test_one_spill_file_reused_across_steps(tmp_path):
             _, loss = model(idx, idx)
         loss.backward()
         stats = wait_clean(eng, tmp_path)
-        files = files_under(tmp_path)
-        assert stats.spill_files == 1 and len(files) == 1, files
+        files = spill_files(tmp_path)
+        assert stats.spill_files == 1 and len(files) == 1 and files_under(tmp_path) == [], files
         assert oct(os.stat(files[0]).st_mode & 0o777) == oct(0o600)
         sizes.append(os.path.getsize(files[0]))
     assert stats.spilled_bytes > 0
     assert sizes[1:] == sizes[:1] * 3, f"extents are reused, the file does not grow: {sizes}"
     eng.close()
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [] and spill_files(tmp_path) == []
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")

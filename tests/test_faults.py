@@ -36,7 +36,7 @@ from torch import nn
 import offload
 from hosts import StandInHost
 from links import DeferredLink, link_named
-from zoo import MB, assert_same, files_under, run_step, wait_clean
+from zoo import MB, assert_same, files_under, run_step, spill_files, wait_clean
 
 SIZE = 16 * 1024
 """Elements of each saved tensor in the chain (64 KiB in fp32)."""
@@ -84,10 +84,11 @@ def warnings_from(caplog, part: str) -> list[str]:
 
 
 def only_file(spill_dir) -> str:
-    """The engine's one spill file: the only file under its private directory, the only entry of ``spill_dir``."""
+    """The engine's one spill file, as ``/proc/self/fd/N`` (``zoo.spill_files``): open, without a
+    name, and nothing in ``spill_dir``."""
+    files = spill_files(spill_dir)
     entries = list(spill_dir.iterdir())
-    files = files_under(spill_dir)
-    assert len(entries) == 1 and entries[0].is_dir() and len(files) == 1, (entries, files)
+    assert len(files) == 1 and entries == [], (files, entries)
     return files[0]
 
 
@@ -248,7 +249,7 @@ def test_open_refused_keeps_tensors_in_memory_until_writable(host, spill_dir, ca
 
 def _refuse_removal(monkeypatch):
     """Make every unlink and rmdir fail with EACCES, as in a directory turned read-only (root is
-    not stopped by modes, so the refusal is injected where ``shutil.rmtree`` asks the OS)."""
+    not stopped by modes, so the refusal is injected where the engine asks the OS)."""
 
     def refused(path, *args, **kwargs):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
@@ -257,41 +258,40 @@ def _refuse_removal(monkeypatch):
     monkeypatch.setattr(os, "rmdir", refused)
 
 
-def test_remove_refused_at_close_warns_and_leaves_no_data(spill_dir, caplog, monkeypatch):
-    """close() cannot remove the spill file (EACCES on unlink and rmdir): it says so once, naming
-    the directory (never a value), and the file it leaves holds no tensor bytes (emptied first).
+def test_a_spill_file_whose_name_cannot_be_removed_is_not_used(spill_dir, caplog, monkeypatch):
+    """The name of a new spill file cannot be removed (EACCES on unlink and rmdir): the file is not
+    used, since its bytes would outlive a killed process; the step is exact with the tensors in
+    memory and one warning, the empty file left behind holds no tensor byte, and once names can be
+    removed the engine spills into a nameless file. close() then removes nothing by name.
 
-    Changed with the one-file design: tensors no longer have files of their own, so nothing is
-    removed mid-run; the one removal is close()'s, and this is what happens when it is refused."""
+    Changed with the nameless file (issue 47, item 4): this was close()'s removal refused, which
+    emptied the file it left; now the one removal is the open's, and a refused one fails the open."""
     ref = chain_step()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
-        assert_same(ref, chain_step(eng), "before close")
-        assert_same(ref, chain_step(eng), "before close, second step")
+        with monkeypatch.context() as m:
+            _refuse_removal(m)
+            assert_same(ref, chain_step(eng), "the name cannot be removed")
+        stats = wait_clean(eng)
+        assert stats.spilled_bytes == stats.offloaded_bytes == 0 and stats.spill_files == 0
+        assert spill_files(spill_dir) == [], "no descriptor kept on a named file"
+        left = files_under(spill_dir)
+        assert left and all(os.path.getsize(path) == 0 for path in left), "what is left holds no tensor byte"
+        messages = warnings_from(caplog, "store")
+        assert len(messages) == 1 and "spill" in messages[0] and os.strerror(errno.EACCES) in messages[0], messages
+        for private in spill_dir.iterdir():
+            shutil.rmtree(private)
+        eng.reset_stats()
+        assert_same(ref, chain_step(eng), "names removable again")
         stats = wait_clean(eng, spill_dir)
-        assert stats.spilled_bytes == 2 * DEPTH * NBYTES
-        path = only_file(spill_dir)
-        private = os.path.dirname(path)
-        assert os.path.getsize(path) >= DEPTH * NBYTES
+        assert stats.spilled_bytes == DEPTH * NBYTES
+        only_file(spill_dir)
+        said = len(warnings_from(caplog, "spill"))  # each refused open could not remove its directory
         with monkeypatch.context() as m:
             _refuse_removal(m)
             eng.close()
-    assert eng.stats.spill_files == 0 and eng.stats.spill_bytes == 0
-    messages = warnings_from(caplog, "spill")
-    assert len(messages) == 1, messages
-    assert private in messages[0] and os.strerror(errno.EACCES) in messages[0], messages
-    assert files_under(spill_dir) == [path] and os.path.getsize(path) == 0, "no tensor bytes stay on disk"
-    assert not [fd for fd in os.listdir("/proc/self/fd") if _points_into(fd, private)], "the descriptor is closed"
-    eng.close()  # idempotent: nothing more to say
-    assert len(warnings_from(caplog, "spill")) == 1
-    shutil.rmtree(private)
-
-
-def _points_into(fd: str, directory: str) -> bool:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}").startswith(directory)
-    except OSError:
-        return False
+    assert eng.stats.spill_files == 0 and spill_files(spill_dir) == [] and list(spill_dir.iterdir()) == []
+    assert len(warnings_from(caplog, "spill")) == said, "close() has no name to remove"
 
 
 def test_chmod_unwritable_mid_run(spill_dir, caplog):
@@ -299,40 +299,39 @@ def test_chmod_unwritable_mid_run(spill_dir, caplog):
     root; as root run it with ``setpriv --bounding-set -dac_override,-dac_read_search``).
 
     Changed with the one-file design: the file is open before the chmod, and writes and reads go
-    through its descriptor, so the step spills as usual, exactly and without a warning. The
-    directory's mode matters only to close(), which then cannot remove the file: it warns and
-    leaves an empty file (``test_remove_refused_at_close_warns_and_leaves_no_data``)."""
+    through its descriptor, so the step spills as usual, exactly and without a warning. Changed
+    with the nameless file (issue 47, item 4): the file has no name to remove, so close() needs no
+    write to the directory either, and leaves it as it was."""
     ref = chain_step()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     model = TanhChain()
     with eng:
         torch.tanh(torch.randn(SIZE, requires_grad=True) * 2).sum().backward()  # opens the spill file
     eng.reset_stats()
-    path = only_file(spill_dir)
-    private = os.path.dirname(path)
-    os.chmod(private, 0o500)
+    only_file(spill_dir)
+    os.chmod(spill_dir, 0o500)
     try:
-        if os.access(private, os.W_OK):
+        if os.access(spill_dir, os.W_OK):
             pytest.skip("chmod 0500 does not stop this process from writing (running as root)")
         with caplog.at_level(logging.WARNING, logger="offload"):
             assert_same(ref, chain_step(eng, model), "unwritable directory")
             stats = wait_clean(eng, spill_dir)
             assert stats.spilled_bytes == DEPTH * NBYTES, "the open file takes the writes"
-            assert warnings_from(caplog, "store") == []
             eng.close()
-        assert os.path.getsize(path) == 0, "close() emptied the file it could not remove"
-        assert any(private in m for m in warnings_from(caplog, "spill"))
+        assert warnings_from(caplog, "store") == [] and warnings_from(caplog, "spill") == []
+        assert list(spill_dir.iterdir()) == [] and spill_files(spill_dir) == []
     finally:
-        os.chmod(private, 0o700)
-    shutil.rmtree(private, ignore_errors=True)
+        os.chmod(spill_dir, 0o700)
 
 
 def test_spill_dir_removed_mid_forward_still_reads_back(spill_dir, host, caplog):
-    """The private directory is removed mid-forward (a /tmp cleaner): the open descriptor keeps the
-    file's data, so backward is exact, and so is the next step, through the same (unlinked) file.
+    """The spill directory is removed mid-forward (a /tmp cleaner): the open descriptor keeps the
+    file's data, so backward is exact, and so is the next step, through the same nameless file.
 
     Changed with the one-file design: with a file per tensor the data went with the directory and
-    backward failed with an OffloadError; one open file survives its name."""
+    backward failed with an OffloadError; one open file survives its name. Changed with the
+    nameless file (issue 47, item 4): the private directory is gone once the file is open, so the
+    cleaner removes ``spill_dir`` itself."""
     ref = chain_step()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
     model = TanhChain()
@@ -347,25 +346,25 @@ def test_spill_dir_removed_mid_forward_still_reads_back(spill_dir, host, caplog)
                 h = torch.tanh(h) * model.scale
                 if i == DEPTH // 2:
                     assert host.landed() > 0  # data written before the removal is read after it
-                    shutil.rmtree(os.path.dirname(only_file(spill_dir)))
+                    only_file(spill_dir)
+                    shutil.rmtree(spill_dir)
             loss = h.sum()
         loss.backward()
         got = (h.detach().clone(), model.scale.grad.clone(), x.grad.clone())
         del loss, h
-        stats = wait_clean(eng, spill_dir)
+        stats = wait_clean(eng)
         assert stats.spilled_bytes == DEPTH * NBYTES and 0 < stats.reloaded_bytes <= stats.offloaded_bytes
         assert torch.equal(got[0], ref.output) and torch.equal(got[1], ref.grads["scale"])
         assert torch.equal(got[2], ref.input_grad)
-        assert list(spill_dir.iterdir()) == []
         eng.reset_stats()
         assert_same(ref, chain_step(eng, model), "after the directory vanished")
-        stats = wait_clean(eng, spill_dir)
+        stats = wait_clean(eng)
     assert stats.spilled_bytes == DEPTH * NBYTES and stats.spill_files == 1, "the same open file serves"
-    assert list(spill_dir.iterdir()) == [], "nothing new appears in its place"
+    assert len(spill_files(spill_dir)) == 1 and not spill_dir.exists(), "nothing new appears in its place"
     eng.close()
-    assert list(spill_dir.iterdir()) == []
+    assert spill_files(spill_dir) == [] and not spill_dir.exists()
     warned = [r.getMessage() for r in caplog.records if r.name.startswith("offload") and r.levelno >= logging.WARNING]
-    assert warned == [], "nothing failed (a directory already gone is not a failure to remove)"
+    assert warned == [], "nothing failed"
 
 
 def test_spill_parent_removed_keeps_tensors_in_memory_until_it_returns(spill_dir, caplog):

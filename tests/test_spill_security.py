@@ -4,11 +4,13 @@ Activations are user data (a batch of text, images, medical records). On disk th
 private as the process's memory: a 0700 directory of its own, a 0600 file, a name that says
 nothing and cannot be guessed, opened so that a planted symlink or file is never followed or
 reused, and nothing left behind however the engine ends (close, garbage collection, interpreter
-exit). Log lines and errors name shapes and dtypes at most, never values.
+exit, ``kill -9``). Log lines and errors name shapes and dtypes at most, never values.
 
-The disk tier is one spill file per engine: made with its private directory at the first spill,
-written and read through its descriptor, removed at close. The private directory is the only
-entry of the ``spill_dir`` a test passes, so tests find it there. The attacker's moves that need
+The disk tier is one spill file per engine: made in a private directory at the first spill, then
+unlinked with the directory before any byte is written, written and read through its descriptor,
+closed at close. ``spill_dir`` is empty all along; tests find the file through the process's
+descriptors (``zoo.spill_files``), and what the directory was at the create through the host
+seam. The attacker's moves that need
 timing (a name predicted, a trap laid before the create) are made through the engine's host seam
 (``offload.seams.Host``), which sees the spill file's calls to the OS and nothing else.
 """
@@ -20,6 +22,8 @@ import gc
 import logging
 import os
 import re
+import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -35,7 +39,7 @@ from torch import nn
 import offload
 from hosts import StandInHost
 from offload.seams import Host
-from zoo import assert_same, default_loss, files_under, run_step, wait_clean
+from zoo import assert_same, default_loss, files_under, run_step, spill_file_name, spill_files, wait_clean
 
 WIDTH = 128
 BATCH = 64
@@ -58,20 +62,23 @@ def _forward(eng, model=None):
 
 
 def _private(spill_dir) -> Path:
-    """The engine's private directory: the only entry of the spill_dir it was given."""
-    entries = list(spill_dir.iterdir())
-    assert len(entries) == 1, entries
-    return entries[0]
+    """The private directory the engine's one spill file was made in (gone since the open)."""
+    files = spill_files(spill_dir)
+    assert len(files) == 1 and list(spill_dir.iterdir()) == [], (files, list(spill_dir.iterdir()))
+    return Path(spill_file_name(files[0])).parent
 
 
 class _OpenFlags(Host):
-    """This machine, recording the path, flags and mode of each open of the spill file."""
+    """This machine, recording the path, flags and mode of each open of the spill file, and the
+    directory it is made in as it is then (``os.lstat``)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, int]] = []
+        self.dirs: list[os.stat_result] = []
 
     def open(self, path, flags, mode):
         self.calls.append((path, flags, mode))
+        self.dirs.append(os.lstat(os.path.dirname(path)))
         return super().open(path, flags, mode)
 
 
@@ -90,19 +97,25 @@ def _fds_into(directory) -> dict[int, str]:
 
 def test_directory_and_file_are_private_and_the_name_says_nothing(spill_dir):
     """One 0700 directory of our own, one 0600 regular file with a random (uuid4) name, created
-    with O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC; close() closes its descriptor and removes both."""
+    with O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC; both gone from the disk once it is open (the
+    descriptor holds it), and close() closes the descriptor.
+
+    Changed with the nameless file (issue 47, item 4): the directory is seen as it was at the
+    create (through the host seam), and the file through its descriptor."""
     opens = _OpenFlags()
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=opens)
     loss = _forward(eng)
     private = _private(spill_dir)
-    info = os.lstat(private)
+    assert not private.exists(), "the private directory went once the file was open"
+    info = opens.dirs[0]
     assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
     assert re.fullmatch(r"offload-[A-Za-z0-9_]{8,}", private.name), "mkdtemp's random suffix"
-    files = files_under(spill_dir)
+    files = spill_files(spill_dir)
     assert len(files) == eng.stats.spill_files == 1, "one file per engine"
-    path = files[0]
-    info = os.lstat(path)
+    path = spill_file_name(files[0])
+    info = os.stat(files[0])
     assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.getuid()
+    assert info.st_nlink == 0 and not os.path.lexists(path), "no name on disk"
     name = os.path.basename(path)
     assert re.fullmatch(r"[0-9a-f]{32}", name), name
     assert uuid.UUID(name).version == 4, f"{name}: random (uuid4), not derived from a clock or a counter"
@@ -113,7 +126,7 @@ def test_directory_and_file_are_private_and_the_name_says_nothing(spill_dir):
             assert flags & getattr(os, flag), f"the spill file is created without {flag}"
         assert mode == 0o600
     held = _fds_into(private)
-    assert list(held.values()) == [path], held
+    assert list(held.values()) == [f"{path} (deleted)"], held
     assert not os.get_inheritable(next(iter(held))), "a child process must not inherit the spill file"
     del loss
     wait_clean(eng, spill_dir)
@@ -171,20 +184,22 @@ def test_planted_path_is_never_written_through(planted, spill_dir, tmp_path, cap
     assert any(os.strerror(errno.EEXIST) in m for m in messages), messages
     stats = wait_clean(eng, spill_dir)
     assert stats.spilled_bytes > 0, "names after the planted ones spill normally"
-    assert _private(spill_dir) == planting.dirs[-1], "the trapped directories went, with their traps"
-    assert files_under(spill_dir) == [str(f) for f in planting.dirs[-1].iterdir()] and len(files_under(spill_dir)) == 1
+    assert _private(spill_dir) == planting.dirs[-1], "the file is in the last directory made"
+    assert list(spill_dir.iterdir()) == [], "the trapped directories went, with their traps, and the last one"
     eng.close()
     assert list(spill_dir.iterdir()) == [] and target.read_bytes() == b"precious"
 
 
 def test_spill_file_swapped_for_a_symlink_is_not_read(spill_dir, tmp_path):
-    """The spill file's name is replaced by a symlink to attacker-chosen bytes: reads go through the
-    descriptor opened at the first spill, never through the name, so backward is exact and the
-    attacker's file is neither opened nor changed; close() removes the symlink, not its target.
+    """A symlink to attacker-chosen bytes is laid where the spill file was made: reads go through
+    the descriptor opened at the first spill, never through the name, so backward is exact and the
+    attacker's file is neither opened nor changed; close() leaves what it did not make.
 
     Changed with the one-file design: with a file per tensor, each read opened the name (and
     O_NOFOLLOW refused the symlink with an OffloadError); now nothing is opened after the first
-    spill, so a swapped name has no way in at all, and backward is exact."""
+    spill, so a swapped name has no way in at all, and backward is exact. Changed with the nameless
+    file (issue 47, item 4): the name and its directory are gone once the file is open, so the
+    attacker makes them again rather than swapping them, and close() has nothing to remove."""
     host = StandInHost()  # records every spill write and every open
     model = _model()
     ref = run_step(model, _marked_input)
@@ -194,9 +209,11 @@ def test_spill_file_swapped_for_a_symlink_is_not_read(spill_dir, tmp_path):
         out = model(_marked_input())
     assert host.landed() > 0
     fake = tmp_path / "fake"
-    [path] = files_under(spill_dir)
-    fake.write_bytes(b"\0" * os.path.getsize(path))
-    os.unlink(path)
+    [fd_path] = spill_files(spill_dir)
+    path = spill_file_name(fd_path)
+    assert not os.path.lexists(os.path.dirname(path)), "nothing of it on disk to swap"
+    fake.write_bytes(b"\0" * os.path.getsize(fd_path))
+    os.mkdir(os.path.dirname(path))
     os.symlink(fake, path)
     opened = host.opens
     default_loss(out).backward()
@@ -204,9 +221,9 @@ def test_spill_file_swapped_for_a_symlink_is_not_read(spill_dir, tmp_path):
     assert all(torch.equal(p.grad, ref.grads[n]) for n, p in model.named_parameters()), "read through the descriptor"
     assert host.opens == opened and fake.read_bytes() == b"\0" * os.path.getsize(fake)
     del out
-    wait_clean(eng, spill_dir)
     eng.close()
-    assert list(spill_dir.iterdir()) == [] and fake.exists(), "the symlink went, its target stayed"
+    assert os.path.islink(path) and fake.exists(), "close() removes nothing by name, the target stayed"
+    shutil.rmtree(os.path.dirname(path))
 
 
 def test_logs_and_errors_name_shapes_and_dtypes_at_most(spill_dir, caplog):
@@ -223,7 +240,7 @@ def test_logs_and_errors_name_shapes_and_dtypes_at_most(spill_dir, caplog):
     with caplog.at_level(logging.DEBUG, logger="offload"):
         loss = _forward(eng)
         assert writes.landed() > 0 and eng.stats.spill_files == 1
-        for path in files_under(spill_dir):
+        for path in spill_files(spill_dir):
             os.truncate(path, 10)
         with pytest.raises(offload.OffloadError) as failure:
             loss.backward()
@@ -261,7 +278,7 @@ def test_directory_removed_on_close_but_the_users_parent_stays(spill_dir):
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     loss = _forward(eng)
     private = _private(spill_dir)
-    assert private.is_dir() and len(files_under(private)) == 1
+    assert not private.exists() and len(_fds_into(private)) == 1, "open, with no name"
     loss.backward()
     del loss
     stats = wait_clean(eng, spill_dir)
@@ -284,14 +301,14 @@ def test_directory_removed_when_the_engine_is_collected(spill_dir):
     private = _private(spill_dir)
     del eng
     gc.collect()
-    assert private.is_dir() and files_under(private), "backward still needs this file"
+    assert _fds_into(private), "backward still needs this file"
     default_loss(out).backward()
     assert torch.equal(out, ref.output)
     assert all(torch.equal(p.grad, ref.grads[n]) for n, p in model.named_parameters())
     del out
     gc.collect()
-    assert not private.exists()
-    assert _fds_into(private) == {}, "its descriptor closed too"
+    assert _fds_into(private) == {}, "its descriptor closed"
+    assert list(spill_dir.iterdir()) == []
 
 
 def test_directory_removed_at_interpreter_exit(spill_dir):
@@ -307,8 +324,8 @@ def test_directory_removed_at_interpreter_exit(spill_dir):
                 h = torch.tanh(h @ w)
             loss = h.sum()
         assert eng.stats.spill_files == 1
-        [private] = pathlib.Path(sys.argv[1]).iterdir()
-        print(private)
+        assert list(pathlib.Path(sys.argv[1]).iterdir()) == [], "nothing in spill_dir while spilling"
+        print("spilled")
         """
     )
     done = subprocess.run(
@@ -319,10 +336,8 @@ def test_directory_removed_at_interpreter_exit(spill_dir):
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert done.returncode == 0, done.stderr
-    private = Path(done.stdout.strip().splitlines()[-1])
-    assert private.parent == spill_dir
-    assert not private.exists(), f"left behind: {files_under(private)}"
-    assert list(spill_dir.iterdir()) == []
+    assert done.stdout.strip().splitlines()[-1] == "spilled"
+    assert list(spill_dir.iterdir()) == [], f"left behind: {files_under(spill_dir)}"
 
 
 def test_a_missing_spill_dir_is_made_when_needed_and_removed_at_close(tmp_path):
@@ -369,7 +384,11 @@ def test_a_spill_dir_under_a_read_only_parent_is_refused(tmp_path):
 
 def test_two_engines_sharing_a_missing_spill_dir(tmp_path):
     """Two engines (two ranks on one node) share a spill_dir that did not exist: both spill, and
-    one closing first never takes the directory from under the other."""
+    one closing first never takes anything from under the other.
+
+    Changed with the nameless file (issue 47, item 4): the other's file is no longer in the
+    directory, so the first to close removes the (empty) directories it made, and the other goes
+    on through its descriptor; nothing made is left once both are closed."""
     import offload
 
     missing = tmp_path / "shared" / "spill"
@@ -384,8 +403,66 @@ def test_two_engines_sharing_a_missing_spill_dir(tmp_path):
 
     grads = [step(eng) for eng in engines]
     assert all(eng.stats.spilled_bytes > 0 for eng in engines)
-    engines[0].close()  # the engine that made the directories: the other's files are still there
-    assert missing.is_dir()
+    engines[0].close()  # the engine that made the directories, empty now: they go
+    assert len(spill_files(missing)) == 1, "the other's file is open, with no name"
     assert torch.equal(step(engines[1]), grads[1])
     engines[1].close()
-    assert list(missing.iterdir()) == []
+    assert spill_files(missing) == [] and not (tmp_path / "shared").exists()
+
+
+def test_spill_dir_is_empty_while_the_engine_spills(spill_dir):
+    """At every spill write, as it starts, ``spill_dir`` lists nothing: no tensor byte is ever
+    written into a file that has a name (issue 47, item 4)."""
+    host = StandInHost()
+    seen: list[list[str]] = []
+    host.before_write = lambda n, offset: seen.append(os.listdir(spill_dir))
+    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    loss = _forward(eng)
+    assert host.landed() > 0 and len(seen) == host.writes
+    assert seen == [[]] * len(seen), seen
+    loss.backward()
+    del loss
+    wait_clean(eng, spill_dir)
+    eng.close()
+
+
+def test_a_process_killed_mid_spill_leaves_nothing(spill_dir):
+    """SIGKILL while the spill file holds a step's activations: no cleanup runs, yet nothing is left
+    in ``spill_dir``, since the file never had a name once written (issue 47, item 4; before, the
+    private directory and the file with every spilled byte stayed for good)."""
+    script = textwrap.dedent(
+        """
+        import sys, torch, offload
+        eng = offload.engine(0, min_offload_bytes=0, spill_dir=sys.argv[1])
+        w = torch.randn(256, 256, requires_grad=True)
+        with eng:
+            h = torch.randn(64, 256)
+            for _ in range(4):
+                h = torch.tanh(h @ w)
+            loss = h.sum()
+        assert eng.stats.spilled_bytes > 0
+        print("spilled", flush=True)
+        sys.stdin.readline()  # held here, its graph on disk, until killed
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, str(spill_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        line = child.stdout.readline()
+        assert line.strip() == "spilled", child.stderr.read()
+        assert list(spill_dir.iterdir()) == [], "the child spills with nothing in spill_dir"
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for stream in (child.stdin, child.stdout, child.stderr):
+            stream.close()
+    assert list(spill_dir.iterdir()) == [], f"left behind: {files_under(spill_dir)}"

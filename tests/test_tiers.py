@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import offload
 import offload._memory.tiers
 from hosts import StandInHost
-from zoo import MB, assert_same, default_loss, files_under, mlp, run_step, wait_clean
+from zoo import MB, assert_same, default_loss, files_under, mlp, run_step, spill_file_name, spill_files, wait_clean
 
 EXTENT_ALIGN_BYTES = 4096
 """What each spilled copy's extent is rounded up to (``offload.Stats.spill_bytes``)."""
@@ -65,21 +65,22 @@ def mlp_input():
 
 
 def test_spill_file_is_private_with_a_random_name(spill_dir):
-    """One private 0700 directory holding one 0600 file with a random name, whose live extents hold
-    every tensor moved (aligned to the direct-I/O block), and nothing else.
+    """One 0600 file, made with a random name in a private directory and open without a name since
+    (nothing in ``spill_dir`` while it spills), whose live extents hold every tensor moved (aligned
+    to the direct-I/O block), and nothing else.
 
-    Changed with the one-file design: there used to be a file per spilled tensor."""
+    Changed with the one-file design: there used to be a file per spilled tensor. Changed with the
+    nameless file (issue 47, item 4): the directory and the name went with the open; the 0700
+    directory is checked at the create, in ``test_spill_security``."""
     eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
     with eng:
         loss = deep_mlp()(mlp_input()).sum()
-    dirs = list(spill_dir.iterdir())
-    assert len(dirs) == 1 and dirs[0].is_dir()
-    assert stat.S_IMODE(os.stat(dirs[0]).st_mode) == 0o700
-    files = files_under(spill_dir)
+    assert list(spill_dir.iterdir()) == [], "spilling, yet nothing on disk names the file"
+    files = spill_files(spill_dir)
     stats = eng.stats
     assert len(files) == stats.spill_files == 1
     assert stat.S_IMODE(os.stat(files[0]).st_mode) == 0o600, files[0]
-    name = os.path.basename(files[0])
+    name = os.path.basename(spill_file_name(files[0]))
     assert re.fullmatch(r"[0-9a-f]{32}", name), f"{name}: a random name, nothing about the tensor in it"
     align = EXTENT_ALIGN_BYTES
     assert stats.offloaded_bytes == stats.saved_bytes > 0, "budget 0 moves everything"
@@ -105,12 +106,12 @@ def test_spill_extents_go_as_backward_consumes_them(spill_dir):
             h = layer(h)
             if i == len(model) // 2:
                 h.register_hook(
-                    lambda grad: counts.append((eng.stats.spill_bytes, len(files_under(spill_dir)))) or grad
+                    lambda grad: counts.append((eng.stats.spill_bytes, len(spill_files(spill_dir)))) or grad
                 )
         loss = h.sum()
     after_forward = eng.stats.spill_bytes
     assert after_forward >= eng.stats.offloaded_bytes > 0
-    [path] = files_under(spill_dir)
+    [path] = spill_files(spill_dir)
     size = os.path.getsize(path)
     loss.backward()
     assert len(counts) == 1
@@ -118,9 +119,9 @@ def test_spill_extents_go_as_backward_consumes_them(spill_dir):
     assert counts[0][1] == 1, "one file throughout"
     stats = wait_clean(eng, spill_dir)
     assert stats.spill_bytes == 0 and stats.spill_files == 1
-    assert files_under(spill_dir) == [path] and os.path.getsize(path) == size, "kept for the next step"
+    assert spill_files(spill_dir) == [path] and os.path.getsize(path) == size, "kept for the next step"
     eng.close()
-    assert eng.stats.spill_files == 0 and list(spill_dir.iterdir()) == []
+    assert eng.stats.spill_files == 0 and spill_files(spill_dir) == [] and list(spill_dir.iterdir()) == []
 
 
 def test_spill_files_removed_after_exception_in_forward(spill_dir):
@@ -130,7 +131,7 @@ def test_spill_files_removed_after_exception_in_forward(spill_dir):
 
     def forward_that_fails():
         out = model(mlp_input())  # noqa: F841 - its graph holds the spilled tensors until this frame dies
-        seen.append(len(files_under(spill_dir)))
+        seen.append(len(spill_files(spill_dir)))
         raise KeyError("mid-forward")
 
     try:
@@ -280,8 +281,8 @@ def _spilled_step(spill_dir):
     with eng:
         out = model(x)
     assert writes.landed() > 0, "every write has landed before the test edits the file"
-    files = files_under(spill_dir)
-    assert len(files) == 1
+    files = spill_files(spill_dir)
+    assert len(files) == 1 and files_under(spill_dir) == []
     return eng, model, ref, x, out, files[0]
 
 
@@ -296,15 +297,16 @@ def test_truncated_spill_file_is_an_offload_error(spill_dir):
     assert list(spill_dir.iterdir()) == []
 
 
-def test_deleted_spill_file_is_still_read_through_its_descriptor(spill_dir):
-    """The spill file's name is removed (a cleaner, a user): the engine's open descriptor keeps the
-    data, so backward is exact; nothing is left on disk, and close() has nothing more to remove.
+def test_a_spill_file_without_a_name_is_read_through_its_descriptor(spill_dir):
+    """The spill file has no name once open: the engine's descriptor holds the data, so backward
+    is exact, and nothing is on disk for a cleaner (or a user) to delete meanwhile.
 
     Changed with the one-file design: with a file per tensor, each read opened its file by name
     and a deleted one was an OffloadError ("No such file"); now the file is read through the
-    descriptor opened at the first spill, so its name going changes nothing."""
+    descriptor opened at the first spill. Changed with the nameless file (issue 47, item 4): this
+    deleted the name by hand; the engine now does so itself at the open."""
     eng, model, ref, x, out, path = _spilled_step(spill_dir)
-    os.unlink(path)
+    assert not os.path.lexists(spill_file_name(path))
     default_loss(out).backward()
     assert torch.equal(out, ref.output) and torch.equal(x.grad, ref.input_grad)
     assert all(torch.equal(p.grad, ref.grads[n]) for n, p in model.named_parameters())
@@ -320,7 +322,7 @@ def test_backward_after_close_is_an_offload_error(spill_dir):
     """The error names the tensor, says the engine was closed, and says the fix."""
     eng, model, ref, x, out, path = _spilled_step(spill_dir)
     eng.close()
-    assert list(spill_dir.iterdir()) == [], "close() removes the file even while a graph still needs it"
+    assert spill_files(spill_dir) == [], "close() closes the file even while a graph still needs it"
     with pytest.raises(offload.OffloadError, match=r"\(64, 128\) torch.float32 on cpu.*clos") as failure:
         default_loss(out).backward()
     assert "backward before clos" in str(failure.value), f"the fix is not named: {failure.value}"

@@ -243,6 +243,26 @@ def files_under(path: Path) -> list[str]:
     return [os.path.join(root, f) for root, _, files in os.walk(path) for f in files]
 
 
+def spill_files(spill_dir: Path) -> list[str]:
+    """The engine's spill files made under ``spill_dir``, as ``/proc/self/fd/N``: open and nameless
+    (``offload._memory.spill``, Note: [the spill file has no name]), so ``spill_dir`` itself lists
+    none. Stat or truncate one through its path here as the file itself."""
+    found = []
+    for fd in sorted(os.listdir("/proc/self/fd"), key=int):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(spill_dir) + os.sep) and target.endswith(" (deleted)"):
+            found.append(f"/proc/self/fd/{fd}")
+    return found
+
+
+def spill_file_name(fd_path: str) -> str:
+    """The name ``fd_path``'s spill file had for the moment between its create and its unlink."""
+    return os.readlink(fd_path).removesuffix(" (deleted)")
+
+
 def wait_clean(eng: offload.Engine, spill_dir: Optional[Path] = None) -> offload.Stats:
     """Wait (briefly) until the engine holds nothing: no resident bytes, no spilled bytes, and in
     the spill directory nothing but the engine's one spill file (kept for reuse until ``close()``).

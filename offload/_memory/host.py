@@ -10,10 +10,11 @@ engine's traffic there and pytest's own I/O is untouched:
     SpillFile ── make_directory / file_name / filesystem_type / open / no_readahead
                  / pwrite / preadv / sync / drop_cache / jobs ──▶ Host ──▶ os, psutil
 
-Not through it: the spill file's clean-up (``chmod`` of the new directory, making a missing
-``spill_dir``'s parents, and at close the file's truncate and close and the directory's removal),
-which also runs from a finalizer at interpreter exit, so a stand-in's open must return a real
-descriptor and its ``make_directory`` a real directory; and ``PinnedSlabs.clear``, which belongs
+Not through it: the spill file's clean-up (``chmod`` of the new directory, the unlink of the
+file and of its directory once it is open, making a missing ``spill_dir``'s parents, and at close
+the file's truncate and close), which also runs from a finalizer at interpreter exit, so a
+stand-in's open must return a real descriptor of a real file at that path, and its
+``make_directory`` a real directory; and ``PinnedSlabs.clear``, which belongs
 to no engine. A stand-in that fails those uses the OS itself (a read-only directory).
 
 A stand-in subclasses ``Host``, overrides the calls it changes and calls ``super()`` for the real

@@ -13,8 +13,14 @@ tmpfs keeps its warning (its pages are RAM).
 Why one file. A file per tensor pays a create and an unlink per tensor besides its write and read.
 Extents are offsets into one file, multiples of ``ALIGN_BYTES``, taken first-fit and merged on
 release; they are reused across steps, so the file grows to the most bytes spilled at once and
-stays until ``close()``. An open file survives its directory being removed (a /tmp cleaner): the
-data stays readable through the descriptor.
+stays until ``close()``.
+
+Why no name. The file is unlinked, and its private directory removed, the moment it is open,
+before any tensor byte is written (See Note: [the spill file has no name]): what holds the bytes is
+the descriptor alone, so the kernel frees them when the process ends however it ends, ``kill -9``
+and a crash included, and nothing on disk names them meanwhile (``spill_dir`` is as it was). It
+needs no ``O_TMPFILE``, which some filesystems refuse: the name lives for two system calls inside
+a 0700 directory of our own.
 
     write: [worker] chunk of data ──copy──▶ aligned bounce buffer ──pwrite(offset)──▶ file ─▶ done
     read:  [worker] file ──pread(offset)──▶ aligned bounce buffer ──copy──▶ out ─▶ done
@@ -25,12 +31,12 @@ or writes, so a test's runner can run jobs on its own schedule and check every j
 against the streams' (``tests/hb.py``).
 
 Security: a private directory (``mkdtemp``, 0700), the file 0600 with a random name, opened with
-``O_EXCL | O_NOFOLLOW | O_CLOEXEC``; nothing about a tensor is in a name. The directory goes on
-``close()``, when this object is collected, and at interpreter exit (``weakref.finalize``); the
-file is emptied first, so where the OS refuses the removal (a warning names the directory) no
-tensor bytes stay on disk. A ``spill_dir`` that did not exist is made (0700) when the first spill
-needs it, and what was made goes with the file, where it is empty then: nothing is left behind
-that was not there before.
+``O_EXCL | O_NOFOLLOW | O_CLOEXEC``; nothing about a tensor is in a name, and the name and the
+directory are gone before the first write. The descriptor is emptied and closed on ``close()``,
+when this object is collected, and at interpreter exit (``weakref.finalize``). A ``spill_dir``
+that did not exist is made (0700) when the first spill needs it, and what was made goes at
+``close()``, where it is empty then: nothing is left behind that was not there before (a killed
+process may leave such an empty ``spill_dir``, never a byte of a tensor).
 """
 
 from __future__ import annotations
@@ -41,7 +47,6 @@ import functools
 import logging
 import os
 import shutil
-import stat
 import sys
 import threading
 import weakref
@@ -82,22 +87,14 @@ class Extent:
     nbytes: int
 
 
-def _is_own_dir(path: str) -> bool:
-    """``path`` is still a real directory (not a symlink) owned by this process's user."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
-
-
 def _remove_tree(path: str) -> None:
     """Remove the private directory; if the OS refuses (a read-only or re-permissioned parent),
     say so once, naming the directory (never what was in it)."""
     refused: list = []
 
     def note(_function: object, _path: str, error: object) -> None:
-        refused.append(error[1] if isinstance(error, tuple) else error)
+        # Its message only: a traceback would hold the frames of a failed open, a forward and its tensors.
+        refused.append(str(error[1] if isinstance(error, tuple) else error))
 
     if sys.version_info >= (3, 12):
         shutil.rmtree(path, onexc=note)
@@ -112,10 +109,11 @@ def _remove_tree(path: str) -> None:
 
 
 class _File:
-    """The open spill file and how it is written: direct, or buffered and dropped from the cache."""
+    """The open spill file and how it is written: direct, or buffered and dropped from the cache.
+    Reached through its descriptor only (See Note: [the spill file has no name])."""
 
-    def __init__(self, host: Host, path: str, fd: int, direct: bool) -> None:
-        self.host, self.path, self.fd, self.direct = host, path, fd, direct
+    def __init__(self, host: Host, fd: int, direct: bool) -> None:
+        self.host, self.fd, self.direct = host, fd, direct
         self._local = threading.local()
 
     def _bounce(self) -> np.ndarray:
@@ -169,16 +167,34 @@ class _File:
 
 
 def _open_file(host: Host, directory: str) -> _File:
+    """The spill file, made in the private ``directory`` and then unlinked, with the directory.
+
+    Note: [the spill file has no name]
+    Once open, the file's name and its private directory are removed, before any byte is written:
+    the descriptor is the one way to the data, so the kernel frees it when the process ends, even
+    by SIGKILL, and ``spill_dir`` never shows it. Nothing may open the file by its path again; every
+    write and read goes through ``fd``. A name that cannot be removed fails the open (the caller
+    removes what is left), so no spilled byte ever has a name on disk.
+    """
     path = os.path.join(directory, host.file_name())
+    file: Optional[_File] = None
     if _O_DIRECT and host.direct_io:
         try:
-            return _File(host, path, host.open(path, _OPEN_FLAGS | _O_DIRECT, 0o600), direct=True)
+            file = _File(host, host.open(path, _OPEN_FLAGS | _O_DIRECT, 0o600), direct=True)
         except OSError as error:
             if error.errno != errno.EINVAL:  # EINVAL: this filesystem has no direct I/O
                 raise
-    fd = host.open(path, _OPEN_FLAGS, 0o600)
-    host.no_readahead(fd)
-    return _File(host, path, fd, direct=False)
+    if file is None:
+        file = _File(host, host.open(path, _OPEN_FLAGS, 0o600), direct=False)
+    try:
+        os.unlink(path)
+        os.rmdir(directory)
+        if not file.direct:
+            host.no_readahead(file.fd)
+    except OSError:
+        os.close(file.fd)
+        raise
+    return file
 
 
 class SpillFile:
@@ -189,7 +205,6 @@ class SpillFile:
         self._parent = parent
         self._host = host if host is not None else Host()
         self._jobs: Jobs = self._host.jobs(workers)
-        self._dir: Optional[str] = None
         self._file: Optional[_File] = None
         self._extents = FreeRanges()
         self._finalizer: Optional[weakref.finalize] = None
@@ -198,13 +213,9 @@ class SpillFile:
     # ------------------------------------------------------------------ state readers
 
     @property
-    def path(self) -> Optional[str]:
-        """The private directory, once the first spill made it."""
-        return self._dir
-
-    @property
     def files(self) -> int:
-        """Spill files on disk now: 1 once the first spill opened it, 0 before and after close."""
+        """Spill files open now (on disk, without a name): 1 once the first spill opened it, 0 before
+        and after close."""
         return 0 if self._file is None else 1
 
     @property
@@ -227,19 +238,21 @@ class SpillFile:
         made, directory = _make_private_directory(self._host, self._parent)
         try:
             os.chmod(directory, 0o700)
+            on_tmpfs = self._host.filesystem_type(Path(directory)) == "tmpfs"
             file = _open_file(self._host, directory)
         except OSError:
-            _remove_tree(directory)
+            if os.path.lexists(directory):
+                _remove_tree(directory)
             _remove_empty(made)
             raise
-        if self._host.filesystem_type(Path(directory)) == "tmpfs":
+        if on_tmpfs:
             log.warning(
                 "offload spill directory %s is on tmpfs: spilled tensors stay in RAM; "
                 "pass spill_dir= on a real disk to take them out of memory",
-                directory,
+                os.path.dirname(directory),
             )
-        self._dir, self._file = directory, file
-        self._finalizer = weakref.finalize(self, _close_file, file.fd, directory, made)
+        self._file = file
+        self._finalizer = weakref.finalize(self, _close_file, file.fd, made)
         return file
 
     def write(self, data: torch.Tensor) -> tuple[Extent, Pending]:
@@ -283,7 +296,6 @@ class SpillFile:
             self._finalizer()
             self._finalizer = None
         self._file = None
-        self._dir = None
         self._extents = FreeRanges()
 
 
@@ -340,15 +352,15 @@ def _remove_empty(made: list[str]) -> None:
             return
 
 
-def _close_file(fd: int, directory: str, made: list[str]) -> None:
+def _close_file(fd: int, made: list[str]) -> None:
+    """Empty and close the nameless file (See Note: [the spill file has no name]); remove the
+    ``spill_dir`` directories made for it, where empty."""
     try:
-        os.ftruncate(fd, 0)  # emptied first: if its name cannot be removed, no tensor bytes stay on disk
+        os.ftruncate(fd, 0)  # its blocks go now, not when the last descriptor (a fork's) closes
     except OSError:
         pass
     try:
         os.close(fd)
     except OSError:
         pass
-    if _is_own_dir(directory):
-        _remove_tree(directory)
     _remove_empty(made)
