@@ -143,3 +143,19 @@ def test_direct_io_is_used_where_the_filesystem_takes_it(tmp_path):
     for got, want in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.equal(got.grad, want.grad)
     eng.close()
+
+
+def test_the_page_cache_reading_sees_a_file_without_a_name(tmp_path):
+    """This file's oracle must see the spill file, which has no name once open (issue 47, item 4):
+    a buffered file written and then unlinked while open still counts, and stops counting once
+    closed; else every reading here would be a vacuous 0."""
+    path = tmp_path / "held"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, b"x" * (1 << 20))
+        os.unlink(path)
+        assert files_under(tmp_path) == []
+        assert cached_bytes_under(str(tmp_path)) == 1 << 20, "a buffered write's pages are all resident"
+    finally:
+        os.close(fd)
+    assert cached_bytes_under(str(tmp_path)) == 0

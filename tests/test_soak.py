@@ -2,11 +2,12 @@
 
 A leak of one buffer, one extent or one descriptor per step is invisible in a three-step test and
 fatal in a week-long run. Here every step must end with the engine holding nothing (``Stats``:
-resident bytes 0, no live spill extents, no host blocks in use; on disk only the engine's one
-spill file, kept for reuse), and what the process holds (resident set, open descriptors, the host
-arena's slabs, the spill file's size) must stay flat: the mean over the last 50 steps may exceed
-the mean over steps 50-100 by at most a named slack. Steps 0-50 are warm-up (allocator caches,
-thread pools, lazy imports, the largest shapes' first draws).
+resident bytes 0, no live spill extents, no host blocks in use; open, the engine's one spill
+file, kept for reuse and with no name in the spill directory), and what the process holds
+(resident set, open descriptors, the host arena's slabs, the spill file's size) must stay flat:
+the mean over the last 50 steps may exceed the mean over steps 50-100 by at most a named slack.
+Steps 0-50 are warm-up (allocator caches, thread pools, lazy imports, the largest shapes' first
+draws).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 import offload
 from hb import Schedule, detecting
 from links import DeferredLink, ThreadedLink
+from zoo import spill_files
 
 pytestmark = pytest.mark.slow  # a soak: hundreds of steps; `-m "not slow"` leaves it out
 
@@ -126,9 +128,10 @@ def _soak(eng, steps: int, spill_dir, host_cap_bytes=None) -> None:
             assert all(torch.equal(a, b) for a, b in zip(grads, want, strict=True)), f"step {step}: gradients differ"
         stats = _settled(eng)
         assert _holds_nothing(stats), f"step {step}: {stats}"
-        files = [p for p in spill_dir.rglob("*") if p.is_file()]
+        files = spill_files(spill_dir)  # open, with no name: spill_dir itself lists nothing
         assert len(files) == stats.spill_files <= 1, f"step {step}: {files}, {stats.spill_files} spill files"
-        file_bytes.append(files[0].stat().st_size if files else 0)
+        assert list(spill_dir.iterdir()) == [], f"step {step}: {list(spill_dir.iterdir())}"
+        file_bytes.append(os.stat(files[0]).st_size if files else 0)
         rss.append(process.memory_info().rss)
         fds.append(_open_fds())
         host_bytes.append(stats.host_bytes)

@@ -7,6 +7,10 @@ the measurement, shared by the disk tier's tests and the benchmarks' memory colu
 
 Each file is mapped read-only (``mmap`` does not read it), ``mincore`` reports one byte per page
 whose low bit says "resident", and the mapping is dropped. Unsupported platforms report None.
+
+The engine's spill file has no name once open (``offload._memory.spill``, Note: [the spill file
+has no name]), so a directory's files include those this process holds open there without a name,
+found through ``/proc/self/fd`` and read through a duplicate of the descriptor, never by a path.
 """
 
 from __future__ import annotations
@@ -42,6 +46,19 @@ def _file_cached_bytes(lib: ctypes.CDLL, path: str) -> int:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return 0  # removed meanwhile (the engine frees files as backward goes), or unreadable
+    return _fd_cached_bytes(lib, fd)
+
+
+def _open_unlinked_cached_bytes(lib: ctypes.CDLL, fd: int) -> int:
+    try:
+        own = os.dup(fd)  # a descriptor of our own: the engine may close its one meanwhile
+    except OSError:
+        return 0
+    return _fd_cached_bytes(lib, own)
+
+
+def _fd_cached_bytes(lib: ctypes.CDLL, fd: int) -> int:
+    """Page-cache-resident bytes of the file open as ``fd``, which this closes."""
     try:
         size = os.fstat(fd).st_size
         if size == 0:
@@ -71,8 +88,27 @@ def cached_bytes(paths: Iterable[str]) -> Optional[int]:
 
 
 def cached_bytes_under(directory: str) -> Optional[int]:
-    """Page-cache-resident bytes of every regular file under ``directory`` (0 if it is gone)."""
+    """Page-cache-resident bytes of every regular file under ``directory`` (0 if it is gone), and of
+    every file this process holds open there without a name (the spill file); None off Linux."""
+    lib = _libc()
+    if lib is None:
+        return None
     paths: list[str] = []
     for root, _dirs, files in os.walk(directory):
         paths.extend(os.path.join(root, name) for name in files)
-    return cached_bytes(paths)
+    named = sum(_file_cached_bytes(lib, p) for p in paths)
+    return named + sum(_open_unlinked_cached_bytes(lib, fd) for fd in _open_unlinked_under(directory))
+
+
+def _open_unlinked_under(directory: str) -> list[int]:
+    """This process's descriptors of files made under ``directory`` and unlinked since."""
+    prefix = os.path.realpath(directory) + os.sep  # as the kernel names it: symlinks resolved
+    found = []
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{entry}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor among them)
+        if target.startswith(prefix) and target.endswith(" (deleted)"):
+            found.append(int(entry))
+    return found
