@@ -9,6 +9,10 @@ pack on an older torch is a subclass the engine passes through (checked directly
 The reference is the same model, compiled with the same backend, without the engine: identical
 graphs and kernels, so ``torch.equal``. "aot_eager" runs always; "inductor" needs a C++ compiler
 and compiles for tens of seconds on a cold cache, so it is marked slow.
+
+One test is white-box: the fallback of ``offload._memory.hooks.never_traced`` for a torch without
+per-code frame strategies (before 2.6) cannot be reached on the torch installed here, so it sets
+that module's optional name to None.
 """
 
 from __future__ import annotations
