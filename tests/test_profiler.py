@@ -12,6 +12,7 @@ directly rather than through the engine; the engine's side is tested through its
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -178,6 +179,39 @@ def test_plans_derived_before_a_refit_are_derived_again_after_it():
     plan = prof.plan_for(key(96))
     assert plan.origin.startswith("derived"), plan.origin
     assert [r.saved_bytes for r in plan.regions] == [with_scores(n96, 96)] * REGIONS, "derived from the new fit"
+
+
+def with_selective_runs(seq: int, stage: Stage) -> tuple[RegionProfile, ...]:
+    """``profiles``, where a "recompute" trial also measures each region's selective re-run (a
+    third of its forward, its cheap ops), as the engine's trial does."""
+    measured = profiles(seq, stage)
+    if stage is not Stage.RECOMPUTE_TRIAL:
+        return measured
+    return tuple(
+        dataclasses.replace(p, selective_ms=p.forward_ms / 3, cheap_bytes=p.saved_bytes // 2)
+        if p.scope is Scope.REGION
+        else p
+        for p in measured
+    )
+
+
+def test_the_shape_profiled_first_is_planned_again_once_the_trials_that_follow_it_ran_elsewhere():
+    """Lengths that change every step: the "measure" step at the first length plans without trial
+    times (no selective run measured: every region recomputed whole), and the trial it calls for
+    runs at the next step's length. When the first length comes back, its plan is the one the
+    family's measurements (the trial's included) give there, as every other length's is; not the
+    provisional one for good (issue 47 item 6: every third step re-ran every block whole)."""
+    prof, _ = profiler("selective", None)
+    seqs = [160, 96, 128] * 3
+    for seq in seqs:
+        stage, _ = prof.begin(key(seq))
+        if stage is not None:
+            measured = with_selective_runs(seq, stage)
+            prof.finish(Measured(stage=stage, key=key(seq), profiles=measured, span_ms=None))
+    assert not prof.profiling(key(160)), "the premise: profiling is over"
+    plans = {seq: prof.plan_for(key(seq)) for seq in set(seqs)}
+    assert all(Decision.SELECTIVE in plans[seq].decisions for seq in (96, 128)), "the premise: trials choose it"
+    assert plans[160].decisions == plans[128].decisions, {seq: str(plan) for seq, plan in plans.items()}
 
 
 # ------------------------------------------------------------------ trial rounds and their noise

@@ -93,6 +93,30 @@ def test_dynamic_lengths_profile_a_few_steps_then_plan_every_shape(policy, spill
     eng.close()
 
 
+def test_selective_plans_the_length_profiled_first_as_the_others_when_lengths_cycle(spill_dir):
+    """Three lengths in turn: the "measure" step at the first plans without a selective run measured
+    (every block recomputed whole), and its trial runs at the second length. Once profiling ends,
+    every length runs its blocks selectively, the first included, each step bitwise as without the
+    engine (issue 47 item 6: every third step re-ran every block whole, for good)."""
+    seqs = [160, 96, 128] * 3
+    reference = train(make_model(), seqs)
+    model = make_model()
+    eng = block_engine(model, 0.05, "selective", spill_dir, min_offload_bytes=MIN_OFFLOAD_BYTES)
+    under_plans: dict[int, tuple] = {}
+    """Each length's decisions, on its last step under a plan."""
+    history = []
+    for i, seq in enumerate(seqs):
+        history += train_lengths(model, [seq], eng, size=BATCH, first_step=i, reset_stats=False)
+        if eng.recent_stages[-1] is None:
+            under_plans[seq] = eng.plan.decisions
+    assert_same_history(history, reference, "lengths in turn under selective")
+    assert list(eng.recent_stages)[:3] == ["measure", "recompute", "recompute"], "the premise: trials elsewhere"
+    assert sorted(under_plans) == sorted(set(seqs)), eng.recent_stages
+    for seq, decisions in under_plans.items():
+        assert set(decisions) == {offload.Decision.SELECTIVE}, (seq, str(eng.plans))
+    eng.close()
+
+
 def train_batches(model, shapes, eng=None):
     """One SGD step per (rows, length) in ``shapes``: the batch size changes too (a sampler by
     tokens, the last batch of an epoch)."""

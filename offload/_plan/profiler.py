@@ -142,6 +142,15 @@ alone). Wider than sizes: CPU timings drift from step to step (10-20 % on the 2-
 #       setup's link, and which of those a build met decided its plan.
 #     A loop whose inputs change on the next step measures no second round: its first round, and
 #     the fixed order within its noise, decide.
+# Note: [a provisional plan does not stand]
+#     A profiling step plans for its inputs at once (the step after it needs a plan if the family's
+#     profiling ends there), but where more profiling steps follow, its plan lacks what they measure:
+#     a "measure" step's has no trial times (no selective run measured: every region recomputed
+#     whole), a "recompute" trial's no link reading. The steps that follow run at their own
+#     inputs, so where a loop's lengths change every step they measure other shapes, and the plan
+#     of the first would stand for good (issue 47: under "selective", every third step of a loop of
+#     three lengths re-ran every block whole). Such a plan is marked ``provisional`` and dropped
+#     when the family's profiling ends; its inputs are then planned from the fit, as any shape's.
 MAX_TRIAL_ROUNDS = 2
 """Trial rounds at most at a family's deciding inputs: the first, and one more where the noise
 decides the plan (Note: [a plan that holds still]). A second gives each figure a median of two
@@ -239,6 +248,11 @@ class ShapePlan:
     profiles: tuple[RegionProfile, ...]
     other_ms: float
     origin: Origin
+    provisional: bool = False
+    """Made by a profiling step that more profiling steps follow (a "measure" step before its
+    trials, a "recompute" trial before its "offload" one): they may run at other inputs, so when
+    the family's profiling ends the plan is dropped, and its inputs planned again from all that
+    was measured (Note: [a provisional plan does not stand])."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -383,11 +397,12 @@ class _Family:
 
     def settle(self) -> None:
         """The family's profiling is over for now: drop what only it needed, and the plans made
-        from a fit that has changed since."""
+        from a fit that has changed since, or before the profiling ended (See Note: [a
+        provisional plan does not stand])."""
         self.sizes = None
         self.recompute_span = None
         self.searched.clear()
-        for key in [k for k, entry in self.plans.items() if entry.origin is Origin.DERIVED]:
+        for key in [k for k, entry in self.plans.items() if entry.origin is Origin.DERIVED or entry.provisional]:
             del self.plans[key]
 
 
@@ -636,6 +651,8 @@ class Profiler:
             entry = self._calibrate(fam, key, shape, measured)
             if fam.rounds and (fam.repeating or len(fam.rounds) == 1) and not fam.queue:
                 self._round_done(fam, key, entry, calibrated=True)
+        if fam.queue:
+            entry = dataclasses.replace(entry, provisional=True)  # See Note: [a provisional plan does not stand]
         fam.keep(key, entry)
         if not fam.profiling():
             fam.settle()
