@@ -384,3 +384,26 @@ def test_link_readings_accept_the_plausible_and_stand_on_the_probe_when_none_is(
     cached.adopt(0.7)
     cached.adopt(0.9)  # the first cached scale stands until a trial reads one
     assert cached.scale == 0.7 and "plan cache" in cached.note()
+
+
+@pytest.mark.parametrize("ceilings", [(0.02, 0.03), (5.0, 3.0)], ids=["probe-too-slow", "within-noise"])
+def test_trials_no_slower_than_keeping_price_the_link_at_what_their_noise_allows(ceilings, caplog):
+    """Numbers alone (``LinkReadings``), issue 47 item 7: every "offload" trial read below the
+    plausible scale (its step no slower than the one that kept everything), and each says the
+    highest scale its noise leaves possible. Below 1 (a probe cache measured under load, its
+    figures 50x too slow): transfers are priced at the highest of them, and the one warning says
+    to measure the probe again. 1 or more (the probe's figures hide in the noise): they stand,
+    and nothing is shown at warning level."""
+    low, _ = PLAUSIBLE_LINK_SCALE
+    readings = LinkReadings()
+    with caplog.at_level("INFO", logger="offload._plan.profiler"):
+        verdicts = [readings.offer(low / 10, math.inf, ceiling) for ceiling in ceilings[:CALIBRATION_TRIES]]
+    assert verdicts == [Verdict.AGAIN] * (CALIBRATION_TRIES - 1) + [Verdict.PROBE]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if max(ceilings) < 1.0:
+        assert readings.scale == max(ceilings) and readings.probe_too_slow
+        assert len(warnings) == 1 and "offload.probe(refresh=True)" in warnings[0], warnings
+        assert "probe(refresh=True)" in readings.note()
+    else:
+        assert readings.scale == 1.0 and not readings.probe_too_slow
+        assert warnings == []

@@ -39,6 +39,20 @@ is plausible (the probe charges each small tensor a disk round trip that a step'
 overlap: x0.17-x0.4 measured on GPT-2 here); one above 100 says the step was disturbed."""
 
 CALIBRATION_TRIES = 2
+
+# Note: [a probe slower than the steps]
+#     A reading below ``PLAUSIBLE_LINK_SCALE`` says the step that moved everything was no slower
+#     than the one that kept it. That is a fluke only where the probe's figures say moving costs
+#     more than the steps' noise could hide. The probe's cache can be wrong too: measured by
+#     another process under load, it read 348 us a tensor where the machine quiet takes 7.7 us
+#     (issue 47), and every engine then read x0.001 and warned. So each trial also gives the
+#     highest scale its noise leaves possible (``ceiling``: moving everything would cost the step's
+#     noise). Where every trial read too low:
+#     - their highest ceiling is 1 or more: the probe's figures are as the steps allow (the
+#       transfers hide in the noise); they stand, and nothing is wrong to warn about;
+#     - it is below 1: the probe's figures are slower than every step the engine measured allows;
+#       transfers are priced at that ceiling (the dearest the steps allow, at least the plausible
+#       floor), and the warning says to measure the probe again.
 """Offload trials at most whose calibration is implausible before the probe's figures are used."""
 
 
@@ -60,7 +74,7 @@ class LinkReadings:
     """The link's readings of one engine (See Note: [a calibration that cannot lie] and the
     profiler's Note: [a plan that holds still])."""
 
-    __slots__ = ("scale", "accepted", "first_uncertainty", "rejected")
+    __slots__ = ("scale", "accepted", "first_uncertainty", "rejected", "ceilings", "probe_too_slow")
 
     def __init__(self) -> None:
         self.scale: Optional[float] = None
@@ -71,6 +85,11 @@ class LinkReadings:
         """How far off the first of ``accepted`` may be, as a share of it (what one reading's is read by)."""
         self.rejected: list[float] = []
         """Scales read and discarded as implausible."""
+        self.ceilings: list[float] = []
+        """Per rejected reading, the highest scale its step's noise left possible (inf: read too
+        high, or not known)."""
+        self.probe_too_slow = False
+        """Every trial moved everything within its noise where the probe's figures say it could not."""
 
     @property
     def all_rejected(self) -> bool:
@@ -100,8 +119,10 @@ class LinkReadings:
         """The accepted readings' median (some must have been accepted)."""
         return statistics.median(self.accepted)
 
-    def offer(self, scale: float, uncertainty: float) -> Verdict:
-        """One trial's reading, relative to the scale it ran at, and how far off it may be."""
+    def offer(self, scale: float, uncertainty: float, ceiling: float = math.inf) -> Verdict:
+        """One trial's reading, relative to the scale it ran at, and how far off it may be;
+        ``ceiling``: the highest scale the trial's step noise leaves possible (moving everything
+        would cost the noise), inf where unknown (See Note: [a probe slower than the steps])."""
         low, high = PLAUSIBLE_LINK_SCALE
         if low <= scale <= high:
             # A later round's trial ran with the costs scaled already: its reading is relative to them.
@@ -119,6 +140,7 @@ class LinkReadings:
             )
             return Verdict.ACCEPTED
         self.rejected.append(scale)
+        self.ceilings.append(ceiling if scale < low else math.inf)
         if self.accepted:
             log.warning(
                 "offload: a step that offloaded every region implied transfer costs x%.3g the figures planned "
@@ -130,7 +152,7 @@ class LinkReadings:
             )
             return Verdict.KEPT
         if len(self.rejected) < CALIBRATION_TRIES:
-            log.warning(
+            log.info(  # not for the user: the next trial settles it
                 "offload: a step that offloaded every region implied transfer costs x%.3g the probe's, outside "
                 "the plausible x%g..x%g; measuring it again",
                 scale,
@@ -138,7 +160,29 @@ class LinkReadings:
                 high,
             )
             return Verdict.AGAIN
+        ceiling = max(self.ceilings)
+        if ceiling < 1.0:
+            # See Note: [a probe slower than the steps]
+            self.scale = max(ceiling, low)
+            self.probe_too_slow = True
+            log.warning(
+                "offload: %d steps that offloaded every region were no slower than the steps that kept them, "
+                "where the probe's figures predict transfers x%.3g their steps' noise: the probe reads this machine "
+                "slower than it is (its cache measured under load?); planning on x%.3g the probe's figures. "
+                "Run offload.probe(refresh=True) (python -m offload probe --refresh) on a quiet machine, or pass "
+                "machine= with figures measured there",
+                len(self.rejected),
+                1 / ceiling,
+                self.scale,
+            )
+            return Verdict.PROBE
         self.scale = 1.0
+        if ceiling < math.inf:
+            log.info(
+                "offload: the offload trials moved every region within their steps' noise, as the probe's figures "
+                "allow; planning on them"
+            )
+            return Verdict.PROBE
         log.warning(
             "offload: %d offload steps implied transfer costs x%s the probe's, all outside x%g..x%g; planning on "
             "the probe's own figures (offload.probe(refresh=True) measures the machine again)",
@@ -158,6 +202,12 @@ class LinkReadings:
             return f"the probe's figures (no offload trial yet{rejected})"
         if not (self.accepted or self.rejected):
             return f"x{self.scale:.3g} the probe's figures (the plan cache's calibration)"
+        if not self.accepted and self.probe_too_slow:
+            return (
+                f"x{self.scale:.3g} the probe's figures (every offload trial moved everything within its steps' "
+                f"noise{rejected}: the probe reads this machine slower than it is; offload.probe(refresh=True) "
+                "measures it again)"
+            )
         if not self.accepted:
             return f"the probe's figures (every offload trial implausible{rejected})"
         read = ", ".join(f"x{s:.3g}" for s in self.accepted)

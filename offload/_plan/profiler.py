@@ -49,7 +49,7 @@ from .._budget import replan_needed
 from .._cost import MachineProfile, RegionProfile, Saved, Scope
 from .cache import PlanCache
 from .fit import ProfileFit, Shape
-from .link_readings import CALIBRATION_TRIES, LinkReadings, Verdict
+from .link_readings import CALIBRATION_TRIES, PLAUSIBLE_LINK_SCALE, LinkReadings, Verdict
 from .noise import MAX_SPREAD, Readings
 from .pace import WINDOW as PACE_WINDOW
 from .pace import StepPace
@@ -718,21 +718,21 @@ class Profiler:
             budget = self._planning.budget_in_force()
             excess_ms = measured.span_ms - keep_span_ms
             _, scale = calibrate_link(timed, self._machine(), excess_ms, budget)
-            uncertainty = self._uncertainty(fam, trial.profiles, measured, excess_ms)
-            if self.link.offer(scale, uncertainty) is Verdict.AGAIN:  # Note: [a calibration that cannot lie]
+            noise_ms = self._noise(fam, trial.profiles, measured) * measured.span_ms
+            uncertainty = noise_ms / excess_ms if excess_ms > 0 else math.inf
+            ceiling = math.inf
+            if scale < PLAUSIBLE_LINK_SCALE[0]:  # See Note: [a probe slower than the steps]
+                _, ceiling = calibrate_link(timed, self._machine(), noise_ms, budget)
+            if self.link.offer(scale, uncertainty, ceiling) is Verdict.AGAIN:  # Note: [a calibration that cannot lie]
                 fam.queue.insert(0, Stage.OFFLOAD_TRIAL)
         timed = fam.round_profiles(key, timed)
         return self._entry(fam, timed, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
 
-    def _uncertainty(
-        self, fam: _Family, recompute: tuple[RegionProfile, ...], measured: Measured, excess_ms: float
-    ) -> float:
-        """How far off an "offload" trial's excess over keeping may be, as a share of it: each of the
-        two steps it is the difference of may be off by their noise (the larger of the "recompute"
-        trial's, the "offload" trial's own: each region's forward there over its forward in the
-        other, and ``STEP_TO_STEP_NOISE``), times the step's span."""
-        if excess_ms <= 0 or measured.span_ms is None:
-            return math.inf
+    def _noise(self, fam: _Family, recompute: tuple[RegionProfile, ...], measured: Measured) -> float:
+        """How far off an "offload" trial's excess over keeping may be, as a share of the step's
+        span: each of the two steps it is the difference of may be off by their noise (the larger
+        of the "recompute" trial's, the "offload" trial's own: each region's forward there over its
+        forward in the other, and ``STEP_TO_STEP_NOISE``)."""
         ratios = [
             o.forward_ms / r.forward_ms
             for r, o in zip(recompute, measured.profiles, strict=True)
@@ -743,7 +743,7 @@ class Profiler:
             fam.rounds[-1].noise() if fam.rounds else 0.0,
             Readings(ratios).deviation if len(ratios) >= 2 else 0.0,
         )
-        return noise * measured.span_ms / excess_ms
+        return noise
 
     def rerun(self, key: tuple, stage: Stage) -> None:
         """A profiling step that never reached its last region: run its stage again next time."""
