@@ -117,6 +117,7 @@ class Engine:
         self._entering = threading.Lock()  # an engine with regions checks and enters under it
         self._region_calls_at_start = 0  # the regions' calls when the latest step began
         self._warned_idle = False  # warned that a step ran none of the regions
+        self._checked_checkpointing = False  # looked, at the first step with regions, for a model's own checkpointing
         if regions is not None and not self._regions_to_find:
             self._regions = Regions(
                 resolve_regions(regions, model), config.policy, self._session, self._plan_cache, shared_inputs
@@ -156,6 +157,11 @@ class Engine:
                 self._session.enter()
         else:
             self._session.enter()
+        if outermost and self._regions.present and not self._checked_checkpointing:
+            self._checked_checkpointing = True  # once: the look walks every module (explain() looks again)
+            note = _checkpointing_note(self._models)
+            if note:
+                warnings.warn(f"offload: {note}", UserWarning, stacklevel=2)
         if outermost:
             self._step_start = self._saves_so_far()
             self._region_calls_at_start = self._regions.calls
@@ -435,6 +441,27 @@ def engine(
     )
 
 
+def _checkpointing_note(models: list[torch.nn.Module]) -> str:
+    """What to do where a watched Hugging Face model runs its own activation checkpointing ("" where
+    none does). Read from the property transformers documents, ``is_activation_checkpointing``
+    (``is_gradient_checkpointing`` before it was renamed), never from the layers' attributes."""
+    for model in models:
+        for documented in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            if isinstance(getattr(type(model), documented, None), property):
+                if getattr(model, documented):
+                    return (
+                        f"{type(model).__name__} runs its own activation checkpointing "
+                        f"(model.{documented} is True, from model.gradient_checkpointing_enable() or the Trainer's "
+                        "gradient_checkpointing=True), so the engine's regions see only their inputs (about nothing "
+                        "saved a layer) and plan nothing worth planning. Turn it off "
+                        "(model.gradient_checkpointing_disable(), gradient_checkpointing=False) and let the "
+                        "engine's policy recompute what it should (policy='auto' or 'recompute'), or keep it and "
+                        "drop the engine (or its regions=: the engine alone then moves what lies between the layers)"
+                    )
+                break  # the newer name answered: the deprecated alias would say the same
+    return ""
+
+
 def _no_plan_note(eng: Engine) -> str:
     """What an engine without a plan does with each save, and what it did so far."""
     config, stats = eng.config, eng.stats
@@ -490,6 +517,8 @@ def explain(what: Union[Engine, Plan, None]) -> str:
     small = f"\n{what._all_small_note()}" if isinstance(what, Engine) and what._last_step.all_small() else ""
     regions = what._regions if isinstance(what, Engine) and isinstance(what._regions, Regions) else None
     found = f"\nregions: {regions.why}" if regions is not None else ""
+    checkpointing = _checkpointing_note(what._models) if regions is not None and isinstance(what, Engine) else ""
+    found += f"\nnote: {checkpointing}" if checkpointing else ""
     if plan is None:
         if isinstance(what, Engine):
             return _no_plan_note(what) + small + found

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never reach the Hub
 
@@ -177,3 +178,37 @@ def test_decorated_model(spill_dir):
     stats = wait_clean(eng, spill_dir)
     assert stats.saved_tensors > 0 and stats.offloaded_bytes == stats.saved_bytes
     eng.close()
+
+
+def test_own_checkpointing_beside_regions_is_named(spill_dir):
+    """A model running its own activation checkpointing hides its layers' saves from the regions
+    (each sees only its inputs): the first step with regions warns once, naming the model's flag
+    and both ways out, and ``explain`` says it too; without the flag neither does. Training stays
+    bitwise equal to the same model, same flag, without the engine."""
+    for checkpointing in (False, True):
+        base = llama()
+        if checkpointing:
+            enable_checkpointing(base)
+        reference = train(copy.deepcopy(base))
+        model = copy.deepcopy(base)
+        eng = offload.engine(
+            None,
+            model=model,
+            regions="auto",
+            policy="recompute",
+            min_offload_bytes=MIN_OFFLOAD_BYTES,
+            spill_dir=spill_dir,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert_same(reference, train(model, eng), f"llama checkpointing={checkpointing}")
+        named = [str(w.message) for w in caught if "activation checkpointing" in str(w.message)]
+        text = offload.explain(eng)
+        eng.close()
+        if not checkpointing:
+            assert named == [] and "activation checkpointing" not in text, (named, text)
+            continue
+        assert len(named) == 1, named  # once, though it trained two steps
+        for said in ("LlamaForCausalLM", "is_activation_checkpointing", "gradient_checkpointing_disable()", "drop"):
+            assert said in named[0], named[0]
+        assert named[0].removeprefix("offload: ") in text, text

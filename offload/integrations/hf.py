@@ -21,6 +21,8 @@ forward: the model in train mode *and* grad enabled. Evaluation (eval mode, ``no
 The model's own gradient checkpointing (``gradient_checkpointing=True``) runs inside the forward:
 ``torch.utils.checkpoint`` installs its own hooks per layer, so the engine then manages what lies
 between the layers (their inputs under reentrant checkpointing, the embeddings and the head).
+With ``regions=`` the regions then see only their inputs; the engine warns at the first step, and
+``explain`` says so, naming the two ways out (the model's checkpointing off, or the regions gone).
 
 With ``torch_compile=True`` the compiled module calls this wrapper, so the engine would be entered
 inside compiled code, which it does not support (compile blocks and keep the engine outside, as
