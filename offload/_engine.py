@@ -366,7 +366,7 @@ def engine(
         model: a module whose parameters and buffers are never moved (they are detected without
             it too, except buffers: pass the model when it has large buffers).
         regions: the units the policy decides on: ``"auto"`` (the model's repeated blocks: the
-            block classes a Hugging Face model names, else the largest stack of one module type;
+            block classes a Hugging Face model names, else the heaviest module type in containers;
             see ``offload._regions.blocks``), an iterable of modules (``model.blocks``), or a filter
             ``(module, qualified_name) -> bool``. "auto" and a filter search ``model=`` (or the
             module the engine decorates).

@@ -8,6 +8,7 @@ found trains bitwise like the model without it.
 
 from __future__ import annotations
 
+import copy
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never reach the Hub
@@ -51,10 +52,119 @@ def test_the_heavier_stack_wins_over_a_longer_light_one():
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.small = nn.ModuleList(nn.Linear(2, 2) for _ in range(6))
+            self.small = nn.ModuleList(nn.LayerNorm(2) for _ in range(6))
             self.big = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
 
     assert names(Found(Model())) == ["big.0", "big.1", "big.2"]
+
+
+def test_one_block_type_in_several_containers_is_one_group():
+    """Blocks of one type are found together whichever container holds them: both lists here."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.narrow = nn.ModuleList(nn.Linear(2, 2) for _ in range(6))
+            self.wide = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+
+    found = Found(Model())
+    assert names(found) == [f"narrow.{i}" for i in range(6)] + [f"wide.{i}" for i in range(3)]
+    assert "9 × Linear in narrow, wide" in found.why, found.why
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet block: conv-BN-ReLU-conv-BN, plus the input (through a strided 1x1
+    conv and BN where the stage narrows the image and widens the channels), ReLU."""
+
+    def __init__(self, channels_in: int, channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.downsample: nn.Module = nn.Identity()
+        if stride != 1 or channels_in != channels:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(channels_in, channels, 1, stride=stride, bias=False), nn.BatchNorm2d(channels)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.downsample(x))
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet-18 in shape, small: a stem, then ``layer1`` .. ``layer4`` of two
+    blocks each, each stage twice the channels at half the resolution of the one before, so the
+    first stages hold few parameters and save most of the activation bytes."""
+
+    def __init__(self, width: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        widths = [width, 2 * width, 4 * width, 8 * width]
+        channels_in = width
+        for stage, channels in enumerate(widths, start=1):
+            stride = 1 if stage == 1 else 2
+            layer = nn.Sequential(BasicBlock(channels_in, channels, stride), BasicBlock(channels, channels, 1))
+            self.add_module(f"layer{stage}", layer)
+            channels_in = channels
+        self.fc = nn.Linear(channels_in, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.conv1(x)))
+        for stage in (self.layer1, self.layer2, self.layer3, self.layer4):
+            x = stage(x)
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+RESNET_BLOCKS = [f"layer{stage}.{i}" for stage in range(1, 5) for i in range(2)]
+
+
+def test_a_staged_resnet_gives_every_residual_block():
+    """Not only ``layer4``'s two (the most parameters, the fewest activation bytes): all eight."""
+    found = Found(ResNet())
+    assert names(found) == RESNET_BLOCKS
+    assert "8 × BasicBlock in layer1, layer2, layer3, layer4" in found.why, found.why
+
+
+def _train_resnet(model: nn.Module, eng=None, steps: int = 4) -> list[list[torch.Tensor]]:
+    """``steps`` SGD steps; after each, the loss, every gradient and every buffer (BatchNorm's
+    running statistics and its count of batches)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    history = []
+    for step in range(steps):
+        torch.manual_seed(SEED + step)
+        x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+        if eng is None:
+            loss = nn.functional.cross_entropy(model(x), y)
+        else:
+            with eng:
+                loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        history.append([loss.detach(), *(p.grad.clone() for p in model.parameters())])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        history[-1] += [b.clone() for b in model.buffers()]
+    return history
+
+
+@pytest.mark.parametrize("policy", ["auto", "recompute", "selective"])
+def test_engine_over_a_resnets_blocks_trains_exactly(policy, spill_dir):
+    torch.manual_seed(0)
+    base = ResNet()
+    reference = _train_resnet(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    eng = offload.engine(
+        0, regions="auto", model=model, policy=policy, machine=MACHINE, min_offload_bytes=0, spill_dir=spill_dir
+    )
+    history = _train_resnet(model, eng)
+    assert [name for name, _ in eng.regions] == RESNET_BLOCKS
+    assert eng.stats.saved_bytes > 0 and eng.stats.recomputed_regions > 0, eng.stats
+    eng.close()
+    for step, (got, want) in enumerate(zip(history, reference, strict=True)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), f"policy {policy}: tensor {i} (loss, grads, buffers) differs at step {step}"
 
 
 def test_a_plain_stack_of_linears():

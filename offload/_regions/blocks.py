@@ -6,10 +6,12 @@ Two rules, in order:
 1. A Hugging Face model names its block classes in ``_no_split_modules`` (the classes accelerate
    must never split across devices: its decoder layers). The outermost modules of those classes
    are the regions, in the order the model lists them.
-2. Otherwise, every ``nn.ModuleList`` and ``nn.Sequential`` in the model is a candidate: its
-   children of the one type that holds the most parameters among them, where at least
-   ``MIN_BLOCKS`` children share it. The candidate whose blocks hold the most parameters wins (the
-   longer on a tie, then the first found): the stack that holds most of the model.
+2. Otherwise, the children of every ``nn.ModuleList`` and ``nn.Sequential`` in the model are
+   grouped by type, across containers: a staged CNN (a ResNet's ``layer1`` .. ``layer4``, two
+   residual blocks each, wider stage by stage) is one group of eight blocks, not four of two; the
+   first stages, narrow in parameters, save most of the activation bytes. A type with at least
+   ``MIN_BLOCKS`` such children is a candidate (the outermost where one holds another); the one
+   whose blocks hold the most parameters wins (the more blocks on a tie, then the first found).
 
 What was chosen, and by which rule, is said in ``Found.why`` (``explain()`` prints it). A model
 with no repeated block gets a ``ValueError`` that says what to pass instead. The rules read the
@@ -52,22 +54,31 @@ def _by_class_names(model: torch.nn.Module, class_names: set[str]) -> list[tuple
     return found
 
 
-def _stacks(model: torch.nn.Module) -> list[tuple[int, str, list[tuple[str, torch.nn.Module]]]]:
-    """(parameters, container name, blocks) for every container holding ``MIN_BLOCKS`` or more
-    children of one type (the type among them with the most parameters)."""
-    stacks = []
-    for name, container in model.named_modules():
+def _stacks(model: torch.nn.Module) -> list[tuple[int, list[str], list[tuple[str, torch.nn.Module]]]]:
+    """(parameters, container names, blocks) for every module type of which ``MIN_BLOCKS`` or more
+    modules are children of an ``nn.ModuleList`` or ``nn.Sequential``: all of them, whichever
+    container holds them (a staged CNN's residual blocks, two in each of four stages), the
+    outermost where one holds another of its type."""
+    by_type: dict[type, dict[str, list[tuple[str, torch.nn.Module]]]] = {}
+    for name, container in model.named_modules():  # each module once, where first reached
         if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
             continue
-        by_type: dict[type, list[tuple[str, torch.nn.Module]]] = {}
         for child_name, child in container.named_children():
             qualified = f"{name}.{child_name}" if name else child_name
-            by_type.setdefault(type(child), []).append((qualified, child))
-        groups = [g for g in by_type.values() if len(g) >= MIN_BLOCKS]
-        if not groups:
-            continue
-        blocks = max(groups, key=lambda g: (sum(_parameters(m) for _, m in g), len(g)))
-        stacks.append((sum(_parameters(m) for _, m in blocks), name, blocks))
+            by_type.setdefault(type(child), {}).setdefault(name, []).append((qualified, child))
+    stacks = []
+    for in_containers in by_type.values():
+        blocks: list[tuple[str, torch.nn.Module]] = []
+        seen: set[int] = set()
+        for qualified, block in (b for group in in_containers.values() for b in group):
+            if id(block) in seen or any(qualified.startswith(outer + ".") for outer, _ in blocks):
+                continue  # shared with another container, or inside a block of its type
+            seen.add(id(block))
+            blocks.append((qualified, block))
+        if len(blocks) >= MIN_BLOCKS:
+            kept = {id(m) for _, m in blocks}
+            containers = [c for c, group in in_containers.items() if any(id(m) in kept for _, m in group)]
+            stacks.append((sum(_parameters(m) for _, m in blocks), containers, blocks))
     return stacks
 
 
@@ -95,10 +106,11 @@ def find_blocks(model: torch.nn.Module) -> Found:
             f"model.b], or a filter regions=lambda module, name: ... with model=; or leave regions out: the engine "
             f"then offloads saved tensors under the budget without planning blocks (policy='offload')"
         )
-    params, container, blocks = max(stacks, key=lambda s: (s[0], len(s[2])))
+    params, containers, blocks = max(stacks, key=lambda s: (s[0], len(s[2])))
     kind = type(blocks[0][1]).__name__
+    where = ", ".join(c or "the model" for c in containers)
     return Found(
         blocks,
-        f"regions='auto': {len(blocks)} × {kind} in {container or 'the model'} ({params / total:.0%} of the "
-        f"parameters), the longest stack of one block type holding the most parameters",
+        f"regions='auto': {len(blocks)} × {kind} in {where} ({params / total:.0%} of the parameters), the "
+        f"block type holding the most parameters among the children of nn.ModuleList and nn.Sequential",
     )
