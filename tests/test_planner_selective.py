@@ -217,3 +217,15 @@ def test_to_dict_carries_dropped_bytes_and_notes():
     assert [r["decision"] for r in data["regions"]] == ["selective", "recompute"]
     assert [r["dropped_bytes"] for r in data["regions"]] == [60 * MB, 100 * MB]
     assert data["regions"][1]["note"] == "why not"
+
+
+def test_a_peak_over_the_budget_is_over_it_only_where_nothing_can_move():
+    """Selective decisions whatever the budget: over a link the store moves what is beyond the
+    budget and holds it (the text says so); with no link it cannot, and the text says OVER BUDGET."""
+    profiles = regions(3)
+    over_a_link = make_plan(profiles, cuda(10.0), 10 * MB, "selective")
+    over_no_link = make_plan(profiles, NO_LINK, 10 * MB, "selective")
+    for plan in (over_a_link, over_no_link):
+        assert not plan.fits_budget and set(plan.decisions) == {SELECTIVE}, str(plan)
+    assert "OVER BUDGET" not in str(over_a_link) and "holds the budget" in str(over_a_link), str(over_a_link)
+    assert "OVER BUDGET by" in str(over_no_link) and "no link" in str(over_no_link), str(over_no_link)

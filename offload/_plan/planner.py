@@ -409,14 +409,27 @@ class Plan:
         )
         if self.pace != 1.0:
             lines.append(f"step times read at x{self.pace:.3g} the cost model's, as steps under plans measured")
-        verdict = "" if self.budget_bytes is None else ("  (fits)" if self.fits_budget else "  (OVER BUDGET)")
-        lines.append(
-            f"predicted peak: {_mb(self.predicted_peak_bytes)} MB vs budget {budget}{verdict} "
-            "(what the store holds; a re-run region's own working set comes on top while it runs)"
-        )
+        lines.append(f"predicted peak: {_mb(self.predicted_peak_bytes)} MB vs budget {budget}{self._verdict()}")
         if self.origin:
             lines.append(f"profiles: {self.origin}")
         return "\n".join(lines)
+
+    def _verdict(self) -> str:
+        """Whether the peak fits the budget, and where it does not, what the store does then: the
+        decisions (a fixed policy's, or the best of none that fit) keep more than the budget, and
+        the store moves the oldest saves beyond it off the device as they are made, over the link
+        (a cost the step is not priced with); with no link it cannot."""
+        working = "a re-run region's own working set comes on top while it runs"
+        if self.budget_bytes is None or self.fits_budget:
+            return f"{'' if self.budget_bytes is None else '  (fits)'} (what the store holds; {working})"
+        over = f"{_mb(self.predicted_peak_bytes - self.budget_bytes)} MB"
+        if all(math.isfinite(r.transfer_ms) for r in (*self.regions, *self.outside)):
+            return (
+                f": these decisions keep {over} more, so the store moves the oldest saves beyond the budget off "
+                f"the device as they are made and holds the budget, at a transfer cost the predicted step leaves "
+                f"out ({working})"
+            )
+        return f"  (OVER BUDGET by {over}: with no link to move them to, the store keeps them; {working})"
 
 
 def _mb(nbytes: int) -> str:
