@@ -144,7 +144,8 @@ class RegionProfile:
     that re-ran it to measure a selective run). The planner does not read it; the fits of times
     across shapes do (``_plan.fit``): times follow FLOPs. 0: not counted."""
     note: str = ""
-    """Why the region cannot run selectively ("" where it can or nobody tried), for ``explain()``."""
+    """Why the region cannot run selectively ("" where it can or nobody tried), for ``explain()``;
+    for the saves after the regions, what they are where the step says (``AFTER_IN_BACKWARD``)."""
     scope: Scope = Scope.REGION
     """A region, or the saves outside the regions (``Scope``); those have sizes only, their time
     is in the step's rest (``other_ms``)."""
@@ -169,9 +170,15 @@ class Saved:
 
     nbytes: int = 0
     tensors: int = 0
+    in_backward_nbytes: int = 0
+    """Of ``nbytes``, those saved while autograd ran a backward (a double backward's graph)."""
 
     def __add__(self, other: Saved) -> Saved:
-        return Saved(self.nbytes + other.nbytes, self.tensors + other.tensors)
+        return Saved(
+            self.nbytes + other.nbytes, self.tensors + other.tensors, self.in_backward_nbytes + other.in_backward_nbytes
+        )
 
     def __sub__(self, other: Saved) -> Saved:
-        return Saved(self.nbytes - other.nbytes, self.tensors - other.tensors)
+        return Saved(
+            self.nbytes - other.nbytes, self.tensors - other.tensors, self.in_backward_nbytes - other.in_backward_nbytes
+        )

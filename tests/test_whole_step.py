@@ -266,3 +266,63 @@ def test_the_saves_between_regions_count_with_those_before_them(spill_dir):
     outside = {r.scope: r for r in eng.plan.outside}
     assert outside[Scope.BEFORE].saved_bytes == before, (outside[Scope.BEFORE].saved_bytes, starts[0], gaps)
     eng.close()
+
+
+class Critic(torch.nn.Module):
+    """A WGAN critic: a stack of wide blocks and a scalar score (no vocabulary, no logits)."""
+
+    def __init__(self, width: int = 256, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(depth)
+        )
+        self.score = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.score(x)
+
+
+def _critic_steps(critic: Critic, eng=None, steps: int = 4) -> list[torch.Tensor]:
+    """WGAN-GP critic steps: the score gap plus the gradient penalty, whose graph (the critic's
+    backward, made with ``create_graph=True``) is saved after the last block's forward."""
+    history = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        real, fake = torch.randn(64, 256), torch.randn(64, 256)
+        mix = torch.rand(64, 1)
+        with eng if eng is not None else torch.enable_grad():
+            gap = critic(fake).mean() - critic(real).mean()
+            x_hat = (mix * real + (1 - mix) * fake).requires_grad_(True)
+            (grad,) = torch.autograd.grad(critic(x_hat).sum(), x_hat, create_graph=True)
+            loss = gap + 10 * ((grad.norm(dim=1) - 1) ** 2).mean()
+        loss.backward()
+        history += [loss.detach(), *(p.grad.clone() for p in critic.parameters())]
+        with torch.no_grad():
+            for p in critic.parameters():
+                p -= 1e-3 * p.grad
+                p.grad = None
+    return history
+
+
+def test_a_gradient_penalty_graph_is_not_advised_as_an_lm_head(spill_dir):
+    """The saves after a critic's last block are its gradient penalty's graph, made during a
+    backward: ``explain`` says so, with no word of an LM head's logits (which the step has none of).
+    Training is bitwise that of the critic without the engine."""
+    torch.manual_seed(0)
+    reference_critic = Critic()
+    critic = Critic()
+    critic.load_state_dict(reference_critic.state_dict())
+    reference = _critic_steps(reference_critic)
+    eng = offload.engine(
+        None, regions=critic.blocks, model=critic, policy="offload", machine=MACHINE, spill_dir=spill_dir
+    )
+    history = _critic_steps(critic, eng)
+    text = offload.explain(eng)
+    eng.close()
+    for i, (got, want) in enumerate(zip(history, reference, strict=True)):
+        assert torch.equal(got, want), f"tensor {i} (losses and gradients, step by step) differs"
+    after = next(r for r in eng.plan.outside if r.scope is Scope.AFTER)
+    assert after.saved_bytes > max(r.saved_bytes for r in eng.plan.regions), "the premise: the penalty saves most"
+    assert "LM head" not in text and "gradient penalty" in text, text

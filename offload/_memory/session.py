@@ -241,7 +241,8 @@ class Session:
 
     def saved(self) -> Saved:
         """Bytes and tensors saved through the engine so far: regions measure themselves by the difference."""
-        return Saved(self.counters.saved_bytes, self.counters.saved_tensors)
+        in_backward = 0 if self._store is None else self._store.saved_in_backward_bytes
+        return Saved(self.counters.saved_bytes, self.counters.saved_tensors, in_backward)
 
     def take_largest_saved(self) -> int:
         """Bytes of the largest storage the store took since the last call (0: none, or no store

@@ -108,6 +108,9 @@ class Store:
         self._largest_new_bytes = 0
         """Bytes of the largest storage taken since ``take_largest`` last read it (regions measure
         their largest save by it: ``RegionProfile.largest_tensor_bytes``)."""
+        self.saved_in_backward_bytes = 0
+        """Bytes of the storages taken while autograd ran a backward (``torch.autograd.grad`` with
+        ``create_graph=True``: a gradient penalty's graph), of all ``counters.saved_bytes``."""
         if self.budget.follows_free_memory:
             self.budget.read(0)
 
@@ -198,6 +201,8 @@ class Store:
                 e = Entry(self._seq, key, storage, t, nbytes, version)
                 res.add(e)
                 self.counters.saved_bytes += nbytes
+                if torch._C._current_autograd_node() is not None:  # a node's backward is running
+                    self.saved_in_backward_bytes += nbytes
                 if nbytes > self._largest_new_bytes:
                     self._largest_new_bytes = nbytes
                 if self.budget.follows_free_memory:  # after counting it: it is allocated, not free

@@ -111,6 +111,7 @@ from typing import Any
 from .._cost import MB, MachineProfile, RegionProfile, Scope
 
 __all__ = [
+    "AFTER_IN_BACKWARD",
     "MOVES_BYTES",
     "allowed",
     "as_stored",
@@ -136,6 +137,12 @@ logger = logging.getLogger(__name__)
 BACKWARD_TO_FORWARD = 2.0
 """Backward time over forward time of a region: each forward matmul becomes two in backward
 (gradient of the input and of the weight), so ~2x."""
+
+AFTER_IN_BACKWARD = (
+    "most of it was saved while autograd ran a backward inside the engine (torch.autograd.grad with "
+    "create_graph=True: a gradient penalty's graph, a double backward), which no region covers"
+)
+"""The note of the saves after the regions where most were made during a backward: no LM head's."""
 
 _BYTES_PER_GB = 1e9
 """GB as bandwidths count it (``MachineProfile`` fields are GB/s of 1e9 bytes)."""
@@ -396,7 +403,9 @@ class Plan:
         lines.append("-" * len(header))
         lines.extend(f"note: {r.name}: {r.note}" for r in self.regions if r.note)
         after = next((r for r in self.outside if r.scope is Scope.AFTER), None)
-        if after is not None and self.regions and after.saved_bytes > max(r.saved_bytes for r in self.regions):
+        if after is not None and after.note:
+            lines.append(f"note: {after.name}: {after.note}")
+        elif after is not None and self.regions and after.saved_bytes > max(r.saved_bytes for r in self.regions):
             lines.append(
                 f"note: {after.name}: the step saves more after its last region than any region does "
                 f"(an LM head's logits and their loss: batch x sequence x vocabulary); a loss computed in chunks "

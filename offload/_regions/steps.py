@@ -28,7 +28,7 @@ import torch
 
 from .._cost import RegionProfile, Saved, Scope
 from .._memory.session import ForwardMarks
-from .._plan.planner import Decision
+from .._plan.planner import AFTER_IN_BACKWARD, Decision
 from .._plan.profiler import AFTER_NAME, BEFORE_NAME, ShapePlan, Stage
 from .measurement import ForwardClock, Measurement
 
@@ -127,9 +127,12 @@ class _Step:
 
     def outside_profiles(self, now: Saved) -> tuple[RegionProfile, RegionProfile]:
         before, after = self.outside(now)
+        note = AFTER_IN_BACKWARD if after.in_backward_nbytes * 2 > after.nbytes else ""
         return (
             RegionProfile(name=BEFORE_NAME, scope=Scope.BEFORE, saved_bytes=before.nbytes, num_tensors=before.tensors),
-            RegionProfile(name=AFTER_NAME, scope=Scope.AFTER, saved_bytes=after.nbytes, num_tensors=after.tensors),
+            RegionProfile(
+                name=AFTER_NAME, scope=Scope.AFTER, saved_bytes=after.nbytes, num_tensors=after.tensors, note=note
+            ),
         )
 
 
