@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never reach the Hub
 
@@ -334,3 +335,19 @@ def test_dynamic_padding_with_regions_auto(tmp_path, spill_dir):
     assert derived, "lengths never measured are planned from the fit"
     assert "_no_split_modules" in offload.explain(eng)
     assert files_under(spill_dir) == []
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_trainer_checkpointing_beside_regions_warns(checkpointing, tmp_path, spill_dir):
+    """The Trainer turns the model's own checkpointing on before the callback's engine is made:
+    with regions= the engine's first step warns that the regions see only their inputs, once, and
+    only where the model checkpoints."""
+    model = llama()
+    callback = OffloadCallback(
+        budget_mb=0, regions="auto", policy="recompute", min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, arguments(tmp_path, checkpointing=checkpointing), [callback])
+    named = [str(w.message) for w in caught if "runs its own activation checkpointing" in str(w.message)]
+    assert len(named) == (1 if checkpointing else 0), named
