@@ -118,6 +118,8 @@ class Engine:
         self._region_calls_at_start = 0  # the regions' calls when the latest step began
         self._warned_idle = False  # warned that a step ran none of the regions
         self._checked_checkpointing = False  # looked, at the first step with regions, for a model's own checkpointing
+        self._only_counts = config.budget_bytes is None and config.reserve_bytes is None
+        """No budget and none following free memory: without regions nothing saved ever moves."""
         if regions is not None and not self._regions_to_find:
             self._regions = Regions(
                 resolve_regions(regions, model), config.policy, self._session, self._plan_cache, shared_inputs
@@ -156,7 +158,9 @@ class Engine:
                 self._regions.refuse_another_thread()
                 self._session.enter()
         else:
-            self._session.enter()
+            # Budget None: nothing will move unless regions do, and their outermost entry (above) always
+            # pushes the pair, which a nested entry then keeps. See Note: [no hooks where nothing moves]
+            self._session.enter(unhooked_ok=self._only_counts)
         if outermost and self._regions.present and not self._checked_checkpointing:
             self._checked_checkpointing = True  # once: the look walks every module (explain() looks again)
             note = _checkpointing_note(self._models)
@@ -292,12 +296,22 @@ class Engine:
         return session.counters.snapshot(store.gauges(), self._link_base)
 
     def reset_stats(self) -> None:
-        """Start a new count (e.g. per step); what the engine holds now (resident bytes, ...) stays."""
+        """Start a new count (e.g. per step); what the engine holds now (resident bytes, ...) stays.
+        At budget None (no regions) the next step is counted, with the hooks on (See Note: [no hooks
+        where nothing moves] in ``offload._memory.session``)."""
         self._session.counters.reset()
+        self._session.count_next_step()
         store = self._session.store
         if store is not None:
             store.reset_peak()
             self._link_base = store.gauges()
+
+    def count_next_step(self) -> None:
+        """At budget None without regions, run the next step with the hooks on, so its saves are
+        counted, without zeroing the counts as ``reset_stats()`` does (an oracle of bytes saved per
+        step calls it before each). Elsewhere every step is counted already. See Note: [no hooks
+        where nothing moves] in ``offload._memory.session``."""
+        self._session.count_next_step()
 
     def close(self) -> None:
         """Finish copies in flight, free host buffers and remove the spill file. Idempotent."""
@@ -476,6 +490,16 @@ def _no_plan_note(eng: Engine) -> str:
         f"{stats.offloaded_bytes / MB:.1f} MB moved off the device, "
         f"at most {stats.peak_resident_bytes / MB:.1f} MB held there"
     )
+    if not eng._regions.present and eng._only_counts:
+        return (
+            f"no plan: this engine has no budget and no regions=, so nothing it takes ever moves. It counts the first "
+            f"step after it was made or after reset_stats() with its saved-tensor hooks on (every save of at least "
+            f"{config.min_offload_bytes} bytes); later steps run with no hooks at all, autograd saving natively (See "
+            f"Note: [no hooks where nothing moves] in offload._memory.session); uncounted steps since (run with no "
+            f"hooks): {stats.uncounted_steps}; {so_far} in counted steps. Pass budget_mb= to keep saves under a "
+            "budget, or regions= (regions='auto' with model=, or regions=model.blocks) to have each block kept, moved "
+            "or recomputed by its measured cost"
+        )
     if not eng._regions.present:
         return (
             f"no plan: this engine has no regions=, so it decides per saved tensor, not per block. Every save of at "

@@ -3,7 +3,8 @@
 The store updates a mutable ``Counters`` under its lock; ``Engine.stats`` hands out a frozen
 ``Stats`` built from it and from the store's gauges (what it holds now), which are read, never
 reset. Byte counts are of distinct storages: a storage saved by several ops (or as several views)
-counts once.
+counts once. At budget None (no regions) only counted steps are in the counts: the first step after
+the engine was made or ``reset_stats()``; ``Stats.uncounted_steps`` says how many ran since uncounted.
 """
 
 from __future__ import annotations
@@ -112,6 +113,13 @@ class Stats:
     """Bytes all-gathered in backward to rebuild shared saves (every rank's slice, padding included)."""
     gather_wait_ms: float = 0.0
     """Host time unpacks waited for those gathers (gloo: the gather itself; CUDA: the stream wait)."""
+    uncounted_steps: int = 0
+    """Steps run with no hook of the engine's installed, so that none of their saves is in any count
+    above: at budget None without regions the engine counts the first step after it was made or
+    after ``reset_stats()`` and lets autograd save natively in later steps (See Note: [no hooks
+    where nothing moves] in ``offload._memory.session``; ``Engine.count_next_step()`` counts the
+    next). Saves declared with ``offload.sharded`` reach the engine even in those steps (it slices
+    them) and are counted. 0: every step was counted."""
 
     def to_dict(self) -> dict:
         """The fields as a plain dict, for CSV or JSON writers."""
@@ -167,6 +175,7 @@ class Counters:
     shared_kept_bytes: int
     gathered_bytes: int
     gather_wait_ms: float
+    uncounted_steps: int
 
     def __init__(self) -> None:
         self.reset()

@@ -108,6 +108,8 @@ def run(model: Stack, width: int, eng, declare, steps: int) -> dict:
         seq = SEQS[step % len(SEQS)] + 8 * (step // len(SEQS))
         x = torch.randn(BATCH, seq, width, generator=torch.Generator().manual_seed(step), requires_grad=True)
         model.zero_grad(set_to_none=True)
+        if eng is not None:
+            eng.count_next_step()  # budget None counts every step here: its bytes are the oracle
         dist.barrier()
         start = time.perf_counter()
         with eng if eng is not None else contextlib.nullcontext():

@@ -118,8 +118,12 @@ def test_compiled_blocks_equal_no_engine(backend, fresh_dynamo, spill_dir):
     stats = wait_clean(eng, spill_dir)
     eng.close()
     assert stats.saved_tensors > 0 and stats.offloaded_bytes == 0
-    saved_tensors = stats.saved_tensors
-    small_mb = 0.3 * stats.saved_bytes / STEPS / MB  # a block's saves exceed it; a step's are ~3x it
+    # Budget None counts its first step only; the later ones run with no hooks (See Note: [no hooks
+    # where nothing moves] in offload/_memory/session.py). The steps here are alike (same shapes,
+    # same graphs), and the budgets below count every one of theirs.
+    assert stats.uncounted_steps == STEPS - 1
+    saved_tensors = stats.saved_tensors * STEPS
+    small_mb = 0.3 * stats.saved_bytes / MB  # a block's saves exceed it; a step's are ~3x it
 
     for budget in (0, small_mb):
         eng = offload.engine(budget, min_offload_bytes=MIN_OFFLOAD_BYTES, spill_dir=spill_dir)

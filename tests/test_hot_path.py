@@ -191,11 +191,13 @@ def test_a_bare_pair_is_the_reference():
 
 
 def test_a_save_that_only_counts_does_one_op_and_takes_one_lock_per_step():
-    """Budget None: pack makes the detached alias (one op, no allocation) under one lock; unpack
-    and release take the lock once each and dispatch nothing; the link is never asked anything."""
+    """Budget None, a counted step (the first after reset_stats; later ones push no hooks, tested
+    below): pack makes the detached alias (one op, no allocation) under one lock; unpack and release
+    take the lock once each and dispatch nothing; the link is never asked anything."""
     streams = CountingStreams()
     eng = offload.engine(None, device="cpu", min_offload_bytes=0, link=CudaLink(torch.device("cpu"), streams=streams))
     _warm(eng)
+    eng.reset_stats()  # the next step is counted, with the hooks on
     before = eng.stats
     t = _activation()
     phases = _phases(eng, t)
@@ -212,9 +214,10 @@ def test_a_save_that_only_counts_does_one_op_and_takes_one_lock_per_step():
 
 def test_a_view_of_a_saved_storage_is_counted_once_on_the_same_path():
     """Dedup stays on the short path: a second save of the same storage (a view) is one op and one
-    lock too, and its bytes are not counted again."""
+    lock too, and its bytes are not counted again (budget None, a counted step)."""
     eng = offload.engine(None, device="cpu", min_offload_bytes=0)
     _warm(eng)
+    eng.reset_stats()  # the next step is counted, with the hooks on
     t = _activation()
     with eng:
         pack, unpack = _hooks()
@@ -224,7 +227,7 @@ def test_a_view_of_a_saved_storage_is_counted_once_on_the_same_path():
         with counting() as counts:
             second = pack(view)
     assert counts == {"aten.detach": 1, "lock.acquire": 1}, counts
-    assert eng.stats.saved_bytes == saved and eng.stats.saved_tensors == 3  # the warm-up's, t, its view
+    assert eng.stats.saved_bytes == saved and eng.stats.saved_tensors == 2  # t and its view (reset after the warm-up)
     got = unpack(second)
     assert torch.equal(got, view) and (got.stride(), got.storage_offset()) == (view.stride(), view.storage_offset())
     del first, second

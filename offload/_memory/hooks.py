@@ -18,6 +18,7 @@ Passed through, and why:
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
@@ -25,7 +26,24 @@ import torch
 
 from .._errors import inplace_error
 
-__all__ = ["Eligibility", "never_traced", "no_offload", "pack_passed", "unpack_passed", "users_own"]
+__all__ = [
+    "Eligibility",
+    "HookPair",
+    "never_traced",
+    "no_offload",
+    "pack_passed",
+    "unhooked",
+    "unpack_passed",
+    "users_own",
+]
+
+HookPair = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+"""A (pack, unpack) pair, as ``torch.autograd.graph.saved_tensors_hooks`` takes it."""
+
+unhooked: contextvars.ContextVar[Optional[HookPair]] = contextvars.ContextVar("offload_unhooked", default=None)
+"""The hook pair of an engine this thread is inside while the pair is off the hook stack (None: no
+such engine): ``offload.sharded`` pushes it for its block. See Note: [no hooks where nothing moves]
+in ``offload._memory.session``."""
 
 try:  # torch 2.6+: a per-code flag Dynamo's frame evaluator reads (See Note: [Dynamo never traces the hooks])
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy

@@ -10,11 +10,28 @@ the one thing ``Regions`` and the probe talk to:
 
 State per thread (the hook stack, eager mode) is thread-local: one engine can serve a training
 thread and an evaluation thread at once.
+
+Where nothing will move (budget None, no regions) the engine only counts, and a step after the
+first runs with its hook pair off the thread's hook stack, so autograd saves natively and no Python
+runs per saved tensor (See Note: [no hooks where nothing moves]):
+
+    step 1 after engine() / reset_stats()   hooks on: every save counted exactly, live (stats read
+                                            mid-forward, resident and peak gauges), as at any budget
+    later steps                             nothing pushed (``Stats.uncounted_steps`` += 1), unless
+                                            something is on the hook stack (a user's pair, another
+                                            engine) or hooks are disabled: then pushed, as ever
+
+Why sampling the first step, not a walk of the graph's saved tensors after forward: in the
+``with eng:`` form the engine never sees the forward's outputs, so it has no roots to walk from;
+and a walk (``grad_fn._raw_saved_*``, each storage once, about 1.3 us a saved tensor measured for
+issue 48) costs more per save than the goal allows (1.5 x a bare hook pair). Counting with the
+hooks on the first step is exact for that step, and the counts say which steps they cover.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import threading
 from typing import Any, Callable, Optional
@@ -28,13 +45,18 @@ from .._errors import OffloadError
 from .._observe import Observers
 from .._stats import Counters
 from .entry import Handle
-from .hooks import Eligibility, never_traced, unpack_passed
+from .hooks import Eligibility, HookPair, never_traced, unhooked, unpack_passed
 from .host import Host
 from .sharded import ShardedHandle, Sharding, SharedSaves, declared
 from .store import Store
 from .transfer import Link
 
 __all__ = ["ForwardMarks", "Session"]
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+"""The innermost (pack, unpack) on this thread's hook stack, or None: one C call."""
+_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]  # no stub
+"""False inside ``torch.autograd.graph.disable_saved_tensors_hooks``, where pushing a pair raises."""
 
 
 class _ThreadState(threading.local):
@@ -50,6 +72,9 @@ class _ThreadState(threading.local):
     """Saves start their copy out at once until this thread leaves the engine."""
     planned_per_rank = False
     """Inside ``Session.planned_per_rank()``."""
+    unhooked_step = False
+    """This thread's step runs with the engine's pair off the hook stack (See Note: [no hooks where
+    nothing moves])."""
 
 
 @dataclasses.dataclass
@@ -95,6 +120,9 @@ class Session:
         """Saves declared identical across a process group (``offload._memory.sharded``)."""
         self.hooks = self._make_hooks()
         """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
+        self._count_next = True
+        """The next step that could run unhooked is counted instead (the first after the engine was
+        made or ``count_next_step()``)."""
 
     # ------------------------------------------------------------------ the hooks
 
@@ -111,7 +139,7 @@ class Session:
                 )
         return self._store
 
-    def _make_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    def _make_hooks(self) -> HookPair:
         """The (pack, unpack) pair, closures over what they read per tensor: in a chain of saves a
         Python frame costs about twice what it costs in a loop (it runs cold between torch's own
         work), so the pair calls the eligibility test and the store and nothing in between."""
@@ -164,17 +192,47 @@ class Session:
 
     # ------------------------------------------------------------------ the hook stack (per thread)
 
-    def enter(self) -> None:
+    # Note: [no hooks where nothing moves]
+    #     At budget None without regions nothing the engine takes ever moves, so its hooks would
+    #     only count: a Python pack and unpack per saved tensor (10-12 x a bare pair, issue 48) for
+    #     nothing but a number. So an unhooked step (``enter(unhooked=True)``) pushes nothing and
+    #     autograd saves natively (its own in-place check, its own lifetimes). Three rules keep
+    #     every save where it went before:
+    #     - the first such step after the engine was made or ``count_next_step()`` pushes the pair:
+    #       it is the counted step (``Stats.uncounted_steps`` counts the others);
+    #     - an entry that finds anything on this thread's hook stack (a user's pair, another engine,
+    #       ``no_offload``) pushes the pair, since only the innermost pair is called and the one
+    #       below must see nothing from inside ``with eng:``, as before; a nested entry of an unhooked
+    #       step asks again, so a pair the user pushed inside the step is shadowed as it was;
+    #     - an entry while hooks are disabled (``disable_saved_tensors_hooks``) pushes, so it raises
+    #       torch's error as before.
+    #     ``offload.sharded`` needs the engine's pack to slice its saves: while a step is unhooked,
+    #     ``hooks.unhooked`` holds the pair and the declaration pushes it for its block.
+
+    def enter(self, unhooked_ok: bool = False) -> None:
         """Install the hooks on this thread (nested entries stack); tell the store a step starts
-        (with budget_mb="auto" it reads free memory; it gives back pinned pages dropped last step)."""
+        (with budget_mb="auto" it reads free memory; it gives back pinned pages dropped last step).
+        ``unhooked_ok``: nothing saved will move, so the pair may stay off the stack (See Note: [no
+        hooks where nothing moves])."""
         if self._store is not None:
             self._store.step_started()
-        ctx = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
-        ctx.__enter__()
         stack = self._local.stack
         if stack is None:
             stack = self._local.stack = []
-        stack.append(ctx)
+        clear = _top_hooks(False) is None and _hooks_enabled()  # See Note: [no hooks where nothing moves]
+        if not stack:
+            unhooked_step = unhooked_ok and clear and not self._count_next
+            if unhooked_ok and clear:
+                self._count_next = False
+            self._local.unhooked_step = unhooked_step
+            if unhooked_step:
+                self.counters.uncounted_steps += 1
+        if self._local.unhooked_step and clear:
+            stack.append(unhooked.set(self.hooks))
+        else:
+            ctx = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
+            ctx.__enter__()
+            stack.append(ctx)
         if len(stack) == 1:
             with self._inside_lock:
                 self._inside.add(threading.get_ident())
@@ -183,14 +241,23 @@ class Session:
         if self.observers and len(stack) == 1:
             self.observers.entered()
 
+    def count_next_step(self) -> None:
+        """Count the next step with the hooks on, though it could run without (``reset_stats``)."""
+        self._count_next = True
+
     def exit(self, *exc: Any) -> None:
         stack = self._local.stack
         assert stack, "offload internal error: the engine was left on a thread that did not enter it"
-        stack.pop().__exit__(*exc)
+        entry = stack.pop()
+        if type(entry) is contextvars.Token:
+            unhooked.reset(entry)
+        else:
+            entry.__exit__(*exc)
         if not stack:
             with self._inside_lock:
                 self._inside.discard(threading.get_ident())
             self._local.eager_to_end = False
+            self._local.unhooked_step = False
             marks = self.marks
             if marks is not None and marks.closed is None:
                 marks.closed = self.saved()

@@ -42,6 +42,7 @@ import torch
 from .._errors import OffloadError, inplace_error
 from .._stats import Counters
 from .entry import Handle, version_watch
+from .hooks import unhooked
 
 __all__ = ["ShardedHandle", "SharedSaves", "Sharding", "declared", "declaring", "sharded", "sharding_for"]
 
@@ -112,7 +113,14 @@ def sharded(group: Any = None, *, verify: bool = False) -> Iterator[None]:
     sharding = sharding_for(group, verify=verify)
     token = _DECLARED.set(sharding)
     try:
-        yield
+        pair = unhooked.get()
+        if pair is not None and torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            # See Note: [no hooks where nothing moves] (in ``session``): the engine's pair, off the
+            # stack, would have been innermost here, and only its pack reads the declaration.
+            with torch.autograd.graph.saved_tensors_hooks(*pair):
+                yield
+        else:
+            yield
     finally:
         _DECLARED.reset(token)
 
