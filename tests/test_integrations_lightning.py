@@ -28,6 +28,8 @@ SAMPLES = 32
 LBFGS_ITERATIONS = 3
 MIN_OFFLOAD_BYTES = 1024
 """Below the default 64 KiB so this model's activations (8 x 64 fp32 = 2 KiB) move."""
+KEEP_ALL_MB = 1 << 20
+"""A budget (1 TiB) no step here comes near: nothing moves, every save is counted."""
 
 
 class MLP(lightning.LightningModule):
@@ -139,13 +141,15 @@ def test_fit_equal_with_callback(variant, spill_dir):
 
 def test_every_closure_call_is_managed():
     """LBFGS re-runs its closure (training_step + backward) inside optimizer.step(): every one of
-    those forwards saves through the engine, not only the first of each batch."""
-    per_batch = OffloadCallback(min_offload_bytes=MIN_OFFLOAD_BYTES)
+    those forwards saves through the engine, not only the first of each batch. A budget far above a
+    step's saves, not None: the hooks count every forward (at budget None only the first step is
+    counted: See Note: [no hooks where nothing moves] in offload/_memory/session.py)."""
+    per_batch = OffloadCallback(budget_mb=KEEP_ALL_MB, min_offload_bytes=MIN_OFFLOAD_BYTES)
     fit(MLP(), [per_batch])
     per_forward = per_batch.engine.stats.saved_tensors / (SAMPLES // BATCH)
 
     module = MLP(lbfgs=True)
-    callback = OffloadCallback(min_offload_bytes=MIN_OFFLOAD_BYTES)
+    callback = OffloadCallback(budget_mb=KEEP_ALL_MB, min_offload_bytes=MIN_OFFLOAD_BYTES)
     fit(module, [callback])
     assert len(module.losses) > SAMPLES // BATCH  # the closure ran more than once per batch
     assert callback.engine.stats.saved_tensors == per_forward * len(module.losses)
