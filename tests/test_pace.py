@@ -107,5 +107,5 @@ def test_the_plan_cache_saves_the_cost_models_plan_not_the_pace():
     plan = make_plan(tuple(uniform_regions(3)), cuda_machine(10.0), 150 * MB, "auto", other_ms=7.0)
     stored = _encode_plan(plan.paced(1.0))
     assert "pace" not in stored
-    assert _decode_plan(stored) == plan
-    assert _decode_plan(stored | {"pace": 0}) == plan
+    assert _decode_plan(stored, "plan") == plan
+    assert _decode_plan(stored | {"pace": 0}, "plan") == plan
