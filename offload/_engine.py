@@ -97,6 +97,7 @@ class Engine:
         self.config = config
         self._shared_inputs = shared_inputs
         self._machine = machine
+        self._machine_given = machine is not None  # the user's figures: never replaced by the trials' bounds
         self._plan_cache: Optional[PlanCache] = None
         """Where final region plans are kept across restarts (``plan_cache=``): the regions' to use."""
         if config.plan_cache is not None:
@@ -122,7 +123,12 @@ class Engine:
         """No budget and none following free memory: without regions nothing saved ever moves."""
         if regions is not None and not self._regions_to_find:
             self._regions = Regions(
-                resolve_regions(regions, model), config.policy, self._session, self._plan_cache, shared_inputs
+                resolve_regions(regions, model),
+                config.policy,
+                self._session,
+                self._plan_cache,
+                shared_inputs,
+                machine_given=machine is not None,
             )
         if model is not None:
             self.watch(model)
@@ -137,7 +143,12 @@ class Engine:
         self._models.append(module)
         if self._regions_to_find:
             self._regions = Regions(
-                resolve_regions(AUTO, module), self.config.policy, self._session, self._plan_cache, self._shared_inputs
+                resolve_regions(AUTO, module),
+                self.config.policy,
+                self._session,
+                self._plan_cache,
+                self._shared_inputs,
+                machine_given=self._machine_given,
             )
             self._regions_to_find = False
         return self

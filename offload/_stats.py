@@ -119,7 +119,9 @@ class Stats:
     after ``reset_stats()`` and lets autograd save natively in later steps (See Note: [no hooks
     where nothing moves] in ``offload._memory.session``; ``Engine.count_next_step()`` counts the
     next). Saves declared with ``offload.sharded`` reach the engine even in those steps (it slices
-    them) and are counted. 0: every step was counted."""
+    them) and are counted. With regions, a step under a plan measured at its inputs that keeps
+    everything within the budget runs unhooked from its first region on (See Note: [a step kept
+    whole runs unhooked]) and counts here too. 0: every step was counted."""
 
     def to_dict(self) -> dict:
         """The fields as a plain dict, for CSV or JSON writers."""

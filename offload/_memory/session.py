@@ -55,6 +55,8 @@ __all__ = ["ForwardMarks", "Session"]
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 """The innermost (pack, unpack) on this thread's hook stack, or None: one C call."""
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]  # no stub
 """False inside ``torch.autograd.graph.disable_saved_tensors_hooks``, where pushing a pair raises."""
 
@@ -73,6 +75,9 @@ class _ThreadState(threading.local):
     planned_per_rank = False
     """Inside ``Session.planned_per_rank()``."""
     unhooked_step = False
+    token: Optional[contextvars.Token] = None
+    """Set where a planned step took the pair off the stack after its entry pushed it (See Note: [a
+    step kept whole runs unhooked]): ``hooks.unhooked``'s token, reset at the outermost exit."""
     """This thread's step runs with the engine's pair off the hook stack (See Note: [no hooks where
     nothing moves])."""
 
@@ -241,6 +246,35 @@ class Session:
         if self.observers and len(stack) == 1:
             self.observers.entered()
 
+    # Note: [a step kept whole runs unhooked]
+    #     With regions, a step whose plan keeps everything (every region and what is saved around
+    #     them: measured at these very inputs, predicted within the budget) moves nothing either.
+    #     The plan is known only at the step's first region call, after the saves before it went
+    #     through the pair; from there ``unhook_rest_of_step`` takes the pair off the stack for the
+    #     rest of the outermost entry, and ``exit`` puts it back just before the entry's own pop.
+    #     It does so only where the pair is the only one on the stack: it pops the pair and, if
+    #     another (a user's, another engine's, its own of an outer entry) is then on top, pushes it
+    #     straight back, so nothing saved inside is ever shown to an outer pair. A nested entry
+    #     meanwhile pushes as ever; ``offload.sharded`` pushes the pair for its block
+    #     (``hooks.unhooked``). The step's saves are then not counted (``Stats.uncounted_steps``);
+    #     its plan held them within the budget when it was measured, at these inputs.
+    def unhook_rest_of_step(self) -> bool:
+        """Take this thread's pair off the hook stack until the outermost entry is left, where it
+        is the only pair there: See Note: [a step kept whole runs unhooked]. True where taken off."""
+        if not self._local.stack:
+            return False
+        top = _top_hooks(False)
+        if top is None or top[0] is not self.hooks[0]:
+            return False  # a pair pushed inside the engine is on top: it stays, and so does ours
+        _pop_hooks()
+        if _top_hooks(False) is not None:  # a pair below ours: it must not see this step's saves
+            _push_hooks(*self.hooks)
+            return False
+        self._local.unhooked_step = True
+        self._local.token = unhooked.set(self.hooks)
+        self.counters.uncounted_steps += 1
+        return True
+
     def count_next_step(self) -> None:
         """Count the next step with the hooks on, though it could run without (``reset_stats``)."""
         self._count_next = True
@@ -252,6 +286,10 @@ class Session:
         if type(entry) is contextvars.Token:
             unhooked.reset(entry)
         else:
+            if not stack and self._local.token is not None:  # See Note: [a step kept whole runs unhooked]
+                unhooked.reset(self._local.token)
+                self._local.token = None
+                _push_hooks(*self.hooks)  # the entry's own exit pops it
             entry.__exit__(*exc)
         if not stack:
             with self._inside_lock:

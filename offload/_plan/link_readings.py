@@ -38,8 +38,6 @@ floor, 1e-3), which the bytes it moved rule out, a timing fluke, not a link. A s
 is plausible (the probe charges each small tensor a disk round trip that a step's spill threads
 overlap: x0.17-x0.4 measured on GPT-2 here); one above 100 says the step was disturbed."""
 
-CALIBRATION_TRIES = 2
-
 # Note: [a probe slower than the steps]
 #     A reading below ``PLAUSIBLE_LINK_SCALE`` says the step that moved everything was no slower
 #     than the one that kept it. That is a fluke only where the probe's figures say moving costs
@@ -53,6 +51,11 @@ CALIBRATION_TRIES = 2
 #     - it is below 1: the probe's figures are slower than every step the engine measured allows;
 #       transfers are priced at that ceiling (the dearest the steps allow, at least the plausible
 #       floor), and the warning says to measure the probe again.
+#     Figures the user passed (``machine=``) are what the user says of the machine, not a reading
+#     the engine took: they are never replaced (the profiler offers no ceiling), only scaled within
+#     the plausible range as any figures are, and too low a reading is measured again, then left.
+
+CALIBRATION_TRIES = 2
 """Offload trials at most whose calibration is implausible before the probe's figures are used."""
 
 
@@ -142,7 +145,7 @@ class LinkReadings:
         self.rejected.append(scale)
         self.ceilings.append(ceiling if scale < low else math.inf)
         if self.accepted:
-            log.warning(
+            log.info(  # not for the user: a disturbed step, and the earlier trials' reading stands
                 "offload: a step that offloaded every region implied transfer costs x%.3g the figures planned "
                 "on, outside the plausible x%g..x%g; keeping x%.3g, what the earlier trials read",
                 scale,
@@ -184,8 +187,9 @@ class LinkReadings:
             )
             return Verdict.PROBE
         log.warning(
-            "offload: %d offload steps implied transfer costs x%s the probe's, all outside x%g..x%g; planning on "
-            "the probe's own figures (offload.probe(refresh=True) measures the machine again)",
+            "offload: %d offload steps implied transfer costs x%s the machine's figures, all outside x%g..x%g; "
+            "planning on the figures as they are (offload.probe(refresh=True) measures this machine again; "
+            "figures passed as machine= are used as given)",
             len(self.rejected),
             ", x".join(f"{s:.3g}" for s in self.rejected),
             low,

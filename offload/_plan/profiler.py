@@ -69,6 +69,7 @@ __all__ = [
     "SIZE_TOLERANCE",
     "TIME_CHECK_TOLERANCE",
     "Measured",
+    "Origin",
     "Planning",
     "Profiler",
     "ProfilingLimits",
@@ -417,6 +418,10 @@ class Planning:
     """The machine's transfer costs (measured on first use, then cached)."""
     plan_cache: Optional[PlanCache]
     """Where final plans are kept across restarts (``plan_cache=``), or None."""
+    machine_given: bool = False
+    """The machine's figures are the user's (``machine=``), not the probe's: trials still scale
+    them within the plausible range, but never replace them (See Note: [a probe slower than the
+    steps] in ``link_readings``)."""
 
 
 class Profiler:
@@ -721,7 +726,9 @@ class Profiler:
             noise_ms = self._noise(fam, trial.profiles, measured) * measured.span_ms
             uncertainty = noise_ms / excess_ms if excess_ms > 0 else math.inf
             ceiling = math.inf
-            if scale < PLAUSIBLE_LINK_SCALE[0]:  # See Note: [a probe slower than the steps]
+            if (
+                scale < PLAUSIBLE_LINK_SCALE[0] and not self._planning.machine_given
+            ):  # See Note: [a probe slower than the steps]
                 _, ceiling = calibrate_link(timed, self._machine(), noise_ms, budget)
             if self.link.offer(scale, uncertainty, ceiling) is Verdict.AGAIN:  # Note: [a calibration that cannot lie]
                 fam.queue.insert(0, Stage.OFFLOAD_TRIAL)

@@ -43,7 +43,7 @@ from .._memory.sharded import Sharding, declaring
 from .._plan.cache import PlanCache
 from .._plan.planner import Decision, Plan
 from .._plan.policy import Policy, get_policy
-from .._plan.profiler import Measured, Planning, Profiler, Stage
+from .._plan.profiler import Measured, Origin, Planning, Profiler, ShapePlan, Stage
 from .blocks import Found, find_blocks
 from .measurement import ForwardClock, Measurement, finish_after_backward, merged_profile, span_ms
 from .module_state import RegionState
@@ -250,6 +250,7 @@ class Regions:
         session: Session,
         plan_cache: Optional[PlanCache] = None,
         shared_inputs: Optional[Sharding] = None,
+        machine_given: bool = False,
     ) -> None:
         self.regions = found.regions
         self._shared_inputs = shared_inputs
@@ -260,7 +261,9 @@ class Regions:
         self._policy: Policy = get_policy(policy)
         """What the policy needs (``Policy.measures``, ``plans_per_rank``, ...), asked instead of its name."""
         self._session = session
-        self._profiler = Profiler(self.regions, policy, Planning(session.budget_in_force, session.machine, plan_cache))
+        self._profiler = Profiler(
+            self.regions, policy, Planning(session.budget_in_force, session.machine, plan_cache, machine_given)
+        )
         self.recent_stages: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
         """The profiling stage of each recent step, oldest first; None: the step followed a plan."""
         self.profiled: collections.deque = collections.deque(maxlen=_RECENT_STEPS)
@@ -545,8 +548,23 @@ class Regions:
         plan = None if entry is None else entry.plan
         keeps_all = plan is not None and plan.fits_budget and all(d is Decision.KEEP for d in plan.decisions)
         self._session.set_planned(plan is not None and (stage is None or (stage is Stage.MEASURE and keeps_all)))
+        if isinstance(step, PlannedStep) and self._keeps_everything(step.entry):
+            self._session.unhook_rest_of_step()  # See Note: [a step kept whole runs unhooked]
         if stage is not None:
             self._session.machine()  # measured (or read from the cache) now, not inside backward
+
+    def _keeps_everything(self, entry: ShapePlan) -> bool:
+        """Whether a step under ``entry`` moves nothing and needs nothing counted: a plan measured at
+        these inputs (not derived: a derived plan is checked against what its steps save), within a
+        fixed budget (not one following free memory), keeping every region and every save around
+        them. See Note: [a step kept whole runs unhooked] in ``offload._memory.session``."""
+        plan = entry.plan
+        return (
+            entry.origin is Origin.MEASURED
+            and plan.fits_budget
+            and not self._session.config.follows_free_memory
+            and all(r.decision is Decision.KEEP for r in (*plan.regions, *plan.outside))
+        )
 
     # Note: [a step's span]
     #     A step is timed from its first region's forward to the next step's first region (``now``):
