@@ -106,7 +106,7 @@ import enum
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._cost import MB, MachineProfile, RegionProfile, Scope
 
@@ -124,12 +124,16 @@ __all__ = [
     "build_plan",
     "calibrate_link",
     "check_inputs",
+    "copies_share_compute",
     "footprint",
     "host_ms",
+    "link_ms",
     "link_usable",
     "region_transfer_ms",
     "scale_link",
     "simulate",
+    "timeline",
+    "Timeline",
 ]
 
 logger = logging.getLogger(__name__)
@@ -200,7 +204,7 @@ def as_stored(
 
 def _stored_timeline(
     regions: Sequence[RegionProfile], decisions: Sequence[Decision], machine: MachineProfile, budget_bytes: int | None
-) -> tuple[tuple[Decision, ...], _Timeline]:
+) -> tuple[tuple[Decision, ...], Timeline]:
     kept = tuple(Decision.KEEP if r.scope is Scope.BEFORE else d for r, d in zip(regions, decisions, strict=True))
     kept_timeline = _run_timeline(regions, kept, machine, budget_bytes)
     moved = tuple(
@@ -226,11 +230,11 @@ def coerce(regions: Sequence[RegionProfile], decisions: Sequence[Decision]) -> t
     return tuple(d if allowed(r, d) else Decision.KEEP for r, d in zip(regions, decisions, strict=True))
 
 
-@dataclasses.dataclass(frozen=True)
-class Footprint:
+class Footprint(NamedTuple):
     """What one decision makes of one region: bytes (and tensors) it moves over the link, bytes it
     keeps on the device between forward and backward, bytes it drops to regenerate in backward,
-    and the re-run backward pays for first, ms."""
+    and the re-run backward pays for first, ms. A tuple, not a dataclass: the timeline makes one
+    per region per pricing, and a frozen dataclass costs several times more to build."""
 
     moved_bytes: int
     moved_tensors: int
@@ -271,7 +275,11 @@ def footprint(region: RegionProfile, decision: Decision) -> Footprint:
 def host_ms(region: RegionProfile, decision: Decision, machine: MachineProfile) -> tuple[float, float]:
     """(forward, re-run) ms of the engine's host costs for ``region`` under ``decision`` (see the
     module docstring): its store's cost per tensor taken, and a selective region's dispatch modes."""
-    forward_ms = machine.held_tensor_overhead_us * _MS_PER_US * footprint(region, decision).stored_tensors
+    return _host_ms(region, decision, footprint(region, decision), machine)
+
+
+def _host_ms(region: RegionProfile, decision: Decision, fp: Footprint, machine: MachineProfile) -> tuple[float, float]:
+    forward_ms = machine.held_tensor_overhead_us * _MS_PER_US * fp.stored_tensors
     if decision not in SELECTIVE_DECISIONS:
         return forward_ms, 0.0
     dispatch_ms = machine.dispatch_overhead_us * _MS_PER_US * region.forward_dispatches
@@ -475,7 +483,8 @@ def copies_share_compute(machine: MachineProfile) -> bool:
     return machine.device_type == "cpu" and machine.spare_cores == 0
 
 
-def _link_ms(nbytes: int, gb_per_s: float) -> float:
+def link_ms(nbytes: int, gb_per_s: float) -> float:
+    """Time to move ``nbytes`` at ``gb_per_s``, ms (inf at 0 GB/s)."""
     if gb_per_s <= 0:
         return math.inf
     return nbytes / (gb_per_s * _BYTES_PER_GB) * _MS_PER_S
@@ -484,7 +493,7 @@ def _link_ms(nbytes: int, gb_per_s: float) -> float:
 def region_transfer_ms(region: RegionProfile, machine: MachineProfile) -> tuple[float, float]:
     """(out, back) link time of the region's saved bytes, ms; inf over an unusable link."""
     out_gb_per_s, back_gb_per_s = machine.offload_gb_per_s()
-    return _link_ms(region.saved_bytes, out_gb_per_s), _link_ms(region.saved_bytes, back_gb_per_s)
+    return link_ms(region.saved_bytes, out_gb_per_s), link_ms(region.saved_bytes, back_gb_per_s)
 
 
 _FREE, _ALLOCATE, _FREE_AFTER = 0, 1, 2
@@ -492,10 +501,13 @@ _FREE, _ALLOCATE, _FREE_AFTER = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
-class _Timeline:
+class Timeline:
+    """One step as the cost model runs it: its time, its peak, and each region's exposed time."""
+
     step_ms: float
     peak_bytes: int
     exposed_ms: tuple[float, ...]
+    """Per region, in region order: the step time it adds (``RegionPlan.exposed_ms``)."""
 
 
 def _run_timeline(
@@ -503,7 +515,7 @@ def _run_timeline(
     decisions: Sequence[Decision],
     machine: MachineProfile,
     budget_bytes: int | None = None,
-) -> _Timeline:
+) -> Timeline:
     if len(decisions) != len(regions):
         raise ValueError(f"got {len(decisions)} decisions for {len(regions)} regions; pass one per region")
     out_gb_per_s, back_gb_per_s = machine.offload_gb_per_s()
@@ -518,7 +530,9 @@ def _run_timeline(
                 f"region {region.name!r} cannot be {decision.value}: no selective run of it was measured "
                 f"(selective_ms is 0{'; ' + region.note if region.note else ''}); use RECOMPUTE"
             )
-        if not (allowed(region, decision) or (region.scope is Scope.BEFORE and decision is Decision.OFFLOAD)):
+        if region.scope is not Scope.REGION and not (
+            allowed(region, decision) or (region.scope is Scope.BEFORE and decision is Decision.OFFLOAD)
+        ):  # a region's one refusal (selective, not measured) is the check above
             raise ValueError(
                 f"{region.name!r} ({region.scope.value} the regions) cannot be {decision.value}: the saves outside "
                 f"the regions are never re-run, and those before or between them are kept"
@@ -536,7 +550,7 @@ def _run_timeline(
     now_ms = 0.0
     out_link_free_ms = 0.0
     footprints = [footprint(region, decision) for region, decision in zip(regions, decisions, strict=True)]
-    host = [host_ms(region, decision, machine) for region, decision in zip(regions, decisions, strict=True)]
+    host = [_host_ms(r, d, fp, machine) for r, d, fp in zip(regions, decisions, footprints, strict=True)]
     held_bytes = 0  # what the kept regions hold so far: the room for copies in flight is the rest of the budget
     queued_bytes = 0  # bytes put on the out-link so far
     for i, (region, decision) in enumerate(zip(regions, decisions, strict=True)):
@@ -548,7 +562,7 @@ def _run_timeline(
             overhead_ms = overhead_ms_per_tensor * fp.moved_tensors
             now_ms += overhead_ms
             exposed_ms[i] += overhead_ms
-            out_ms = _link_ms(fp.moved_bytes, out_gb_per_s)
+            out_ms = link_ms(fp.moved_bytes, out_gb_per_s)
             if serial:
                 now_ms += out_ms
                 exposed_ms[i] += out_ms
@@ -561,7 +575,7 @@ def _run_timeline(
                     room_bytes = _whole_tensors(max(0, budget_bytes - held_bytes), region.largest_tensor_bytes)
                     # the compute waits until what is still queued fits the room: the out-link has
                     # written all but ``room_bytes`` of the queue, the newest copy last
-                    drained_ms = out_link_free_ms - _link_ms(min(room_bytes, queued_bytes), out_gb_per_s)
+                    drained_ms = out_link_free_ms - link_ms(min(room_bytes, queued_bytes), out_gb_per_s)
                     if drained_ms > now_ms:
                         exposed_ms[i] += drained_ms - now_ms
                         now_ms = drained_ms
@@ -579,14 +593,14 @@ def _run_timeline(
         held_bytes -= fp.resident_bytes  # region i's own inputs are held until its backward ends: counted below
         backward_ms = region.backward_or_estimate_ms(BACKWARD_TO_FORWARD)
         if decision in MOVES_BYTES and serial:
-            start_ms = needed_ms + _link_ms(fp.moved_bytes, back_gb_per_s)
+            start_ms = needed_ms + link_ms(fp.moved_bytes, back_gb_per_s)
             exposed_ms[i] += start_ms - needed_ms
         elif decision in MOVES_BYTES:
             back_room_bytes = None if budget_bytes is None else max(0, budget_bytes - held_bytes - fp.resident_bytes)
             earliest_ms = max(copy_landed_ms[i], prefetch_floor_ms, back_link_free_ms)
             start_ms, back_link_free_ms = _reload(
-                _link_ms(fp.moved_bytes, back_gb_per_s),
-                _link_ms(_ahead_bytes(fp.moved_bytes, back_room_bytes, region.largest_tensor_bytes), back_gb_per_s),
+                link_ms(fp.moved_bytes, back_gb_per_s),
+                link_ms(_ahead_bytes(fp.moved_bytes, back_room_bytes, region.largest_tensor_bytes), back_gb_per_s),
                 _streamed_share(back_room_bytes, region.largest_tensor_bytes),
                 earliest_ms,
                 needed_ms,
@@ -606,7 +620,7 @@ def _run_timeline(
         resident_bytes += delta_bytes
         if resident_bytes > peak_bytes:
             peak_bytes = resident_bytes
-    return _Timeline(step_ms=now_ms, peak_bytes=peak_bytes, exposed_ms=tuple(exposed_ms))
+    return Timeline(step_ms=now_ms, peak_bytes=peak_bytes, exposed_ms=tuple(exposed_ms))
 
 
 def _whole_tensors(room_bytes: int, largest_bytes: int) -> int:
@@ -680,6 +694,17 @@ def simulate(
     """
     timeline = _stored_timeline(regions, decisions, machine, budget_bytes)[1]
     return timeline.step_ms, timeline.peak_bytes
+
+
+def timeline(
+    regions: Sequence[RegionProfile],
+    decisions: Sequence[Decision],
+    machine: MachineProfile,
+    budget_bytes: int | None = None,
+) -> tuple[tuple[Decision, ...], Timeline]:
+    """``simulate``'s step with its parts: the decisions as stored (``as_stored``) and the
+    ``Timeline`` they run, each region's exposed time included (what a search learns costs from)."""
+    return _stored_timeline(regions, decisions, machine, budget_bytes)
 
 
 _SCALE_RANGE = (1e-3, 1e3)
