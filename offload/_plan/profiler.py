@@ -106,7 +106,7 @@ SEARCH_BUCKET = 2 ** (1 / 8)
 (x1.09) share the decisions of one planner search, made at the bucket's largest shape (it saves
 the most, so its decisions fit the rest); each shape's plan is priced at its own profiles. A loop
 whose lengths change every step then searches a bounded number of times, not once a step (a
-search's cost grows with the square of the regions)."""
+search costs a few dozen whole-step timelines, each linear in the regions: ``AutoPolicy``)."""
 TIME_CHECK_TOLERANCE = 0.3
 """The same for a region's forward time (where the step's forward moved nothing: its compute
 alone). Wider than sizes: CPU timings drift from step to step (10-20 % on the 2-vCPU AMD EPYC of
