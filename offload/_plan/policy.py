@@ -407,8 +407,6 @@ _POLISH_REGION_STEPS = 20_000
 the polish does not grow with the regions: about 0.25 s at the timeline's ~13 us a region on the
 2-vCPU Xeon of ``bench/results/scale-cpu.md``; it covers the old search and every pair of changes
 on up to 8 regions, which the random problems of ``tests/test_planner_search.py`` need."""
-_POLISH_MIN_PRICINGS = 8
-"""The polish prices at least this many neighbours, however many the regions."""
 
 _PREFERENCE = (Decision.KEEP, Decision.OFFLOAD, Decision.SELECTIVE, Decision.SELECTIVE_OFFLOAD, Decision.RECOMPUTE)
 """Rule 7's order among near-equal plans: what touches a region least first."""
@@ -561,7 +559,7 @@ class _Search:
         self._machine = machine
         self._budget_bytes = budget_bytes
         self._costs: dict[tuple[Decision, ...], tuple[float, int]] = {}
-        self._polish_pricings = max(_POLISH_MIN_PRICINGS, _POLISH_REGION_STEPS // max(1, len(self._regions)))
+        self._polish_pricings = _POLISH_REGION_STEPS // max(1, len(self._regions))
         """What is left of rule 6's work, in neighbours priced: shared by every start it polishes."""
 
     def polish_left(self) -> int:
