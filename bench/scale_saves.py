@@ -16,8 +16,10 @@ step: the store keeps all); ``half`` (half the step's bytes: the older half move
 that over the bare pair's. Tensors: ``tiny`` (64 fp32) and ``real`` (16 Ki fp32, 64 KiB: a
 small layer's activation); moved variants run up to ``MOVED_MAX_SAVES`` and ``MOVED_MAX_BYTES`` a step.
 
-Then ``LAYERS`` tiny ``nn.Linear`` layers, forward and backward, at budget None against no engine
-(issue 48's goal: at most 1.03 x). A table, then one JSON line.
+Then the chain cut into ``REGIONS`` blocks passed as ``regions=``, under a budget far above the
+step, timed once the final plan keeps every block (new: unhooked from the first region; old: every
+save through the hooks). Then ``LAYERS`` tiny ``nn.Linear`` layers, forward and backward, at
+budget None against no engine (issue 48's goal: at most 1.03 x). A table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -190,6 +192,90 @@ def layers_rows(packages: dict[str, Any], steps: int) -> list[dict]:
     return rows
 
 
+REGIONS = 10
+"""Blocks the chain is cut into for the regions rows: a plan per block, every one kept."""
+PROFILE_STEPS_MAX = 30
+"""Steps an engine with regions gets to finish profiling before the regions rows time it."""
+
+
+class _Sines(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            y = y.sin()
+        return y
+
+
+def region_rows(packages: dict[str, Any], saves: list[int], steps: int, spill_dir: str) -> list[dict]:
+    """The chain cut into ``REGIONS`` blocks passed as ``regions=``, under a budget far above the
+    step, once the plan is final: every block kept (issue 48's "regions all kept by the plan")."""
+    rows = []
+    for size, numel in (("tiny", TINY_NUMEL), ("real", REAL_NUMEL)):
+        for n in saves:
+            blocks = torch.nn.ModuleList(_Sines(n // REGIONS) for _ in range(REGIONS))
+            model = torch.nn.Sequential(*blocks)
+            mb = n * numel * 4 / 2**20
+            variants: dict[str, Optional[Any]] = {"no hooks": None, "bare": "bare"}
+            for tag, package in packages.items():
+                eng = package.engine(
+                    100 * mb + 1, regions=blocks, model=model, min_offload_bytes=0, spill_dir=spill_dir
+                )
+                for _ in range(PROFILE_STEPS_MAX):
+                    region_step(model, numel, eng)
+                    if not eng.profiling:
+                        break
+                variants[f"{tag} regions keep"] = eng
+            times: dict[str, list[float]] = {k: [] for k in variants}
+            for round_ in range(WARMUP_ROUNDS + steps):
+                for name, ctx in variants.items():
+                    if ctx == "bare":
+                        ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+                    t = region_step(model, numel, ctx)
+                    if round_ >= WARMUP_ROUNDS:
+                        times[name].append(t)
+            mean = {k: statistics.fmean(v) for k, v in times.items()}
+            base = mean["no hooks"]
+            bare_us = (mean["bare"] - base) / n * 1e6
+            for name, ctx in variants.items():
+                per_us = (mean[name] - base) / n * 1e6
+                decisions = None
+                if ctx is not None and ctx != "bare":
+                    decisions = sorted({d.value for d in ctx.plan.decisions}) if ctx.plan is not None else None
+                rows.append(
+                    {
+                        "tensors": size,
+                        "saves": n,
+                        "variant": name,
+                        "step_ms": mean[name] * 1e3,
+                        "per_save_us": per_us,
+                        "x_bare": per_us / bare_us if bare_us > 0 else float("nan"),
+                        "counted_step_ms": float("nan"),
+                        "decisions": decisions,
+                    }
+                )
+                print(row_line(rows[-1]), flush=True)
+            for eng in variants.values():
+                if eng is not None and eng != "bare":
+                    eng.close()
+    return rows
+
+
+def region_step(model: torch.nn.Module, numel: int, ctx: Optional[Any]) -> float:
+    """Thread CPU seconds of one forward of ``model`` under ``ctx`` and its backward."""
+    x = torch.randn(numel, requires_grad=True)
+    start = time.thread_time()
+    if ctx is None:
+        y = model(x)
+    else:
+        with ctx:
+            y = model(x)
+    y.sum().backward()
+    return time.thread_time() - start
+
+
 def machine() -> dict:
     model = platform.processor()
     try:
@@ -227,11 +313,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     header = f"{'tensors':7} {'saves':>6} {'variant':12} {'step ms':>9} {'us/save':>8} {'x bare':>7} {'1st ms':>9}"
     print(header, flush=True)
     chains = chain_rows(packages, saves, args.steps, spill_dir)
+    regions = region_rows(packages, saves, args.steps, spill_dir)
     layers = layers_rows(packages, args.layers_steps)
 
     print(f"\n{header}")
     for r in chains:
         print(row_line(r))
+    print(f"\nthe chain cut into {REGIONS} regions, every one kept by the final plan:")
+    for r in regions:
+        print(row_line(r), r["decisions"])
     print(f"\n{LAYERS} Linear({LAYER_WIDTH}, {LAYER_WIDTH}) layers, batch {LAYER_ROWS}, forward + backward:")
     for r in layers:
         print(f"  {r['variant']:12} {r['step_ms']:9.3f} ms  {r['x_no_engine']:.3f} x no engine")
@@ -241,6 +331,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "steps": args.steps,
         "goals": GOALS,
         "chains": chains,
+        "regions": regions,
         "layers": layers,
         "old": args.old,
     }
