@@ -265,3 +265,61 @@ def test_a_wrapper_set_on_top_of_the_engines_is_left_out_with_a_warning(spill_di
     assert_same(_step(reference), _step(twin), "the copy: its own forward")
     assert all(p.grad is None for p in model.parameters())
     model.offload_engine.close()
+
+
+class _OwnState(torch.nn.Module):
+    """A module class whose ``__getstate__`` returns its own ``__dict__`` (not a copy of it), as some
+    user classes do: the engine must leave its attributes out of the copy's state, not the original's."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+    def __getstate__(self):
+        return self.__dict__
+
+
+def test_a_class_whose_getstate_returns_its_own_dict(spill_dir):
+    base = _net()
+    base.model.blocks = torch.nn.ModuleList(_OwnState(b) for b in base.model.blocks)
+    reference = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="recompute")
+    _step(model, eng)
+    twin = copy.deepcopy(model)
+    _assert_plain(twin)
+    assert_same(_step(reference), _step(twin), "the copy")
+    # The original keeps the engine: its blocks are still wrapped, and its steps still re-run them.
+    assert all("forward" in b.__dict__ and "__getstate__" in b.__dict__ for b in model.model.blocks)
+    before = eng.stats.recomputed_regions
+    assert_same(_step(reference), _step(model, eng), "the original under its engine")
+    assert eng.stats.recomputed_regions > before
+    eng.close()
+
+
+def test_a_model_under_two_engines_in_turn_copies_as_before_either(spill_dir):
+    """One engine's regions, then another's over the same blocks (the second wraps the first's
+    wrapper): the copy is the model as it was before the first."""
+    base = _net()
+    reference = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+    blocks = model.model.blocks
+    first = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=blocks, policy="recompute")
+    _step(model, first)
+    second = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=blocks, policy="offload")
+    _step(model, second)
+    model.zero_grad(set_to_none=True)
+    for how, copy_ in COPIES.items():
+        twin = copy_(model)
+        _assert_plain(twin)
+        assert_same(_step(reference), _step(twin), f"{how}: the copy against the model without an engine")
+    assert all(p.grad is None for p in model.parameters()), "training a copy put gradients in the original"
+    before = second.stats.saved_tensors
+    assert_same(_step(reference), _step(model, second), "the original under the second engine")
+    assert second.stats.saved_tensors > before
+    second.close()
+    first.close()
+    assert all("forward" not in b.__dict__ and "__getstate__" not in b.__dict__ for b in model.model.blocks)
