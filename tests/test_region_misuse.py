@@ -2,6 +2,11 @@
 one engine's regions run from two threads at the same time (See Note: [one forward at a time]).
 
 Each of these used to be accepted and then fail later with a wrong diagnosis, or never say anything.
+
+White-box, one test: two threads racing to enter are made to meet between one thread's check and its
+entry, which no public seam can pause: it swaps the engine's entry lock for one that says when a
+thread reaches it, and pauses inside the regions' check (``Engine._entering``,
+``Regions.refuse_another_thread``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,17 @@ def test_a_filter_that_picks_nested_modules_is_refused():
     model = _net()
     with pytest.raises(ValueError, match="nests region"):
         offload.engine(budget_mb=0, model=model, regions=lambda m, name: name.startswith("model.blocks.0"))
+
+
+@pytest.mark.parametrize("order", ["outer-first", "inner-first"])
+def test_a_region_two_levels_inside_another_is_refused(order):
+    """A grandchild, not only a child: a block and a linear layer of its attention."""
+    model = _net()
+    block = model.model.blocks[0]
+    inner = next(m for name, m in block.named_modules() if name.count(".") == 1)
+    regions = [block, inner] if order == "outer-first" else [inner, block]
+    with pytest.raises(ValueError, match=r"nests region 'model\.blocks\.0\.\w+\.\w+' inside region 'model\.blocks\.0'"):
+        offload.engine(budget_mb=0, model=model, regions=regions)
 
 
 def test_nested_regions_without_the_model_are_refused_too():
@@ -247,4 +263,93 @@ def test_a_profiling_step_overtaken_before_its_backward_is_measured_again(spill_
         _step(model, eng)
     assert all(p.span_ms is not None for p in eng.profiled_steps), [p.span_ms for p in eng.profiled_steps]
     assert list(eng.recent_stages)[:2] == ["measure", "measure"], "the overtaken stage ran again"
+    eng.close()
+
+
+class _SignallingLock:
+    """A lock that sets ``arrived`` when a thread other than ``owner`` comes to take it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.arrived = threading.Event()
+        self.owner: int | None = None
+
+    def __enter__(self):
+        if threading.get_ident() != self.owner:
+            self.arrived.set()
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+        return False
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+
+def test_a_second_thread_waits_for_the_first_to_enter_then_is_refused(spill_dir):
+    """Thread A pauses between its check (no one else inside) and its entry until thread B has come
+    to enter; B must wait for A's entry (the check and the entry are under one lock), then see A
+    inside and be refused. Without the lock B would check while A is paused, find no one inside,
+    and run its step beside A's."""
+    base = _net()
+    reference = _step(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="offload")
+    lock = _SignallingLock()
+    eng._entering = lock
+    regions = eng._regions
+    check = regions.refuse_another_thread
+    a_checking, b_done = threading.Event(), threading.Event()
+    held_while_checking = []
+
+    def pausing_check():
+        check()
+        if threading.get_ident() == lock.owner:
+            held_while_checking.append(lock.locked())
+            a_checking.set()
+            assert lock.arrived.wait(30), "thread B never came to enter"
+        else:
+            lock.arrived.set()  # without the lock, B checks at once
+
+    regions.refuse_another_thread = pausing_check
+    block = model.model.blocks[1]
+    original = block.forward
+
+    def waits_for_b(*args, **kwargs):  # A stays inside the engine until B is done
+        if threading.get_ident() == lock.owner:
+            assert b_done.wait(30), "thread B never ended"
+        return original(*args, **kwargs)
+
+    block.forward = waits_for_b
+    results: dict = {}
+
+    def a():
+        lock.owner = threading.get_ident()
+        try:
+            results["a"] = _step(model, eng)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            results["a"] = e
+
+    def b():
+        try:
+            results["b"] = _step(model, eng)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            results["b"] = e
+        finally:
+            b_done.set()
+
+    thread_a = threading.Thread(target=a)
+    thread_a.start()
+    assert a_checking.wait(30), "thread A never reached its check"
+    thread_b = threading.Thread(target=b)
+    thread_b.start()
+    thread_b.join(60)
+    thread_a.join(60)
+    block.forward = original
+    assert isinstance(results["b"], offload.OffloadError), results["b"]
+    assert "one forward at a time" in str(results["b"])
+    assert held_while_checking == [True]
+    assert_same(reference, results["a"], "thread A's step")
     eng.close()
