@@ -326,3 +326,90 @@ def test_a_gradient_penalty_graph_is_not_advised_as_an_lm_head(spill_dir):
     after = next(r for r in eng.plan.outside if r.scope is Scope.AFTER)
     assert after.saved_bytes > max(r.saved_bytes for r in eng.plan.regions), "the premise: the penalty saves most"
     assert "LM head" not in text and "gradient penalty" in text, text
+
+
+def test_the_after_row_of_a_step_whose_backward_never_ran(spill_dir):
+    """A profiling forward whose backward never runs is measured when the next step begins: its
+    "after" row ends where that forward left the engine, not at the next step's first region (the
+    next step's embedding is no save of its). Oracle: the store's split of one step; the step
+    that follows trains as the model without the engine does."""
+    before, _, after = split_of_one_step()
+    model, reference = make_model(), make_model()
+    eng = engine(model, None, spill_dir, policy="offload")
+    idx = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(7))
+    with eng:
+        _, dropped = model(idx[:, :-1], idx[:, 1:])
+    del dropped  # its backward never runs
+    assert_same_history(train(model, eng, steps=1), train(reference, steps=1), "the step after")
+    first = eng.profiled_steps[0]
+    assert first.stage == "measure"
+    rows = {r.scope: r.saved_bytes for r in first.outside}
+    assert rows == {Scope.BEFORE: before, Scope.AFTER: after}
+    eng.close()
+
+
+WIDTH = 64
+
+
+class _TableBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, table):
+        return torch.tanh(self.lin(x)) * table[: x.shape[0]]  # a view of the table, saved by the product
+
+
+class _Tabled(torch.nn.Module):
+    """A table made in the forward before the blocks, viewed inside each (a rotary table, a mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_TableBlock() for _ in range(3))
+        self.head = torch.nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        table = torch.linspace(0.5, 1.5, 512 * WIDTH).view(512, WIDTH)
+        for block in self.blocks:
+            x = block(x, table)
+        return self.head(x).sum()
+
+
+def _tabled_split(batch: int) -> list[int]:
+    """Bytes per block as the store counts one step (a storage it holds already counts no more)."""
+    model = _Tabled()
+    eng = offload.engine(None, model=model, min_offload_bytes=0)
+    starts, per_block = [], []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda m, a: starts.append(eng.stats.saved_bytes))
+        block.register_forward_hook(lambda m, a, o: per_block.append(eng.stats.saved_bytes - starts[-1]))
+    with eng:
+        loss = model(torch.randn(batch, WIDTH, generator=torch.Generator().manual_seed(batch)))
+    del loss
+    eng.close()
+    return per_block
+
+
+def test_a_table_made_before_the_regions_counts_once_in_a_recompute_trial(spill_dir):
+    """A "recompute" trial at a second shape counts what its re-run regions would save by the
+    store's rules (See Note: [sizes a recompute trial counts]): the table's storage in the first
+    block that views it, not again in each block. Oracle: the store's own split of one step."""
+    model, reference = _Tabled(), _Tabled()
+    eng = offload.engine(budget_mb=0, model=model, regions=model.blocks, policy="auto", min_offload_bytes=0)
+    batches = [64] * most_profiling_steps("auto") + [128]
+    for step, batch in enumerate(batches):
+        x = torch.randn(batch, WIDTH, generator=torch.Generator().manual_seed(batch))
+        with eng:
+            loss = model(x)
+        loss.backward()
+        reference(x).backward()
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(got.grad, want.grad), f"step {step}: the gradients of the model without the engine"
+            got.grad = want.grad = None
+    trial = eng.profiled_steps[-1]
+    assert trial.stage == "recompute" and trial.inputs[0][0] == (128, WIDTH), eng.recent_stages
+    split = _tabled_split(128)
+    assert split[0] > split[1] == split[2], "the premise: the first block holds the table"
+    assert [r.saved_bytes for r in trial.regions] == split
+    eng.close()
