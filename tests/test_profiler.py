@@ -7,7 +7,8 @@ fit derives at the shape that must decide, and the budget each plan must fit.
 
 White-box, on purpose: ``offload._plan.profiler`` plans from numbers alone, so these tests drive it
 directly rather than through the engine; the engine's side is tested through its public API
-(test_shapes.py, test_regions.py).
+(test_shapes.py, test_regions.py). The readings it plans on (``_plan.noise``, ``_plan.link_readings``)
+and a family's noise margin are driven the same way, with numbers.
 """
 
 from __future__ import annotations
@@ -22,18 +23,21 @@ import torch
 from offload._cost import MachineProfile, RegionProfile, Saved, Scope
 from offload._plan.fit import Shape
 from offload._plan.link_readings import CALIBRATION_TRIES, PLAUSIBLE_LINK_SCALE, LinkReadings, Verdict
-from offload._plan.noise import MAX_SPREAD
+from offload._plan.noise import MAX_SPREAD, Readings
 from offload._plan.planner import Decision, region_transfer_ms, scale_link
 from offload._plan.profiler import (
     AFTER_NAME,
     BEFORE_NAME,
     EXTRAPOLATION_LIMIT,
+    MAX_NOISE_MARGIN,
     SEARCH_BUCKET,
     SECOND_SHAPE_SPREAD,
     Measured,
     Planning,
     Profiler,
     Stage,
+    _Family,
+    _Round,
 )
 
 MACHINE = MachineProfile(device_type="cpu", device_name="test machine", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0)
@@ -407,3 +411,39 @@ def test_trials_no_slower_than_keeping_price_the_link_at_what_their_noise_allows
     else:
         assert readings.scale == 1.0 and not readings.probe_too_slow
         assert warnings == []
+
+
+# ------------------------------------------------------------------ the readings' guards
+
+
+def test_two_readings_far_apart_are_not_steady():
+    """Two readings are a spread too: 1 and 4 lie 60 % of their median apart, past ``MAX_SPREAD``."""
+    assert not Readings([1.0, 4.0]).steady()
+    assert Readings([1.0, 1.1]).steady()
+    assert Readings([3.0]).steady(), "one reading has no spread to judge"
+
+
+@pytest.mark.parametrize("uncertainty", [0.1, 0.9])
+def test_a_single_link_reading_is_plannable_only_within_its_noise(uncertainty):
+    """One accepted reading is as uncertain as the steps it is the difference of: past
+    ``MAX_SPREAD`` it is kept, but transfers stay priced at the probe's figures (scale 1)."""
+    link = LinkReadings()
+    assert link.offer(0.5, uncertainty) is Verdict.ACCEPTED
+    assert link.pooled_uncertainty() == uncertainty
+    plannable = uncertainty <= MAX_SPREAD
+    assert link.plannable is plannable
+    assert link.scale == (0.5 if plannable else 1.0)
+
+
+def test_the_noise_margin_is_capped():
+    """Trial rounds whose own figures are far apart (a step something else ran beside) widen the
+    margin plans are taken as equal within only up to ``MAX_NOISE_MARGIN``."""
+    names = tuple(f"b{i}" for i in range(4))
+    profiles = tuple(
+        RegionProfile(name=name, saved_bytes=MB, forward_ms=1.0, recompute_ms=ratio)
+        for name, ratio in zip(names, (0.05, 0.1, 5.0, 20.0), strict=True)
+    )
+    fam = _Family(names)
+    fam.rounds.append(_Round(("k",), profiles, 100.0))
+    assert fam.rounds[0].noise() > MAX_NOISE_MARGIN, "the premise: the round's own figures spread past the cap"
+    assert fam.noise() == MAX_NOISE_MARGIN
