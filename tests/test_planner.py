@@ -732,3 +732,18 @@ def test_a_policy_within_the_trials_noise():
     assert (wide.stable_margin, wide.max_search_moves) == (0.2, 7)
     offload_policy = get_policy("offload")
     assert not offload_policy.compares_within_noise and offload_policy.within_noise(0.2) is offload_policy
+
+
+def test_reloads_longer_than_their_backward_are_serial_on_the_back_link():
+    """Four offloaded regions whose reloads (100 ms each) outlast the backward they stream beside
+    (60 ms): each read still waits for the one before it on the one back-link (See Note: [a reload
+    is one stream of reads on one back-link]), so the step is never priced below its copies out
+    (one link, 400 ms) plus its reads back (the other, 400 ms) in turn."""
+    regions = [
+        dataclasses.replace(r, forward_ms=1.0, backward_ms=60.0, largest_tensor_bytes=10 * MB)
+        for r in uniform_regions(4, saved_bytes=100 * MB)
+    ]
+    machine = cuda_machine(1.0)
+    copy_ms = read_ms = 100 * MB / 1e9 * 1e3
+    step_ms, _ = simulate(regions, [OFFLOAD] * 4, machine)
+    assert step_ms >= 4 * copy_ms + 4 * read_ms - TIME_TOL_MS, step_ms
