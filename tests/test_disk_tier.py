@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import offload
+from hosts import StandInHost
 from offload.bench.pagecache import cached_bytes_under
 from offload.models.gpt import GPTConfig, MiniGPT
 from offload.seams import Host
@@ -159,3 +160,25 @@ def test_the_page_cache_reading_sees_a_file_without_a_name(tmp_path):
     finally:
         os.close(fd)
     assert cached_bytes_under(str(tmp_path)) == 0
+
+
+def test_the_buffered_spill_file_is_opened_through_the_host(tmp_path):
+    """Without direct I/O the spill file is still opened by the host the engine was given
+    (``offload.seams.Host.open``), never behind its back: a stand-in host sees the one open, and
+    the gradients are the model's without the engine."""
+    idx = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(0))
+    plain = _gpt()
+    _, loss = plain(idx, idx)
+    loss.backward()
+    host = StandInHost()
+    host.direct_io = False
+    model = _gpt()
+    eng = offload.engine(0, spill_dir=tmp_path, model=model, host=host)
+    with eng:
+        _, loss = model(idx, idx)
+    loss.backward()
+    for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad)
+    assert eng.stats.spilled_bytes > 0
+    assert host.opens == 1 and len(host.created) == 1, (host.opens, host.created)
+    eng.close()
