@@ -93,6 +93,22 @@ def test_what_re_run_regions_hold_is_counted_and_shown(spill_dir):
     eng.close()
 
 
+def test_what_is_held_counts_the_store_beside_the_region(spill_dir):
+    """``peak_held_bytes`` is the store's resident bytes and a re-run region's own hold at one
+    moment: above either peak alone (the store holds the earlier blocks' inputs while a block
+    re-runs), never above both peaks added."""
+    model = Net()
+    eng = offload.engine(None, min_offload_bytes=0, model=model, regions=model.blocks, policy="recompute")
+    assert_same(run_step(Net(), _input), run_step(model, _input, eng), "first step")
+    eng.reset_stats()
+    run_step(model, _input, eng)
+    stats = eng.stats
+    assert stats.peak_region_bytes > 0 and stats.peak_resident_bytes > 0
+    assert stats.peak_held_bytes > max(stats.peak_region_bytes, stats.peak_resident_bytes), stats
+    assert stats.peak_held_bytes <= stats.peak_region_bytes + stats.peak_resident_bytes, stats
+    eng.close()
+
+
 def test_a_selective_regions_own_hold_is_what_it_drops_not_its_stash(spill_dir):
     """The stash is the store's (in ``resident_bytes``): a selective block's own hold, at the end of
     its forward and in its re-run, is what it drops and regenerates, counted once."""
