@@ -501,6 +501,34 @@ def test_a_causal_fused_attention_counts_half_its_scores(seq):
     assert full.backward_flops - causal.backward_flops == 2 * int(2.5 * scores) // 2
 
 
+class _KeysAhead(torch.nn.Module):
+    """Attention whose queries are the last half of the positions and whose keys are all of them
+    (a prefix the queries attend to): causal, but over more keys than queries."""
+
+    def __init__(self, causal: bool, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+        self.causal, self.heads = causal, heads
+
+    def forward(self, x):
+        b, s, w = x.shape
+        kv = self.proj(x).view(b, s, self.heads, w // self.heads).transpose(1, 2)
+        q = kv[:, :, s // 2 :]
+        out = torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=self.causal)
+        return out.transpose(1, 2).reshape(b, s - s // 2, w)
+
+
+def test_a_causal_attention_over_more_keys_than_queries_is_not_halved():
+    """The halving holds where a causal call has as many keys as queries (the masked triangle is
+    half the scores); with more keys the mask is no triangle, and the FLOPs count in full."""
+    x = torch.randn(2, 128, 64)
+    full, causal = (
+        predict(_Stack([_KeysAhead(c), _KeysAhead(c)]), x, machine="h100-sxm", budgets=(1.0,)) for c in (False, True)
+    )
+    assert full.forward_flops == causal.forward_flops
+    assert full.backward_flops == causal.backward_flops
+
+
 def _sizes(model: _Stack) -> tuple[int, list[int]]:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return params, [sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks]

@@ -160,3 +160,27 @@ def test_the_largest_transient_is_the_losss_logits_and_their_gradient():
     keep = next(q for q in p.points if q.policy == "none")
     assert keep.device_bytes == p.parameter_bytes + p.state_bytes + keep.held_bytes + p.transient_bytes
     assert "largest transient" in str(p) and p.to_dict()["transient_bytes"] == p.transient_bytes
+
+
+class _WideAndShallow(torch.nn.Module):
+    """Two 1024 x 1024 layers (4 MiB of weight gradient each) over a batch of one row: the
+    parameters' gradients outweigh every activation by far."""
+
+    def __init__(self, width: int = 1024) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x.sum()
+
+
+def test_the_parameters_gradients_are_not_a_transient():
+    """The gradients are counted with the parameters (``parameter_bytes`` and the state), so the
+    transient peak leaves them out: here it is a few rows of activations, far under one weight's
+    gradient."""
+    model = _WideAndShallow()
+    p = predict(model, torch.randn(1, 1024), machine=CPU, regions=model.blocks)
+    weight_grad_bytes = 1024 * 1024 * 4
+    assert 0 < p.transient_bytes < weight_grad_bytes // 16, p.transient_bytes
