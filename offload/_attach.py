@@ -28,10 +28,24 @@ Note: [a copy carries no engine]
 ``attach`` returns what the instance held before; ``detach`` takes it back. Another wrapper set
 on top of the engine's in the meantime (a library that wraps ``forward`` again) is the caller's to
 leave alone, as the Hugging Face callback does.
+
+Note: [engines detached out of order]
+    Two engines may wrap one module in turn (the second's wrapper calls the first's). Closed in the
+    order they came, the first's ``detach`` would put back what the module held before it, and so
+    strip the second's wrapper too: the second engine would silently run none of its regions, and
+    its own ``detach`` would then leave the first's wrapper on the module, unguarded, for copies to
+    carry. So each ``attach`` is a layer; a layer detached from under another leaves the module
+    alone (its wrapper stays in the chain, and passes calls through once its engine is closed) and
+    hands what it would have put back to the layer above, whose ``detach`` puts that back.
+
+    attach A, attach B    ──▶ forward = B(A(f)); layers [A: back to f], [B: back to A]
+    detach A (under B)    ──▶ forward unchanged; layers [B: back to f]
+    detach B              ──▶ forward = f (here: none), the guard goes
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from typing import Any
@@ -53,6 +67,16 @@ class _Absent:
 _ABSENT = _Absent()
 
 
+@dataclasses.dataclass
+class _Layer:
+    """One ``attach`` of an attribute, still in force: See Note: [engines detached out of order]."""
+
+    token: Any
+    """What the instance held when it came: ``attach``'s return value, which its ``detach`` names."""
+    restore: Any
+    """What its ``detach`` puts back: the token, or what a layer detached from under it would have."""
+
+
 class _CopyGuard:
     """A module's ``__getstate__`` while the engine has attributes on it: See Note: [a copy carries no engine]."""
 
@@ -62,6 +86,8 @@ class _CopyGuard:
         """Attribute name -> what the module's ``__dict__`` held before the engine's first attach."""
         self.set: dict[str, Any] = {}
         """Attribute name -> what the engine set there last."""
+        self.layers: dict[str, list[_Layer]] = {}
+        """Attribute name -> its attaches still in force, oldest first."""
 
     def __call__(self) -> dict:
         module = self._module()
@@ -101,13 +127,24 @@ def attach(module: torch.nn.Module, name: str, value: Any) -> Any:
         object.__setattr__(module, _GETSTATE, guard)
     guard.before.setdefault(name, previous)
     guard.set[name] = value
+    guard.layers.setdefault(name, []).append(_Layer(previous, previous))
     object.__setattr__(module, name, value)  # not nn.Module's: an engine or a function is no submodule
     return previous
 
 
 def detach(module: torch.nn.Module, name: str, previous: Any) -> None:
     """Put back ``previous``, what ``attach`` returned. Once the module holds what it held before
-    the engine came, copies need no guard."""
+    the engine came, copies need no guard. An attach with another still in force above it leaves
+    the module as it is (See Note: [engines detached out of order])."""
+    guard = module.__dict__.get(_GETSTATE)
+    layers = guard.layers.get(name, []) if isinstance(guard, _CopyGuard) else []
+    at = next((i for i in reversed(range(len(layers))) if layers[i].token is previous), None)
+    if at is not None:
+        layer = layers.pop(at)
+        if at < len(layers):  # a later attach wraps this one's value and is still in force
+            layers[at].restore = layer.restore
+            return
+        previous = layer.restore
     if previous is _ABSENT:
         module.__dict__.pop(name, None)
     else:
@@ -119,6 +156,7 @@ def detach(module: torch.nn.Module, name: str, previous: Any) -> None:
     if module.__dict__.get(name, _ABSENT) is before:
         guard.before.pop(name, None)
         guard.set.pop(name, None)
+        guard.layers.pop(name, None)
     else:
         guard.set[name] = module.__dict__.get(name, _ABSENT)
     if not guard.before:

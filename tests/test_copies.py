@@ -323,3 +323,27 @@ def test_a_model_under_two_engines_in_turn_copies_as_before_either(spill_dir):
     second.close()
     first.close()
     assert all("forward" not in b.__dict__ and "__getstate__" not in b.__dict__ for b in model.model.blocks)
+
+
+def test_two_engines_closed_in_the_order_they_came(spill_dir):
+    """The first engine closed while the second still wraps the same blocks: the second keeps its
+    regions (its steps still re-run them, exactly), a copy is still the model before either, and
+    once both are closed the blocks hold nothing of either engine."""
+    base = _net()
+    reference = copy.deepcopy(base)
+    model = copy.deepcopy(base)
+    blocks = model.model.blocks
+    first = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=blocks, policy="offload")
+    _step(model, first)
+    second = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=blocks, policy="recompute")
+    _step(model, second)
+    first.close()
+    before = second.stats.recomputed_regions
+    assert_same(_step(reference), _step(model, second), "the second engine after the first closed")
+    assert second.stats.recomputed_regions == before + len(blocks), "the second engine lost its regions"
+    twin = copy.deepcopy(model)
+    _assert_plain(twin)
+    assert_same(_step(reference), _step(twin), "a copy between the two closes")
+    second.close()
+    _assert_plain(model)
+    assert_same(_step(reference), _step(model), "the model after both engines")
