@@ -5,6 +5,7 @@
 #   make demo       run the built-in demo (offload.bench --demo)
 #   make bench      run the benchmarks in bench/, JSON under out/bench ($OFFLOAD_BENCH_OUT), never bench/results
 #   make gpu-check  run the device checks, results under out/gpu
+#   make mutants    mutation testing of the lines changed since MUTANTS_BASE, then the named guards
 # Pick another torch with: make test TORCH_SPEC='torch==2.5.1'
 
 PYTHON ?= python3
@@ -18,8 +19,9 @@ BASE_STAMP := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 LINT_STAMP := $(VENV)/.installed-lint
 DOCS_STAMP := $(VENV)/.installed-docs
+MUTANTS_STAMP := $(VENV)/.installed-mutants
 
-.PHONY: install test lint docs demo bench gpu-check clean
+.PHONY: install test lint docs demo bench gpu-check mutants clean
 
 install: $(STAMP)
 
@@ -66,6 +68,10 @@ lint: $(LINT_STAMP)
 docs: $(DOCS_STAMP)
 	$(VENV_PYTHON) -m mkdocs build --strict
 
+$(MUTANTS_STAMP): $(STAMP) pyproject.toml
+	$(VENV_PYTHON) -m pip install -e '.[mutants]'
+	touch $@
+
 demo: $(BASE_STAMP)
 	$(VENV_PYTHON) -m offload.bench --demo
 
@@ -74,6 +80,19 @@ bench: $(STAMP)
 
 gpu-check: $(STAMP)
 	PYTHON=$(VENV_PYTHON) bash bench/gpu_check.sh out/gpu
+
+# cosmic-ray's mutants of the lines changed since MUTANTS_BASE (default: origin/main, else HEAD~1),
+# each module against its test files in bench/mutants.toml (bench/mutate.py), then bench/mutants.py's
+# named guards, the seed list. Both run and report; the target fails if either did. Resumable: the
+# same command again goes on where a stopped run left off (sessions under out/mutants/), so it can
+# run in the background: nohup make mutants > out/mutants.log &. MUTANTS_ARGS='--every 3' samples.
+MUTANTS_BASE ?=
+MUTANTS_ARGS ?=
+mutants: $(MUTANTS_STAMP)
+	status=0; \
+	MUTANTS_BASE='$(MUTANTS_BASE)' $(VENV_PYTHON) bench/mutate.py $(MUTANTS_ARGS) || status=1; \
+	$(VENV_PYTHON) bench/mutants.py || status=1; \
+	exit $$status
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .benchmarks out/site
