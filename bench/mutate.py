@@ -8,11 +8,12 @@ module's test files (`pytest -x -q -p no:xdist`): killed when they fail, survive
 
     python bench/mutate.py [--base REV] [--module PATH ...] [--every K --seed S] [--report-only]
 
-Where it runs: a clone of HEAD under `out/mutants/<base>-<head>[-kK-sS]/tree` (cosmic-ray edits the
-file in place; the working tree is neither read nor touched: commit first). Each module's session
-is a cosmic-ray database beside it, so a run stopped (Ctrl-C, a closed terminal) goes on where it
-stopped when the same command runs again; `--report-only` prints a run's table while it goes on in
-the background (`nohup make mutants &`).
+Where it runs: a clone of HEAD under `out/mutants/<base>-<digest>[-kK-sS]/tree` (cosmic-ray edits the
+file in place; the working tree is neither read nor touched: commit first); the digest is that of
+HEAD's `offload/` and `tests/` and of the map. Each module's session is a cosmic-ray database beside
+it, so a run stopped (Ctrl-C, a closed terminal) goes on where it stopped when the same command runs
+again, also after commits that change neither the code, the tests nor the map; `--report-only` prints
+a run's table while it goes on in the background (`nohup make mutants &`).
 
 Before a module's mutants, its test files run once unmutated: a failing baseline would read as
 every mutant killed, so that module is refused. A run past the timeout (a mutant that loops) is
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -76,6 +78,14 @@ def resolve_base(base: str | None) -> str:
         if rev in (base, os.environ.get("MUTANTS_BASE")):
             sys.exit(f"mutate: the base {rev!r} is no commit of this checkout; give one with --base or MUTANTS_BASE")
     sys.exit("mutate: no base commit (no origin/main, no HEAD~1); give one with --base or MUTANTS_BASE")
+
+
+def session_name(base: str, head: str, every: int, seed: int) -> str:
+    """One session per base, code under test, tests and map: a commit that changes none of them (docs,
+    bench/) resumes the same run; one that changes any starts a new one."""
+    code = git("rev-parse", f"{head}:offload", f"{head}:tests").split()
+    digest = hashlib.sha1(" ".join([*code, MAP.read_text()]).encode()).hexdigest()[:12]
+    return f"{base[:12]}-{digest}" + (f"-k{every}-s{seed}" if every > 1 else "")
 
 
 def slug(module: str) -> str:
@@ -237,7 +247,7 @@ def count(db: Path, module: str) -> Counts:
 def report(rows: list[Counts], meta: dict) -> dict:
     print(
         f"mutants of the lines changed {meta['base'][:12]}..{meta['head'][:12]}"
-        + (f", every {meta['every']}-th (seed {meta['seed']})" if meta["every"] > 1 else "")
+        + (f", a sample of 1 in {meta['every']} (seed {meta['seed']})" if meta["every"] > 1 else "")
     )
     print("| module | on changed lines | run | killed | survived | timeout | other | pending | kill rate |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -282,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=1, help="run every K-th mutant only (a seeded sample)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-only", action="store_true", help="print the sessions' results, run nothing")
+    parser.add_argument(
+        "--session",
+        type=Path,
+        help="the session folder to run or report (default: named by the "
+        "base, the code and tests at HEAD, and the map, under out/mutants/)",
+    )
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args(argv)
     if args.every < 1:
@@ -302,8 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             f"mutate: changed but not in {MAP.relative_to(REPO)} (no mutants run): {', '.join(unmapped)}",
             file=sys.stderr,
         )
-    name = f"{base[:12]}-{head[:12]}" + (f"-k{args.every}-s{args.seed}" if args.every > 1 else "")
-    session = OUT / name
+    session = args.session or OUT / session_name(base, head, args.every, args.seed)
     refused = []
     if not args.report_only:
         tree = prepare_tree(session, head)
@@ -323,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                     env=test_env(tree),
                 )
     rows = [count(session / f"{slug(m)}.sqlite", m) for m in modules if (session / f"{slug(m)}.sqlite").exists()]
+    if (session / "tree" / ".git").is_dir():
+        head = git("rev-parse", "HEAD", cwd=session / "tree")  # the commit the session's mutants ran on
     meta = {
         "base": base,
         "head": head,
