@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             f"mutate: changed but not in {MAP.relative_to(REPO)} (no mutants run): {', '.join(unmapped)}",
             file=sys.stderr,
         )
-    session = args.session or OUT / session_name(base, head, args.every, args.seed)
+    session = (args.session or OUT / session_name(base, head, args.every, args.seed)).resolve()
     refused = []
     if not args.report_only:
         tree = prepare_tree(session, head)
