@@ -320,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     session = (args.session or OUT / session_name(base, head, args.every, args.seed)).resolve()
     refused = []
-    if not args.report_only:
+    if not modules:
+        print(f"mutate: no module of {MAP.relative_to(REPO)} changed since {base[:12]}: no mutants to run")
+    elif not args.report_only:
         tree = prepare_tree(session, head)
         for module in modules:
             seconds = baseline(session, tree, module, mapping[module])
