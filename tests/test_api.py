@@ -122,6 +122,9 @@ def test_spill_dir_through_a_dangling_symlink_is_refused_with_its_path(under, tm
     message = str(info.value)
     assert str(path) in message and str(tmp_path / "gone") in message, message
     assert "symbolic link" in message and "create its target" in message, message
+    # which path is the link: spill_dir itself, or the parent named as such
+    assert (f"its parent {str(link)!r} is a symbolic link" in message) is under, message
+    assert (f"{str(path)!r} is a symbolic link" in message) is not under, message
     assert not (tmp_path / "gone").exists(), "checking the settings made nothing"
 
 

@@ -87,6 +87,7 @@ def test_a_plan_that_keeps_everything_runs_its_steps_unhooked(reference):
     _same(reference[0], losses)
     _same(reference[1], state)
     assert all(d is offload.Decision.KEEP for d in eng.plan.decisions), str(eng.plan)
+    assert len(eng.recent_stages) == 8, "each entry a step of its own, unhooked ones included (nothing counted)"
     planned = sum(1 for s in eng.recent_stages if s is None)
     assert planned > 0, eng.recent_stages
     assert eng.stats.uncounted_steps == planned, (eng.stats.uncounted_steps, eng.recent_stages)

@@ -310,6 +310,7 @@ def test_a_backward_inside_the_forward_ends_the_measurement_not_the_step(policy)
         losses, state, eng = _critic(policy)
     _assert_same(ref_losses, losses, f"WGAN-GP critic under {policy!r}: losses")
     _assert_same(ref_state, state, f"WGAN-GP critic under {policy!r}: parameters")
+    assert len(eng.recent_stages) == 4, "a call of the second region after the penalty begins no step"
     if policy == "auto":
         assert all(len(p.regions) == 2 for p in eng.profiled_steps)
         assert len(eng.profiled_steps) == len([s for s in eng.recent_stages if s is not None]), eng.recent_stages

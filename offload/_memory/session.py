@@ -82,10 +82,12 @@ class _ThreadState(threading.local):
     nothing moves])."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class ForwardMarks:
     """What was saved through the engine when it was entered (outermost, on one thread) and when
-    it was left (None until then). Regions measure what is saved outside them by these."""
+    it was left (None until then). Regions measure what is saved outside them by these, and tell
+    one entry from the next by identity (two entries with nothing counted between them, as after a
+    step that ran unhooked, hold equal figures: ``eq=False`` keeps them apart)."""
 
     entered: Saved
     closed: Optional[Saved] = None
