@@ -3,6 +3,10 @@
 Oracles: every assignment of decisions priced by ``simulate`` (exhaustive, up to 8 regions), and
 the number of regions the cost model walks (not a clock: no timing in unit tests; the times are in
 ``bench/scale.py``).
+
+White-box: the planner's search is pure (numbers in, a plan out), and what is under test is its
+own functions (``make_plan``, ``simulate``, the policies' classes) and how many regions its cost
+model walks, which no public seam shows.
 """
 
 from __future__ import annotations
