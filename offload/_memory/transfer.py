@@ -57,6 +57,9 @@ Note: [every wait unconditional under the sanitizer]
     then lets go of the copy's source (a ``set_``, which the sanitizer reads as a write on the
     compute stream); and each reload destination gets a fence of its own, since the sanitizer
     reads the ``empty`` that makes it as a write on the compute stream after the batch's fence.
+    That is the sanitizer's model of an allocation, not work on the stream: what makes the fence
+    needed outside the sanitizer is the fill ``empty`` may queue, which the sanitizer does not see
+    as such (See Note: [fences before a copy]); under it the fence answers the write it does see.
 
 Note: [events back to their pool]
     A CUDA event costs a driver call to create and another to destroy, and one was made per copy,
