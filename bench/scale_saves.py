@@ -125,27 +125,35 @@ def chain_rows(packages: dict[str, Any], saves: list[int], steps: int, spill_dir
                         counted[name] = t
                     if round_ >= WARMUP_ROUNDS:
                         times[name].append(t)
-            mean = {k: statistics.fmean(v) for k, v in times.items()}
-            base = mean["no hooks"]
-            bare_us = (mean["bare"] - base) / n * 1e6
-            for name in variants:
-                per_us = (mean[name] - base) / n * 1e6
-                rows.append(
-                    {
-                        "tensors": size,
-                        "saves": n,
-                        "variant": name,
-                        "step_ms": mean[name] * 1e3,
-                        "per_save_us": per_us,
-                        "x_bare": per_us / bare_us if bare_us > 0 else float("nan"),
-                        "counted_step_ms": counted[name] * 1e3,
-                    }
-                )
+            for row in per_save_rows(size, n, times):
+                rows.append(row | {"counted_step_ms": counted[row["variant"]] * 1e3})
             for eng in variants.values():
                 if eng is not None and eng != "bare":
                     eng.close()
             for r in rows[-len(variants) :]:
                 print(row_line(r), flush=True)
+    return rows
+
+
+def per_save_rows(size: str, n: int, times: dict[str, list[float]]) -> list[dict]:
+    """One row per variant: its mean step, and its cost per save over "no hooks", also as a share of
+    the bare pair's (nan where the bare pair's own cost is lost in the noise)."""
+    mean = {k: statistics.fmean(v) for k, v in times.items()}
+    base = mean["no hooks"]
+    bare_us = (mean["bare"] - base) / n * 1e6
+    rows = []
+    for name, step_s in mean.items():
+        per_us = (step_s - base) / n * 1e6
+        rows.append(
+            {
+                "tensors": size,
+                "saves": n,
+                "variant": name,
+                "step_ms": step_s * 1e3,
+                "per_save_us": per_us,
+                "x_bare": per_us / bare_us if bare_us > 0 else float("nan"),
+            }
+        )
     return rows
 
 
@@ -236,26 +244,12 @@ def region_rows(packages: dict[str, Any], saves: list[int], steps: int, spill_di
                     t = region_step(model, numel, ctx)
                     if round_ >= WARMUP_ROUNDS:
                         times[name].append(t)
-            mean = {k: statistics.fmean(v) for k, v in times.items()}
-            base = mean["no hooks"]
-            bare_us = (mean["bare"] - base) / n * 1e6
-            for name, ctx in variants.items():
-                per_us = (mean[name] - base) / n * 1e6
+            for row in per_save_rows(size, n, times):
+                ctx = variants[row["variant"]]
                 decisions = None
-                if ctx is not None and ctx != "bare":
-                    decisions = sorted({d.value for d in ctx.plan.decisions}) if ctx.plan is not None else None
-                rows.append(
-                    {
-                        "tensors": size,
-                        "saves": n,
-                        "variant": name,
-                        "step_ms": mean[name] * 1e3,
-                        "per_save_us": per_us,
-                        "x_bare": per_us / bare_us if bare_us > 0 else float("nan"),
-                        "counted_step_ms": float("nan"),
-                        "decisions": decisions,
-                    }
-                )
+                if ctx is not None and ctx != "bare" and ctx.plan is not None:
+                    decisions = sorted({d.value for d in ctx.plan.decisions})
+                rows.append(row | {"counted_step_ms": float("nan"), "decisions": decisions})
                 print(row_line(rows[-1]), flush=True)
             for eng in variants.values():
                 if eng is not None and eng != "bare":

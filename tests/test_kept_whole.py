@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import offload
+from test_region_calls import _assert_same
 
 WIDTH = 32
 
@@ -73,8 +74,7 @@ def _loop(budget_mb, *, steps: int = 8, outer=None, bare: bool = False, **option
 
 
 def _same(a, b) -> None:
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert torch.equal(x, y), f"item {i} differs"
+    _assert_same(a, b, "against no engine")
 
 
 @pytest.fixture(scope="module")

@@ -424,11 +424,8 @@ class Regions:
         sizes = self._session.saved() - saved_before
         if clock is not None:
             clock.stop()
-        sizes_seen = sizes if decision in _SIZES_SEEN else None
-        if index in step.seen:  # See Note: [region calls]
-            step.seen[index].add(sizes_seen, clock)
-        else:
-            step.seen[index] = Seen(sizes_seen, [] if clock is None else [clock])
+        # Each call of the region adds to one record: See Note: [region calls]
+        step.seen.setdefault(index, Seen(Saved(), [])).add(sizes if decision in _SIZES_SEEN else None, clock)
         return out
 
     def _run(
