@@ -460,3 +460,47 @@ def test_loads_read_ahead_go_back_when_the_budget_falls_in_backward():
     assert torch.equal(got, want)
     assert stats.reloaded_bytes > stats.offloaded_bytes, "the premise: some loads went back and were read again"
     assert stats.peak_over_budget_bytes == 0, f"{stats.peak_over_budget_bytes} bytes over the budget in force"
+
+
+def test_loads_given_back_are_read_ahead_again_when_room_returns():
+    """As above, but the device frees up again before backward reaches the loads that went back:
+    the prefetch must read them ahead again, not leave each to a miss at its unpack. The prefetch
+    walks past loads it has started (See Note: [the prefetch walk] in ``offload._memory.store``);
+    a load given back must send it back over them. Gradients exact."""
+    free = {"bytes": 2 * MB}
+    eng = offload.engine(
+        "auto",
+        reserve_mb=1,
+        memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0),
+        min_offload_bytes=0,
+        device="cpu",
+        link=DeferredLink(delay=1),
+    )
+    x = torch.randn(256, 256, requires_grad=True)
+    h = x
+    for _ in range(12):
+        h = torch.tanh(h * 1.01)
+    want = torch.autograd.grad(h.sum(), x)[0]
+    hs: list[torch.Tensor] = []
+    with eng:
+        h = x
+        for _ in range(12):
+            h = torch.tanh(h * 1.01)
+            hs.append(h)
+            free["bytes"] = max(0, free["bytes"] - 256 * 1024)
+    free["bytes"] = PLENTY
+
+    def someone_takes_the_device(grad: torch.Tensor) -> None:
+        free["bytes"] = 0
+
+    def and_gives_it_back(grad: torch.Tensor) -> None:
+        free["bytes"] = PLENTY
+
+    hs[9].register_hook(someone_takes_the_device)
+    hs[8].register_hook(and_gives_it_back)
+    got = torch.autograd.grad(h.sum(), x)[0]
+    stats = eng.stats
+    eng.close()
+    assert torch.equal(got, want)
+    assert stats.reloaded_bytes > stats.offloaded_bytes, "the premise: some loads went back and were read again"
+    assert stats.prefetch_misses <= 1, f"{stats.prefetch_misses} misses: the loads given back were not read ahead again"

@@ -69,6 +69,7 @@ class Residency:
         "climbing",
         "orphans",
         "held",
+        "below_stamp",
         "hot_bytes",
         "loaded_bytes",
         "resident_bytes",
@@ -88,6 +89,11 @@ class Residency:
         self.climbing: list[Entry] = []
         self.orphans: list[Orphan] = []
         self.held: Optional[Entry] = None
+        self.below_stamp = 0
+        """Changes whenever an entry may have become one for the prefetch to load: one landed in
+        ``below``, or a load went before all its users had it (given back, dropped for the budget,
+        failed). The store's prefetch walk starts over when it changes (See Note: [the prefetch
+        walk] in ``store``)."""
         self.hot_bytes = 0
         self.loaded_bytes = 0
         self.resident_bytes = 0
@@ -131,6 +137,9 @@ class Residency:
         elif to is _AWAY or to is _LOADED:
             if was is not _AWAY and was is not _LOADED:
                 self.below[e.seq] = e
+                self.below_stamp += 1
+            elif to is _AWAY and e.users_left > 0:  # a load dropped before its users: to load again
+                self.below_stamp += 1
             if to is _LOADED:
                 self.loaded_bytes += n
         elif to is _RELEASED:

@@ -108,6 +108,10 @@ class Store:
         self._largest_new_bytes = 0
         """Bytes of the largest storage taken since ``take_largest`` last read it (regions measure
         their largest save by it: ``RegionProfile.largest_tensor_bytes``)."""
+        self._walk: list[int] = []
+        self._walk_at = 0
+        self._walk_stamp = -1
+        """The prefetch's walk of ``below`` (See Note: [the prefetch walk])."""
         self.saved_in_backward_bytes = 0
         """Bytes of the storages taken while autograd ran a backward (``torch.autograd.grad`` with
         ``create_graph=True``: a gradient penalty's graph), of all ``counters.saved_bytes``."""
@@ -402,17 +406,37 @@ class Store:
     #     reading shows already over goes before the unpack returns (``_fit_fallen_budget``,
     #     after the prefetch too).
 
+    # Note: [the prefetch walk]
+    #     Each unpack of a moved tensor starts loads of the ones saved just before it, latest
+    #     landed first, while they fit the budget. Walking all of ``below`` from its newest end at
+    #     each unpack passed again over every load already ahead of backward: at a budget of half
+    #     a step, the whole budget's worth of entries per unpack, so a step of N moved saves cost
+    #     O(N^2). So the walk is a list of ``below``'s keys, newest landed first, with a cursor
+    #     past its front of entries done for this pass (released, loaded, or served); the next
+    #     walk starts at the cursor. An entry past the cursor can become one to load again only by
+    #     landing in ``below`` or by a load dropped before its users had it, and both change
+    #     ``Residency.below_stamp``: then the list is made again and walked from its front.
+
     def _prefetch(self, seq: int) -> None:
         """Start reloading the entries saved just before ``seq`` while they fit the budget in force."""
         res = self.residency
         below = res.below
-        # Latest landed first, as before; the entries at or after ``seq`` (those backward has
-        # served) are passed over by ``filter`` in C, not one loop step each. Loads move nothing
-        # in or out of ``below`` while it is read.
-        for s in filter(seq.__gt__, reversed(below)):
-            e = below[s]
-            if e.residence is not _AWAY or (e.load_gen and e.users_left <= 0):
-                continue  # on its way, or already served in this pass (a later unpack is a miss)
+        if self._walk_stamp != res.below_stamp:
+            self._walk = list(reversed(below))
+            self._walk_at = 0
+            self._walk_stamp = res.below_stamp
+        walk = self._walk
+        front = True  # still in the walk's front of entries done for this pass
+        for i in range(self._walk_at, len(walk)):
+            s = walk[i]
+            e = below.get(s)
+            if e is None or e.residence is not _AWAY or (e.load_gen and e.users_left <= 0):
+                if front:  # released, loaded or already served: nothing more to do for it this pass
+                    self._walk_at = i + 1
+                continue
+            front = False
+            if s >= seq:
+                continue  # saved after the tensor being unpacked: not ahead of backward
             self._maybe_read_free(e.nbytes)  # See Note: [a prefetch asks the budget in force]
             if self.budget.bytes is not None and e.nbytes > self.budget.bytes - res.resident_bytes:
                 return
