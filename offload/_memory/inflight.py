@@ -15,9 +15,8 @@ here decides *when* to move (that is the budget's, in ``store``); ``poll`` never
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from .._errors import OffloadError
 from .._stats import Counters, record
@@ -26,10 +25,6 @@ from .pending import FINISHED
 from .residency import Orphan, Residency
 
 __all__ = ["InFlight", "wait_quietly"]
-
-log = logging.getLogger("offload._memory.store")
-"""The store's logger: its warnings (a spill write failing, tensors kept over the budget) are the
-store's to users, who filter them by that name, wherever in the store they are raised."""
 
 # See Note: [enum members as module globals] in ``entry``
 _LEAVING, _AWAY, _LOADED, _KEPT = Residence.LEAVING, Residence.AWAY, Residence.LOADED, Residence.KEPT
@@ -40,8 +35,11 @@ _FILLING, _READY = CopyState.FILLING, CopyState.READY
 class InFlight:
     """Starts and settles one store's copies between its tiers (called under the store's lock)."""
 
-    def __init__(self, residency: Residency, tiers: list, counters: Counters) -> None:
+    def __init__(self, residency: Residency, tiers: list, counters: Counters, warn: Callable[..., None]) -> None:
         self.res = residency
+        self._warn = warn
+        """The store's ``log.warning``: what goes wrong here (a spill write failing, tensors kept
+        over the budget) the store tells its users, under its logger's name."""
         self.tiers = tiers
         self.counters = counters
         self._tier = {t.tier: t for t in tiers}
@@ -114,7 +112,7 @@ class InFlight:
         copy synchronously through pageable memory. It is not offered for eviction again."""
         self.res.move(e, _KEPT)
         if not self._kept_warned:
-            log.warning(
+            self._warn(
                 "offload: no host memory left below the device (%s); keeping saved tensors on the device "
                 "over budget_mb (raise host_budget_mb or free host memory, or use a recompute policy)",
                 "spill writes are failing" if self.write_failed else "host_budget_mb or host RAM reached",
@@ -322,11 +320,16 @@ class InFlight:
 
     def _note_write_failure(self, error: BaseException) -> None:
         if not self.write_failed:
-            log.warning("offload: writing to the spill file failed (%s); keeping tensors in memory instead", error)
+            self._warn("offload: writing to the spill file failed (%s); keeping tensors in memory instead", error)
         self.write_failed = True
         # The future keeps this error, and waiting on it (in pack) added pack's frames to its
         # traceback: the saved tensor and its handle would stay alive in that cycle until gc.
         error.__traceback__ = None
+
+    def wait_oldest_out(self) -> None:
+        """Wait for the oldest copy out of the device to land (or fail), then poll: it settles."""
+        wait_quietly(self.res.leaving[0].copies[self.out.tier])
+        self.poll()
 
     def wait_all(self) -> None:
         """Wait for every copy in flight (close): each settles at the next ``poll``."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import threading
 import time
 from typing import Callable, Optional
@@ -48,13 +49,17 @@ from .._errors import OffloadError, inplace_error
 from .._stats import Counters, Gauges, record
 from .entry import CopyState, Entry, Handle, Residence, Tier
 from .host import Host
-from .inflight import InFlight, wait_quietly
+from .inflight import InFlight
 from .residency import Residency
 from .spill import SpillFile
 from .tiers import HostTier, as_bytes, make_tiers
 from .transfer import Link
 
 __all__ = ["Handle", "Store"]
+
+log = logging.getLogger(__name__)
+"""The store's warnings to users (a spill write failing, tensors kept over the budget), wherever in
+the store's modules they arise: users filter them by this name."""
 
 _NO_BATCH = contextlib.nullcontext()
 """What a store without a link enters where one would open a batch (a nullcontext can be re-entered)."""
@@ -103,7 +108,7 @@ class Store:
         self._lock = threading.Lock()
         self._dead: collections.deque = collections.deque()  # (entry, unseen) released while locked
         self.residency = Residency()
-        self._flight = InFlight(self.residency, self.tiers, counters)
+        self._flight = InFlight(self.residency, self.tiers, counters, warn=log.warning)
         self._seq = 0
         self._largest_new_bytes = 0
         """Bytes of the largest storage taken since ``take_largest`` last read it (regions measure
@@ -144,8 +149,9 @@ class Store:
 
     def _maybe_read_free(self, nbytes: int) -> None:
         """Count ``nbytes`` saved or loaded; read free memory when the rule says (``_budget``)."""
-        if self.budget.due(nbytes):
-            self.budget.read(self.resident_bytes)
+        budget = self.budget
+        if budget.follows_free_memory and budget.due(nbytes):  # a fixed budget is never read
+            budget.read(self.resident_bytes)
 
     # ------------------------------------------------------------------ readings (change nothing)
 
@@ -257,8 +263,7 @@ class Store:
         start = time.perf_counter()
         with record("offload::wait_evict"):
             while excess() > 0 and res.leaving:
-                wait_quietly(res.leaving[0].copies[self._flight.out.tier])
-                self._flight.poll()
+                self._flight.wait_oldest_out()
         self.counters.evict_wait_ms += (time.perf_counter() - start) * 1e3
 
     # ------------------------------------------------------------------ backward
