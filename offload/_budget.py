@@ -95,6 +95,12 @@ INFLIGHT_FRACTION_OF_RESERVE = 0.25
 itself. A fixed budget's window is a fraction of the budget instead (``INFLIGHT_FRACTION``); here the
 budget is most of the device, and a quarter of it would move far more than the spike needs."""
 
+BATCH_SHARE_OF_WINDOW = 0.5
+"""Share of the in-flight window (``INFLIGHT_FRACTION``, ``INFLIGHT_FRACTION_OF_RESERVE``) that hot
+bytes may pass ``evict_at`` by before eviction starts: then everything over ``evict_at`` leaves
+together, one batch (See Note: [moves in batches] in ``offload._memory.store``). Half: the other
+half stays for copies in flight before a pack has to wait for them."""
+
 REPLAN_BELOW = 0.8
 """A plan is made again when the budget in force falls below this fraction of its budget..."""
 REPLAN_ABOVE = 1.25
@@ -266,13 +272,17 @@ class Budget:
     (``budget_mb="auto"``). ``Config.budget_bytes`` is what the user asked for; this is what holds
     now (with "auto", the latest reading); the store, the engine's stats and the regions read it."""
 
-    __slots__ = ("bytes", "evict_at", "follows_free_memory", "planned", "_follow")
+    __slots__ = ("bytes", "evict_at", "batch_bytes", "follows_free_memory", "planned", "_follow")
 
     def __init__(self, budget_bytes: Optional[int], follow: Optional[FollowFree]) -> None:
         self.bytes = budget_bytes
         """The budget in force, bytes (None: no limit)."""
         self.evict_at: Optional[int] = None
         """Hot plus loaded bytes above which eviction starts; None exactly when ``bytes`` is."""
+        self.batch_bytes = 0
+        """How far hot plus loaded bytes may pass ``evict_at`` before eviction starts, so what
+        leaves, leaves in one batch (``BATCH_SHARE_OF_WINDOW``); 0 without an in-flight window (no
+        budget, or a region plan in force: eviction then starts at the budget itself)."""
         self.follows_free_memory = follow is not None
         """The kind "follows free memory" (``budget_mb="auto"``): ``bytes`` moves with each reading."""
         self._follow = follow
@@ -302,6 +312,7 @@ class Budget:
             self.evict_at = self._follow.evict_at(self.bytes)
         else:
             self.evict_at = int(self.bytes * (1 - INFLIGHT_FRACTION))
+        self.batch_bytes = int((self.bytes - self.evict_at) * BATCH_SHARE_OF_WINDOW)
 
     def read(self, resident_bytes: int) -> None:
         """Read free memory now (budget_mb="auto" only)."""

@@ -456,6 +456,11 @@ class EmulatedStreams:
     def allocation_queues_work(self) -> bool:
         return self.fills_new_memory
 
+    def copy_all(self, dsts: list, srcs: list) -> None:
+        """One submission of several copies: each checked as its own, all queued on the current stream."""
+        for dst, src in zip(dsts, srcs, strict=True):
+            self.copy(dst, src)
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         stream, called = self.current(), self.now
         src_memory, dst_memory = self._memory_of(src), self._memory_of(dst)
@@ -847,12 +852,22 @@ class EmulatedCudaLink(CudaLink):
         self.emulated: EmulatedStreams = self.streams  # type: ignore[assignment]  # the one passed above
         self.host = _EmulatedHost(self.emulated)
         self.d2h_count = self.h2d_count = 0
+        self.d2h_batches = 0
+        """Copies out started by ``d2h_all`` (one submission each, of one or more tensors)."""
 
     def d2h(self, src_device, dst_host):
         self.d2h_count += 1
         self.emulated.device_memory(src_device, what="a saved tensor")
         self.emulated.host_memory(dst_host, what="a host slab")
         return super().d2h(src_device, dst_host)
+
+    def d2h_all(self, srcs_device, dsts_host):
+        self.d2h_count += len(srcs_device)
+        self.d2h_batches += 1
+        for src, dst in zip(srcs_device, dsts_host, strict=True):
+            self.emulated.device_memory(src, what="a saved tensor")
+            self.emulated.host_memory(dst, what="a host slab")
+        return super().d2h_all(srcs_device, dsts_host)
 
     def h2d(self, src_host, nbytes):
         self.h2d_count += 1

@@ -37,7 +37,7 @@ def _climb_before_the_read_landed(monkeypatch) -> None:
 
 
 def _d2h_source_not_kept(monkeypatch) -> None:
-    """A copy out does not keep its source alive (``HostTier.start_out``'s ``add_reader``)."""
+    """A copy out of one tensor does not keep its source alive (``HostTier.start_out``'s ``add_reader``)."""
 
     def start_out(self, src, nbytes):
         block = self.arena.acquire(nbytes)
@@ -47,6 +47,20 @@ def _d2h_source_not_kept(monkeypatch) -> None:
         return offload._memory.entry.Copy(Tier.HOST, block, CopyState.FILLING, filled)
 
     monkeypatch.setattr(offload._memory.tiers.HostTier, "start_out", start_out)
+
+
+def _batch_sources_not_kept(monkeypatch) -> None:
+    """A batch's copy out does not keep its sources alive (``HostTier.start_out_all``'s ``add_reader``)."""
+
+    def start_out_all(self, srcs, sizes):
+        blocks = self.arena.acquire_all(sizes)
+        if blocks is None:
+            return None
+        sources = [offload._memory.tiers.as_bytes(src.data)[:n] for src, n in zip(srcs, sizes, strict=True)]
+        filled = self.link.d2h_all(sources, [b.tensor for b in blocks])
+        return [offload._memory.entry.Copy(Tier.HOST, b, CopyState.FILLING, filled) for b in blocks]
+
+    monkeypatch.setattr(offload._memory.tiers.HostTier, "start_out_all", start_out_all)
 
 
 def _h2d_source_not_kept(monkeypatch) -> None:
@@ -118,21 +132,27 @@ def _freed_in_flight(monkeypatch) -> None:
 GUARDS = {
     "climb to the device before the disk read landed": _climb_before_the_read_landed,
     "d2h source kept alive": _d2h_source_not_kept,
+    "a batch's d2h sources kept alive": _batch_sources_not_kept,
     "h2d source kept alive": _h2d_source_not_kept,
     "wait at the point of use": _no_wait_at_use,
     "fences": _no_fences,
+    "fences, a batch's copies out": _no_fences,
     "copy out landed only with its event": _landed_without_its_event,
+    "a batch landed only with its event": _landed_without_its_event,
     "wait on the current stream": _wait_on_the_wrong_stream,
     "no free while a copy is in flight": _freed_in_flight,
 }
 
 CATCHES = {
     "climb to the device before the disk read landed": ("host_capped", ("timed0", "adversarial3-0")),
-    "d2h source kept alive": ("forward_without_backward", ("timed0", "timed1")),
+    "d2h source kept alive": ("dropped_one_by_one", ("timed0", "timed1")),
+    "a batch's d2h sources kept alive": ("budget_50", ("timed0", "timed1")),
     "h2d source kept alive": ("backward_fails", ("timed0", "adversarial3-0")),
     "wait at the point of use": ("backward_fails", ("timed0", "timed2q50")),
     "fences": ("budget_0", ("timed0", "adversarial3-0")),
-    "copy out landed only with its event": ("forward_without_backward", ("timed0", "timed1")),
+    "fences, a batch's copies out": ("budget_50", ("timed0", "adversarial3-0")),
+    "copy out landed only with its event": ("dropped_one_by_one", ("timed0", "timed1")),
+    "a batch landed only with its event": ("budget_50", ("timed0", "timed1")),
     "wait on the current stream": ("two_streams", ("timed0", "timed1")),
     "no free while a copy is in flight": ("backward_fails", ("timed0", "adversarial3-0")),
 }

@@ -33,8 +33,9 @@ takes torch.accelerator's (from 2.13) or torch._C's (2.11; CPU builds of 2.13 la
 (``offload.seams.CudaStreams`` looks up ``_cuda_getCurrentStream`` of ``torch._C`` by its
 name alone, so the scan does not see it: CPU builds lack it, and without it the class asks
 ``torch.cuda.current_stream``, which is checked here.)"""
-CALLED_ON_TENSORS = ("torch.Tensor.record_stream", "torch.are_deterministic_algorithms_enabled")
-"""Names the scan cannot see written out (a method called on a tensor, a top-level function)."""
+CALLED_ON_TENSORS = ("torch.Tensor.record_stream", "torch.are_deterministic_algorithms_enabled", "torch._foreach_copy_")
+"""Names the scan cannot see written out (a method called on a tensor, a top-level function:
+``CudaStreams.copy_all``'s ``_foreach_copy_``)."""
 HEADER = Path(torch.__file__).parent / "include" / "ATen" / "core" / "CachingHostAllocator.h"
 STAT_HEADER = Path(torch.__file__).parent / "include" / "c10" / "core" / "Allocator.h"
 

@@ -197,6 +197,20 @@ class HostArena:
         assert offset is not None, "offload internal error: a new slab has no room for the block it was made for"
         return Block(new.view(offset, size), new, offset, size)
 
+    def acquire_all(self, sizes: list[int]) -> Optional[list[Block]]:
+        """One block for each of ``sizes``, side by side in one range of one slab (a batch's copies
+        out, written by one copy call), or None if no slab has such a range and none can be made.
+        Each block is released on its own (``release``), as one from ``acquire`` is."""
+        rounded = [round_up(max(n, 1)) for n in sizes]
+        whole = self.acquire(sum(rounded))
+        if whole is None:
+            return None
+        slab, offset, blocks = whole.slab, whole.offset, []
+        for size in rounded:
+            blocks.append(Block(slab.view(offset, size), slab, offset, size))
+            offset += size
+        return blocks
+
     def _new_slab(self, size: int) -> Optional[_Slab]:
         if self.failed:
             return None

@@ -67,6 +67,22 @@ class InFlight:
         if copy.tier is _DISK:
             self.counters.spilled_bytes += e.nbytes
 
+    def evict_all(self, batch: list[Entry]) -> None:
+        """``evict`` each hot entry of ``batch``, oldest first: into the host tier as one batch where
+        it has one range for them all (one copy call), else one by one (making room as ``evict``
+        does). See Note: [moves in batches] in ``store``."""
+        if len(batch) > 1 and self.out.tier is _HOST:
+            with record("offload::d2h"):
+                copies = self.out.start_out_all([e.device_copy() for e in batch], [e.nbytes for e in batch])
+            if copies is not None:
+                for e, copy in zip(batch, copies, strict=True):
+                    e.copies[_HOST] = copy
+                    self.res.move(e, _LEAVING)
+                    self.counters.offloaded_bytes += e.nbytes
+                return
+        for e in batch:
+            self.evict(e)
+
     def _make_host_room_for(self, e: Entry) -> Optional[Copy]:
         """The host tier is full: free host copies that are also on disk, spill the oldest others
         to disk, and wait for those writes, until ``e`` fits or nothing more can be done."""

@@ -250,9 +250,34 @@ class Store:
         if budget is None:
             return
         assert evict_at is not None  # Budget.set_planned sets it whenever there is a budget
-        while res.hot and res.hot_bytes + res.loaded_bytes > evict_at:
-            self._flight.evict(next(iter(res.hot.values())))
+        over = res.hot_bytes + res.loaded_bytes - evict_at
+        room = self.budget.batch_bytes if self._host is not None else 0  # See Note: [moves in batches]
+        if over > room and res.hot:
+            batch = []
+            for e in res.hot.values():  # oldest first
+                batch.append(e)
+                over -= e.nbytes
+                if over <= 0:
+                    break
+            self._flight.evict_all(batch)
         self._wait_leaving(lambda: res.resident_bytes - budget)
+
+    # Note: [moves in batches]
+    #     Eviction waits until hot (and loaded) bytes pass ``evict_at`` by ``Budget.batch_bytes``
+    #     (half the in-flight window), then moves everything over ``evict_at`` at once, oldest
+    #     first: into the host tier, one block side by side in one slab range for the whole batch
+    #     and one copy call (``Link.d2h_all``: on CUDA one fence, one submission, one event),
+    #     where per tensor it was one of each. Nothing more is moved than before (a batch ends at
+    #     ``evict_at``, where eviction always ended), and the budget holds as before: the batch
+    #     runs over ``evict_at``, never over the budget (the overshoot is inside the window kept
+    #     for copies in flight, and a pack still waits for copies out while what is resident is
+    #     over the budget). What it gives up: half the window for copies in flight, so under a
+    #     link slower than compute a pack waits a little sooner. A region plan in force has no
+    #     window (``evict_at`` is the budget), so there every eviction is one tensor, as are the
+    #     copies a region planned OFFLOAD starts at each save, and a batch the arena has no one
+    #     range for goes one by one (making room below as a single eviction does). Only where the
+    #     tier below is the host's: a CPU device spills straight to disk, one write a tensor, so
+    #     there a batch would save nothing and eviction starts at ``evict_at`` as before.
 
     def _wait_leaving(self, excess: Callable[[], int]) -> None:
         """Wait for copies out to land, in order (one stream, or polled so), while ``excess()``

@@ -140,6 +140,26 @@ class HostTier(_Tier):
         src.add_reader(filled)  # See Note: [keep-alive until the copy event]
         return Copy(Tier.HOST, block, CopyState.FILLING, filled)
 
+    def start_out_all(self, srcs: list[Copy], sizes: list[int]) -> Optional[list[Copy]]:
+        """``start_out`` for a batch: one block per source, side by side in one range, filled by one
+        copy call where the link has one (``d2h_all``: one fence, one submission, one event on
+        CUDA); None when the arena has no such range (the caller moves them one by one)."""
+        blocks = self.arena.acquire_all(sizes)
+        if blocks is None:
+            return None
+        sources = [as_bytes(src.data)[:n] for src, n in zip(srcs, sizes, strict=True)]
+        d2h_all = getattr(self.link, "d2h_all", None)
+        if d2h_all is not None:
+            filled = d2h_all(sources, [b.tensor for b in blocks])
+            fills = [filled] * len(blocks)
+        else:  # a link that copies one tensor a call (a test's, or an older seam)
+            fills = [self.link.d2h(source, b.tensor) for source, b in zip(sources, blocks, strict=True)]
+        copies = []
+        for src, block, pending in zip(srcs, blocks, fills, strict=True):
+            src.add_reader(pending)  # See Note: [keep-alive until the copy event]
+            copies.append(Copy(Tier.HOST, block, CopyState.FILLING, pending))
+        return copies
+
     def start_back(self, copy: Copy, above: DeviceTier, nbytes: int) -> Copy:
         dst, filled = self.link.h2d(as_bytes(copy.data), nbytes)
         copy.add_reader(filled)  # See Note: [keep-alive until the copy event]: the host block too

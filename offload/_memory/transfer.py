@@ -134,6 +134,9 @@ class Link(Protocol):
 
     def d2h(self, src_device: torch.Tensor, dst_host: torch.Tensor) -> Pending: ...
 
+    # Optional: ``d2h_all(srcs, dsts) -> Pending``, several copies out as one (one fence, one
+    # submission, one completion), which the host tier uses for a batch where a link has it.
+
     def h2d(self, src_host: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, Pending]: ...
 
     def released(self, host: torch.Tensor) -> None: ...
@@ -165,6 +168,9 @@ class Streams(Protocol):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Queue ``dst.copy_(src)`` on the current stream."""
+
+    def copy_all(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """Queue ``dst.copy_(src)`` for each pair on the current stream, in one call."""
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
 
@@ -219,6 +225,9 @@ class CudaStreams:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
+
+    def copy_all(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
     def record_stream(self, tensor: torch.Tensor, stream: "torch.cuda.Stream") -> None:
         tensor.record_stream(stream)
@@ -475,6 +484,18 @@ class CudaLink:
         with self.streams.using(stream):
             self.before_copy(stream)
             self.streams.copy(dst_host[: src_device.numel()], src_device)
+        return self._d2h.finish_copy(self)
+
+    def d2h_all(self, srcs_device: list[torch.Tensor], dsts_host: list[torch.Tensor]) -> _CopyEvent:
+        """``d2h`` for a batch: each source into the front of its pinned block, after the same
+        fences, in one submission, with one event for them all (See Note: [moves in batches] in
+        ``store``). Every source is kept until that event, as ``d2h``'s one is."""
+        stream = self._enter(self._d2h, self._producers)
+        with self.streams.using(stream):
+            self.before_copy(stream)
+            self.streams.copy_all(
+                [dst[: src.numel()] for src, dst in zip(srcs_device, dsts_host, strict=True)], srcs_device
+            )
         return self._d2h.finish_copy(self)
 
     def h2d(self, src_host: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, _CopyEvent]:

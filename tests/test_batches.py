@@ -1,0 +1,153 @@
+"""Copies out in batches (See Note: [moves in batches] in ``offload._memory.store``).
+
+Under a fixed budget without a region plan, eviction waits until what is hot passes the point where
+it starts by half the in-flight window, then moves everything over that point as one batch: one
+block per tensor side by side in one range of a pinned slab, and one copy call (``d2h_all``: on
+CUDA one fence, one submission, one event). Driven on the CPU through ``CudaLink`` itself over
+emulated streams (``tests/hb.py``'s detector: no race, no source let go early), gradients and
+losses compared with ``torch.equal`` against the model without the engine, many steps, the batch
+size changing every step. One test drives the arena directly, white-box, to see a batch's blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+import offload._memory.arena
+from hb import Schedule, detecting
+from zoo import MB
+
+WIDTH, DEPTH = 64, 8
+
+
+def _mlp(depth: int = DEPTH) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 1))
+
+
+def _step(model: nn.Module, x: torch.Tensor, eng=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with eng if eng is not None else torch.enable_grad():
+        loss = model(x).square().sum()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _saved_bytes(model: nn.Module, rows: int) -> int:
+    """What one step saves (each Linear's input and each Tanh's output, fp32), as the engine counts it."""
+    return (2 * DEPTH + 1) * rows * WIDTH * 4
+
+
+@pytest.mark.parametrize("schedule", ["timed0", "adversarial3-0"])
+def test_copies_out_go_in_batches_and_gradients_stay_exact(schedule, spill_dir):
+    """At half a step's budget the copies out go several tensors a submission; every step's loss and
+    gradients equal the model's without the engine, the budget held, the detector silent."""
+    model = _mlp()
+    rows = [48, 64, 40, 64, 56, 32]
+    budget_mb = _saved_bytes(model, max(rows)) / 2 / MB
+    with detecting(Schedule.named(schedule)) as link:
+        eng = offload.engine(budget_mb, device="cpu", min_offload_bytes=0, link=link, spill_dir=spill_dir)
+        for step, n in enumerate(rows):
+            torch.manual_seed(step)
+            x = torch.randn(n, WIDTH)
+            want_loss, want = _step(model, x)
+            got_loss, got = _step(model, x, eng)
+            assert torch.equal(got_loss, want_loss), f"step {step}: loss differs"
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), f"step {step}: gradients differ"
+        stats = eng.stats
+        eng.close()
+    assert stats.offloaded_bytes > 0 and stats.reloaded_bytes > 0, "the premise: tensors moved"
+    assert link.d2h_batches > 0, "no copy out went as a batch"
+    assert link.d2h_count > link.d2h_batches, "each batch held one tensor: nothing was batched"
+    assert stats.peak_over_budget_bytes == 0, f"{stats.peak_over_budget_bytes} bytes over the budget"
+
+
+def test_a_batch_with_no_one_range_below_moves_one_by_one(spill_dir):
+    """The host tier is capped so that a batch's blocks side by side do not fit in any slab the cap
+    allows, while each tensor's alone does: the batch's tensors move one by one instead, making room
+    below as a single eviction does (host copies spill to disk). Gradients exact."""
+    model = _mlp(depth=16)  # 33 saves of 16 KiB a step
+    rows = 64
+    act = rows * WIDTH * 4
+    budget_mb = 16 * act / MB  # eviction starts at 12 saves' worth; a batch forms past 14: three go
+    with detecting() as link:
+        eng = offload.engine(
+            budget_mb,
+            device="cpu",
+            min_offload_bytes=0,
+            link=link,
+            spill_dir=spill_dir,
+            host_budget_mb=3.5 * act / MB,  # three 16 KiB slabs fit, the 64 KiB one three side by side need not
+        )
+        for step in range(3):
+            torch.manual_seed(step)
+            x = torch.randn(rows, WIDTH)
+            want_loss, want = _step(model, x)
+            got_loss, got = _step(model, x, eng)
+            assert torch.equal(got_loss, want_loss) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        stats = eng.stats
+        eng.close()
+    assert link.d2h_batches == 0, "a batch went out as one although the cap has no room for its range"
+    assert stats.offloaded_bytes > 0 and link.d2h_count > 0, "the premise: tensors moved, one by one"
+    assert stats.peak_over_budget_bytes == 0, f"{stats.peak_over_budget_bytes} bytes kept over the budget"
+
+
+def test_a_region_plan_moves_each_tensor_alone():
+    """A budget with a region plan in force evicts at the budget itself: no window, so no batch
+    (``Budget.batch_bytes`` is 0), and a budget without one batches half its window."""
+    from offload._budget import make_budget  # white-box: the budget's own figures
+
+    budget = make_budget(100 * MB, None, None)
+    assert budget.batch_bytes == (budget.bytes - budget.evict_at) // 2 > 0
+    budget.set_planned(True)
+    assert budget.evict_at == budget.bytes and budget.batch_bytes == 0
+    budget.set_planned(False)
+    assert budget.batch_bytes > 0
+
+
+def test_a_batch_is_blocks_side_by_side_each_released_alone():
+    """White-box, the arena: ``acquire_all`` hands out one block per size, aligned and adjacent in
+    one slab; released one at a time (the middle first), the range is whole again."""
+    arena = offload._memory.arena.HostArena(None, pin=False)
+    blocks = arena.acquire_all([10, 5000, 4096])
+    assert blocks is not None
+    assert [b.size for b in blocks] == [4096, 8192, 4096]
+    assert len({id(b.slab) for b in blocks}) == 1
+    assert [b.offset for b in blocks] == [blocks[0].offset, blocks[0].offset + 4096, blocks[0].offset + 12288]
+    assert all(b.tensor.numel() == b.size for b in blocks)
+    used = arena.in_use_bytes
+    assert used == 16384
+    for b in (blocks[1], blocks[0], blocks[2]):
+        arena.release(b)
+    assert arena.in_use_bytes == 0
+    again = arena.acquire(16384)
+    assert again is not None and again.offset == blocks[0].offset, "the freed blocks merged into one range"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batches_on_cuda_keep_gradients_exact():
+    """On a GPU, through ``torch._foreach_copy_`` on the d2h side stream into pinned blocks: at half
+    a step's budget (batches of several tensors), losses and gradients bitwise as without the engine
+    over steps whose batch size changes, and the budget held."""
+    device = torch.device("cuda")
+    model = _mlp(depth=16).to(device)
+    rows = [256, 192, 256, 128]
+    budget_mb = (2 * 16 + 1) * max(rows) * WIDTH * 4 / 2 / MB
+    eng = offload.engine(budget_mb, device="cuda", min_offload_bytes=0)
+    for step, n in enumerate(rows):
+        torch.manual_seed(step)
+        x = torch.randn(n, WIDTH, device=device)
+        want_loss, want = _step(model, x)
+        got_loss, got = _step(model, x, eng)
+        assert torch.equal(got_loss, want_loss) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    stats = eng.stats
+    eng.close()
+    assert stats.offloaded_bytes > 0 and stats.reloaded_bytes > 0
+    assert stats.peak_over_budget_bytes == 0
