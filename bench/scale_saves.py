@@ -12,7 +12,9 @@ warm-up spends it: the table is the steady state; ``counted_step`` in the JSON i
 Variants: ``bare`` (``saved_tensors_hooks(lambda t: t, lambda t: t)``), then per engine
 (``new`` = this checkout, ``old`` = ``--old``'s): budget None; ``keep`` (a budget far above the
 step: the store keeps all); ``half`` (half the step's bytes: the older half moves); ``zero``
-(budget 0: everything moves; to disk on the CPU). Per saved tensor: (variant - no hooks) / N, and
+(budget 0: everything moves; to disk on the CPU); ``half host`` and ``zero host`` (the same into a
+host tier over ``overhead.CopyingLink``: copies in-thread, no disk, so the engine's own work shows).
+Per saved tensor: (variant - no hooks) / N, and
 that over the bare pair's. Tensors: ``tiny`` (64 fp32) and ``real`` (16 Ki fp32, 64 KiB: a
 small layer's activation); moved variants run up to ``MOVED_MAX_SAVES`` and ``MOVED_MAX_BYTES`` a step.
 
@@ -43,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `import offload` from a checkout
 import offload  # noqa: E402
+from overhead import CopyingLink  # noqa: E402  # bench/ is this script's own directory
 
 TINY_NUMEL = 64
 """fp32 elements of a tiny save (256 bytes): the op costs next to nothing, the hooks show."""
@@ -53,6 +56,9 @@ MOVED_MAX_SAVES = 1000
 """Moved variants (half, zero) run only where a step saves at most this many tensors and bytes: on
 the CPU every move is a spill-file write, 0.4-0.6 ms a save on the loaded 2-vCPU VM, so 10,000
 moves a step for 22 rounds of two engines would take many minutes."""
+HOST_MAX_BYTES = 256 * 2**20
+"""Host-tier variants (``half host``, ``zero host``) run where a step saves at most this many bytes:
+their host slabs hold the moved half or all of it."""
 WARMUP_ROUNDS = 2
 LAYERS = 1500
 LAYER_WIDTH = 8
@@ -92,13 +98,18 @@ def chain_step(n: int, numel: int, ctx: Optional[Any]) -> float:
 
 
 def engines(package: Any, saves: int, step_bytes: int, spill_dir: str) -> dict[str, Any]:
-    """budget None, keep-all, half moved, zero: engines of ``package`` for a step of ``step_bytes``."""
+    """budget None, keep-all, half moved, zero: engines of ``package`` for a step of ``step_bytes``;
+    the moved ones once to disk (this CPU's tier) and once to a host tier over ``CopyingLink``
+    (synchronous in-thread copies, no disk: the engine's own work, as on a GPU's host tier)."""
     mb = step_bytes / 2**20
     made = {"none": package.engine(None, min_offload_bytes=0)}
     made["keep"] = package.engine(100 * mb + 1, min_offload_bytes=0, spill_dir=spill_dir)
     if step_bytes <= MOVED_MAX_BYTES and saves <= MOVED_MAX_SAVES:
         made["half"] = package.engine(mb / 2, min_offload_bytes=0, spill_dir=spill_dir)
         made["zero"] = package.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    if step_bytes <= HOST_MAX_BYTES:
+        made["half host"] = package.engine(mb / 2, min_offload_bytes=0, device="cpu", link=CopyingLink())
+        made["zero host"] = package.engine(0, min_offload_bytes=0, device="cpu", link=CopyingLink())
     return made
 
 
@@ -159,7 +170,7 @@ def per_save_rows(size: str, n: int, times: dict[str, list[float]]) -> list[dict
 
 def row_line(r: dict) -> str:
     return (
-        f"{r['tensors']:7} {r['saves']:>6} {r['variant']:12} {r['step_ms']:9.3f} "
+        f"{r['tensors']:7} {r['saves']:>6} {r['variant']:14} {r['step_ms']:9.3f} "
         f"{r['per_save_us']:8.3f} {r['x_bare']:7.2f} {r['counted_step_ms']:9.3f}"
     )
 
@@ -304,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     saves = [int(s) for s in args.saves.split(",")]
     spill_dir = tempfile.mkdtemp(prefix="scale-saves-")
     atexit.register(shutil.rmtree, spill_dir, ignore_errors=True)
-    header = f"{'tensors':7} {'saves':>6} {'variant':12} {'step ms':>9} {'us/save':>8} {'x bare':>7} {'1st ms':>9}"
+    header = f"{'tensors':7} {'saves':>6} {'variant':14} {'step ms':>9} {'us/save':>8} {'x bare':>7} {'1st ms':>9}"
     print(header, flush=True)
     chains = chain_rows(packages, saves, args.steps, spill_dir)
     regions = region_rows(packages, saves, args.steps, spill_dir)
