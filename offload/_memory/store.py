@@ -130,14 +130,20 @@ class Store:
         return largest
 
     def step_started(self) -> None:
-        """The engine is entered (a step starts): read free memory, and give back the pinned pages
-        of host slabs dropped during the last step, out of the hot path (See Note: [emptying the
-        pinned cache] in ``arena``)."""
+        """The engine is entered (a step starts): read free memory, give back the pinned pages of
+        host slabs dropped during the last step, out of the hot path (See Note: [emptying the
+        pinned cache] in ``arena``), and, with nothing hot left to copy out, let the link forget
+        the streams earlier saves came from (See Note: [fences before a copy] in ``transfer``)."""
         self.read_free()
         host = self._host
         if host is not None and host.arena.unreturned_bytes:
             with self._lock:
                 host.arena.return_unpinned()
+        forget = getattr(self.link, "forget_producers", None)
+        if forget is not None:
+            with self._lock:  # a pack on another thread adds to both under it
+                if not self.residency.hot:  # nothing left to copy out: no stream seen so far matters
+                    forget()
 
     def read_free(self) -> None:
         """Read free memory now; nothing with a fixed budget. Here and not on ``Budget``: a reading

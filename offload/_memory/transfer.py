@@ -28,8 +28,10 @@ Note: [fences before a copy]
       side stream, an overlapped block). So the link remembers every stream current at a batch
       (``_producers``), and a d2h waits for a fence on each: all their work so far, the producer's
       included. With one stream that is one fence per batch; a stream that did not produce this
-      tensor only delays the copy, never corrupts it. The set stays small: CUDA hands out streams
-      from a fixed pool.
+      tensor only delays the copy, never corrupts it. The set is started over whenever no saved
+      tensor is left to copy out (``forget_producers``, asked by the store as a step starts with
+      nothing hot): a program that runs each step on a new stream would otherwise have each copy
+      out wait on a fence of every stream it ever used.
     - h2d: the destination block comes from the compute stream's pool, so the copy must follow every
       earlier use of the block there and the block's own allocation. A fence recorded on the compute
       stream after the destination was allocated covers both. Usually an allocation queues no work,
@@ -135,7 +137,8 @@ class Link(Protocol):
     def d2h(self, src_device: torch.Tensor, dst_host: torch.Tensor) -> Pending: ...
 
     # Optional: ``d2h_all(srcs, dsts) -> Pending``, several copies out as one (one fence, one
-    # submission, one completion), which the host tier uses for a batch where a link has it.
+    # submission, one completion), which the host tier uses for a batch where a link has it; and
+    # ``forget_producers()``, which the store calls when no saved tensor is left to copy out.
 
     def h2d(self, src_host: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, Pending]: ...
 
@@ -437,6 +440,11 @@ class CudaLink:
         current = self.streams.current()
         if current not in self._producers:  # identity first, then the stream's own ==
             self._producers.append(current)
+
+    def forget_producers(self) -> None:
+        """No saved tensor is left to copy out: the streams seen so far produced nothing a later
+        d2h reads; the next batch's current stream starts the list again. See Note: [fences before a copy]."""
+        self._producers = []
 
     def _close_batch(self) -> None:
         try:
