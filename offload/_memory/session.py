@@ -174,8 +174,11 @@ class Session:
             return self._pack_shared(t, sharding, store, eager)
 
         def unpack(packed: Any) -> torch.Tensor:
-            if type(packed) is tuple:
-                return unpack_passed(packed)
+            if type(packed) is tuple:  # hooks.unpack_passed(packed), its check inline
+                alias, version = packed
+                if alias._version == version:
+                    return alias
+                return unpack_passed(packed)  # raises PyTorch's in-place error
             if observers.awaiting_backward:
                 observers.unpacked()
             if type(packed) is Handle:
