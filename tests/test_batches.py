@@ -151,3 +151,43 @@ def test_batches_on_cuda_keep_gradients_exact():
     eng.close()
     assert stats.offloaded_bytes > 0 and stats.reloaded_bytes > 0
     assert stats.peak_over_budget_bytes == 0
+
+
+@pytest.mark.parametrize("delay", [0, 1], ids=["landed-before-backward", "landing-in-backward"])
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_backward_misses_only_its_first_reload(fraction, delay, spill_dir):
+    """A chain of tanh whose saves move at a fraction of the step's bytes, into a host tier whose
+    copies land when polled: backward's first unpack of a moved tensor is a miss, and the prefetch
+    has every later one on its way before its turn (See Note: [the prefetch walk] in
+    ``offload._memory.store``: the walk goes on from where it stopped, never past an entry it has
+    not loaded, such as one save four times the others' size that did not fit when first reached).
+    Gradients exact."""
+    from links import DeferredLink
+
+    n, depth = 64 * 64, 24
+    budget_mb = fraction * depth * n * 4 / MB
+    x0 = torch.randn(64, 64)
+
+    def run(eng=None) -> torch.Tensor:
+        x = x0.clone().requires_grad_(True)
+        with eng if eng is not None else torch.enable_grad():
+            h = x
+            for i in range(depth):
+                if i == depth // 3:  # one save four times the others: a walk reaching it may find no room
+                    h = torch.tanh(h.repeat(2, 2) * 1.01)[:64, :64]
+                else:
+                    h = torch.tanh(h * 1.01)  # saves its output (64 KiB)
+        h.sum().backward()
+        return x.grad
+
+    want = run()
+    eng = offload.engine(
+        budget_mb, device="cpu", min_offload_bytes=0, link=DeferredLink(delay=delay), spill_dir=spill_dir
+    )
+    got = run(eng)
+    stats = eng.stats
+    eng.close()
+    assert torch.equal(got, want)
+    moved = stats.reloaded_bytes // (n * 4)
+    assert moved >= depth // 3, f"the premise: many saves moved ({moved})"
+    assert stats.prefetch_misses <= 1, f"{stats.prefetch_misses} misses of {moved} reloads"

@@ -115,7 +115,7 @@ class Store:
         their largest save by it: ``RegionProfile.largest_tensor_bytes``)."""
         self._walk: list[int] = []
         self._walk_at = 0
-        self._walk_stamp = -1
+        self._walk_stamp: Optional[int] = None  # None: never walked
         """The prefetch's walk of ``below`` (See Note: [the prefetch walk])."""
         self.saved_in_backward_bytes = 0
         """Bytes of the storages taken while autograd ran a backward (``torch.autograd.grad`` with
