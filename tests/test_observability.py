@@ -2,7 +2,7 @@
 
 Every movement and recompute runs inside a ``record_function`` range (offload::spill, ::read,
 ::wait_reload, ::recompute, ...), so a torch.profiler trace shows where a step's time went. The
-Prometheus exporter (``offload.metrics``, extra ``metrics``) turns ``eng.stats`` windows into
+Prometheus exporter (``offload.integrations.prometheus``, extra ``metrics``) turns ``eng.stats`` windows into
 counters, gauges and histograms; its tests skip when prometheus-client is not installed.
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import offload
-import offload.metrics
+from offload.integrations import prometheus
 from offload.models import GPTConfig, MiniGPT
 
 N_LAYER = 2
@@ -43,7 +43,7 @@ def test_profiler_shows_spill_read_and_recompute(spill_dir, tmp_path):
     # Budget 0 spills everything the engine takes (recomputed regions' inputs included);
     # policy "recompute" re-runs every block in backward.
     eng = offload.engine(
-        budget_mb=0, policy="recompute", regions=model.blocks, model=model, min_offload_bytes=0, spill_dir=spill_dir
+        budget_mb=0, policy="recompute", regions=model.blocks, model=model, min_offload_mb=0, spill_dir=spill_dir
     )
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -68,7 +68,7 @@ def test_profiler_shows_spill_read_and_recompute(spill_dir, tmp_path):
 def test_profiler_quiet_without_a_budget():
     """No budget, no region: the engine only counts, and the trace has no movement ranges."""
     model, x, y = _model_and_batch()
-    eng = offload.engine(budget_mb=None, min_offload_bytes=0)
+    eng = offload.engine(budget_mb=None, min_offload_mb=0)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             _step(model, eng, x, y)
@@ -81,7 +81,7 @@ def test_profiler_quiet_without_a_budget():
 
 
 def test_import_does_not_need_prometheus():
-    code = "import sys, offload, offload.metrics; assert 'prometheus_client' not in sys.modules"
+    code = "import sys, offload, offload.integrations.prometheus; assert 'prometheus_client' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -89,7 +89,7 @@ def test_missing_prometheus_names_the_extra(monkeypatch):
     eng = offload.engine(budget_mb=None)
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import now raises ImportError
     with pytest.raises(ImportError, match=r"pip install offload\[metrics\]"):
-        offload.metrics.PrometheusExporter(eng)
+        prometheus.PrometheusExporter(eng)
     eng.close()
 
 
@@ -97,8 +97,8 @@ def test_exporter_counts_every_window(spill_dir):
     prom = pytest.importorskip("prometheus_client")
     registry = prom.CollectorRegistry()
     model, x, y = _model_and_batch()
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=spill_dir, model=model)
-    exporter = offload.metrics.PrometheusExporter(eng, registry=registry, prefix="test_offload")
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, spill_dir=spill_dir, model=model)
+    exporter = prometheus.PrometheusExporter(eng, registry=registry, prefix="test_offload")
     windows = []
     try:
         for _ in range(3):
@@ -130,7 +130,7 @@ def test_exporter_recompute_counter():
     registry = prom.CollectorRegistry()
     model, x, y = _model_and_batch()
     eng = offload.engine(policy="recompute", regions=model.blocks, model=model)
-    exporter = offload.metrics.export_prometheus(eng, registry=registry)
+    exporter = prometheus.export_prometheus(eng, registry=registry)
     try:
         _step(model, eng, x, y)
         exporter.update()
@@ -143,12 +143,12 @@ def test_exporter_rejects_bad_arguments():
     prom = pytest.importorskip("prometheus_client")
     eng = offload.engine(budget_mb=None)
     with pytest.raises(TypeError, match="offload Engine"):
-        offload.metrics.PrometheusExporter(object(), registry=prom.CollectorRegistry())
+        prometheus.PrometheusExporter(object(), registry=prom.CollectorRegistry())
     with pytest.raises(ValueError, match="prefix"):
-        offload.metrics.PrometheusExporter(eng, registry=prom.CollectorRegistry(), prefix="bad-name")
+        prometheus.PrometheusExporter(eng, registry=prom.CollectorRegistry(), prefix="bad-name")
     registry = prom.CollectorRegistry()
-    offload.metrics.PrometheusExporter(eng, registry=registry, prefix="a")
-    offload.metrics.PrometheusExporter(eng, registry=registry, prefix="b")  # distinct prefixes share a registry
+    prometheus.PrometheusExporter(eng, registry=registry, prefix="a")
+    prometheus.PrometheusExporter(eng, registry=registry, prefix="b")  # distinct prefixes share a registry
     eng.close()
 
 
@@ -158,8 +158,8 @@ def test_exporter_recompute_latency_histogram():
     registry = prom.CollectorRegistry()
     model, x, y = _model_and_batch()
     eng = offload.engine(policy="recompute", regions=model.blocks, model=model)
-    timed = offload.metrics.PrometheusExporter(eng, registry=registry)
-    offload.metrics.PrometheusExporter(eng, registry=registry, prefix="untimed", recompute_latency=False)
+    timed = prometheus.PrometheusExporter(eng, registry=registry)
+    prometheus.PrometheusExporter(eng, registry=registry, prefix="untimed", recompute_latency=False)
     steps = 3
     try:
         for _ in range(steps):

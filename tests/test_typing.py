@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 import offload
-import offload.metrics
+import offload.integrations.prometheus
 import offload.seams
 from offload._stats import Counters
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-PUBLIC_MODULES = (offload, offload.metrics, offload.seams)
+PUBLIC_MODULES = (offload, offload.integrations.prometheus, offload.seams)
 """Modules whose ``__all__`` is the public API."""
 
 CHECKED_DUNDERS = ("__init__", "__call__", "__enter__", "__exit__")

@@ -2,7 +2,7 @@
 
 Owns the mapping from ``Engine.stats`` to Prometheus metrics, nothing else. prometheus-client is
 an optional extra (``pip install offload[metrics]``) imported only when an exporter is made, so
-``import offload`` and ``import offload.metrics`` never need it.
+``import offload`` and ``import offload.integrations.prometheus`` never need it.
 
 Counting windows. ``Engine.stats`` counts since the engine was made or since ``reset_stats()``;
 Prometheus counters only go up. ``update()`` therefore owns the window: it adds what the engine
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from .._observe import Observer
 
-if TYPE_CHECKING:  # annotations only: importing offload.metrics stays as light as it is
+if TYPE_CHECKING:  # annotations only: importing offload.integrations.prometheus stays as light as it is
     from .._engine import Engine
     from .._stats import Stats
 
@@ -65,7 +65,7 @@ def _prometheus():
         import prometheus_client
     except ImportError as error:
         raise ImportError(
-            "offload.metrics needs the prometheus-client package, an optional extra of offload; "
+            "offload.integrations.prometheus needs the prometheus-client package, an optional extra of offload; "
             "install it with: pip install offload[metrics]  (or: pip install prometheus-client)"
         ) from error
     return prometheus_client
@@ -90,10 +90,10 @@ class PrometheusExporter:
     Example::
 
         from prometheus_client import start_http_server
-        import offload, offload.metrics
+        import offload, offload.integrations.prometheus
 
         eng = offload.engine(budget_mb=512)
-        exporter = offload.metrics.PrometheusExporter(eng)
+        exporter = offload.integrations.prometheus.PrometheusExporter(eng)
         start_http_server(9100)
         for batch in data:
             with eng:
@@ -206,7 +206,7 @@ class PrometheusExporter:
             self._recompute_observer = None
 
     def __repr__(self) -> str:
-        return f"offload.metrics.PrometheusExporter({self.engine!r})"
+        return f"offload.integrations.prometheus.PrometheusExporter({self.engine!r})"
 
 
 class _RecomputeLatency(Observer):
