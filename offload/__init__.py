@@ -28,6 +28,7 @@ from ._predict.predict import OptimizerState, Prediction, predict
 from ._regions.recompute import checkpoint
 from ._stats import Stats
 from ._version import __version__ as __version__
+from .seams import Seams
 
 __all__ = [
     "Config",
@@ -43,6 +44,7 @@ __all__ = [
     "ProfilingLimits",
     "RegionProfile",
     "Scope",
+    "Seams",
     "Stats",
     "checkpoint",
     "engine",

@@ -19,12 +19,15 @@ from ._budget import DEFAULT_RESERVE_MB
 from ._cost import MB
 from ._plan.policy import get_policy, policy_names
 
-__all__ = ["Config", "devices_here", "parse_device"]
+__all__ = ["DEFAULT_MIN_OFFLOAD_MB", "Config", "devices_here", "parse_device"]
 
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 * 1024
 """Saved tensors smaller than this stay where they are: below ~64 KiB a copy (CUDA launch,
 event, pool lookup) or a spill file costs more in fixed overhead than the bytes it frees."""
+
+DEFAULT_MIN_OFFLOAD_MB = DEFAULT_MIN_OFFLOAD_BYTES / MB
+"""``DEFAULT_MIN_OFFLOAD_BYTES`` in MiB (0.0625), the unit of every size ``offload.engine`` takes."""
 
 DEFAULT_SPILL_WORKERS = 2
 """Threads writing and reading spill files. Two keep one write and one read in flight at once
@@ -236,7 +239,8 @@ class Config:
         spill_dir: Union[str, os.PathLike, None] = None,
         host_budget_mb: Optional[float] = None,
         min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-        device: Union[str, torch.device, None] = None,
+        min_offload_mb: Optional[float] = None,
+        device: Union[str, int, torch.device, None] = None,
         prefetch: bool = True,
         spill_workers: int = DEFAULT_SPILL_WORKERS,
         policy: Optional[str] = None,
@@ -244,7 +248,8 @@ class Config:
         has_regions: bool = False,
     ) -> "Config":
         """Validate what a user passed to ``offload.engine``; ``policy`` None: "auto" with regions,
-        else "offload"."""
+        else "offload". ``min_offload_mb``, where given, sets the threshold in MiB (the engine's
+        unit) and replaces ``min_offload_bytes`` (kept for offload's own callers)."""
         if policy is None:
             policy = "auto" if has_regions else "offload"
         budget, reserve = _check_budget(budget_mb, reserve_mb)
@@ -253,6 +258,9 @@ class Config:
             host_budget_mb,
             "use None for no cap (available RAM less a reserve) or 0 to send everything past the device to disk",
         )
+        if min_offload_mb is not None:
+            mb = _check_mb("min_offload_mb", min_offload_mb, "use 0 to manage every save, whatever its size")
+            min_offload_bytes = round(mb * MB) if mb is not None else min_offload_bytes
         if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes must be an int >= 0 (bytes), got {min_offload_bytes!r}")
         if isinstance(spill_workers, bool) or not isinstance(spill_workers, int) or spill_workers < 1:

@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import os
 import threading
 import warnings
 from typing import Any, Callable, Optional, TypeVar, Union, cast
@@ -27,7 +28,7 @@ import torch
 
 from ._attach import attach
 from ._budget import FreeMemory
-from ._config import Config
+from ._config import DEFAULT_MIN_OFFLOAD_MB, DEFAULT_SPILL_WORKERS, Config
 from ._cost import MB, MachineProfile
 from ._errors import OffloadError
 from ._memory.host import Host
@@ -39,8 +40,10 @@ from ._observe import Observers
 from ._plan.cache import PlanCache
 from ._plan.planner import Decision, Plan
 from ._plan.policy import get_policy
+from ._predict.machines import Machine
 from ._regions.regions import AUTO, NoRegions, Regions, RegionsArg, refuse_foreign, resolve_regions
 from ._stats import Gauges, Stats
+from .seams import Seams
 
 __all__ = ["Engine", "check_keywords", "engine", "engine_keywords", "explain"]
 
@@ -52,7 +55,7 @@ class _StepSaves:
     managed: int
     """Tensors the engine took."""
     small: int
-    """Tensors passed through only for being under ``min_offload_bytes``."""
+    """Tensors passed through only for being under ``min_offload_mb``."""
 
     def all_small(self) -> bool:
         return self.managed == 0 and self.small > 0
@@ -67,14 +70,15 @@ class Engine:
 
     Use it as a context manager around the forward pass, or as a decorator on a function or a
     module's ``forward``. One engine serves many steps; backward may run after the ``with`` ends.
-    Build it with :func:`offload.engine`.
+    Build it with :func:`offload.engine`, the one constructor (it validates every setting);
+    ``Engine`` is public as the type, and building one from a ``Config`` directly is deprecated.
 
     Examples:
         At budget 0 every save leaves the device as it is made, and comes back for backward:
 
         >>> import torch, offload
         >>> model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
-        >>> eng = offload.engine(budget_mb=0, min_offload_bytes=0)
+        >>> eng = offload.engine(budget_mb=0, min_offload_mb=0)
         >>> with eng:
         ...     loss = model(torch.randn(64, 256)).sum()
         >>> loss.backward()
@@ -93,8 +97,20 @@ class Engine:
         memory: Optional[FreeMemory] = None,
         shared_inputs: Optional[Sharding] = None,
         host: Optional[Host] = None,
+        *,
+        _datasheet: str = "",
+        _checked: bool = False,
     ) -> None:
+        if not _checked:
+            warnings.warn(
+                "offload.Engine(config, ...) is deprecated and goes in the next release: build an engine with "
+                "offload.engine(...), which validates every setting (Engine stays public as the type)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.config = config
+        self._datasheet = _datasheet
+        """Where a named machine's figures come from (``offload.engine(machine=offload.machine(...))``), or ""."""
         self._shared_inputs = shared_inputs
         self._machine = machine
         self._machine_given = machine is not None  # the user's figures: never replaced by the trials' bounds
@@ -113,7 +129,7 @@ class Engine:
         self._regions_to_find = regions == AUTO and model is None  # found in the first model watched
         self._step_start = _StepSaves(0, 0)  # the counts when the latest step began
         self._last_step = _StepSaves(0, 0)
-        """What the latest finished step saved (its tensors managed, and those under min_offload_bytes)."""
+        """What the latest finished step saved (its tensors managed, and those under min_offload_mb)."""
         self._warned_all_small = False
         self._entering = threading.Lock()  # an engine with regions checks and enters under it
         self._region_calls_at_start = 0  # the regions' calls when the latest step began
@@ -131,13 +147,23 @@ class Engine:
                 machine_given=machine is not None,
             )
         if model is not None:
-            self.watch(model)
+            self._watch(model)
 
     # ------------------------------------------------------------------ user API
 
     def watch(self, module: torch.nn.Module) -> "Engine":
-        """Treat ``module``'s parameters and buffers as never movable (they are kept anyway). With
-        ``regions="auto"`` and no ``model=``, the first module watched is searched for its blocks."""
+        """Deprecated: name the model once, as ``offload.engine(..., model=model)`` (or decorate it).
+        Treats ``module``'s parameters and buffers as never movable; with ``regions="auto"`` and no
+        ``model=``, the first module watched is searched for its blocks."""
+        warnings.warn(
+            "Engine.watch(model) is deprecated and goes in the next release: name the model once, as "
+            "offload.engine(..., model=model) (a decorated module is named by the decoration)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._watch(module)
+
+    def _watch(self, module: torch.nn.Module) -> "Engine":
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"watch() takes an nn.Module, got {type(module).__name__}")
         self._models.append(module)
@@ -158,8 +184,8 @@ class Engine:
             raise OffloadError("this offload engine was closed; make a new one with offload.engine(...)")
         if self._regions_to_find:
             raise ValueError(
-                "regions='auto' needs the model to search: pass model= to offload.engine(), call "
-                "engine.watch(model), or decorate the model itself (engine(model))"
+                "regions='auto' needs the model to search: pass model= to offload.engine(), "
+                "or decorate the model itself (engine(model))"
             )
         self._session.eligible.skip_modules(self._models)  # storages can change between steps (to(), load_state_dict)
         self._regions.rewrap_compiled()  # a block.compile() since the last step
@@ -210,9 +236,10 @@ class Engine:
 
     def _all_small_note(self) -> str:
         return (
-            f"the latest step saved {self._last_step.small} tensor(s), every one under min_offload_bytes="
-            f"{self.config.min_offload_bytes} bytes, so the engine managed none of them (they stayed on the "
-            f"device); to manage them pass a smaller min_offload_bytes, e.g. offload.engine(..., min_offload_bytes=0)"
+            f"the latest step saved {self._last_step.small} tensor(s), every one under min_offload_mb="
+            f"{self.config.min_offload_bytes / MB:g} MiB ({self.config.min_offload_bytes} bytes), so the engine "
+            f"managed none of them (they stayed on the device); to manage them pass a smaller min_offload_mb, e.g. "
+            f"offload.engine(..., min_offload_mb=0)"
         )
 
     def __call__(self, fn: _Decorated) -> _Decorated:
@@ -229,7 +256,7 @@ class Engine:
         if isinstance(fn, torch.nn.Module):
             module = fn
             refuse_foreign(self._regions.regions, module)  # none: nothing to refuse
-            self.watch(module)
+            self._watch(module)
             attach(module, "forward", self(module.forward))  # See Note: [a copy carries no engine]
             attach(module, "offload_engine", self)
             return module
@@ -346,19 +373,26 @@ class Engine:
         return self._machine
 
 
+_SEAM_KEYWORDS = ("link", "host", "memory")
+"""The engine's old seam keywords, deprecated: each fills the same field of ``offload.Seams``."""
+
+_DEPRECATED_KEYWORDS = (*_SEAM_KEYWORDS, "min_offload_bytes", "shared_inputs")
+"""Keywords ``offload.engine`` still takes for one release, each with a ``DeprecationWarning``
+naming its replacement; not in the signature, so ``help()``, IDEs and mypy show only the one way."""
+
+
 def engine_keywords() -> tuple[str, ...]:
-    """Every keyword ``offload.engine()`` takes, read from its signature and ``Config.from_user``'s
-    (its ``**options``), so a keyword added to either is listed without editing a list."""
-    own = [p.name for p in inspect.signature(engine).parameters.values() if p.kind is not p.VAR_KEYWORD]
-    options = [name for name in inspect.signature(Config.from_user).parameters if name not in ("has_regions", *own)]
-    return (*own, *options)
+    """Every keyword ``offload.engine()`` takes, read from its signature (deprecated ones left out),
+    so a keyword added there is listed without editing a list."""
+    return tuple(p.name for p in inspect.signature(engine).parameters.values() if p.kind is not p.VAR_KEYWORD)
 
 
 def check_keywords(given: Any, *, where: str = "offload.engine()", extra: tuple[str, ...] = ()) -> None:
     """Raise ``TypeError`` for a keyword in ``given`` that ``where`` does not take: the error names it,
-    the closest valid keyword and every valid one (the engine's, plus ``extra`` of the caller's own)."""
+    the closest valid keyword and every valid one (the engine's, plus ``extra`` of the caller's own).
+    A deprecated keyword is taken (``offload.engine`` warns about it itself)."""
     valid = (*engine_keywords(), *extra)
-    unknown = [name for name in given if name not in valid]
+    unknown = [name for name in given if name not in valid and name not in _DEPRECATED_KEYWORDS]
     if not unknown:
         return
     hints = []
@@ -368,69 +402,222 @@ def check_keywords(given: Any, *, where: str = "offload.engine()", extra: tuple[
     raise TypeError(f"{where} got unknown keyword(s) {', '.join(hints)}; valid keywords: {', '.join(valid)}")
 
 
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"offload.engine({old}=...) is deprecated and goes in the next release; {new}",
+        DeprecationWarning,
+        stacklevel=4,  # the user's call: _deprecated <- _take_old_keywords <- the wrapper <- the caller
+    )
+
+
+def _take_old_keywords(kwargs: dict) -> Any:
+    """Move the deprecated keywords in ``kwargs`` to their replacements, warning for each; return the
+    deprecated ``shared_inputs`` (None where not given), which has no keyword of its own any more."""
+    old_seams = {name: kwargs.pop(name) for name in _SEAM_KEYWORDS if name in kwargs}
+    if old_seams:
+        named = ", ".join(f"{name}=..." for name in old_seams)
+        _deprecated(named.removesuffix("=..."), f"pass seams=offload.Seams({named}) (a test's stand-ins, in one place)")
+        seams = kwargs.get("seams")
+        if seams is not None:
+            if not isinstance(seams, Seams):
+                raise TypeError(f"seams must be an offload.Seams, got {type(seams).__name__}")
+            twice = [name for name in old_seams if getattr(seams, name) is not None]
+            if twice:
+                raise ValueError(
+                    f"offload.engine() got {', '.join(twice)} both as a keyword and in seams=; pass each seam once, "
+                    f"in seams=offload.Seams(...)"
+                )
+            kwargs["seams"] = dataclasses.replace(seams, **old_seams)
+        else:
+            kwargs["seams"] = Seams(**old_seams)
+    if "min_offload_bytes" in kwargs:
+        nbytes = kwargs.pop("min_offload_bytes")
+        if "min_offload_mb" in kwargs:
+            raise ValueError(
+                "offload.engine() got both min_offload_bytes= and min_offload_mb=; pass min_offload_mb only (MiB)"
+            )
+        _deprecated("min_offload_bytes", "pass min_offload_mb= in MiB, the budget's unit (65536 bytes = 0.0625)")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(
+                f"min_offload_bytes must be an int >= 0 (bytes), got {nbytes!r}; better, pass min_offload_mb="
+            )
+        kwargs["min_offload_mb"] = nbytes / MB  # exact: a division by a power of two
+    shared_inputs = kwargs.pop("shared_inputs", None)
+    if shared_inputs is not None:
+        _deprecated(
+            "shared_inputs",
+            "declare rank-identical saves one way, with `with offload.sharded(group):` around the regions' calls "
+            "(under policy='recompute' a region saves only its inputs, so that declares exactly them)",
+        )
+    return shared_inputs
+
+
+_Build = TypeVar("_Build", bound=Callable[..., "Engine"])
+
+
+def _keywords_checked(public: _Build) -> _Build:
+    """``offload.engine`` as written (its signature is what ``help()``, IDEs and mypy read), behind
+    a wrapper that turns a misspelt keyword into a did-you-mean ``TypeError`` and takes the
+    deprecated ones with a warning. A wrapper, not a ``**unknown`` catch in the signature: mypy
+    then flags a misspelt or deprecated keyword before the code runs."""
+
+    @functools.wraps(public)
+    def checked(*args: Any, **kwargs: Any) -> Engine:
+        shared_inputs = _take_old_keywords(kwargs)
+        check_keywords(kwargs)
+        if shared_inputs is None:
+            return public(*args, **kwargs)
+        bound = inspect.signature(public).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return _engine(*bound.args, **bound.kwargs, shared_inputs=shared_inputs)
+
+    return cast(_Build, checked)
+
+
+@_keywords_checked
 def engine(
     budget_mb: Union[float, str, None] = None,
     *,
     model: Optional[torch.nn.Module] = None,
     regions: Optional[RegionsArg] = None,
-    machine: Optional[MachineProfile] = None,
-    link: Optional[Link] = None,
-    memory: Optional[FreeMemory] = None,
-    shared_inputs: Any = None,
-    host: Optional[Host] = None,
-    **options: Any,
+    policy: Optional[str] = None,
+    reserve_mb: Optional[float] = None,
+    host_budget_mb: Optional[float] = None,
+    min_offload_mb: float = DEFAULT_MIN_OFFLOAD_MB,
+    device: Union[str, int, torch.device, None] = None,
+    prefetch: bool = True,
+    spill_dir: Union[str, os.PathLike, None] = None,
+    spill_workers: int = DEFAULT_SPILL_WORKERS,
+    plan_cache: Union[str, os.PathLike, None] = None,
+    machine: Union[Machine, MachineProfile, None] = None,
+    seams: Optional[Seams] = None,
 ) -> Engine:
-    """Make an engine that keeps at most ``budget_mb`` MB of saved activations on the device.
+    """Make an engine that keeps at most ``budget_mb`` MiB of saved activations on the device.
+
+    Every size is in MiB (2**20 bytes). Misspelt keywords raise ``TypeError`` naming the closest one.
 
     Args:
-        budget_mb: MB (2**20 bytes) of engine-managed activations allowed on the compute device,
-            copies in flight included. None: no limit (the engine only counts). 0: move everything
-            eligible off the device. "auto": follow free memory, keeping ``reserve_mb`` free on the
-            device (default ``offload._budget.DEFAULT_RESERVE_MB``); tensors move only when free
-            memory falls below it (see ``offload._budget``).
-        model: a module whose parameters and buffers are never moved (they are detected without
-            it too, except buffers: pass the model when it has large buffers).
+        budget_mb: MiB of engine-managed activations allowed on the compute device, copies in
+            flight included. None: no limit (the engine only counts). 0: move everything eligible
+            off the device. "auto": follow free memory, keeping ``reserve_mb`` free on the device;
+            tensors move only when free memory falls below it (see ``offload._budget``).
+        model: the model the engine serves: its parameters and buffers are never moved, and
+            ``regions="auto"`` searches it for its blocks. The one way to name it (a decorated
+            module is named by being decorated).
         regions: the units the policy decides on: ``"auto"`` (the model's repeated blocks: the
             block classes a Hugging Face model names, else the heaviest module type in containers;
             see ``offload._regions.blocks``), an iterable of modules (``model.blocks``), or a filter
             ``(module, qualified_name) -> bool``. "auto" and a filter search ``model=`` (or the
             module the engine decorates).
-        machine: a ``MachineProfile`` to plan with instead of measuring this machine with
-            ``offload.probe()`` (measured once, then cached on disk).
-        link: the transport between the device and host memory (an ``offload.seams.Link``).
-            None: CUDA side streams on a CUDA device; on the CPU none, and tensors go to disk.
-            A test passes its own to run the host tier on the CPU.
-        memory: with ``budget_mb="auto"``, how free memory is read: a callable returning the
-            free bytes of the compute device, or an ``offload.seams.FreeMemory`` with its own
-            re-read rule. None: the device's own reading (CUDA allocator and driver, psutil).
-        shared_inputs: a ``torch.distributed`` process group whose ranks all run these regions
-            on the same inputs (tensor parallelism without sequence parallelism), with
-            ``policy="recompute"``: the regions' inputs keep 1/N of their bytes per rank and are
-            all-gathered in backward (``offload.sharded`` declares any other saves; see ``offload._memory.sharded``).
-        host: what the engine asks of the machine outside the device (an ``offload.seams.Host``):
-            host memory for the host tier and the spill file's filesystem calls and I/O threads.
-            None: this machine (or the host ``link`` carries, an emulator's). A test passes a
-            subclass to fill the disk or refuse pinning; it replaces the link's.
-        **options: the engine's settings, each documented on ``offload.Config`` (``Engine.config``):
-            ``reserve_mb`` (with ``budget_mb="auto"``: MB to keep free on the device),
-            ``spill_dir`` (where the spill file goes; None: a private temporary directory),
-            ``host_budget_mb`` (cap on host memory below a CUDA device; beyond it tensors spill
-            to disk), ``min_offload_bytes`` (smaller storages stay), ``device`` ('cpu', 'cuda',
-            'cuda:1'; None: that of the first tensor saved), ``prefetch`` (default True),
-            ``spill_workers`` (I/O threads), ``policy`` (one of ``offload.policies()``: "none",
-            "offload" (the default without regions), "recompute", "selective", "auto" (the default
-            with regions); "recompute", "selective" and "auto" need ``regions=``),
-            ``plan_cache`` (with regions: a JSON file keeping final plans across restarts, so a
-            restarted job does not profile again; see ``offload._plan.cache``).
+        policy: how regions meet the budget, one of ``offload.policies()``: "none" (keep, only
+            count), "offload" (move tensors; the default without regions), "recompute" (re-run
+            every region in backward), "selective" (re-run cheap ops, keep or move matmul and
+            attention outputs), "auto" (measure, then choose per region; the default with
+            regions), or a name given to ``offload.register_policy``. All but "none" and "offload"
+            need ``regions=``.
+        reserve_mb: with ``budget_mb="auto"`` only: MiB to keep free on the device (default
+            ``offload._budget.DEFAULT_RESERVE_MB``). More moves more and leaves more room to the
+            rest of the step; 0 moves nothing the device can hold.
+        host_budget_mb: MiB of pinned host memory the engine may hold below a CUDA device; beyond
+            it tensors spill to disk. None: available RAM less a reserve, so the host never swaps.
+        min_offload_mb: saved storages smaller than this many MiB stay where they are: a copy's
+            fixed cost (launch, event, bookkeeping) outweighs what it frees. Default 0.0625
+            (64 KiB); 0 manages every save.
+        device: the compute device whose tensors the engine manages ('cpu', 'cuda', 'cuda:1').
+            None: the device of the first tensor saved. Tensors on other devices pass through.
+        prefetch: bring moved tensors back ahead of use in backward, within the budget. False:
+            reload each only when backward asks for it (slower; for debugging).
+        spill_dir: where the spill file is made (unlinked once open, so nothing stays on disk).
+            None: a private temporary directory.
+        spill_workers: threads doing the spill file's writes and reads (default 2: one write and
+            one read in flight without taking the compute's cores on a small machine).
+        plan_cache: with regions: a JSON file keeping final plans across restarts, so a restarted
+            job does not profile again (see ``offload._plan.cache``). None: plans live with the engine.
+        machine: the machine plans are priced on instead of measuring this one with
+            ``offload.probe()``: a named GPU (``offload.machine("h100-sxm")``: its datasheet
+            figures, as ``explain`` says) or a ``MachineProfile`` (``offload.probe()``'s, measured).
+        seams: stand-ins for where the engine meets the machine (an ``offload.Seams`` of a link,
+            a host, a free-memory reading): for tests, simulations and benchmarks; see
+            ``offload.seams``. None: this machine's own.
+
+    The old keywords ``link=``, ``host=``, ``memory=`` (now ``seams=``), ``min_offload_bytes=``
+    (now ``min_offload_mb=``) and ``shared_inputs=`` (now ``offload.sharded(group)``) still work for
+    one release, each with a ``DeprecationWarning``.
     """
-    check_keywords(options)
-    config = Config.from_user(budget_mb, has_regions=regions is not None, **options)
-    if machine is not None and not isinstance(machine, MachineProfile):
-        raise TypeError(f"machine must be an offload MachineProfile (from offload.probe()), got {machine!r}")
-    memory = FreeMemory.from_user(memory)
+    return _engine(
+        budget_mb,
+        model=model,
+        regions=regions,
+        policy=policy,
+        reserve_mb=reserve_mb,
+        host_budget_mb=host_budget_mb,
+        min_offload_mb=min_offload_mb,
+        device=device,
+        prefetch=prefetch,
+        spill_dir=spill_dir,
+        spill_workers=spill_workers,
+        plan_cache=plan_cache,
+        machine=machine,
+        seams=seams,
+    )
+
+
+def _machine_profile_of(machine: object) -> tuple[Optional[MachineProfile], str]:
+    """(what the planner reads, where its figures come from) for ``machine=``; a ``TypeError`` names
+    the type given, never its repr (a profile's runs to a screenful)."""
+    if machine is None:
+        return None, ""
+    if isinstance(machine, Machine):
+        return machine.machine_profile(), f"{machine.name}: {machine.source}"
+    if isinstance(machine, MachineProfile):
+        return machine, ""
+    raise TypeError(
+        f"machine must be a named machine (offload.machine(name), one of offload.machines()) or a measured "
+        f"offload.MachineProfile (offload.probe()), got {type(machine).__name__}"
+    )
+
+
+def _engine(
+    budget_mb: Union[float, str, None],
+    *,
+    model: Optional[torch.nn.Module],
+    regions: Optional[RegionsArg],
+    policy: Optional[str],
+    reserve_mb: Optional[float],
+    host_budget_mb: Optional[float],
+    min_offload_mb: float,
+    device: Union[str, int, torch.device, None],
+    prefetch: bool,
+    spill_dir: Union[str, os.PathLike, None],
+    spill_workers: int,
+    plan_cache: Union[str, os.PathLike, None],
+    machine: Union[Machine, MachineProfile, None],
+    seams: Optional[Seams],
+    shared_inputs: Any = None,
+) -> Engine:
+    """``offload.engine``'s work: validate every setting, then build the ``Engine``."""
+    config = Config.from_user(
+        budget_mb,
+        has_regions=regions is not None,
+        policy=policy,
+        reserve_mb=reserve_mb,
+        host_budget_mb=host_budget_mb,
+        min_offload_mb=min_offload_mb,
+        device=device,
+        prefetch=prefetch,
+        spill_dir=spill_dir,
+        spill_workers=spill_workers,
+        plan_cache=plan_cache,
+    )
+    profile, datasheet = _machine_profile_of(machine)
+    if seams is None:
+        seams = Seams()
+    elif not isinstance(seams, Seams):
+        raise TypeError(f"seams must be an offload.Seams, got {type(seams).__name__}")
+    memory = FreeMemory.from_user(seams.memory)
     if memory is not None and not config.follows_free_memory:
         raise ValueError(
-            f"memory= reads free memory for budget_mb='auto', but budget_mb={budget_mb!r}; "
+            f"Seams(memory=...) reads free memory for budget_mb='auto', but budget_mb={budget_mb!r}; "
             f"pass budget_mb='auto' or drop memory="
         )
     sharding = None
@@ -452,17 +639,17 @@ def engine(
                 "pass torch.distributed.group.WORLD for every rank"
             )
         sharding = sharding_for(shared_inputs, what="offload.engine(shared_inputs=...)")
-    if host is not None and not isinstance(host, Host):
-        raise TypeError(f"host must be an offload.seams.Host (or a subclass), got {host!r}")
     return Engine(
         config,
         model=model,
         regions=regions,
-        machine=machine,
-        link=link,
+        machine=profile,
+        link=seams.link,
         memory=memory,
         shared_inputs=sharding,
-        host=host,
+        host=seams.host,
+        _datasheet=datasheet,
+        _checked=True,
     )
 
 
@@ -534,6 +721,14 @@ def _no_plan_note(eng: Engine) -> str:
     )
 
 
+def _datasheet_note(source: str) -> str:
+    """What ``explain`` says of a named machine's figures: datasheet, not measured here."""
+    return (
+        f"planned on a named machine's datasheet figures, not measured on this one ({source}); "
+        "drop machine= to measure this machine (offload.probe())"
+    )
+
+
 def _held_note(stats: Stats) -> str:
     """What re-run regions held beside the store, measured ("" where none ran)."""
     if stats.peak_region_bytes == 0:
@@ -568,6 +763,8 @@ def explain(what: Union[Engine, Plan, None]) -> str:
         text = (
             f"{text}{found}\ntransfers priced at: {what._regions.link_note()}\nstep times: {what._regions.pace_note()}"
         )
+        if what._datasheet:
+            text = f"{text}\nmachine: {_datasheet_note(what._datasheet)}"
         held = _held_note(what.stats)
         if held:
             text = f"{text}\n{held}"

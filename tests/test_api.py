@@ -132,7 +132,7 @@ def test_missing_spill_dir_is_created_private(tmp_path):
     """Made by the first spill (not by checking the settings), private, and gone with close():
     tests/test_spill_security.py::test_a_missing_spill_dir_is_made_when_needed_and_removed_at_close."""
     path = tmp_path / "new" / "spill"
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=path)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=path)
     run_step(mlp(), x_input, eng)
     assert path.is_dir()
     assert stat.S_IMODE(path.stat().st_mode) == 0o700 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
@@ -146,7 +146,7 @@ def test_missing_spill_dir_is_created_private(tmp_path):
 def test_context_manager_and_backward_outside(spill_dir):
     model = mlp()
     ref = run_step(copy.deepcopy(model), x_input)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     got = run_step(model, x_input, eng)  # forward in `with eng`, backward after it
     assert_same(ref, got)
     assert eng.stats.offloaded_bytes > 0
@@ -156,7 +156,7 @@ def test_context_manager_and_backward_outside(spill_dir):
 def test_decorated_function(spill_dir):
     model = mlp()
     ref = run_step(copy.deepcopy(model), x_input, loss_fn=torch.sum)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
 
     @eng
     def forward(x):
@@ -185,7 +185,7 @@ class _Call(nn.Module):
 def test_decorated_module(spill_dir):
     model = mlp()
     ref = run_step(copy.deepcopy(model), x_input, loss_fn=torch.sum)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     assert eng(model) is model
     got = run_step(model, x_input, loss_fn=torch.sum)  # no `with`: the module's forward enters it
     assert_same(ref, got)
@@ -196,7 +196,7 @@ def test_decorated_module(spill_dir):
 
 
 def test_decorated_forward_method(spill_dir):
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
 
     class Net(nn.Module):
         def __init__(self):
@@ -227,7 +227,7 @@ def test_the_decorator_form_gives_the_engine_back(spill_dir):
     wrapped function) carry it as ``offload_engine``, to read its stats and close it."""
     model = mlp()
     ref = run_step(copy.deepcopy(model), x_input, loss_fn=torch.sum)
-    model = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)(model)
+    model = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)(model)
     eng = model.offload_engine
     assert isinstance(eng, offload.Engine)
     assert model.forward.offload_engine is eng
@@ -264,7 +264,7 @@ def test_engine_nests_and_reenters(spill_dir):
     """The same engine entered twice (nested) and then again: the hooks come off exactly once each."""
     model = mlp()
     ref = run_step(copy.deepcopy(model), x_input)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     with eng:
         got = run_step(model, x_input, eng)
     assert_same(ref, got)
@@ -279,7 +279,7 @@ def test_engine_nests_and_reenters(spill_dir):
 
 def test_stats_snapshot_to_dict_and_reset(spill_dir):
     model = mlp()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     run_step(model, x_input, eng)
     stats = eng.stats
     assert isinstance(stats, offload.Stats)
@@ -301,7 +301,7 @@ def test_stats_snapshot_to_dict_and_reset(spill_dir):
 
 
 def test_reset_stats_keeps_current_gauges(spill_dir):
-    eng = offload.engine(None, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(None, min_offload_mb=0, spill_dir=spill_dir)
     w = torch.randn(64, 64, requires_grad=True)
     with eng:
         y = torch.tanh(w * 2)  # tanh's output stays saved while y's graph lives
@@ -329,7 +329,7 @@ def test_close_removes_the_spill_file(spill_dir):
     """Changed with the nameless spill file (issue 47, item 4): nothing is in spill_dir while the
     engine spills; close() closes the file, which the disk then frees."""
     model = mlp()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     with eng:
         loss = model(torch.randn(16, 64)).sum()
     assert spill_files(spill_dir), "budget 0: the activations are in the spill file now"
@@ -345,7 +345,7 @@ def test_close_removes_the_spill_file(spill_dir):
 
 
 def test_engine_collected_removes_the_spill_file(spill_dir):
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     with eng:
         loss = mlp()(torch.randn(16, 64)).sum()
     assert spill_files(spill_dir) and files_under(spill_dir) == []
@@ -376,7 +376,7 @@ def test_import_does_not_initialize_cuda():
 def test_making_and_using_a_cpu_engine_does_not_initialize_cuda():
     code = (
         "import offload, torch\n"
-        "eng = offload.engine(0, min_offload_bytes=0)\n"
+        "eng = offload.engine(0, min_offload_mb=0)\n"
         "w = torch.randn(64, 64, requires_grad=True)\n"
         "with eng:\n"
         "    loss = torch.tanh(w * 2).sum()\n"
@@ -399,18 +399,15 @@ def test_unknown_keyword_lists_every_valid_one_and_the_closest():
         offload.engine(budget_mb=1, regoins="auto")
     message = str(info.value)
     assert "'regoins' (did you mean 'regions'?)" in message
-    expected = [n for n in inspect.signature(offload.engine).parameters if n != "options"]
-    expected += [
-        n for n in inspect.signature(offload.Config.from_user).parameters if n not in ("has_regions", "budget_mb")
-    ]
-    assert {"budget_mb", "model", "regions", "machine", "link", "memory", "policy", "reserve_mb"} <= set(expected)
+    expected = list(inspect.signature(offload.engine).parameters)
+    assert {"budget_mb", "model", "regions", "machine", "seams", "policy", "reserve_mb"} <= set(expected)
     listed = message.split("valid keywords: ", 1)[1].split(", ")
     assert sorted(listed) == sorted(expected)
 
 
 def test_unknown_keyword_to_the_decorator_form_names_the_closest():
-    with pytest.raises(TypeError, match=r"'min_offload_byte' \(did you mean 'min_offload_bytes'\?\)"):
-        offload.engine(budget_mb=1, min_offload_byte=0)(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"'min_offload_m' \(did you mean 'min_offload_mb'\?\)"):
+        offload.engine(budget_mb=1, min_offload_m=0)(torch.nn.Linear(2, 2))
 
 
 def test_unknown_keyword_far_from_any_names_none():
@@ -447,18 +444,20 @@ def test_an_unsupported_device_type_names_what_is_here():
 
 
 def test_a_step_whose_saves_are_all_small_says_so_once(spill_dir):
-    """Every save under min_offload_bytes (64 KiB by default): the engine manages nothing; a
+    """Every save under min_offload_mb (64 KiB by default): the engine manages nothing; a
     warning names the option once per engine, and explain() says so while it holds."""
     import warnings
 
     model = mlp(width=16)
     ref = run_step(copy.deepcopy(model), lambda: torch.randn(4, 16))
     eng = offload.engine(0, spill_dir=spill_dir)
-    with pytest.warns(UserWarning, match=r"every one under min_offload_bytes=65536 bytes.*min_offload_bytes=0"):
+    with pytest.warns(
+        UserWarning, match=r"every one under min_offload_mb=0.0625 MiB \(65536 bytes\).*min_offload_mb=0"
+    ):
         got = run_step(model, lambda: torch.randn(4, 16), eng)
     assert_same(ref, got)
     assert eng.stats.saved_tensors == 0
-    assert "under min_offload_bytes=65536" in offload.explain(eng)
+    assert "under min_offload_mb=0.0625 MiB" in offload.explain(eng)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run_step(model, lambda: torch.randn(4, 16), eng)  # once per engine: no second warning
@@ -468,19 +467,19 @@ def test_a_step_whose_saves_are_all_small_says_so_once(spill_dir):
 def test_a_step_with_managed_saves_does_not_warn(spill_dir):
     import warnings
 
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run_step(mlp(width=16), lambda: torch.randn(4, 16), eng)
     assert eng.stats.saved_tensors > 0
-    assert "min_offload_bytes" not in offload.explain(eng)
+    assert "min_offload_mb" not in offload.explain(eng)
     eng.close()
 
 
 def test_explain_without_regions_says_what_the_engine_does(spill_dir):
     """Not "no plan yet" for ever: an engine without regions decides per saved tensor, and says so
     with its figures so far."""
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     run_step(mlp(), x_input, eng)
     text = offload.explain(eng)
     assert "no regions=" in text and "no plan yet" not in text

@@ -63,8 +63,8 @@ def test_the_host_tier_leaves_a_tenth_of_ram_and_at_least_2_gib_free():
 
 
 def test_a_host_that_is_not_one_is_refused():
-    with pytest.raises(TypeError, match=r"host must be an offload.seams.Host.*got '/tmp'"):
-        offload.engine(0, host="/tmp")
+    with pytest.raises(TypeError, match=r"host=...\) must be an offload.seams.Host.*got str$"):
+        offload.engine(0, seams=offload.Seams(host="/tmp"))
 
 
 def test_every_seam_is_importable_from_the_public_module():
@@ -78,7 +78,7 @@ def test_a_stand_in_host_sees_every_spill_write_and_read(spill_dir):
     host = StandInHost()
     model = _model()
     ref = run_step(model, _input)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=host)
     assert_same(ref, run_step(model, _input, eng), "through a stand-in host")
     stats = wait_clean(eng, spill_dir)
     assert host.landed() == host.writes > 0 and len(host.created) == 1, "one spill file (O_DIRECT may take two opens)"

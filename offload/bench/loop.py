@@ -275,7 +275,7 @@ def _make_context(
         regions=model.blocks,
         model=model,
         machine=machine,
-        link=link,
+        seams=offload.Seams(link=link),
         **engine_kwargs,
     )
     return (lambda: engine), engine
@@ -300,7 +300,7 @@ def run_one(
     spill = tempfile.TemporaryDirectory(prefix="offload-bench-", dir=run.spill_dir, ignore_cleanup_errors=True)
     engine_kwargs: dict[str, Any] = {"spill_dir": spill.name}
     if run.min_offload_bytes is not None:
-        engine_kwargs["min_offload_bytes"] = run.min_offload_bytes
+        engine_kwargs["min_offload_mb"] = run.min_offload_bytes / MB
     trainer = Trainer(run, variant, data, device)
     memory, hooks = Memory(device, spill.name), trainer.hooks
     machine = offload.probe(device) if variant.policy in PROBED_POLICIES else None  # cached after the first
