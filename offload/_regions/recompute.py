@@ -595,7 +595,49 @@ def synchronize_devices(cuda_devices: list) -> None:
         torch.cuda.synchronize(index)
 
 
-def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: Any) -> Any:
+class _Unpreserved:
+    """``preserve_rng_state=False``: the re-run draws from the generators as backward finds them."""
+
+    def __init__(self, cuda_devices: list) -> None:
+        self.cuda_devices = cuda_devices  # still synchronized around a timed re-run
+
+    def restored(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class _TorchContextFrame(Frame):
+    """A ``checkpoint`` frame run under ``context_fn``'s two contexts: the forward under the first,
+    the re-run under the second (as ``torch.utils.checkpoint`` runs them)."""
+
+    def __init__(self, *frame: Any, contexts: tuple, preserve_rng_state: bool) -> None:
+        super().__init__(*frame)
+        self._contexts = contexts
+        if not preserve_rng_state:
+            self.rng = _Unpreserved(self.rng.cuda_devices)  # type: ignore[assignment]  # the same two members
+
+    def _forward_mode(self):
+        return self._contexts[0]
+
+    def _rerun_mode(self):
+        return self._contexts[1]
+
+
+def _refuse(keyword: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"offload.checkpoint(..., {keyword}={value!r}) is not supported: {why}")
+
+
+def checkpoint(
+    fn: Callable,
+    *args: Any,
+    name: Optional[str] = None,
+    use_reentrant: Optional[bool] = None,
+    context_fn: Optional[Callable[[], tuple]] = None,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
+    **kwargs: Any,
+) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; re-run it in backward for the rest.
 
     Same results as ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``, with the
@@ -615,6 +657,16 @@ def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: A
             re-run, or backward raises ``OffloadError`` naming the region.
         name: the region's name in error messages and traces (default: ``fn``'s name).
 
+    torch's keywords, where their meaning carries over (a call swapped from
+    ``torch.utils.checkpoint.checkpoint`` runs the same): ``use_reentrant=False`` (or left out:
+    this is the non-reentrant kind), ``preserve_rng_state`` (False: the re-run draws from the
+    generators as backward finds them), ``context_fn`` (a forward and a re-run context, e.g.
+    ``torch.utils.checkpoint.create_selective_checkpoint_contexts``), ``determinism_check="default"``
+    (the re-run's saves are always checked), ``debug=False`` and ``early_stop=True`` (the re-run
+    always stops once backward's saves exist). The rest (``use_reentrant=True``,
+    ``determinism_check="none"``, ``debug=True``, ``early_stop=False``) raise ``ValueError``
+    saying why. Other keywords go to ``fn``, as torch's do.
+
     Where ``fn`` is a module or a module's bound method, the re-run leaves the module's buffers and
     plain-number attributes as this call left them (BatchNorm counts one batch, not two), and
     sees them as this call found them; see ``offload._regions.module_state``.
@@ -631,7 +683,40 @@ def checkpoint(fn: Callable, *args: Any, name: Optional[str] = None, **kwargs: A
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable first argument, got {fn!r}")
+    if use_reentrant:
+        raise _refuse(
+            "use_reentrant",
+            use_reentrant,
+            "offload's recompute is the non-reentrant kind (saved-tensor hooks, as torch's use_reentrant=False); "
+            "the reentrant kind re-runs fn inside a backward of its own, with no saved tensors for an engine to "
+            "offload, and no torch.autograd.grad inside fn; pass use_reentrant=False, or leave it out",
+        )
+    if determinism_check != "default":
+        raise _refuse(
+            "determinism_check",
+            determinism_check,
+            "the re-run's saves are always checked against the forward's (count, shape, dtype), since each is "
+            "matched to autograd's slot by its order; pass determinism_check='default', or leave it out",
+        )
+    if debug:
+        raise _refuse(
+            "debug", debug, "there is no op trace to print; a re-run that differs raises an error naming the region"
+        )
+    if not early_stop:
+        raise _refuse(
+            "early_stop",
+            early_stop,
+            "the re-run always stops once every save backward needs exists; move side effects that must run "
+            "twice out of fn, or pass early_stop=True",
+        )
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"preserve_rng_state must be True or False, got {preserve_rng_state!r}")
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     region = name or getattr(fn, "__qualname__", None) or type(fn).__name__
-    return Frame(fn, region, args, kwargs).run()
+    if context_fn is None and preserve_rng_state:
+        return Frame(fn, region, args, kwargs).run()
+    contexts = (contextlib.nullcontext(), contextlib.nullcontext()) if context_fn is None else context_fn()
+    if not (isinstance(contexts, tuple) and len(contexts) == 2):
+        raise TypeError(f"context_fn must return two context managers (forward, re-run), got {contexts!r}")
+    return _TorchContextFrame(fn, region, args, kwargs, contexts=contexts, preserve_rng_state=preserve_rng_state).run()
