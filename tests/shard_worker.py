@@ -22,6 +22,7 @@ import json
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -127,7 +128,7 @@ def extras(width: int) -> dict:
     out: dict = {}
     bad = Stack(width, 1, dist.get_world_size(), dist.get_rank())
     x = torch.randn(BATCH, SEQS[0], width, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    with offload.engine(None, model=bad, min_offload_bytes=0) as eng:
+    with offload.engine(None, model=bad, min_offload_mb=0) as eng:
         try:
             with offload.sharded(world, verify=True):
                 torch.tanh(x * bad.blocks[0].w1.sum(0)[:width])  # differs by rank: each holds other rows of w1
@@ -139,7 +140,7 @@ def extras(width: int) -> dict:
     auto = Stack(width, 2, dist.get_world_size(), dist.get_rank())
     for block in auto.blocks:
         block.declare = lambda: offload.sharded(world)
-    eng = offload.engine(1, regions=auto.blocks, policy="auto", model=auto, min_offload_bytes=0)
+    eng = offload.engine(1, regions=auto.blocks, policy="auto", model=auto, min_offload_mb=0)
     try:
         with eng:
             auto(x.detach())
@@ -149,7 +150,7 @@ def extras(width: int) -> dict:
     eng.close()
 
     m = torch.ones(1, requires_grad=True)
-    eng = offload.engine(None, min_offload_bytes=0)
+    eng = offload.engine(None, min_offload_mb=0)
     with eng, offload.sharded(world):
         mask = m.detach() > 0  # a 1-byte bool storage: smaller than the group
         loss = torch.where(mask, m * 2, m * 3).sum()
@@ -159,7 +160,7 @@ def extras(width: int) -> dict:
 
     y = torch.randn(4, 2 * width, generator=torch.Generator().manual_seed(1), requires_grad=True)
     want = torch.autograd.grad((lambda h: (h[:, :width] * h[:, width:]).sum())(y * 1.5), y)[0]
-    eng = offload.engine(None, min_offload_bytes=0)
+    eng = offload.engine(None, min_offload_mb=0)
     with eng, offload.sharded(world, verify=True):
         h = y * 1.5
         loss = (h[:, :width] * h[:, width:]).sum()  # mul saves both halves: two views of h's storage
@@ -172,7 +173,7 @@ def extras(width: int) -> dict:
     }
     eng.close()
 
-    eng = offload.engine(None, min_offload_bytes=0)
+    eng = offload.engine(None, min_offload_mb=0)
     out["inplace"] = "no error"
     with eng, offload.sharded(world):
         e = y.exp()
@@ -183,7 +184,45 @@ def extras(width: int) -> dict:
     except RuntimeError as error:
         out["inplace"] = str(error)
     eng.close()
+    out["one_way"] = _shared_inputs_two_ways(width, world)
     return out
+
+
+def _shared_inputs_two_ways(width: int, world) -> dict:
+    """The recomputed regions' inputs declared two ways, at budget 0: ``shared_inputs=`` (deprecated)
+    and ``offload.sharded(group)`` around the regions' calls (the one way its warning names)."""
+    results = {}
+    for way in ("shared_inputs", "sharded"):
+        torch.manual_seed(0)
+        model = Stack(width, 2, dist.get_world_size(), dist.get_rank())
+        options: dict = {"regions": model.blocks, "policy": "recompute", "model": model, "min_offload_mb": 0}
+        if way == "shared_inputs":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                eng = offload.engine(0, shared_inputs=world, **options)
+        else:
+            eng = offload.engine(0, **options)
+        x = torch.randn(BATCH, SEQS[0], width, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        with eng:
+            with offload.sharded(world) if way == "sharded" else contextlib.nullcontext():
+                h = x
+                for block in model.blocks:
+                    h = block(h)
+            loss = h.square().mean()
+        loss.backward()
+        stats = eng.stats
+        results[way] = {
+            "grads": [p.grad.clone() for p in model.parameters()] + [x.grad.clone()],
+            "shared_bytes": stats.shared_bytes,
+            "shared_kept_bytes": stats.shared_kept_bytes,
+        }
+        eng.close()
+    old, new = results["shared_inputs"], results["sharded"]
+    return {
+        "exact": all(torch.equal(a, b) for a, b in zip(old.pop("grads"), new.pop("grads"), strict=True)),
+        "shared_inputs": old,
+        "sharded": new,
+    }
 
 
 def main() -> int:

@@ -131,6 +131,18 @@ def test_the_edges_of_a_shared_save(ranks):
         assert "policy='auto'" in res["under_auto"], "a declared save where ranks plan apart is refused on every rank"
 
 
+@pytest.mark.slow  # launches 2 and 4 processes (the `ranks` fixture)
+@needs_gloo
+def test_sharded_around_recomputed_regions_declares_what_shared_inputs_did(ranks):
+    """The one way that ``shared_inputs=``'s deprecation names: ``offload.sharded(group)`` around the
+    regions' calls under ``policy="recompute"`` declares the same bytes, with the same gradients."""
+    for res in ranks:
+        one_way = res["one_way"]
+        assert one_way["exact"], f"rank {res['rank']}: the two ways' gradients differ"
+        assert one_way["sharded"] == one_way["shared_inputs"], one_way
+        assert one_way["sharded"]["shared_bytes"] > 0, "the premise: the regions' inputs are declared"
+
+
 # ---------------------------------------------------------------------------- in this process
 
 
@@ -162,7 +174,7 @@ def test_a_group_of_one_splits_nothing():
     try:
         x = torch.randn(64, 64, requires_grad=True)
         want = torch.autograd.grad(torch.tanh(x * 2).sum(), x)[0]
-        eng = offload.engine(0, min_offload_bytes=0, device="cpu")
+        eng = offload.engine(0, min_offload_mb=0, device="cpu")
         with eng, offload.sharded(verify=True):
             loss = torch.tanh(x * 2).sum()
         got = torch.autograd.grad(loss, x)[0]
