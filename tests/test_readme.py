@@ -1,7 +1,9 @@
 """The README's and the docs pages' Python examples run as written, so the docs cannot drift from
 the code: every block of Python is run by a test or says why not, and names what it uses that it
 does not define. Each page runs in a namespace of its own. The README's table of settings is the
-engine's signature, and the API page names every public name. A page that registers a policy has
+engine's signature, its deprecated table names every keyword the engine takes outside it (read
+from ``offload._engine``, white-box: the signature cannot list them), and the API page names every
+public name. A page that registers a policy has
 it undone after the page by restoring the registry (``offload._plan.policy``), white-box: a
 test's isolation, not the engine's behaviour."""
 
@@ -150,21 +152,25 @@ def _settings_table() -> dict[str, str]:
 
 
 def test_the_settings_table_is_the_engines_signature():
-    """Every keyword ``offload.engine`` takes, no other, each with its default as the code has it."""
+    """Every keyword ``offload.engine`` takes, no other, in order, each with its default as the code has it."""
     import offload
-    from offload import Config
 
-    own = [n for n in inspect.signature(offload.engine).parameters if n != "options"]
-    keywords = own + [n for n in inspect.signature(Config.from_user).parameters if n not in ("has_regions", *own)]
+    parameters = inspect.signature(offload.engine).parameters
     table = _settings_table()
-    assert list(table) == keywords, "the README's settings are not offload.engine's keywords, in order"
-    defaults = {
-        **{n: p.default for n, p in inspect.signature(Config.from_user).parameters.items()},
-        **{n: p.default for n, p in inspect.signature(offload.engine).parameters.items()},
-    }
+    assert list(table) == list(parameters), "the README's settings are not offload.engine's keywords, in order"
     for name, cell in table.items():
-        code = defaults[name]
+        code = parameters[name].default
         assert cell.startswith(f"`{code!r}`"), f"{name}: the README says {cell!r}, the code {code!r}"
+
+
+def test_the_deprecated_table_names_every_deprecated_keyword():
+    """The README's deprecated table has a row for each keyword ``offload.engine`` still takes
+    outside its signature (white-box: ``offload._engine._DEPRECATED_KEYWORDS`` is that list)."""
+    from offload._engine import _DEPRECATED_KEYWORDS
+
+    section = text("README.md").split("## Settings", 1)[1].split("\n## ", 1)[0].split("Deprecated", 1)[1]
+    for name in _DEPRECATED_KEYWORDS:
+        assert f"{name}=" in section, f"the README's deprecated table leaves out {name}="
 
 
 def test_the_api_page_names_every_public_name():
