@@ -82,8 +82,8 @@ log = logging.getLogger(__name__)
 
 PROFILE_STEPS = 2
 """"measure" steps at a family's first shape when no trial follows. The first pays one-time costs
-(allocator growth, lazy initialisation, kernel selection: 10x the steady forward time of the
-first block was seen on the CPU), so its plan is provisional and the second step's replaces it."""
+(allocator growth, lazy initialisation, kernel selection: a multiple of the steady forward
+time), so its plan is provisional and the second step's replaces it."""
 
 MAX_PLANS = 64
 """Plans kept per family (least recently used out): a plan is a few hundred bytes per region, and
