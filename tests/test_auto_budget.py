@@ -265,11 +265,11 @@ def test_stats_report_the_fixed_budget_too():
 
 def test_prometheus_exports_the_budget_in_force(spill_dir):
     prometheus_client = pytest.importorskip("prometheus_client")
-    import offload.metrics
+    import offload.integrations.prometheus
 
     registry = prometheus_client.CollectorRegistry()
     eng = offload.engine("auto", reserve_mb=3, memory=lambda: 10 * MB, spill_dir=spill_dir)
-    exporter = offload.metrics.PrometheusExporter(eng, registry=registry)
+    exporter = offload.integrations.prometheus.PrometheusExporter(eng, registry=registry)
     grads(chain(), eng)
     stats = exporter.update()
     assert registry.get_sample_value("offload_budget_bytes") == stats.budget_bytes > 0
@@ -356,7 +356,7 @@ def test_peak_over_budget_counts_against_the_budget_in_force(spill_dir):
         "auto",
         reserve_mb=1,
         memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0),
-        min_offload_bytes=0,
+        min_offload_mb=0,
         spill_dir=spill_dir,
     )
     x = torch.randn(256, 256, requires_grad=True)
@@ -389,7 +389,7 @@ def test_a_leaving_tensor_backward_uses_as_the_budget_falls_is_not_over_it():
         "auto",
         reserve_mb=1,
         memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0),
-        min_offload_bytes=0,
+        min_offload_mb=0,
         device="cpu",
         link=link,
     )
@@ -426,7 +426,7 @@ def test_loads_read_ahead_go_back_when_the_budget_falls_in_backward():
         "auto",
         reserve_mb=1,
         memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0),  # reads no engine state: the link locks
-        min_offload_bytes=0,
+        min_offload_mb=0,
         device="cpu",
         link=DeferredLink(delay=1),
     )

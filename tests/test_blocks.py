@@ -156,7 +156,7 @@ def test_engine_over_a_resnets_blocks_trains_exactly(policy, spill_dir):
     reference = _train_resnet(copy.deepcopy(base))
     model = copy.deepcopy(base)
     eng = offload.engine(
-        0, regions="auto", model=model, policy=policy, machine=MACHINE, min_offload_bytes=0, spill_dir=spill_dir
+        0, regions="auto", model=model, policy=policy, machine=MACHINE, min_offload_mb=0, spill_dir=spill_dir
     )
     history = _train_resnet(model, eng)
     assert [name for name, _ in eng.regions] == RESNET_BLOCKS

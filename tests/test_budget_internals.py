@@ -139,7 +139,7 @@ def test_tensors_not_moved_yet_go_when_the_budget_falls_in_backward(spill_dir, m
     monkeypatch.setattr(FromFuture, "done", lambda self: id(self.future) in waited and self.future.done())
     monkeypatch.setattr(FromFuture, "wait", lambda self: (waited.add(id(self.future)), real_wait(self))[1])
     device = {"capacity": 3 * MB, "other": 0}
-    config = Config.from_user("auto", reserve_mb=1, device="cpu", min_offload_bytes=0, spill_dir=spill_dir)
+    config = Config.from_user("auto", reserve_mb=1, device="cpu", min_offload_mb=0, spill_dir=spill_dir)
     stores: list[Store] = []
 
     def free() -> int:  # the device: what neither the store nor the rest of the step holds
@@ -180,7 +180,7 @@ def test_a_budget_found_lower_by_a_reading_during_the_prefetch_is_held(spill_dir
     both shown once, by hand.)"""
     q = 256 * 1024
     device = {"capacity": 7 * MB, "other": 0}
-    config = Config.from_user("auto", reserve_mb=3, device="cpu", min_offload_bytes=0, spill_dir=spill_dir)
+    config = Config.from_user("auto", reserve_mb=3, device="cpu", min_offload_mb=0, spill_dir=spill_dir)
     stores: list[Store] = []
 
     def free() -> int:

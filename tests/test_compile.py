@@ -214,7 +214,7 @@ def test_fake_tensors_pass_through():
     """Autograd on fake tensors (what tracing runs) under the engine: nothing taken, no error."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    eng = offload.engine(0, min_offload_bytes=0)
+    eng = offload.engine(0, min_offload_mb=0)
     with FakeTensorMode():
         x = torch.randn(64, 64, requires_grad=True)
         w = torch.randn(64, 64, requires_grad=True)

@@ -44,27 +44,27 @@ COPIES = {"deepcopy": _copy_deep, "pickle": _copy_pickle, "torch.save": _copy_to
 
 
 def _decorated(model):
-    return offload.engine(budget_mb=0, min_offload_bytes=0)(model), None
+    return offload.engine(budget_mb=0, min_offload_mb=0)(model), None
 
 
 def _decorated_with_regions(model):
-    return offload.engine(budget_mb=0, min_offload_bytes=0, regions="auto", policy="recompute")(model), None
+    return offload.engine(budget_mb=0, min_offload_mb=0, regions="auto", policy="recompute")(model), None
 
 
 def _regions_as_modules(model):
     return model, offload.engine(
-        budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="offload"
+        budget_mb=0, min_offload_mb=0, model=model, regions=model.model.blocks, policy="offload"
     )
 
 
 def _regions_auto(model):
-    return model, offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions="auto", policy="recompute")
+    return model, offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions="auto", policy="recompute")
 
 
 def _regions_by_filter(model):
     eng = offload.engine(
         budget_mb=0,
-        min_offload_bytes=0,
+        min_offload_mb=0,
         model=model,
         regions=lambda module, name: isinstance(module, Block),
         policy="selective",
@@ -163,8 +163,8 @@ def test_a_copy_under_an_engine_of_its_own(spill_dir):
     """Wrapping the copy gives it an engine of its own; the original's is not touched."""
     base = _net()
     reference = copy.deepcopy(base)
-    model = offload.engine(budget_mb=0, min_offload_bytes=0)(copy.deepcopy(base))
-    twin = offload.engine(budget_mb=0, min_offload_bytes=0)(copy.deepcopy(model))
+    model = offload.engine(budget_mb=0, min_offload_mb=0)(copy.deepcopy(base))
+    twin = offload.engine(budget_mb=0, min_offload_mb=0)(copy.deepcopy(model))
     assert twin.offload_engine is not model.offload_engine
     assert_same(_step(reference), _step(twin), "a copy under its own engine")
     assert twin.offload_engine.stats.saved_tensors > 0
@@ -175,7 +175,7 @@ def test_a_copy_under_an_engine_of_its_own(spill_dir):
 
 def test_close_leaves_the_modules_as_they_were(spill_dir):
     model = _net()
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="recompute")
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=model.model.blocks, policy="recompute")
     _step(model, eng)
     assert all("__getstate__" in block.__dict__ for block in model.model.blocks)
     eng.close()
@@ -194,7 +194,7 @@ def test_a_forward_set_before_the_engine_is_what_the_copy_gets(spill_dir):
         return forward(x)
 
     block.forward = counting
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="offload")
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=model.model.blocks, policy="offload")
     _step(model, eng)
     assert len(calls) == 1
     twin = copy.deepcopy(model)
@@ -252,7 +252,7 @@ def test_a_wrapper_set_on_top_of_the_engines_is_left_out_with_a_warning(spill_di
     which calls the original module, so the copy cannot keep it; it says so."""
     base = _net()
     reference = copy.deepcopy(base)
-    model = offload.engine(budget_mb=0, min_offload_bytes=0)(copy.deepcopy(base))
+    model = offload.engine(budget_mb=0, min_offload_mb=0)(copy.deepcopy(base))
     inner = model.forward
 
     def autocast_like(*args, **kwargs):
@@ -287,7 +287,7 @@ def test_a_class_whose_getstate_returns_its_own_dict(spill_dir):
     base.model.blocks = torch.nn.ModuleList(_OwnState(b) for b in base.model.blocks)
     reference = copy.deepcopy(base)
     model = copy.deepcopy(base)
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="recompute")
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=model.model.blocks, policy="recompute")
     _step(model, eng)
     twin = copy.deepcopy(model)
     _assert_plain(twin)
@@ -307,9 +307,9 @@ def test_a_model_under_two_engines_in_turn_copies_as_before_either(spill_dir):
     reference = copy.deepcopy(base)
     model = copy.deepcopy(base)
     blocks = model.model.blocks
-    first = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=blocks, policy="recompute")
+    first = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=blocks, policy="recompute")
     _step(model, first)
-    second = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=blocks, policy="offload")
+    second = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=blocks, policy="offload")
     _step(model, second)
     model.zero_grad(set_to_none=True)
     for how, copy_ in COPIES.items():
@@ -333,9 +333,9 @@ def test_two_engines_closed_in_the_order_they_came(spill_dir):
     reference = copy.deepcopy(base)
     model = copy.deepcopy(base)
     blocks = model.model.blocks
-    first = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=blocks, policy="offload")
+    first = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=blocks, policy="offload")
     _step(model, first)
-    second = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=blocks, policy="recompute")
+    second = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=blocks, policy="recompute")
     _step(model, second)
     first.close()
     before = second.stats.recomputed_regions

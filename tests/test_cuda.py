@@ -99,7 +99,7 @@ def assert_grads_equal(ref: list[torch.Tensor], got: list[torch.Tensor], what: s
 def budget_mb_for(model: nn.Module, x: torch.Tensor, budget) -> float | None:
     if budget != "some":
         return budget
-    eng = offload.engine(None, min_offload_bytes=0)
+    eng = offload.engine(None, min_offload_mb=0)
     step(copy.deepcopy(model), x, eng)
     total = eng.stats.saved_bytes
     eng.close()
@@ -111,7 +111,7 @@ def test_gradients_bitwise_equal_on_cuda(budget, spill_dir):
     model = chain(depth=8, width=512)
     x = torch.randn(256, 512, device="cuda")
     ref = step(copy.deepcopy(model), x)
-    eng = offload.engine(budget_mb_for(model, x, budget), min_offload_bytes=0, spill_dir=spill_dir, model=model)
+    eng = offload.engine(budget_mb_for(model, x, budget), min_offload_mb=0, spill_dir=spill_dir, model=model)
     got = step(model, x, eng)
     assert_grads_equal(ref, got, f"budget {budget}")
     stats = wait_clean(eng, spill_dir)
@@ -134,7 +134,7 @@ def test_cpu_engine_passes_cuda_tensors_through():
     model = chain(depth=2, width=256)
     x = torch.randn(64, 256, device="cuda")
     ref = step(copy.deepcopy(model), x)
-    eng = offload.engine(0, min_offload_bytes=0, device="cpu")
+    eng = offload.engine(0, min_offload_mb=0, device="cpu")
     got = step(model, x, eng)
     assert_grads_equal(ref, got, "device=cpu")
     assert eng.stats.saved_bytes == 0 and eng.stats.passthrough_tensors > 0
@@ -217,7 +217,7 @@ def _race_run(budget, prefetch, spill_dir, slow_link: bool, steps: int = 2, host
     link = SlowLink(torch.device("cuda", torch.cuda.current_device())) if slow_link else None
     eng = offload.engine(
         budget_mb_for(model, torch.randn(512, 1024, device="cuda"), budget),
-        min_offload_bytes=0,
+        min_offload_mb=0,
         spill_dir=spill_dir,
         prefetch=prefetch,
         model=model,
@@ -271,7 +271,7 @@ def test_forward_on_a_side_stream(spill_dir):
     model = delayed_chain(depth=4, width=1024)
     x = torch.randn(512, 1024, device="cuda")
     ref = step(copy.deepcopy(model), x)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, model=model)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, model=model)
     user = torch.cuda.Stream()
     user.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(user):
@@ -332,9 +332,7 @@ def test_forward_on_two_streams_records_reloads_used_on_the_other(spill_dir):
     x = torch.randn(512, 1024, device="cuda")
     ref = step(copy.deepcopy(model), x)
     link = CudaLink(torch.device("cuda"), streams=streams)  # the default link, over streams that log record_stream
-    eng = offload.engine(
-        budget_mb_for(model, x, "some"), min_offload_bytes=0, spill_dir=spill_dir, model=model, link=link
-    )
+    eng = offload.engine(budget_mb_for(model, x, "some"), min_offload_mb=0, spill_dir=spill_dir, model=model, link=link)
     got = step(model, x, eng)
     recorded = streams.recorded
     assert_grads_equal(ref, got, "layers on two streams")
@@ -353,7 +351,7 @@ def test_pinned_bytes_held_are_the_bytes_counted(spill_dir):
     model = chain(depth=8, width=1024)
     x = torch.randn(1024, 1024, device="cuda")
     cap_mb = 64
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host_budget_mb=cap_mb, model=model)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host_budget_mb=cap_mb, model=model)
     step(model, x, eng)
     stats = wait_clean(eng, spill_dir)
     pinned = _pinned_bytes() - before
@@ -369,7 +367,7 @@ def test_host_tier_full_spills_to_disk_with_delays(spill_dir):
     model = delayed_chain(depth=6, width=1024)
     x = torch.randn(512, 1024, device="cuda")
     ref = step(copy.deepcopy(model), x)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host_budget_mb=4, model=model)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host_budget_mb=4, model=model)
     got = step(model, x, eng)
     assert_grads_equal(ref, got, "host cap 4 MB")
     stats = wait_clean(eng, spill_dir)

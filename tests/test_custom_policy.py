@@ -49,9 +49,7 @@ def test_a_registered_policy_plans_and_runs(traits, spill_dir):
     name, calls = _register(**traits)
     base = GPTLoss(gpt(dropout=0.1))
     reference, model = copy.deepcopy(base), copy.deepcopy(base)
-    eng = offload.engine(
-        1, min_offload_bytes=0, model=model, regions=model.model.blocks, policy=name, spill_dir=spill_dir
-    )
+    eng = offload.engine(1, min_offload_mb=0, model=model, regions=model.model.blocks, policy=name, spill_dir=spill_dir)
     for step in range(6):
         assert_same(
             run_step(reference, _tokens, loss_fn=lambda loss: loss, input_grad=False),
@@ -70,7 +68,7 @@ def test_a_registered_policy_plans_and_runs(traits, spill_dir):
 def test_a_registered_policy_that_measures_nothing_runs_its_rule_from_the_first_step(spill_dir):
     name, calls = _register(measures=False, unplanned=Decision.RECOMPUTE)
     model = GPTLoss(gpt(dropout=0.0))
-    eng = offload.engine(None, min_offload_bytes=0, model=model, regions=model.model.blocks, policy=name)
+    eng = offload.engine(None, min_offload_mb=0, model=model, regions=model.model.blocks, policy=name)
     run_step(model, _tokens, eng, loss_fn=lambda loss: loss, input_grad=False)
     assert eng.stats.recomputed_regions == 2 and not eng.profiling and calls == []
     assert "measures nothing" in offload.explain(eng)

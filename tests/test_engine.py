@@ -8,7 +8,7 @@ kernels in the same order). Each model runs at three budgets:
 - 0: every managed tensor goes to the tier behind the budget (disk, on this CPU) and back;
 - "some": about half the saved bytes may stay, so some tensors move and the newest stay.
 
-``min_offload_bytes=0`` makes every saved activation eligible, however small the model.
+``min_offload_mb=0`` makes every saved activation eligible, however small the model.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ BUDGETS = (None, 0, SOME)
 
 def make_engine(budget, total_bytes, spill_dir, **kwargs) -> offload.Engine:
     budget_mb = budget_between(total_bytes, SOME_FRACTION) if budget == SOME else budget
-    return offload.engine(budget_mb, min_offload_bytes=0, spill_dir=spill_dir, **kwargs)
+    return offload.engine(budget_mb, min_offload_mb=0, spill_dir=spill_dir, **kwargs)
 
 
 _ENGINE_OPTIONS = ("link", "device", "host_budget_mb")
@@ -166,7 +166,7 @@ class SaveViews(torch.autograd.Function):
 def test_saved_views_come_back_exact_and_storage_moves_once(budget, spill_dir):
     torch.manual_seed(0)
     a = torch.randn(8, 16, requires_grad=True)
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir)
     with eng:
         x = a * 2  # an activation (not a leaf), so the engine manages its storage
         out = SaveViews.apply(x)
@@ -204,7 +204,7 @@ class SaveDtypeViews(torch.autograd.Function):
 @pytest.mark.parametrize("budget", [None, 0], ids=lambda b: f"budget={b}")
 def test_dtype_views_come_back_bit_exact(budget, spill_dir):
     a = torch.randn(8, 16, requires_grad=True)
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir)
     with eng:
         out = SaveDtypeViews.apply(a * 2)
     out.backward()
@@ -219,7 +219,7 @@ def test_zero_size_tensors(budget, spill_dir):
     """An empty batch: every saved storage has 0 bytes (empty spill files, empty reads)."""
     model = mlp()
     ref = run_step(copy.deepcopy(model), randn(0, 64))
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir)
     got = run_step(model, randn(0, 64), eng)
     assert_same(ref, got)
     stats = wait_clean(eng, spill_dir)
@@ -236,7 +236,7 @@ def test_integer_indices_move_and_come_back(budget, spill_dir):
     weights = torch.linspace(-1, 1, 4096 * 16).view(4096, 16)
     ref = copy.deepcopy(embed)
     (ref(idx) * weights).sum().backward()
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir, model=embed)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir, model=embed)
     with eng:
         loss = (embed(idx.clone()) * weights).sum()  # a clone: nothing else holds the indices
     stats = eng.stats
@@ -262,7 +262,7 @@ def test_one_engine_many_steps_changing_shapes(spill_dir):
     """One engine, six SGD steps with different batch sizes; each step matches the reference."""
     model = mlp(depth=3, width=32)
     ref_model, eng_model = copy.deepcopy(model), copy.deepcopy(model)
-    eng = offload.engine(budget_between(32 * 64 * 4 * 4, 0.5), min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget_between(32 * 64 * 4 * 4, 0.5), min_offload_mb=0, spill_dir=spill_dir)
     for step, batch in enumerate([8, 64, 3, 33, 1, 64]):
         ref = run_step(ref_model, randn(batch, 32))
         got = run_step(eng_model, randn(batch, 32), eng)
@@ -380,7 +380,7 @@ def _two_chains(eng):
 @pytest.mark.parametrize("budget_mb", [0, 0.03, 0.1])
 def test_backward_in_save_order_prefetch_guesses_wrong(budget_mb, spill_dir):
     ref = _two_chains(None)
-    eng = offload.engine(budget_mb, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget_mb, min_offload_mb=0, spill_dir=spill_dir)
     got = _two_chains(eng)
     assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
     stats = wait_clean(eng, spill_dir)
@@ -409,7 +409,7 @@ def test_parameters_buffers_and_their_views_are_never_moved(spill_dir):
     torch.manual_seed(0)
     model = BufferScale()
     x = torch.randn(256, 256, requires_grad=True)  # a leaf that requires grad: the user holds it
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, model=model)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, model=model)
     with eng:
         loss = model(x).sum()
     stats = eng.stats
@@ -451,7 +451,7 @@ def test_no_aliasing_through_reused_addresses(budget, spill_dir):
     """
     n, numel = 12, 64 * 1024  # 256 KiB each: the 0.5 MB budget keeps two, the rest go to disk
     weights = [torch.ones(1, requires_grad=True) for _ in range(n)]
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir)
     outs = []
     with eng:
         for i in range(n):
@@ -472,7 +472,7 @@ def test_no_aliasing_through_reused_addresses(budget, spill_dir):
 def test_unused_branch_leaves_nothing(spill_dir):
     model = mlp(depth=3, width=64)
     branch = mlp(depth=3, width=64, seed=1)
-    eng = offload.engine(0.02, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0.02, min_offload_mb=0, spill_dir=spill_dir)
     x = torch.randn(32, 64)
     with eng:
         loss = default_loss_of(model(x))
@@ -488,7 +488,7 @@ def test_unused_branch_leaves_nothing(spill_dir):
 @pytest.mark.parametrize("budget", [None, 0, 0.02], ids=lambda b: f"budget={b}")
 def test_forward_without_backward_leaves_nothing(budget, spill_dir):
     model = mlp(depth=4, width=64)
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir)
     with eng:
         loss = default_loss_of(model(torch.randn(32, 64)))
     assert eng.stats.resident_bytes > 0 or eng.stats.offloaded_bytes > 0
@@ -514,7 +514,7 @@ class FailsHalfway(nn.Module):
 @pytest.mark.parametrize("budget", [None, 0, 0.02], ids=lambda b: f"budget={b}")
 def test_exception_mid_forward_leaves_nothing(budget, spill_dir):
     model = FailsHalfway()
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir)
     try:
         with eng:
             model(torch.randn(32, 64))
@@ -550,7 +550,7 @@ def test_inplace_after_save_raises_pytorchs_error(budget, saved, spill_dir):
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         step(None)
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         step(eng)
     wait_clean(eng, spill_dir)
@@ -569,7 +569,7 @@ def test_other_device_passes_through(monkeypatch):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     model = mlp()
     ref = run_step(copy.deepcopy(model), randn(32, 64))
-    eng = offload.engine(0, min_offload_bytes=0, device="cuda")
+    eng = offload.engine(0, min_offload_mb=0, device="cuda")
     got = run_step(model, randn(32, 64), eng)
     assert_same(ref, got)
     stats = eng.stats
@@ -595,7 +595,7 @@ def test_fake_tensors_pass_through():
     """Tracing with fake tensors under the engine: the pack hook sees FakeTensors and lets them be."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    eng = offload.engine(0, min_offload_bytes=0)
+    eng = offload.engine(0, min_offload_mb=0)
     with FakeTensorMode():
         w = torch.randn(64, 64, requires_grad=True)
         x = torch.randn(64, 64)
@@ -620,7 +620,7 @@ def test_make_fx_trace_under_engine():
     torch.manual_seed(0)
     w = torch.randn(32, 32, requires_grad=True)
     x = torch.randn(32, 32)
-    eng = offload.engine(0, min_offload_bytes=0)
+    eng = offload.engine(0, min_offload_mb=0)
     with eng:
         graph = make_fx(f, tracing_mode="fake")(w, x)
     assert eng.stats.saved_bytes == 0
@@ -643,7 +643,7 @@ class NoOffload(nn.Module):
 def test_no_offload_inside_engine(spill_dir):
     model = NoOffload(mlp())
     ref = run_step(copy.deepcopy(model), randn(32, 64), loss_fn=torch.sum)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     w = torch.randn(32, 64, requires_grad=True)
     with eng:
         managed = torch.tanh(w * 2)  # tanh saves its output: the engine takes this one
@@ -682,7 +682,7 @@ def test_engines_in_two_threads(tmp_path):
             model, x, budget = cases[name]
             spill = tmp_path / name
             spill.mkdir()
-            eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill, model=model)
+            eng = offload.engine(budget, min_offload_mb=0, spill_dir=spill, model=model)
             results[name] = [run_step(model, x.clone, eng) for _ in range(steps)]
             assert eng.stats.offloaded_bytes > 0
             wait_clean(eng, spill)

@@ -103,7 +103,7 @@ def test_disk_full_keeps_tensors_in_memory(writes_ok, partial, budget_tensors, h
     the next step with the disk still full is exact too, and once it frees up the engine spills again."""
     ref = chain_step()
     host.writes_ok, host.partial = writes_ok, partial
-    eng = offload.engine(budget_tensors * NBYTES / MB, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    eng = offload.engine(budget_tensors * NBYTES / MB, min_offload_mb=0, spill_dir=spill_dir, host=host)
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, chain_step(eng), "disk full")
         stats = wait_clean(eng, spill_dir)
@@ -171,7 +171,7 @@ def _gated_chain(spill_dir, depth: int = 4):
     x = chain_input()
     ref_model(x).sum().backward()
     # 2.5 tensors: one hot, one copy in flight; forward never waits on the gated write.
-    eng = offload.engine(2.5 * NBYTES / MB, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    eng = offload.engine(2.5 * NBYTES / MB, min_offload_mb=0, spill_dir=spill_dir, host=host)
     with eng:
         loss = model(x).sum()
     return write, eng, model, ref_model, loss
@@ -225,7 +225,7 @@ def test_open_refused_keeps_tensors_in_memory_until_writable(host, spill_dir, ca
     unwritable later cannot stop the writes (``test_chmod_unwritable_mid_run``); the create is
     the one place an unwritable directory can fail, and every eviction retries it."""
     ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=host)
     host.open_error = errno.EACCES
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, chain_step(eng), "EACCES")
@@ -267,7 +267,7 @@ def test_a_spill_file_whose_name_cannot_be_removed_is_not_used(spill_dir, caplog
     Changed with the nameless file (issue 47, item 4): this was close()'s removal refused, which
     emptied the file it left; now the one removal is the open's, and a refused one fails the open."""
     ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     with caplog.at_level(logging.WARNING, logger="offload"):
         with monkeypatch.context() as m:
             _refuse_removal(m)
@@ -303,7 +303,7 @@ def test_chmod_unwritable_mid_run(spill_dir, caplog):
     with the nameless file (issue 47, item 4): the file has no name to remove, so close() needs no
     write to the directory either, and leaves it as it was."""
     ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     model = TanhChain()
     with eng:
         torch.tanh(torch.randn(SIZE, requires_grad=True) * 2).sum().backward()  # opens the spill file
@@ -333,7 +333,7 @@ def test_spill_dir_removed_mid_forward_still_reads_back(spill_dir, host, caplog)
     nameless file (issue 47, item 4): the private directory is gone once the file is open, so the
     cleaner removes ``spill_dir`` itself."""
     ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=host)
     model = TanhChain()
     got = None
     with caplog.at_level(logging.WARNING, logger="offload"):
@@ -372,7 +372,7 @@ def test_spill_parent_removed_keeps_tensors_in_memory_until_it_returns(spill_dir
     missing is made again by the first spill): the step is exact with the tensors kept in memory
     and one warning, never a raw OSError out of forward; then it spills again."""
     ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     shutil.rmtree(spill_dir)
     spill_dir.write_bytes(b"")
     with caplog.at_level(logging.WARNING, logger="offload"):
@@ -408,7 +408,7 @@ def _forward(eng, model, host):
 def test_read_error_raises_offload_error_and_releases_everything(host, spill_dir):
     """EIO on read: OffloadError naming the tensor and the tier; the failed graph frees everything."""
     ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=host)
     model = TanhChain()
     loss = _forward(eng, model, host)
     host.read_error = errno.EIO
@@ -433,7 +433,7 @@ def test_truncated_spill_file_raises_offload_error(spill_dir, host):
     ends early, an OffloadError names the tensor, the tier and how far it got; the failed graph
     releases everything and the next step, writing the file again, is exact."""
     ref = chain_step()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=host)
     model = TanhChain()
     loss = _forward(eng, model, host)
     path = only_file(spill_dir)
@@ -454,7 +454,7 @@ def test_truncated_spill_file_raises_offload_error(spill_dir, host):
 
 def test_transient_read_error_then_retry_with_retained_graph(host, spill_dir):
     """A read that failed is not remembered as data: backward again (retain_graph) reads the file again."""
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=host)
     model, ref_model = TanhChain(), TanhChain()
     torch.manual_seed(0)
     x = chain_input()
@@ -511,7 +511,7 @@ def _host_engine(link, budget_mb, host=None, **options):
     link's own host would (an emulator's schedule)."""
     if host is not None:
         host.base = getattr(link, "host", None)
-    return offload.engine(budget_mb, device="cpu", min_offload_bytes=0, link=link, host=host, **options)
+    return offload.engine(budget_mb, device="cpu", min_offload_mb=0, link=link, host=host, **options)
 
 
 def _mlp():
@@ -789,7 +789,7 @@ def tier(request):
 
 def _exception_engine(link, spill_dir):
     if link is None:
-        return offload.engine(3 * ACT_MB, min_offload_bytes=0, spill_dir=spill_dir)
+        return offload.engine(3 * ACT_MB, min_offload_mb=0, spill_dir=spill_dir)
     return _host_engine(link, 3 * ACT_MB, host_budget_mb=2 * ACT_MB, spill_dir=spill_dir)
 
 
@@ -846,7 +846,7 @@ def test_freeing_the_graph_after_close_counts_nothing_twice(budget, spill_dir):
     """close() releases what a live graph still points at; when that graph is freed afterwards, its
     handles' releases find the entries gone and change nothing (resident bytes stay 0, not below)."""
     model = TanhChain(4)
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir)
     with eng:
         loss = model(chain_input()).sum()
     eng.close()

@@ -10,7 +10,7 @@ not (autograd must then refuse, in forward or in backward).
 Each program runs once without the engine (the reference) and once under each budget (None: keep
 and count; 0: everything spills; SMALL: a couple of tensors stay), on the CPU's disk tier and on
 the CUDA path's host tier (emulated with test_host_tier's deferred copies, a pinned pool of two
-buffers, then disk), with ``min_offload_bytes=0`` so every small tensor is managed. The outcome must
+buffers, then disk), with ``min_offload_mb=0`` so every small tensor is managed. The outcome must
 be identical: the same outputs and gradients bit for bit (NaNs included: compared as integer bits),
 or the same kind of error.
 
@@ -286,7 +286,7 @@ def test_random_programs_match_no_engine(program):
                 else:
                     link = {"deferred": DeferredLink(2), "threaded": ThreadedLink(0.001), None: None}[host_tier]
                 host = {"host_budget_mb": HOST_CAP_MB} if link is not None else {}
-                eng = offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir, device="cpu", link=link, **host)
+                eng = offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir, device="cpu", link=link, **host)
                 got = _run(program, eng)
                 where = f"budget_mb={budget}{f' (host tier, {host_tier} link)' if host_tier else ''}"
                 _assert_same(ref, got, where)

@@ -53,7 +53,7 @@ def _engine(link, host=None, **kwargs):
     link's own host would (an emulator's schedule)."""
     if host is not None:
         host.base = getattr(link, "host", None)
-    return offload.engine(device="cpu", min_offload_bytes=0, link=link, host=host, **kwargs)
+    return offload.engine(device="cpu", min_offload_mb=0, link=link, host=host, **kwargs)
 
 
 @pytest.fixture(

@@ -31,7 +31,7 @@ import offload
 from offload.seams import CudaLink
 
 NUMEL = 4096
-"""fp32 elements of each saved tensor (16 KiB): taken with min_offload_bytes=0, passed through under the default."""
+"""fp32 elements of each saved tensor (16 KiB): taken with min_offload_mb=0, passed through under the default."""
 LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
 STEPS_FOR_EVENTS = (16, 64)
 """Saved tensors per step in the event test: events made must not grow with them."""
@@ -195,7 +195,7 @@ def test_a_save_that_only_counts_does_one_op_and_takes_one_lock_per_step():
     below): pack makes the detached alias (one op, no allocation) under one lock; unpack and release
     take the lock once each and dispatch nothing; the link is never asked anything."""
     streams = CountingStreams()
-    eng = offload.engine(None, device="cpu", min_offload_bytes=0, link=CudaLink(torch.device("cpu"), streams=streams))
+    eng = offload.engine(None, device="cpu", min_offload_mb=0, link=CudaLink(torch.device("cpu"), streams=streams))
     _warm(eng)
     eng.reset_stats()  # the next step is counted, with the hooks on
     before = eng.stats
@@ -215,7 +215,7 @@ def test_a_save_that_only_counts_does_one_op_and_takes_one_lock_per_step():
 def test_a_view_of_a_saved_storage_is_counted_once_on_the_same_path():
     """Dedup stays on the short path: a second save of the same storage (a view) is one op and one
     lock too, and its bytes are not counted again (budget None, a counted step)."""
-    eng = offload.engine(None, device="cpu", min_offload_bytes=0)
+    eng = offload.engine(None, device="cpu", min_offload_mb=0)
     _warm(eng)
     eng.reset_stats()  # the next step is counted, with the hooks on
     t = _activation()
@@ -235,11 +235,11 @@ def test_a_view_of_a_saved_storage_is_counted_once_on_the_same_path():
 
 
 def test_a_passed_through_save_dispatches_its_alias_and_takes_no_lock():
-    """Under min_offload_bytes: the detached alias and nothing else, whatever the budget."""
+    """Under min_offload_mb: the detached alias and nothing else, whatever the budget."""
     streams = CountingStreams()
     eng = offload.engine(0, device="cpu", link=CudaLink(torch.device("cpu"), streams=streams))
     t = _activation()
-    with pytest.warns(UserWarning, match="under min_offload_bytes"):
+    with pytest.warns(UserWarning, match="under min_offload_mb"):
         phases = _phases(eng, t)
     assert phases["pack"] == {"aten.detach": 1}, phases["pack"]
     assert phases["unpack"] == {} and phases["release"] == {}, phases
@@ -252,7 +252,7 @@ def test_under_a_budget_nothing_reaches_no_event_is_made_or_asked():
     """A budget with room: pack reads which stream is current (PyTorch's thread-local, to fence it
     if the tensor moves later) and nothing else of the device; unpack and release nothing."""
     streams = CountingStreams()
-    eng = offload.engine(64, device="cpu", min_offload_bytes=0, link=CudaLink(torch.device("cpu"), streams=streams))
+    eng = offload.engine(64, device="cpu", min_offload_mb=0, link=CudaLink(torch.device("cpu"), streams=streams))
     _warm(eng)
     streams.counts.clear()
     t = _activation()
@@ -281,7 +281,7 @@ def test_moving_every_tensor_makes_no_event_per_tensor():
     made = {}
     for saves in STEPS_FOR_EVENTS:
         streams = CountingStreams()
-        eng = offload.engine(0, device="cpu", min_offload_bytes=0, link=CudaLink(torch.device("cpu"), streams=streams))
+        eng = offload.engine(0, device="cpu", min_offload_mb=0, link=CudaLink(torch.device("cpu"), streams=streams))
         _step(eng, saves)  # the pools fill
         first = streams.counts.copy()
         _step(eng, saves)
@@ -309,7 +309,7 @@ def test_moved_gradients_equal_the_model_without_the_engine():
 
     want = chain()
     eng = offload.engine(
-        0, device="cpu", min_offload_bytes=0, link=CudaLink(torch.device("cpu"), streams=CountingStreams())
+        0, device="cpu", min_offload_mb=0, link=CudaLink(torch.device("cpu"), streams=CountingStreams())
     )
     with eng:
         x.grad = None

@@ -22,7 +22,7 @@ from links import ThreadedLink
 from zoo import wait_clean
 
 INPLACE = "modified by an inplace operation"
-N = 128  # 64 KiB of fp32: above nothing, the tests pass min_offload_bytes=0 anyway
+N = 128  # 64 KiB of fp32: above nothing, the tests pass min_offload_mb=0 anyway
 
 
 def _modify(kind: str, z: torch.Tensor) -> None:
@@ -51,8 +51,8 @@ KINDS = ("base", "view", "detach", "no_grad", "inference_mode", "anomaly")
 
 def _engine(tier: str, budget, spill_dir, link):
     if tier == "disk":
-        return offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir)
-    return offload.engine(budget, min_offload_bytes=0, spill_dir=spill_dir, device="cpu", link=link)
+        return offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir)
+    return offload.engine(budget, min_offload_mb=0, spill_dir=spill_dir, device="cpu", link=link)
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_unmodified_runs_bitwise(budget, tier, tmp_path, link):
 @pytest.mark.parametrize("budget", [None, 0], ids=lambda b: f"budget={b}")
 def test_modified_after_reload_raises(budget, tmp_path):
     """retain_graph: the first backward reloads z, then z changes; the second backward must refuse."""
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=tmp_path)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=tmp_path)
     x = torch.randn(N, N, requires_grad=True)
     with eng:
         z = x * 2
@@ -150,7 +150,7 @@ def test_shared_storage_without_a_shared_counter_is_not_the_same_save(tmp_path):
 
     want = run(None)
     for budget in (None, 0):
-        eng = offload.engine(budget, min_offload_bytes=0, spill_dir=tmp_path)
+        eng = offload.engine(budget, min_offload_mb=0, spill_dir=tmp_path)
         assert torch.equal(run(eng), want), f"budget {budget}"
         eng.close()
 
@@ -166,7 +166,7 @@ def test_checkpoint_input_changed_after_forward(budget, tmp_path):
     z.add_(1)
     with pytest.raises(RuntimeError, match=INPLACE):
         out.sum().backward()
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=tmp_path)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=tmp_path)
     x = torch.randn(N, N, requires_grad=True)
     with eng:
         z = x * 2
@@ -202,7 +202,7 @@ def test_region_input_modified_after_forward_raises(policy, budget, tmp_path):
         policy=policy,
         spill_dir=tmp_path,
         machine=_MACHINE,
-        min_offload_bytes=0,
+        min_offload_mb=0,
     )
     for _ in range(4):  # auto: measure, recompute trial, offload trial, then its plan
         x = torch.randn(16, N, requires_grad=True)
@@ -248,7 +248,7 @@ def test_allow_mutation_on_saved_tensors_inside_the_engine(budget, tmp_path):
         return x.grad
 
     want = run(None)
-    eng = offload.engine(budget, min_offload_bytes=0, spill_dir=tmp_path)
+    eng = offload.engine(budget, min_offload_mb=0, spill_dir=tmp_path)
     assert torch.equal(run(eng), want)
     eng.close()
 
@@ -257,7 +257,7 @@ def test_engine_inside_allow_mutation_refuses_like_plain_autograd(tmp_path):
     """The other order: the engine's hooks are innermost, so ``allow_mutation_on_saved_tensors``
     never sees the saves and cannot clone them; the mutation is then refused with PyTorch's
     in-place error (never wrong gradients). Put the engine outside that context to combine them."""
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=tmp_path)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=tmp_path)
     x = torch.randn(N, N, requires_grad=True)
     with torch.autograd.graph.allow_mutation_on_saved_tensors():
         with eng:

@@ -48,7 +48,7 @@ def _loop(budget_mb, *, steps: int = 8, outer=None, bare: bool = False, **option
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     eng = None
     if budget_mb != "none":
-        eng = offload.engine(budget_mb, model=model, regions=model.blocks, min_offload_bytes=0, **options)
+        eng = offload.engine(budget_mb, model=model, regions=model.blocks, min_offload_mb=0, **options)
     data = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
@@ -138,7 +138,7 @@ def test_a_pair_inside_a_region_still_sees_its_saves():
 
     inner = model.blocks[1].forward
     model.blocks[1].forward = lambda x: _under(pack, inner, x)
-    eng = offload.engine(64, model=model, regions=model.blocks, min_offload_bytes=0)
+    eng = offload.engine(64, model=model, regions=model.blocks, min_offload_mb=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(8):
@@ -165,7 +165,7 @@ def test_a_pair_inside_the_engine_around_the_whole_forward_keeps_every_save():
         per_step[-1] += 1
         return t
 
-    eng = offload.engine(64, model=model, regions=model.blocks, min_offload_bytes=0)
+    eng = offload.engine(64, model=model, regions=model.blocks, min_offload_mb=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(8):
@@ -222,7 +222,7 @@ def test_a_derived_plan_keeps_the_hooks():
     """A plan derived from the fit at a shape never measured is checked against what its steps
     save, so those steps are counted, whatever it decides."""
     model = Net()
-    eng = offload.engine(64, model=model, regions=model.blocks, min_offload_bytes=0)
+    eng = offload.engine(64, model=model, regions=model.blocks, min_offload_mb=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for rows in (16, 48, 16, 48, 16, 48, 16, 48, 16, 48, 16, 48):

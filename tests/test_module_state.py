@@ -39,7 +39,7 @@ def _cnn_input(batch: int):
 
 
 def _engine(model: nn.Module, regions, policy: str) -> offload.Engine:
-    return offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=regions, policy=policy)
+    return offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=regions, policy=policy)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

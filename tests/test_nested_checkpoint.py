@@ -671,7 +671,7 @@ def reference():
 @pytest.fixture(scope="module")
 def saved_bytes() -> int:
     model = make_model()
-    eng = offload.engine(None, policy="none", regions=model.blocks, model=model, machine=MACHINE, min_offload_bytes=0)
+    eng = offload.engine(None, policy="none", regions=model.blocks, model=model, machine=MACHINE, min_offload_mb=0)
     with eng:
         loss = model(model_batch(0))
     nbytes = eng.stats.saved_bytes
@@ -687,7 +687,7 @@ ENGINE_CASES = [(policy, budget) for policy in ("recompute", "auto") for budget 
 def test_engine_over_blocks_with_inner_grads_equals_no_engine(policy, budget, saved_bytes, reference, spill_dir):
     budget_mb = {"none": None, "small": saved_bytes * 0.1 / 2**20, "zero": 0}[budget]
     model = make_model()
-    eng = block_engine(model, budget_mb, policy, spill_dir, min_offload_bytes=0)
+    eng = block_engine(model, budget_mb, policy, spill_dir, min_offload_mb=0)
     history = train(model, eng)
     for step, ((loss_g, grads_g, _stats), (loss_w, grads_w, _)) in enumerate(zip(history, reference, strict=True)):
         assert torch.equal(loss_g, loss_w), f"{policy} at budget {budget}: loss differs at step {step}"

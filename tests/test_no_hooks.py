@@ -34,7 +34,7 @@ def _top():
 
 def _counted_then_unhooked(**options) -> offload.Engine:
     """An engine at budget None whose next step runs unhooked: its counted first step is spent."""
-    eng = offload.engine(None, min_offload_bytes=0, **options)
+    eng = offload.engine(None, min_offload_mb=0, **options)
     with eng:
         pass
     return eng
@@ -48,7 +48,7 @@ def test_the_first_step_is_counted_and_later_ones_push_nothing():
     """Step 1 runs the hooks and counts exactly; steps 2 and 3 push no pair, count nothing and say
     so in ``uncounted_steps``; reset_stats makes the next step counted again, with the same count."""
     model, reference = mlp(width=WIDTH), mlp(width=WIDTH)
-    eng = offload.engine(None, min_offload_bytes=0)
+    eng = offload.engine(None, min_offload_mb=0)
     seen = []
     model.register_forward_hook(lambda m, a, o: seen.append(_top()))
     for step in range(3):
@@ -74,9 +74,9 @@ def test_a_budget_or_regions_keep_the_hooks_on_every_step(spill_dir):
     """Only budget None without regions skips the pair: a budget, "auto" and regions never do."""
     model = gpt(dropout=0.0)
     engines = [
-        offload.engine(64, min_offload_bytes=0, spill_dir=spill_dir),
-        offload.engine("auto", min_offload_bytes=0, spill_dir=spill_dir, memory=lambda: 1 << 40),
-        offload.engine(None, policy="none", regions=model.blocks, model=model, min_offload_bytes=0),
+        offload.engine(64, min_offload_mb=0, spill_dir=spill_dir),
+        offload.engine("auto", min_offload_mb=0, spill_dir=spill_dir, memory=lambda: 1 << 40),
+        offload.engine(None, policy="none", regions=model.blocks, model=model, min_offload_mb=0),
     ]
     for eng in engines:
         for _ in range(3):
@@ -109,7 +109,7 @@ def test_an_outer_pair_sees_nothing_saved_inside_the_engine():
 def test_another_engine_outside_moves_nothing_saved_inside(spill_dir):
     """An engine at budget 0 around an unhooked one: the inner engine's saves stay where they were
     (they reach the inner engine's pair, as before), and the outer moves only its own."""
-    outer = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    outer = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     inner = _counted_then_unhooked()
     x = torch.randn(64, 64, requires_grad=True)
     with outer:
@@ -219,7 +219,7 @@ def test_autograd_grad_retain_graph_and_double_backward_unhooked():
 def test_the_hook_stack_is_per_thread():
     """While one thread runs the counted step (its pair on its own stack), another thread's step is
     unhooked and sees no pair; each thread's gradients equal no engine."""
-    eng = offload.engine(None, min_offload_bytes=0)
+    eng = offload.engine(None, min_offload_mb=0)
     both_inside = threading.Barrier(2, timeout=30)
     tops, grads, errors = {}, {}, []
     want = {}
@@ -268,7 +268,7 @@ def test_compiled_blocks_unhooked_equal_no_engine():
         for m in (model, reference):
             for i, layer in enumerate(m):
                 m[i] = torch.compile(layer, backend="aot_eager")
-        eng = offload.engine(None, min_offload_bytes=0)
+        eng = offload.engine(None, min_offload_mb=0)
         for step in range(3):
             assert_same(run_step(reference, _input), run_step(model, _input, eng), f"step {step}")
         assert eng.stats.uncounted_steps == 2
@@ -315,7 +315,7 @@ def test_saves_declared_shared_reach_the_engine_in_an_unhooked_step():
 def test_count_next_step_counts_one_more_step_without_zeroing():
     """``count_next_step()`` puts the pair back for the next step only: its saves add to the counts."""
     model = mlp(width=WIDTH)
-    eng = offload.engine(None, min_offload_bytes=0)
+    eng = offload.engine(None, min_offload_mb=0)
     run_step(model, _input, eng)
     one = eng.stats.saved_tensors
     run_step(model, _input, eng)

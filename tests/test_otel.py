@@ -118,7 +118,7 @@ def test_spans_only_inside_an_active_trace(spans, spill_dir):
     provider, exporter = spans
     model = _model()
     x, y = _batch()
-    eng = offload.engine(budget_mb=0, model=model, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget_mb=0, model=model, min_offload_mb=0, spill_dir=spill_dir)
     tracer = StepTracer(eng, tracer_provider=provider)
     try:
         _step(model, eng, x, y)  # no span is current: nothing is recorded
@@ -145,7 +145,7 @@ def test_one_span_per_step_with_a_recompute_child_per_region(spans, spill_dir):
     model = _model()
     x, y = _batch()
     eng = offload.engine(
-        budget_mb=0, policy="recompute", regions=model.blocks, model=model, min_offload_bytes=0, spill_dir=spill_dir
+        budget_mb=0, policy="recompute", regions=model.blocks, model=model, min_offload_mb=0, spill_dir=spill_dir
     )
     tracer = StepTracer(eng, tracer_provider=provider)
     per_step = []
@@ -198,7 +198,7 @@ def test_no_span_per_saved_tensor(spans, spill_dir):
     provider, exporter = spans
     model = _model(n_layer=8)
     x, y = _batch()
-    eng = offload.engine(budget_mb=0, model=model, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget_mb=0, model=model, min_offload_mb=0, spill_dir=spill_dir)
     tracer = StepTracer(eng, tracer_provider=provider)
     try:
         _traced_step(provider, model, eng, x, y)
@@ -223,7 +223,7 @@ def test_planned_step_carries_the_plans_decisions(spans, spill_dir):
     model = _model(n_layer=4)
     x, y = _batch()
     eng = offload.engine(
-        budget_mb=0.05, regions=model.blocks, model=model, machine=SLOW_DISK, min_offload_bytes=0, spill_dir=spill_dir
+        budget_mb=0.05, regions=model.blocks, model=model, machine=SLOW_DISK, min_offload_mb=0, spill_dir=spill_dir
     )
     tracer = StepTracer(eng, tracer_provider=provider)
     stages = []
@@ -268,7 +268,7 @@ def test_forward_without_backward_and_evaluation(spans, spill_dir):
     provider, exporter = spans
     model = _model()
     x, y = _batch()
-    eng = offload.engine(budget_mb=0, model=model, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget_mb=0, model=model, min_offload_mb=0, spill_dir=spill_dir)
     tracer = StepTracer(eng, tracer_provider=provider)
     try:
         with provider.get_tracer("test").start_as_current_span("train_step"):
@@ -297,7 +297,7 @@ def test_grad_inside_forward_does_not_end_the_step(spans, spill_dir):
     """A torch.autograd.grad inside the forward unpacks from the engine; the step's backward is
     still the one after the forward."""
     provider, exporter = spans
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, spill_dir=spill_dir)
     tracer = StepTracer(eng, tracer_provider=provider)
     w = torch.randn(64, 64, requires_grad=True)
     try:
@@ -320,7 +320,7 @@ def test_grad_inside_forward_does_not_end_the_step(spans, spill_dir):
 def test_unpack_outside_a_backward_is_not_one(spans, spill_dir):
     """Reading a node's saved tensor by hand unpacks it from the engine outside any backward."""
     provider, exporter = spans
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, spill_dir=spill_dir)
     tracer = StepTracer(eng, tracer_provider=provider)
     h = torch.randn(8, 64, requires_grad=True)
     try:
@@ -340,7 +340,7 @@ def test_closed_tracer_traces_nothing(spans, spill_dir):
     provider, exporter = spans
     model = _model()
     x, y = _batch()
-    eng = offload.engine(budget_mb=0, model=model, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(budget_mb=0, model=model, min_offload_mb=0, spill_dir=spill_dir)
     tracer = StepTracer(eng, tracer_provider=provider)
     tracer.close()
     tracer.close()

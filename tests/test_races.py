@@ -75,7 +75,7 @@ def _same(want, got) -> bool:
 
 
 def _engine(link, budget_mb, spill_dir, **options):
-    return offload.engine(budget_mb, device="cpu", min_offload_bytes=0, link=link, spill_dir=spill_dir, **options)
+    return offload.engine(budget_mb, device="cpu", min_offload_mb=0, link=link, spill_dir=spill_dir, **options)
 
 
 # ---------------------------------------------------------------------------------- scenarios
@@ -167,7 +167,7 @@ def _gpt_steps(link, spill_dir, policy: str, seqs: list[int], budget_mb: float, 
         model=model,
         machine=MACHINE,
         device="cpu",
-        min_offload_bytes=0,
+        min_offload_mb=0,
         link=link,
         spill_dir=spill_dir,
         host_budget_mb=host_budget_mb,

@@ -42,7 +42,7 @@ def _forward_only(ctx) -> bool:
     "make_ctx",
     [
         lambda: offload.engine(None, min_offload_bytes=1 << 30),  # everything passes through
-        lambda: offload.engine(0, min_offload_bytes=0),  # everything is taken
+        lambda: offload.engine(0, min_offload_mb=0),  # everything is taken
         offload.no_offload,
     ],
     ids=["engine-passthrough", "engine-takes", "no_offload"],
@@ -90,7 +90,7 @@ def test_recomputed_region_storing_into_an_argument_releases_everything(spill_di
         return torch.sigmoid(y)
 
     x = torch.randn(64, WIDTH, requires_grad=True)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     cache = _Cache()
     with eng:
         h = x * 2  # the region's input is an activation: the engine moves it

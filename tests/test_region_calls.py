@@ -88,7 +88,7 @@ def _train(form: str, policy: str, budget_mb: float | None, *, steps: int = STEP
     eng = None
     if policy is not None:
         budget_mb = None if policy == "none" else budget_mb  # "none" keeps everything: it takes no budget
-        eng = offload.engine(budget_mb, model=model, regions=model.blocks, policy=policy, min_offload_bytes=0)
+        eng = offload.engine(budget_mb, model=model, regions=model.blocks, policy=policy, min_offload_mb=0)
     data = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
@@ -140,7 +140,7 @@ def test_a_regions_profile_is_the_sum_of_its_calls(form, one, rows):
     made from them."""
     torch.manual_seed(0)
     model = Net(form)
-    eng = offload.engine(0.02, model=model, regions=model.blocks, policy="auto", min_offload_bytes=0)
+    eng = offload.engine(0.02, model=model, regions=model.blocks, policy="auto", min_offload_mb=0)
     x = torch.randn(32, WIDTH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -164,7 +164,7 @@ def test_saves_between_region_calls_are_counted_once_each():
     own row, counted at every gap, the one after the first region's second call included."""
     torch.manual_seed(0)
     model = Net("first-twice")
-    eng = offload.engine(0.02, model=model, regions=model.blocks, policy="auto", min_offload_bytes=0)
+    eng = offload.engine(0.02, model=model, regions=model.blocks, policy="auto", min_offload_mb=0)
     x = torch.randn(32, WIDTH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -191,7 +191,7 @@ def _gan(policy: str | None, steps: int = 5):
     if policy is not None:
         regions = [gen[1], gen[2], disc[0], disc[1]]
         budget = None if policy == "none" else 0.02
-        eng = offload.engine(budget, model=both, regions=regions, policy=policy, min_offload_bytes=0)
+        eng = offload.engine(budget, model=both, regions=regions, policy=policy, min_offload_mb=0)
     data = torch.Generator().manual_seed(2)
     losses = []
 
@@ -234,7 +234,7 @@ def test_a_forward_that_raises_is_not_planned_from():
     again: its measurements never reach the profiler."""
     torch.manual_seed(0)
     model = Net("skip")
-    eng = offload.engine(0.02, model=model, regions=model.blocks, policy="auto", min_offload_bytes=0)
+    eng = offload.engine(0.02, model=model, regions=model.blocks, policy="auto", min_offload_mb=0)
     x = torch.randn(32, WIDTH)
     with pytest.raises(RuntimeError, match="a bad label"):
         with eng:
@@ -256,7 +256,7 @@ def test_one_entry_around_several_steps_still_counts_each_step():
     torch.manual_seed(0)
     ref_model, model = Net("twice"), Net("twice")
     model.load_state_dict(ref_model.state_dict())
-    eng = offload.engine(0.02, model=model, regions=model.blocks, policy="auto", min_offload_bytes=0)
+    eng = offload.engine(0.02, model=model, regions=model.blocks, policy="auto", min_offload_mb=0)
     x = torch.randn(32, WIDTH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -282,7 +282,7 @@ def _critic(policy: str | None, steps: int = 4):
     if policy is not None:
         budget = None if policy == "none" else 0.02
         regions = [critic[0], critic[2]]
-        eng = offload.engine(budget, model=critic, regions=regions, policy=policy, min_offload_bytes=0)
+        eng = offload.engine(budget, model=critic, regions=regions, policy=policy, min_offload_mb=0)
     data = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(steps):

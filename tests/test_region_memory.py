@@ -61,7 +61,7 @@ def peak_allocated(step) -> int:
 def test_recompute_at_no_budget_peaks_where_torch_checkpoint_does(spill_dir):
     torch_checkpointed = Net(torch_checkpoint_blocks=True)
     model = Net()
-    eng = offload.engine(None, min_offload_bytes=0, model=model, regions=model.blocks, policy="recompute")
+    eng = offload.engine(None, min_offload_mb=0, model=model, regions=model.blocks, policy="recompute")
     assert_same(run_step(Net(), _input), run_step(model, _input, eng), "first step")
     theirs = peak_allocated(lambda: run_step(torch_checkpointed, _input))
     ours = peak_allocated(lambda: run_step(model, _input, eng))
@@ -79,7 +79,7 @@ def test_recompute_at_no_budget_peaks_where_torch_checkpoint_does(spill_dir):
 def test_what_re_run_regions_hold_is_counted_and_shown(spill_dir):
     model = Net()
     budget_mb = 0.5
-    eng = offload.engine(budget_mb, min_offload_bytes=0, model=model, regions=model.blocks, policy="selective")
+    eng = offload.engine(budget_mb, min_offload_mb=0, model=model, regions=model.blocks, policy="selective")
     for _ in range(4):
         run_step(model, _input, eng)
     eng.reset_stats()
@@ -98,7 +98,7 @@ def test_what_is_held_counts_the_store_beside_the_region(spill_dir):
     moment: above either peak alone (the store holds the earlier blocks' inputs while a block
     re-runs), never above both peaks added."""
     model = Net()
-    eng = offload.engine(None, min_offload_bytes=0, model=model, regions=model.blocks, policy="recompute")
+    eng = offload.engine(None, min_offload_mb=0, model=model, regions=model.blocks, policy="recompute")
     assert_same(run_step(Net(), _input), run_step(model, _input, eng), "first step")
     eng.reset_stats()
     run_step(model, _input, eng)
@@ -113,7 +113,7 @@ def test_a_selective_regions_own_hold_is_what_it_drops_not_its_stash(spill_dir):
     """The stash is the store's (in ``resident_bytes``): a selective block's own hold, at the end of
     its forward and in its re-run, is what it drops and regenerates, counted once."""
     model = Net()
-    eng = offload.engine(None, min_offload_bytes=0, model=model, regions=model.blocks, policy="selective")
+    eng = offload.engine(None, min_offload_mb=0, model=model, regions=model.blocks, policy="selective")
     while eng.profiling or eng.recent_stages[-1] is not None:
         run_step(model, _input, eng)
     assert all(d is offload.Decision.SELECTIVE for d in eng.plan.decisions), str(eng.plan)
@@ -127,7 +127,7 @@ def test_a_selective_regions_own_hold_is_what_it_drops_not_its_stash(spill_dir):
 
 def test_an_engine_without_re_runs_holds_nothing_beside_the_store(spill_dir):
     model = Net()
-    eng = offload.engine(0.5, min_offload_bytes=0, model=model, regions=model.blocks, policy="offload")
+    eng = offload.engine(0.5, min_offload_mb=0, model=model, regions=model.blocks, policy="offload")
     for _ in range(3):
         run_step(model, _input, eng)
     stats = eng.stats
@@ -171,7 +171,7 @@ def test_a_node_that_reads_its_saved_tensors_twice(spill_dir):
         torch_checkpoint.checkpoint(base[0], x, use_reentrant=False).sum().backward()
     reference, model = copy.deepcopy(base), copy.deepcopy(base)
     for policy in ("recompute", "selective"):
-        eng = offload.engine(None, min_offload_bytes=0, model=model, regions=[model[0], model[1]], policy=policy)
+        eng = offload.engine(None, min_offload_mb=0, model=model, regions=[model[0], model[1]], policy=policy)
         for step in range(4):
             make = lambda: torch.randn(4, 16)  # noqa: E731
             before = [m.calls[0] for m in model[:2]]

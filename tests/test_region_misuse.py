@@ -91,7 +91,7 @@ def test_regions_of_a_copy_are_refused_by_the_decorator():
 def test_a_step_that_runs_none_of_the_regions_says_so_once(spill_dir):
     model = _net()
     twin = copy.deepcopy(model)
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, regions=twin.model.blocks, policy="auto")
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, regions=twin.model.blocks, policy="auto")
     with pytest.warns(UserWarning, match=r"ran none of the engine's 2 regions .*Engine\.profiling stays True"):
         _step(model, eng)
     with warnings.catch_warnings():
@@ -103,7 +103,7 @@ def test_a_step_that_runs_none_of_the_regions_says_so_once(spill_dir):
 
 def test_a_step_that_runs_the_regions_says_nothing(spill_dir):
     model = _net()
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, regions=model.model.blocks, policy="offload")
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, regions=model.model.blocks, policy="offload")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(3):
@@ -140,7 +140,7 @@ def _two_threads(first, second):
 def test_one_engine_with_regions_refuses_a_second_thread_mid_forward(spill_dir):
     base = _net()
     reference, model = copy.deepcopy(base), copy.deepcopy(base)
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="auto")
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=model.model.blocks, policy="auto")
     block = model.model.blocks[1]
     original = block.mlp.forward
 
@@ -179,7 +179,7 @@ def test_one_engine_with_regions_refuses_a_second_thread_mid_forward(spill_dir):
 
 def test_a_thread_that_raised_mid_forward_holds_nothing_up(spill_dir):
     model = _net()
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="offload")
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=model.model.blocks, policy="offload")
     block = model.model.blocks[1]
     original = block.forward
 
@@ -207,7 +207,7 @@ def test_two_threads_entering_together_one_is_refused_or_they_take_turns(spill_d
     try:
         for trial in range(10):
             model = copy.deepcopy(base)
-            eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks)
+            eng = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=model.model.blocks)
             barrier = threading.Barrier(2)
             outcomes: list = []
 
@@ -239,7 +239,7 @@ def test_a_profiling_step_overtaken_before_its_backward_is_measured_again(spill_
     is not planned from (its backward was not measured alone), and every step's gradients hold."""
     base = _net()
     model = copy.deepcopy(base)
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="auto")
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=model.model.blocks, policy="auto")
     in_backward, go_on = threading.Event(), threading.Event()
     results = {}
 
@@ -296,7 +296,7 @@ def test_a_second_thread_waits_for_the_first_to_enter_then_is_refused(spill_dir)
     base = _net()
     reference = _step(copy.deepcopy(base))
     model = copy.deepcopy(base)
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, model=model, regions=model.model.blocks, policy="offload")
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, model=model, regions=model.model.blocks, policy="offload")
     lock = _SignallingLock()
     eng._entering = lock
     regions = eng._regions

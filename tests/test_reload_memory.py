@@ -101,7 +101,7 @@ def test_a_dropped_reload_from_the_host_frees_its_device_memory(spill_dir):
     the destination (for ``record_stream``), so the device memory lived until the entry's next
     reload or release."""
     with detecting() as link:
-        eng = offload.engine(2 * NBYTES / MB, device="cpu", min_offload_bytes=0, link=link, spill_dir=spill_dir)
+        eng = offload.engine(2 * NBYTES / MB, device="cpu", min_offload_mb=0, link=link, spill_dir=spill_dir)
         _backward_twice(eng, contextlib.nullcontext(), link.emulated.live_reload_destinations)
 
 
@@ -109,5 +109,5 @@ def test_a_dropped_reload_from_disk_frees_its_device_memory(spill_dir):
     """The CPU's disk tier: the read's future kept its destination as its result, and the future
     stayed as a reader of the disk copy."""
     allocations = _ByteAllocations()
-    eng = offload.engine(2 * NBYTES / MB, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(2 * NBYTES / MB, min_offload_mb=0, spill_dir=spill_dir)
     _backward_twice(eng, allocations, allocations.live)

@@ -68,7 +68,7 @@ class _Faults:
 
 def _store(tmp_path, budget_mb, host_budget_mb, host: StandInHost, polls: int = 2) -> Store:
     config = Config.from_user(
-        budget_mb, device="cpu", min_offload_bytes=0, host_budget_mb=host_budget_mb, spill_dir=tmp_path
+        budget_mb, device="cpu", min_offload_mb=0, host_budget_mb=host_budget_mb, spill_dir=tmp_path
     )
     return Store(config, torch.device("cpu"), Counters(), link=DeferredLink(polls), host=host)
 

@@ -248,7 +248,7 @@ def test_inplace_change_of_a_stashed_output_after_forward_raises(inside_engine, 
     torch.manual_seed(0)
     lin = nn.Linear(WIDTH, WIDTH)
     x = torch.randn(ROWS, WIDTH, requires_grad=True)
-    eng = offload.engine(None, min_offload_bytes=0, spill_dir=spill_dir) if inside_engine else None
+    eng = offload.engine(None, min_offload_mb=0, spill_dir=spill_dir) if inside_engine else None
 
     def fn(t):
         y = lin(t)
@@ -333,7 +333,7 @@ def selective_engine(model: GPTLoss, budget_mb, spill_dir, link=None, **kw) -> o
         policy="selective",
         regions=model.model.blocks,
         model=model,
-        min_offload_bytes=0,
+        min_offload_mb=0,
         spill_dir=spill_dir,
         link=link,
         **kw,
@@ -422,9 +422,7 @@ def test_recomputed_bytes_is_the_dropped_tanh_outputs(policy, spill_dir):
     tanh, once for the second matmul: one storage). Recompute and selective both drop g only."""
     torch.manual_seed(0)
     model = Stack()
-    eng = offload.engine(
-        None, policy=policy, regions=model.blocks, model=model, min_offload_bytes=0, spill_dir=spill_dir
-    )
+    eng = offload.engine(None, policy=policy, regions=model.blocks, model=model, min_offload_mb=0, spill_dir=spill_dir)
     per_step = []
     for _ in range(3):
         eng.reset_stats()
@@ -449,7 +447,7 @@ def test_compiled_blocks_are_recomputed_whole_with_a_note(spill_dir):
         reference.blocks[i] = torch.compile(b, backend="aot_eager")
     assert all(is_compiled(b) for b in model.blocks) and not any(is_compiled(b) for b in base.blocks)
     eng = offload.engine(
-        None, policy="selective", regions=model.blocks, model=model, min_offload_bytes=0, spill_dir=spill_dir
+        None, policy="selective", regions=model.blocks, model=model, min_offload_mb=0, spill_dir=spill_dir
     )
 
     def make() -> torch.Tensor:
@@ -469,7 +467,7 @@ def test_auto_uses_selective_where_it_is_cheapest(spill_dir):
     model = gpt(dropout=0.0)
     reference = copy.deepcopy(model)
     no_disk = offload.MachineProfile(device_type="cpu", device_name="no disk")
-    eng0 = offload.engine(None, min_offload_bytes=0)
+    eng0 = offload.engine(None, min_offload_mb=0)
     run_step(copy.deepcopy(model), tokens, eng0, input_grad=False)
     total_mb = eng0.stats.saved_bytes / 2**20
     eng0.close()
@@ -479,7 +477,7 @@ def test_auto_uses_selective_where_it_is_cheapest(spill_dir):
         regions=model.model.blocks,
         model=model,
         machine=no_disk,
-        min_offload_bytes=0,
+        min_offload_mb=0,
         spill_dir=spill_dir,
     )
     for i in range(STEPS):

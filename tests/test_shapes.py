@@ -55,7 +55,7 @@ def train(model, seqs, eng=None):
 
 def saved_by_blocks(model, seq: int, size: int = BATCH) -> list[int]:
     """What each block saves at ``seq`` (``size`` rows) as the store counts it (policy "none", no budget)."""
-    eng = offload.engine(None, policy="none", regions=model.blocks, model=model, machine=MACHINE, min_offload_bytes=0)
+    eng = offload.engine(None, policy="none", regions=model.blocks, model=model, machine=MACHINE, min_offload_mb=0)
     measured = []
     for block in model.blocks:
         before = []

@@ -147,7 +147,7 @@ def _soak(eng, steps: int, spill_dir, host_cap_bytes=None) -> None:
 
 
 def test_soak_cpu_spill(spill_dir):
-    eng = offload.engine(BUDGET_MB, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(BUDGET_MB, min_offload_mb=0, spill_dir=spill_dir)
     _soak(eng, STEPS, spill_dir)
     eng.close()
     assert list(spill_dir.iterdir()) == []
@@ -165,7 +165,7 @@ def test_soak_host_tier(link, spill_dir):
             made = DeferredLink(2) if link == "deferred" else ThreadedLink(delay_s=0.0005)
         cap = 4 * BUDGET_MB
         eng = offload.engine(
-            BUDGET_MB, device="cpu", min_offload_bytes=0, link=made, host_budget_mb=cap, spill_dir=spill_dir
+            BUDGET_MB, device="cpu", min_offload_mb=0, link=made, host_budget_mb=cap, spill_dir=spill_dir
         )
         _soak(eng, STEPS, spill_dir, host_cap_bytes=int(cap * 2**20))
         assert eng.stats.host_bytes <= cap * 2**20

@@ -103,7 +103,7 @@ def test_directory_and_file_are_private_and_the_name_says_nothing(spill_dir):
     Changed with the nameless file (issue 47, item 4): the directory is seen as it was at the
     create (through the host seam), and the file through its descriptor."""
     opens = _OpenFlags()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=opens)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=opens)
     loss = _forward(eng)
     private = _private(spill_dir)
     assert not private.exists(), "the private directory went once the file was open"
@@ -174,7 +174,7 @@ def test_planted_path_is_never_written_through(planted, spill_dir, tmp_path, cap
     planting = _Planting(planted, target)
     model = _model()
     ref = run_step(model, _marked_input)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=planting)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=planting)
     planting.queue = [str(uuid.uuid4()) for _ in range(3)]
     with caplog.at_level(logging.WARNING, logger="offload"):
         assert_same(ref, run_step(model, _marked_input, eng), f"planted {planted}")
@@ -203,7 +203,7 @@ def test_spill_file_swapped_for_a_symlink_is_not_read(spill_dir, tmp_path):
     host = StandInHost()  # records every spill write and every open
     model = _model()
     ref = run_step(model, _marked_input)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=host)
     model.zero_grad(set_to_none=True)
     with eng:
         out = model(_marked_input())
@@ -236,7 +236,7 @@ def test_logs_and_errors_name_shapes_and_dtypes_at_most(spill_dir, caplog):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     writes.before_write = every_other_write_fails
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=writes)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=writes)
     with caplog.at_level(logging.DEBUG, logger="offload"):
         loss = _forward(eng)
         assert writes.landed() > 0 and eng.stats.spill_files == 1
@@ -261,7 +261,7 @@ def test_tmpfs_spill_directory_warns(caplog):
     if not shm.is_dir() or Host().filesystem_type(shm) != "tmpfs" or not os.access(shm, os.W_OK):
         pytest.skip("no writable tmpfs at /dev/shm here")
     with tempfile.TemporaryDirectory(dir=shm) as parent:
-        eng = offload.engine(0, min_offload_bytes=0, spill_dir=parent)
+        eng = offload.engine(0, min_offload_mb=0, spill_dir=parent)
         with caplog.at_level(logging.WARNING, logger="offload"):
             loss = _forward(eng)
         messages = [
@@ -275,7 +275,7 @@ def test_tmpfs_spill_directory_warns(caplog):
 
 
 def test_directory_removed_on_close_but_the_users_parent_stays(spill_dir):
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     loss = _forward(eng)
     private = _private(spill_dir)
     assert not private.exists() and len(_fds_into(private)) == 1, "open, with no name"
@@ -294,7 +294,7 @@ def test_directory_removed_when_the_engine_is_collected(spill_dir):
     still needs its file is gone too (the graph's handles keep the store alive)."""
     model = _model()
     ref = run_step(model, _marked_input)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     model.zero_grad(set_to_none=True)
     with eng:
         out = model(_marked_input())
@@ -316,7 +316,7 @@ def test_directory_removed_at_interpreter_exit(spill_dir):
     script = textwrap.dedent(
         """
         import pathlib, sys, torch, offload
-        eng = offload.engine(0, min_offload_bytes=0, spill_dir=sys.argv[1])
+        eng = offload.engine(0, min_offload_mb=0, spill_dir=sys.argv[1])
         w = torch.randn(256, 256, requires_grad=True)
         with eng:
             h = torch.randn(64, 256)
@@ -346,7 +346,7 @@ def test_a_missing_spill_dir_is_made_when_needed_and_removed_at_close(tmp_path):
     import offload
 
     missing = tmp_path / "a" / "b" / "spill"
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=missing)
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, spill_dir=missing)
     assert not (tmp_path / "a").exists(), "building the engine made nothing"
     x = torch.randn(64, 64, requires_grad=True)
     with eng:
@@ -362,7 +362,7 @@ def test_a_spill_dir_that_existed_stays(tmp_path):
 
     spill = tmp_path / "mine"
     spill.mkdir()
-    eng = offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=spill)
+    eng = offload.engine(budget_mb=0, min_offload_mb=0, spill_dir=spill)
     x = torch.randn(64, 64, requires_grad=True)
     with eng:
         y = x.sin().sum()
@@ -392,7 +392,7 @@ def test_two_engines_sharing_a_missing_spill_dir(tmp_path):
     import offload
 
     missing = tmp_path / "shared" / "spill"
-    engines = [offload.engine(budget_mb=0, min_offload_bytes=0, spill_dir=missing) for _ in range(2)]
+    engines = [offload.engine(budget_mb=0, min_offload_mb=0, spill_dir=missing) for _ in range(2)]
 
     def step(eng):
         x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
@@ -416,7 +416,7 @@ def test_spill_dir_is_empty_while_the_engine_spills(spill_dir):
     host = StandInHost()
     seen: list[list[str]] = []
     host.before_write = lambda n, offset: seen.append(os.listdir(spill_dir))
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=host)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=host)
     loss = _forward(eng)
     assert host.landed() > 0 and len(seen) == host.writes
     assert seen == [[]] * len(seen), seen
@@ -433,7 +433,7 @@ def test_a_process_killed_mid_spill_leaves_nothing(spill_dir):
     script = textwrap.dedent(
         """
         import sys, torch, offload
-        eng = offload.engine(0, min_offload_bytes=0, spill_dir=sys.argv[1])
+        eng = offload.engine(0, min_offload_mb=0, spill_dir=sys.argv[1])
         w = torch.randn(256, 256, requires_grad=True)
         with eng:
             h = torch.randn(64, 256)

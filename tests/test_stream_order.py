@@ -31,7 +31,7 @@ NBYTES = SIZE * 4
 
 
 def _engine(link, budget_mb, **options):
-    return offload.engine(budget_mb, device="cpu", min_offload_bytes=0, link=link, **options)
+    return offload.engine(budget_mb, device="cpu", min_offload_mb=0, link=link, **options)
 
 
 def _under_engine(step, link, budget_mb, **options):

@@ -72,7 +72,7 @@ def test_spill_file_is_private_with_a_random_name(spill_dir):
     Changed with the one-file design: there used to be a file per spilled tensor. Changed with the
     nameless file (issue 47, item 4): the directory and the name went with the open; the 0700
     directory is checked at the create, in ``test_spill_security``."""
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     with eng:
         loss = deep_mlp()(mlp_input()).sum()
     assert list(spill_dir.iterdir()) == [], "spilling, yet nothing on disk names the file"
@@ -98,7 +98,7 @@ def test_spill_extents_go_as_backward_consumes_them(spill_dir):
     Changed with the one-file design: this counted files, one per tensor, removed as backward
     consumed them; now what backward releases is extents of the one file (``spill_bytes``)."""
     model = deep_mlp()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, prefetch=False)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, prefetch=False)
     counts = []
     with eng:
         h = mlp_input()
@@ -126,7 +126,7 @@ def test_spill_extents_go_as_backward_consumes_them(spill_dir):
 
 def test_spill_files_removed_after_exception_in_forward(spill_dir):
     model = deep_mlp()
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir)
     seen = []
 
     def forward_that_fails():
@@ -153,7 +153,7 @@ def test_prefetch_hits_with_a_small_budget(spill_dir):
     ref = run_step(deep_mlp(), mlp_input)
     runs = {}
     for prefetch in (True, False):
-        eng = offload.engine(0.25, min_offload_bytes=0, spill_dir=spill_dir, prefetch=prefetch)
+        eng = offload.engine(0.25, min_offload_mb=0, spill_dir=spill_dir, prefetch=prefetch)
         assert_same(ref, run_step(deep_mlp(), mlp_input, eng), f"prefetch={prefetch}")
         runs[prefetch] = wait_clean(eng, spill_dir)
         eng.close()
@@ -170,7 +170,7 @@ def test_prefetch_off_means_every_reload_is_a_miss(prefetch, spill_dir):
     with prefetch, all but the first reload are started ahead of use. A storage whose write is
     still in flight when backward reaches it is served from its original: neither read nor a miss."""
     nbytes = SIZE * 4
-    eng = offload.engine(2 * nbytes / MB, min_offload_bytes=0, spill_dir=spill_dir, prefetch=prefetch)
+    eng = offload.engine(2 * nbytes / MB, min_offload_mb=0, spill_dir=spill_dir, prefetch=prefetch)
     run_step(TanhChain(16), chain_input, eng, loss_fn=torch.sum)
     stats = wait_clean(eng, spill_dir)
     moved = stats.offloaded_bytes // nbytes
@@ -192,7 +192,7 @@ def test_peak_resident_stays_within_the_budget(tensors, spill_dir):
     nbytes = SIZE * 4
     model = TanhChain(depth)
     ref = run_step(TanhChain(depth), chain_input, loss_fn=torch.sum)
-    eng = offload.engine(tensors * nbytes / MB, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(tensors * nbytes / MB, min_offload_mb=0, spill_dir=spill_dir)
     got = run_step(model, chain_input, eng, loss_fn=torch.sum)
     assert torch.equal(ref.grads["scale"], got.grads["scale"]) and torch.equal(ref.input_grad, got.input_grad)
     stats = wait_clean(eng, spill_dir)
@@ -209,7 +209,7 @@ def test_peak_resident_stays_within_the_budget(tensors, spill_dir):
 
 def test_budget_none_keeps_everything_and_counts_it(spill_dir):
     depth = 8
-    eng = offload.engine(None, min_offload_bytes=0, spill_dir=spill_dir)
+    eng = offload.engine(None, min_offload_mb=0, spill_dir=spill_dir)
     w = torch.ones((), requires_grad=True)
     with eng:
         y = TanhChain(depth)(chain_input() * w)
@@ -275,7 +275,7 @@ def _spilled_step(spill_dir):
     model = deep_mlp()
     ref = run_step(model, mlp_input)
     model.zero_grad(set_to_none=True)
-    eng = offload.engine(0, min_offload_bytes=0, spill_dir=spill_dir, host=writes)
+    eng = offload.engine(0, min_offload_mb=0, spill_dir=spill_dir, host=writes)
     torch.manual_seed(1234)  # run_step's seeds: the same input, the same math
     x = mlp_input().requires_grad_(True)
     with eng:

@@ -50,7 +50,7 @@ def train(model, eng=None, steps: int = 5):
 def split_of_one_step() -> tuple[int, list[int], int]:
     """(before, per block, after) bytes as the store counts them, split at the blocks by hooks."""
     model = make_model()
-    eng = offload.engine(None, model=model, min_offload_bytes=0)
+    eng = offload.engine(None, model=model, min_offload_mb=0)
     marks, per_block = [], []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda m, a: marks.append(eng.stats.saved_bytes))
@@ -74,7 +74,7 @@ def engine(model, budget_mb, spill_dir, policy="auto"):
         policy=policy,
         machine=MACHINE,
         spill_dir=spill_dir,
-        min_offload_bytes=0,
+        min_offload_mb=0,
     )
 
 
@@ -231,7 +231,7 @@ def test_the_saves_between_regions_count_with_those_before_them(spill_dir):
     store treats them]); the store's own count of one step, split by hooks, is the oracle."""
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
     model = Gapped()
-    counting = offload.engine(None, model=model, min_offload_bytes=0)
+    counting = offload.engine(None, model=model, min_offload_mb=0)
     starts, ends = [], []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda m, a: starts.append(counting.stats.saved_bytes))
@@ -252,7 +252,7 @@ def test_the_saves_between_regions_count_with_those_before_them(spill_dir):
         policy="offload",
         machine=MACHINE,
         spill_dir=spill_dir,
-        min_offload_bytes=0,
+        min_offload_mb=0,
     )
     for _ in range(2):
         with eng:
@@ -379,7 +379,7 @@ class _Tabled(torch.nn.Module):
 def _tabled_split(batch: int) -> list[int]:
     """Bytes per block as the store counts one step (a storage it holds already counts no more)."""
     model = _Tabled()
-    eng = offload.engine(None, model=model, min_offload_bytes=0)
+    eng = offload.engine(None, model=model, min_offload_mb=0)
     starts, per_block = [], []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda m, a: starts.append(eng.stats.saved_bytes))
@@ -396,7 +396,7 @@ def test_a_table_made_before_the_regions_counts_once_in_a_recompute_trial(spill_
     store's rules (See Note: [sizes a recompute trial counts]): the table's storage in the first
     block that views it, not again in each block. Oracle: the store's own split of one step."""
     model, reference = _Tabled(), _Tabled()
-    eng = offload.engine(budget_mb=0, model=model, regions=model.blocks, policy="auto", min_offload_bytes=0)
+    eng = offload.engine(budget_mb=0, model=model, regions=model.blocks, policy="auto", min_offload_mb=0)
     batches = [64] * most_profiling_steps("auto") + [128]
     for step, batch in enumerate(batches):
         x = torch.randn(batch, WIDTH, generator=torch.Generator().manual_seed(batch))

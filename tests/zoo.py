@@ -228,7 +228,7 @@ def assert_same(ref: Result, got: Result, what: str = "") -> None:
 
 def saved_bytes(model: nn.Module, make_input, **step_kwargs) -> int:
     """Bytes of distinct storages the engine manages for one step of ``model`` (budget None)."""
-    eng = offload.engine(None, min_offload_bytes=0)
+    eng = offload.engine(None, min_offload_mb=0)
     run_step(copy.deepcopy(model), make_input, eng, **step_kwargs)
     nbytes = eng.stats.saved_bytes
     eng.close()
