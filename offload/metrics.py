@@ -7,7 +7,6 @@ else: the warning comes when a name is read, and prometheus-client is imported o
 
 from __future__ import annotations
 
-import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -28,4 +27,6 @@ def __getattr__(name: str) -> Any:
         DeprecationWarning,
         stacklevel=2,
     )
-    return getattr(importlib.import_module(_ONE_PATH), name)
+    from .integrations import prometheus  # here, not at import: reading this module stays free
+
+    return getattr(prometheus, name)
