@@ -384,7 +384,7 @@ naming its replacement; not in the signature, so ``help()``, IDEs and mypy show 
 def engine_keywords() -> tuple[str, ...]:
     """Every keyword ``offload.engine()`` takes, read from its signature (deprecated ones left out),
     so a keyword added there is listed without editing a list."""
-    return tuple(p.name for p in inspect.signature(engine).parameters.values() if p.kind is not p.VAR_KEYWORD)
+    return tuple(inspect.signature(engine).parameters)
 
 
 def check_keywords(given: Any, *, where: str = "offload.engine()", extra: tuple[str, ...] = ()) -> None:

@@ -7,6 +7,7 @@ RNG seeded apart in forward and backward; where it does not, a ``ValueError`` sa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -86,9 +87,11 @@ def test_checkpoint_enters_context_fns_forward_context_then_its_rerun_context():
     assert entered == ["forward", "/forward", "rerun", "/rerun"]
 
 
-def test_checkpoint_context_fn_must_give_two_contexts():
+@pytest.mark.parametrize("given", [None, (), (contextlib.nullcontext(),)])
+def test_checkpoint_context_fn_must_give_two_contexts(given):
+    """Refused in forward, where the call is, not in backward when the re-run looks for its context."""
     with pytest.raises(TypeError, match="context_fn must return two context managers"):
-        offload.checkpoint(_dropout_block(), torch.randn(4, 16, requires_grad=True), context_fn=lambda: None)
+        offload.checkpoint(_dropout_block(), torch.randn(4, 16, requires_grad=True), context_fn=lambda: given)
 
 
 @pytest.mark.parametrize(

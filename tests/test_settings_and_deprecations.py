@@ -64,6 +64,17 @@ def test_a_misspelt_setting_names_the_closest_and_lists_only_current_ones():
     assert listed == list(inspect.signature(offload.engine).parameters)
 
 
+def test_the_defaults_are_the_documented_ones():
+    """What the docstring and the README say each setting defaults to is what an engine gets."""
+    config = offload.engine().config
+    assert config.budget_bytes is None and config.reserve_bytes is None and config.host_budget_bytes is None
+    assert config.prefetch is True
+    assert config.spill_workers == 2
+    assert config.min_offload_bytes == 64 * 1024
+    assert config.policy == "offload" and config.device is None
+    assert config.spill_dir is None and config.plan_cache is None
+
+
 def test_budget_mb_by_position_and_by_name_make_the_same_engine():
     assert offload.engine(3).config == offload.engine(budget_mb=3).config
 
@@ -165,6 +176,15 @@ def test_a_free_memory_reading_with_a_fixed_budget_is_refused():
         offload.engine(0, seams=offload.Seams(memory=lambda: 1 << 30))
 
 
+def test_seams_are_frozen():
+    """A bundle given to one engine cannot change under it afterwards."""
+    import dataclasses
+
+    seams = offload.Seams()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        seams.host = StandInHost()  # type: ignore[misc]  # the assignment is the test
+
+
 def test_seams_repr_names_the_types_given_only():
     assert repr(offload.Seams(host=StandInHost())) == "Seams(host=StandInHost)"
     assert repr(offload.Seams()) == "Seams()"
@@ -261,7 +281,22 @@ def test_offload_metrics_warns_naming_the_one_path():
         offload.metrics.nothing  # noqa: B018 - the lookup is the test
 
 
-def test_a_deprecation_points_at_the_callers_line():
-    with pytest.warns(DeprecationWarning) as caught:
-        offload.engine(0, min_offload_bytes=0)
-    assert [w.filename for w in caught] == [__file__]
+def test_each_deprecation_points_at_the_callers_line():
+    """The warning names the line to change: the caller's, not offload's (called directly here, so
+    a stack level one too deep would name pytest's frame)."""
+    import offload.metrics
+
+    with pytest.warns(DeprecationWarning) as by_keyword:
+        offload.engine(0, min_offload_bytes=0).close()
+    with pytest.warns(DeprecationWarning) as by_seam:
+        offload.engine(0, host=StandInHost()).close()
+    eng = offload.engine(0)
+    with pytest.warns(DeprecationWarning) as by_class:
+        offload.Engine(eng.config).close()
+    with pytest.warns(DeprecationWarning) as by_watch:
+        eng.watch(_blocks())
+    eng.close()
+    with pytest.warns(DeprecationWarning) as by_module:
+        offload.metrics.WAIT_BUCKETS_S  # noqa: B018 - the lookup is the test
+    for caught in (by_keyword, by_seam, by_class, by_watch, by_module):
+        assert [w.filename for w in caught] == [__file__], [str(w.message)[:40] for w in caught]
