@@ -54,7 +54,8 @@ def test_checkpoint_with_torchs_keywords_matches_torch_bitwise(preserve_rng_stat
 def test_checkpoint_keeps_torchs_defaults_for_the_keywords_whose_meaning_carries():
     block = _dropout_block()
     want = _checkpointed(torch_checkpoint, block, use_reentrant=False)
-    same = {"determinism_check": "default", "debug": False, "early_stop": True}
+    built = "".join(["def", "ault"])  # equal to "default", not the same object: compared by value
+    same = {"determinism_check": built, "debug": False, "early_stop": True}
     assert _equal(_checkpointed(offload.checkpoint, block, use_reentrant=None, **same), want)
 
 
@@ -99,6 +100,7 @@ def test_checkpoint_context_fn_must_give_two_contexts(given):
     [
         ("use_reentrant", True, "the non-reentrant kind"),
         ("determinism_check", "none", "always checked"),
+        ("determinism_check", "all", "always checked"),  # any value but "default", whichever way it sorts
         ("debug", True, "no op trace"),
         ("early_stop", False, "always stops"),
     ],
