@@ -9,9 +9,10 @@ Per region, measured: ``offload.engine(budget_mb=512, regions=model.blocks)`` pr
 on its first steps and keeps, offloads or recomputes it, whichever is cheapest under the budget.
 """
 
+from ._api import engine
 from ._config import Config
 from ._cost import MachineProfile, RegionProfile, Scope
-from ._engine import Engine, engine, explain
+from ._engine import Engine, explain
 from ._errors import OffloadError
 from ._memory.hooks import no_offload
 from ._memory.probe import probe

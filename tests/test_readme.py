@@ -165,8 +165,8 @@ def test_the_settings_table_is_the_engines_signature():
 
 def test_the_deprecated_table_names_every_deprecated_keyword():
     """The README's deprecated table has a row for each keyword ``offload.engine`` still takes
-    outside its signature (white-box: ``offload._engine._DEPRECATED_KEYWORDS`` is that list)."""
-    from offload._engine import _DEPRECATED_KEYWORDS
+    outside its signature (white-box: ``offload._api._DEPRECATED_KEYWORDS`` is that list)."""
+    from offload._api import _DEPRECATED_KEYWORDS
 
     section = text("README.md").split("## Settings", 1)[1].split("\n## ", 1)[0].split("Deprecated", 1)[1]
     for name in _DEPRECATED_KEYWORDS:

@@ -48,8 +48,8 @@ import torch
 
 import offload
 
+from .._api import check_keywords
 from .._attach import attach, detach
-from .._engine import check_keywords
 from ._figures import log_figures
 
 try:

@@ -31,7 +31,7 @@ import torch
 
 import offload
 
-from .._engine import check_keywords
+from .._api import check_keywords
 from . import _figures
 
 try:
