@@ -268,6 +268,16 @@ def test_shared_inputs_warns_naming_offload_sharded():
             offload.engine(0, shared_inputs=object())
 
 
+def test_shared_inputs_is_still_checked_while_deprecated():
+    """The deprecated keyword keeps its checks for its release: regions, policy='recompute', a group."""
+    regions = [nn.Linear(2, 2)]
+    with pytest.warns(DeprecationWarning):
+        with pytest.raises(ValueError, match="needs policy='recompute', got policy='auto'"):
+            offload.engine(None, regions=regions, shared_inputs=object())
+        with pytest.raises(TypeError, match="must be a torch.distributed process group, got True"):
+            offload.engine(None, regions=regions, policy="recompute", shared_inputs=True)
+
+
 def test_offload_metrics_warns_naming_the_one_path():
     import offload.integrations.prometheus as one_way
     import offload.metrics
