@@ -471,10 +471,9 @@ def test_loads_given_back_are_read_ahead_again_when_room_returns():
     eng = offload.engine(
         "auto",
         reserve_mb=1,
-        memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0),
-        min_offload_bytes=0,
+        min_offload_mb=0,
         device="cpu",
-        link=DeferredLink(delay=1),
+        seams=offload.Seams(memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0), link=DeferredLink(delay=1)),
     )
     x = torch.randn(256, 256, requires_grad=True)
     h = x

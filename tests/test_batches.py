@@ -52,7 +52,9 @@ def test_copies_out_go_in_batches_and_gradients_stay_exact(schedule, spill_dir):
     rows = [48, 64, 40, 64, 56, 32]
     budget_mb = _saved_bytes(model, max(rows)) / 2 / MB
     with detecting(Schedule.named(schedule)) as link:
-        eng = offload.engine(budget_mb, device="cpu", min_offload_bytes=0, link=link, spill_dir=spill_dir)
+        eng = offload.engine(
+            budget_mb, device="cpu", min_offload_mb=0, seams=offload.Seams(link=link), spill_dir=spill_dir
+        )
         for step, n in enumerate(rows):
             torch.manual_seed(step)
             x = torch.randn(n, WIDTH)
@@ -80,8 +82,8 @@ def test_a_batch_with_no_one_range_below_moves_one_by_one(spill_dir):
         eng = offload.engine(
             budget_mb,
             device="cpu",
-            min_offload_bytes=0,
-            link=link,
+            min_offload_mb=0,
+            seams=offload.Seams(link=link),
             spill_dir=spill_dir,
             host_budget_mb=3.5 * act / MB,  # three 16 KiB slabs fit, the 64 KiB one three side by side need not
         )
@@ -140,7 +142,7 @@ def test_batches_on_cuda_keep_gradients_exact():
     model = _mlp(depth=16).to(device)
     rows = [256, 192, 256, 128]
     budget_mb = (2 * 16 + 1) * max(rows) * WIDTH * 4 / 2 / MB
-    eng = offload.engine(budget_mb, device="cuda", min_offload_bytes=0)
+    eng = offload.engine(budget_mb, device="cuda", min_offload_mb=0)
     for step, n in enumerate(rows):
         torch.manual_seed(step)
         x = torch.randn(n, WIDTH, device=device)
@@ -182,7 +184,11 @@ def test_backward_misses_only_its_first_reload(fraction, delay, spill_dir):
 
     want = run()
     eng = offload.engine(
-        budget_mb, device="cpu", min_offload_bytes=0, link=DeferredLink(delay=delay), spill_dir=spill_dir
+        budget_mb,
+        device="cpu",
+        min_offload_mb=0,
+        seams=offload.Seams(link=DeferredLink(delay=delay)),
+        spill_dir=spill_dir,
     )
     got = run(eng)
     stats = eng.stats

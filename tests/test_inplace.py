@@ -271,7 +271,7 @@ def test_engine_inside_allow_mutation_refuses_like_plain_autograd(tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_save_passed_through_still_raises_like_pytorch(kind, tmp_path):
-    """A tensor under ``min_offload_bytes`` passes through the engine's hooks (a detached alias and
+    """A tensor under ``min_offload_mb`` passes through the engine's hooks (a detached alias and
     its version, checked at unpack): modified after it was saved, backward raises PyTorch's error,
     as it does without the engine. The engine moves nothing here (budget 0, every save small)."""
     torch.manual_seed(0)
@@ -279,7 +279,7 @@ def test_a_save_passed_through_still_raises_like_pytorch(kind, tmp_path):
     _modify(kind, z)
     with pytest.raises(RuntimeError, match=INPLACE) as expected:
         out.sum().backward()
-    eng = offload.engine(0, min_offload_bytes=2 * N * N * 4, spill_dir=tmp_path)  # z is N*N fp32: below
+    eng = offload.engine(0, min_offload_mb=2 * N * N * 4 / 2**20, spill_dir=tmp_path)  # z is N*N fp32: below
     torch.manual_seed(0)
     _, z, out = _saved_by_sin(eng, settle=False)
     assert eng.stats.passthrough_tensors > 0 and eng.stats.saved_tensors == 0, "the premise: passed through"
