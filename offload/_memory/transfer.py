@@ -123,7 +123,7 @@ def _always_wait_from_env() -> bool:
 
 
 class Link(Protocol):
-    """The transport between a device and host memory; ``offload.engine(link=...)`` takes one.
+    """The transport between a device and host memory; ``offload.engine(seams=offload.Seams(link=...))`` takes one.
 
     Copies return pendings (``offload.seams.Pending``); ``h2d`` allocates its destination.
     ``released`` is told when the engine lets a host buffer go (a test link may poison it). A link
