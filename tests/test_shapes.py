@@ -367,12 +367,14 @@ def test_the_trial_counts_each_blocks_flops_as_torchs_counter_does(attention, sp
 def test_a_region_raising_after_its_last_save_in_the_counting_re_run_keeps_its_selective_figures(spill_dir, caplog):
     """The measuring re-run goes past the region's last save (to count every FLOP); should the code
     there raise, the selective figures up to the last save stand, the FLOPs go uncounted, and the
-    step and training go on, gradients exact."""
+    step and training go on, gradients exact. The blocks are one measurement family, so the
+    counting re-run is the first block's and its figures are every block's (See Note:
+    [measurement families] in ``offload._regions.measurement``)."""
     config = dataclasses.replace(CONFIG, dropout=0.0)
     seqs = [160, 160, 160, 160]
     reference = train(make_model(config), seqs)
     model = make_model(config)
-    block = model.blocks[1]
+    block = model.blocks[0]
     forward, calls = block.forward, [0]
 
     def raising_in_the_third_call(*args, **kwargs):
@@ -391,7 +393,7 @@ def test_a_region_raising_after_its_last_save_in_the_counting_re_run_keeps_its_s
     assert calls[0] >= 3, "the premise: the counting re-run reached the code after the last save"
     assert "raised after its last save" in caplog.text
     flops = [r.forward_flops for r in trial.regions]
-    assert flops[1] == 0 and flops[0] > 0 and flops[2] > 0, flops
+    assert flops == [0] * len(trial.regions), flops
     assert all(r.selective_measured() and r.note == "" for r in trial.regions), trial.regions
 
 

@@ -10,6 +10,20 @@ Owned by ``Regions`` (which measures) and read by ``_plan.profiler`` (which plan
 On CUDA every stamp synchronizes the device first, so each figure is device time plus launch
 overhead, the way a step experiences it. CUDA events would avoid the synchronizations; since only
 the few profiling steps pay for them, the simpler wall-clock stamps are used.
+
+Note: [measurement families]
+    Regions of one module class, with the same parameter and buffer shapes, run on inputs of one
+    signature (80 identical decoder layers) are one measurement family (``family_of``). What is
+    measured once per family on a "recompute" trial and reused by its other calls in that step is
+    the selective split: the extra re-run under a dispatch mode that counts which saves are cheap
+    to re-make, which expensive outputs a selective run stashes, its time and the forward's FLOPs
+    (``SelectiveProfile``). That re-run is the one per-region cost of profiling beyond running the
+    region itself (about as much again as its recompute, in Python per op), so a model of N
+    identical blocks pays it once, not N times. What stays per call, because it is the step's
+    own work and costs nothing extra: the sizes the store (or the recompute's placeholders)
+    counted, the forward, recompute and backward clocks. What this gives up: regions of one class
+    and shape that compute differently (a flag set per layer, data-dependent routing) share one
+    split; their times and sizes are still their own.
 """
 
 from __future__ import annotations
@@ -24,7 +38,23 @@ import torch
 from .._cost import RegionProfile
 from .selective import SelectiveProfile
 
-__all__ = ["ForwardClock", "Measurement", "finish_after_backward", "merged_profile", "span_ms", "tensors_in"]
+__all__ = [
+    "ForwardClock",
+    "Measurement",
+    "family_of",
+    "finish_after_backward",
+    "merged_profile",
+    "span_ms",
+    "tensors_in",
+]
+
+
+def family_of(module: torch.nn.Module, signature: tuple, compiled: bool) -> tuple:
+    """A region call's measurement family (See Note: [measurement families]): its module's class,
+    whether it is compiled, the shapes and dtypes of its parameters and buffers, and the call's
+    input signature."""
+    tensors = (*module.named_parameters(), *module.named_buffers())
+    return (type(module), compiled, tuple((name, tuple(t.shape), t.dtype) for name, t in tensors), signature)
 
 
 def finish_after_backward(out: Any, finish: Callable[[], None]) -> None:
@@ -71,6 +101,8 @@ class Measurement:
         self.start = self.end = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.selective: Optional[SelectiveProfile] = None  # a "recompute" step: what selective would cost
+        self.shares: Optional[Measurement] = None
+        """The call of its family whose selective split it reuses (See Note: [measurement families])."""
         self.note = ""
 
     def add_recompute(self, ms: float) -> None:
@@ -115,6 +147,7 @@ class Measurement:
 
     def profile(self) -> RegionProfile:
         raw_ms = self.raw_backward_ms()
+        selective = self._split()
         return RegionProfile(
             name=self.name,
             saved_bytes=self.saved_bytes,
@@ -124,25 +157,32 @@ class Measurement:
             largest_tensor_bytes=self.largest_tensor_bytes,
             backward_ms=max(0.0, raw_ms - self.recompute_ms - self.profiling_ms()) if raw_ms > 0 else 0.0,
             recompute_ms=self.recompute_ms,
-            forward_flops=0 if self.selective is None else self.selective.forward_flops,
-            note=self.note,
-            **self._selective_fields(),
+            forward_flops=0 if selective is None else selective.forward_flops,
+            note=self.note or (f"recomputed whole: {selective.why_not}" if selective and selective.why_not else ""),
+            **_selective_fields(selective),
         )
 
+    def _split(self) -> Optional[SelectiveProfile]:
+        """The selective split measured on this call, or on the family's call it shares."""
+        if self.selective is not None or self.shares is None:
+            return self.selective
+        return self.shares.selective
+
     def profiling_ms(self) -> float:
-        """Wall time of the extra re-run that measured selective costs (none: 0), ms."""
+        """Wall time of the extra re-run that measured selective costs on this call (none, or a
+        split shared from its family: 0), ms."""
         return 0.0 if self.selective is None else self.selective.rerun_ms
 
-    def _selective_fields(self) -> dict:
-        s = self.selective
-        if s is None or s.why_not:
-            return {}
-        return {
-            "selective_ms": s.selective_ms,
-            "cheap_bytes": s.cheap_bytes,
-            "expensive_bytes": s.expensive_bytes,
-            "expensive_tensors": s.expensive_tensors,
-        }
+
+def _selective_fields(s: Optional[SelectiveProfile]) -> dict:
+    if s is None or s.why_not:
+        return {}
+    return {
+        "selective_ms": s.selective_ms,
+        "cheap_bytes": s.cheap_bytes,
+        "expensive_bytes": s.expensive_bytes,
+        "expensive_tensors": s.expensive_tensors,
+    }
 
 
 _SUMMED = (

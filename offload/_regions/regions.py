@@ -45,7 +45,7 @@ from .._plan.planner import Decision, Plan
 from .._plan.policy import Policy, get_policy
 from .._plan.profiler import Measured, Origin, Planning, Profiler, ShapePlan, Stage
 from .blocks import Found, find_blocks
-from .measurement import ForwardClock, Measurement, finish_after_backward, merged_profile, span_ms
+from .measurement import ForwardClock, Measurement, family_of, finish_after_backward, merged_profile, span_ms
 from .module_state import RegionState
 from .selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
 from .steps import AnyStep, PlannedStep, ProfilingStep, Seen, StepPhase, UnplannedStep, begin_step
@@ -664,6 +664,9 @@ class Regions:
         counted: Optional[Saved] = None
         if step.stage is Stage.RECOMPUTE_TRIAL:
             compiled = is_compiled(module)
+            # See Note: [measurement families]: the family's first call measures its split, the rest reuse it.
+            first = step.families.setdefault(family_of(module, _signature(args, kwargs), compiled), m)
+            m.shares = None if first is m else first
             on_recompute = self._session.observers.recompute_timer(name, m.add_recompute)
             assert on_recompute is not None  # never None when given a callback of its own
             out, run = profiled_checkpoint(
@@ -671,7 +674,7 @@ class Regions:
                 args,
                 without_cache(module, kwargs),
                 name,
-                split=not compiled,
+                split=not compiled and m.shares is None,
                 on_recompute=on_recompute,
                 on_selective=m.add_selective,
                 count=functools.partial(step.count, self._session.eligible),

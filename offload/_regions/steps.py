@@ -176,6 +176,9 @@ class ProfilingStep(_Step):
     (Note: [sizes a recompute trial counts])."""
     largest: int = 0
     """A "recompute" trial: the largest storage counted in the region running now."""
+    families: dict[tuple, Measurement] = dataclasses.field(default_factory=dict)
+    """A "recompute" trial: the call that measures each measurement family's selective split, by
+    family (See Note: [measurement families] in ``measurement``)."""
 
     def plan_entry(self) -> Optional[ShapePlan]:
         return self.provisional
