@@ -177,7 +177,7 @@ def test_plans_derived_before_a_refit_are_derived_again_after_it():
     assert step(prof, 160, with_scores) is None
     n160 = Shape.of((BATCH, 160, WIDTH)).n
     seen = [Saved(with_scores(n160, 160), 17)] * REGIONS
-    prof.observe(key(160), [None, *seen, None], [None] * (REGIONS + 2))
+    prof.observe(key(160), [None, *seen, None])
     assert prof.misses == 1, "the premise: the sizes at 160 missed, and were refitted"
     assert step(prof, 96, with_scores) is None
     plan = prof.plan_for(key(96))

@@ -61,29 +61,17 @@ def test_a_region_that_did_not_run_saves_and_costs_nothing():
     assert merged.name == "blocks.2" and merged.saved_bytes == 0 and merged.forward_ms == 0.0
 
 
-class _Clock:
-    """A forward clock with a reading (ms) or none yet (None: its CUDA events not completed)."""
-
-    def __init__(self, ms):
-        self._ms = ms
-
-    def ms(self):
-        return self._ms
-
-
 def test_a_planned_steps_calls_of_one_region_add_up():
     """``steps.Seen`` over a region's calls on a step under a plan: sizes add up while every call
-    saw them; the forward times add up while every clock has a reading, and a call not timed adds
-    no clock."""
+    saw them, and one call whose saves the store did not see leaves them unknown for good."""
     from offload._cost import Saved
     from offload._regions.steps import Seen
 
-    seen = Seen(Saved(10, 1), [_Clock(1.5)])
-    seen.add(Saved(5, 2), _Clock(2.0))
-    seen.add(Saved(1, 1), None)
+    seen = Seen(Saved(10, 1))
+    seen.add(Saved(5, 2))
+    seen.add(Saved(1, 1))
     assert seen.sizes == Saved(16, 4)
-    assert len(seen.clocks) == 2 and seen.forward_ms() == 3.5
-    seen.add(None, _Clock(None))
+    seen.add(None)
     assert seen.sizes is None, "a call whose saves the store did not see leaves the sizes unknown"
-    assert seen.forward_ms() is None, "a clock without a reading yet leaves the time unknown"
-    assert Seen(None, []).forward_ms() is None
+    seen.add(Saved(3, 1))
+    assert seen.sizes is None, "and nothing after it makes them known again"

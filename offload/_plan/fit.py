@@ -479,10 +479,6 @@ class ProfileFit:
         """What region ``index`` was seen to save at ``shape`` on a step under a plan (exact)."""
         self._regions[index].add_sizes(shape, saved_bytes, num_tensors)
 
-    def add_forward(self, shape: Shape, index: int, forward_ms: float) -> None:
-        """Region ``index``'s forward time seen at ``shape`` on a step under a plan."""
-        self._regions[index].fields["forward_ms"].add(shape, forward_ms)
-
     def add_other(self, shape: Shape, other_ms: float) -> None:
         """A measured step's time outside the regions at ``shape`` (embedding, head, loss, optimizer)."""
         if other_ms > 0:

@@ -39,7 +39,6 @@ from .._cost import RegionProfile
 from .selective import SelectiveProfile
 
 __all__ = [
-    "ForwardClock",
     "Measurement",
     "family_of",
     "finish_after_backward",
@@ -216,30 +215,3 @@ def merged_profile(name: str, calls: Sequence[Measurement]) -> RegionProfile:
     note = next((p.note for p in profiles if p.note), "")
     largest = max(p.largest_tensor_bytes for p in profiles)
     return dataclasses.replace(profiles[0], **merged, largest_tensor_bytes=largest, note=note)
-
-
-class ForwardClock:
-    """A region's forward time on a step under a plan, without synchronizing anything: wall time on
-    the CPU, a pair of CUDA events on CUDA (read once they completed, when the next step begins;
-    None before then)."""
-
-    def __init__(self, cuda: Optional[torch.device]) -> None:
-        self._events: Optional[tuple[torch.cuda.Event, torch.cuda.Event]] = None
-        self._start = self._end = 0.0
-        if cuda is not None:
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-        else:
-            self._start = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._events is not None:
-            self._events[1].record()
-        else:
-            self._end = time.perf_counter()
-
-    def ms(self) -> Optional[float]:
-        if self._events is None:
-            return (self._end - self._start) * 1e3
-        start, end = self._events
-        return start.elapsed_time(end) if end.query() else None

@@ -45,7 +45,7 @@ from .._plan.planner import Decision, Plan
 from .._plan.policy import Policy, get_policy
 from .._plan.profiler import Measured, Origin, Planning, Profiler, ShapePlan, Stage
 from .blocks import Found, find_blocks
-from .measurement import ForwardClock, Measurement, family_of, finish_after_backward, merged_profile, span_ms
+from .measurement import Measurement, family_of, finish_after_backward, merged_profile, span_ms
 from .module_state import RegionState
 from .selective import COMPILED_CALL, is_compiled, profiled_checkpoint, selective_checkpoint
 from .steps import AnyStep, PlannedStep, ProfilingStep, Seen, StepPhase, UnplannedStep, begin_step
@@ -201,8 +201,6 @@ def without_cache(module: torch.nn.Module, kwargs: dict) -> dict:
 
 _SIZES_SEEN = (Decision.KEEP, Decision.OFFLOAD)
 """Decisions under which a region's every save goes through the store, so a step sees its sizes."""
-_TIMES_SEEN = (Decision.KEEP, Decision.RECOMPUTE, Decision.SELECTIVE)
-"""Decisions whose forward is the region's compute alone (no copy started from inside it)."""
 
 
 class NoRegions:
@@ -418,14 +416,11 @@ class Regions:
         decision = self._decision(index)
         if isinstance(step, UnplannedStep):
             return self._run(decision, forward, args, kwargs, name, module)
-        clock = ForwardClock(_cuda_device(args, kwargs)) if decision in _TIMES_SEEN else None
         saved_before = self._session.saved()
         out = self._run(decision, forward, args, kwargs, name, module)
         sizes = self._session.saved() - saved_before
-        if clock is not None:
-            clock.stop()
         # Each call of the region adds to one record: See Note: [region calls]
-        step.seen.setdefault(index, Seen(Saved(), [])).add(sizes if decision in _SIZES_SEEN else None, clock)
+        step.seen.setdefault(index, Seen(Saved())).add(sizes if decision in _SIZES_SEEN else None)
         return out
 
     def _run(
@@ -579,13 +574,7 @@ class Regions:
             if step.seen:
                 before, after = step.outside(self._session.saved())
                 sizes = [None if i not in step.seen else step.seen[i].sizes for i in range(len(self.regions))]
-                # Forward times count where nothing moved meanwhile: a copy shares the CPU's cores
-                # (or, with a core spare, its memory bandwidth) and waits for the budget.
-                clean = step.moved_in_forward == 0
-                forward_ms = [
-                    step.seen[i].forward_ms() if i in step.seen and clean else None for i in range(len(self.regions))
-                ]
-                self._profiler.observe(step.key, [before, *sizes, after], [None, *forward_ms, None])
+                self._profiler.observe(step.key, [before, *sizes, after])
             return
         if step.regions_ms is None:
             # Nothing it measured went to the profiler (its forward raised, or another thread's

@@ -7,8 +7,8 @@ it begins by what the profiler says of its inputs:
 
     ProfilingStep   a profiling stage runs (measure, a trial): one ``Measurement`` per call, a
                     phase (running, awaiting its backward, measured), what a recompute trial counted
-    PlannedStep     a plan is in force for its inputs: what each region saved and how long its
-                    forward took, which the profiler checks the plan against
+    PlannedStep     a plan is in force for its inputs: what each region saved, which the profiler
+                    checks the plan against
     UnplannedStep   the policy plans nothing (or there is no plan yet and nothing to measure):
                     every region runs the policy's fixed decision, and the step records nothing
 
@@ -30,32 +30,23 @@ from .._cost import RegionProfile, Saved, Scope
 from .._memory.session import ForwardMarks
 from .._plan.planner import AFTER_IN_BACKWARD, Decision
 from .._plan.profiler import AFTER_NAME, BEFORE_NAME, ShapePlan, Stage
-from .measurement import ForwardClock, Measurement
+from .measurement import Measurement
 
 __all__ = ["AnyStep", "PlannedStep", "ProfilingStep", "Seen", "StepPhase", "UnplannedStep", "begin_step"]
 
 
 @dataclasses.dataclass
 class Seen:
-    """What a step under a plan saw of one region, over its calls (See Note: [region calls] in
-    ``regions``): what they saved through the store (where every save goes there) and their
-    forwards' clocks (where the forward is its compute alone)."""
+    """What a step under a plan saw one region save over its calls (See Note: [region calls] in
+    ``regions``), through the store where every save goes there (None where a call's did not). Its
+    forward times are not read: See Note: [a derived plan's times are not checked] in
+    ``_plan.profiler``."""
 
     sizes: Optional[Saved]
-    clocks: list[ForwardClock]
 
-    def add(self, sizes: Optional[Saved], clock: Optional[ForwardClock]) -> None:
+    def add(self, sizes: Optional[Saved]) -> None:
         """Another call of the region in the same step."""
         self.sizes = None if self.sizes is None or sizes is None else self.sizes + sizes
-        if clock is not None:
-            self.clocks.append(clock)
-
-    def forward_ms(self) -> Optional[float]:
-        """The calls' forward time, ms; None where a call was not timed or a clock has no reading yet."""
-        if not self.clocks:
-            return None
-        readings = [c.ms() for c in self.clocks]
-        return None if any(r is None for r in readings) else sum(r for r in readings if r is not None)
 
 
 class StepPhase(enum.Enum):
@@ -143,7 +134,7 @@ class UnplannedStep(_Step):
 
 @dataclasses.dataclass(kw_only=True)
 class PlannedStep(_Step):
-    """A step under a plan: what each region saved and how long its forward took."""
+    """A step under a plan: what each region saved."""
 
     entry: ShapePlan
     """The plan it follows."""
