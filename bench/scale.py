@@ -1,7 +1,8 @@
 """How planning and the first steps scale with the number of regions (issue 49).
 
     python bench/scale.py [--sizes 10,100,300,1000,3000] [--e2e-blocks 300] [--e2e-steps 12]
-                          [--time-limit-s S] [--skip-e2e] [--skip-planning]
+                          [--profile-sizes 10,100,300,1000,3000] [--time-limit-s S]
+                          [--skip-e2e] [--skip-planning] [--skip-profiling]
 
 planning   ``make_plan(profiles, machine, budget, "auto")`` from synthetic region profiles, no
            model: N regions, identical (every region one 4 MB, 1 ms block) or mixed (a cycle of
@@ -16,6 +17,14 @@ end-to-end N blocks ``Linear(64, 64) + GELU`` (batch 256), plain SGD-free steps 
            regions="auto", model=model)`` against as many without it, the engine's first (its
            profiling steps, and the plans) included. Reports the ratio of the totals and the
            largest engine step over the median plain step.
+profiling  N blocks, identical (every one ``Linear(64, 64) + GELU``) or mixed (that block, a
+           ``LayerNorm(64) + Linear(64, 128) + ReLU + Linear(128, 64)`` one and a
+           ``Linear(64, 32) + Tanh + Linear(32, 64)`` one in turn: three measurement families),
+           ``regions=`` the blocks, ``policy="auto"``, budget 1 MB: the engine's steps until its
+           profiling ended (at most ``PROFILE_STEP_CAP``), against the median of 3 plain steps.
+           Reports the profiling steps (their number must not grow with N), their total over a plain
+           step, the largest over a plain step, and the slope of the profiling total against N
+           (about 1 where each profiling step is linear in the regions; 2 would be N^2 in a step).
 
 Runs against any checkout (``PYTHONPATH=that/tree python bench/scale.py``): it uses only
 ``offload.engine`` and ``_plan.policy.make_plan``, which every version since the planner has.
@@ -187,6 +196,74 @@ def end_to_end(n: int, count: int) -> dict:
     )
 
 
+PROFILE_STEP_CAP = 8
+"""Engine steps at most per row of the profiling table (a profiling step that never ends shows as 8)."""
+
+
+def mixed_blocks(n: int) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    w = E2E_WIDTH
+    kinds = (
+        lambda: torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.GELU()),
+        lambda: torch.nn.Sequential(
+            torch.nn.LayerNorm(w), torch.nn.Linear(w, 2 * w), torch.nn.ReLU(), torch.nn.Linear(2 * w, w)
+        ),
+        lambda: torch.nn.Sequential(torch.nn.Linear(w, w // 2), torch.nn.Tanh(), torch.nn.Linear(w // 2, w)),
+    )
+    return torch.nn.Sequential(*[kinds[i % len(kinds)]() for i in range(n)])
+
+
+def profiling_row(kind: str, n: int) -> dict:
+    """The engine's profiling steps at ``n`` blocks of ``kind`` against a plain step."""
+    model = blocks(n) if kind == "identical" else mixed_blocks(n)
+    x = torch.randn(E2E_BATCH, E2E_WIDTH)
+    steps(model, x, 1)
+    plain_step = statistics.median(steps(model, x, 3))
+    eng = offload.engine(budget_mb=E2E_BUDGET_MB, regions=list(model), model=model, policy="auto")
+    profiling: list[float] = []
+    largest = 0.0
+    try:
+        for _ in range(PROFILE_STEP_CAP):
+            (took,) = steps(model, x, 1, eng)
+            largest = max(largest, took)
+            if eng.recent_stages[-1] is None:
+                break
+            profiling.append(took)
+    finally:
+        eng.close()
+    return dict(
+        kind=kind,
+        n=n,
+        plain_step_s=plain_step,
+        profiling_steps=len(profiling),
+        profiling_s=sum(profiling),
+        profiling_ratio=sum(profiling) / plain_step,
+        largest_step_ratio=largest / plain_step,
+        profiling_ms_per_region=sum(profiling) / n * 1e3,
+    )
+
+
+def profiling(sizes: list[int], limit_s: float) -> tuple[list[dict], dict]:
+    rows: list[dict] = []
+    slopes = {}
+    for kind in ("identical", "mixed"):
+        points = []
+        for n in sizes:
+            row = profiling_row(kind, n)
+            rows.append(row)
+            points.append((n, row["profiling_s"]))
+            print(
+                f"  {kind} N={n}: {row['profiling_steps']} profiling steps, {row['profiling_s']:.2f} s "
+                f"({row['profiling_ratio']:.1f} plain steps, largest {row['largest_step_ratio']:.1f})",
+                flush=True,
+            )
+            if row["profiling_s"] > limit_s:
+                print(f"  {kind}: past the {limit_s} s limit at N={n}; larger sizes skipped", flush=True)
+                break
+        slopes[kind] = slope(points)
+    return rows, slopes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
@@ -196,6 +273,8 @@ def main() -> None:
     parser.add_argument("--e2e-steps", type=int, default=12)
     parser.add_argument("--skip-planning", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--profile-sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--skip-profiling", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core each for the compute and the spill threads on a 2-vCPU VM
     env = environment(torch.device("cpu"))
@@ -213,6 +292,30 @@ def main() -> None:
             + ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in slopes.items())
         )
         payload.update(planning=rows, slopes=slopes)
+    if not args.skip_profiling:
+        rows, slopes = profiling([int(s) for s in args.profile_sizes.split(",")], args.time_limit_s)
+        print(
+            table(
+                ("kind", "N", "plain step ms", "profiling steps", "profiling s", "/ plain step", "largest / plain"),
+                [
+                    (
+                        r["kind"],
+                        r["n"],
+                        f"{r['plain_step_s'] * 1e3:.1f}",
+                        r["profiling_steps"],
+                        f"{r['profiling_s']:.2f}",
+                        f"{r['profiling_ratio']:.1f}",
+                        f"{r['largest_step_ratio']:.1f}",
+                    )
+                    for r in rows
+                ],
+            )
+        )
+        print(
+            "slope of log(profiling s) on log(N), N >= 100: "
+            + ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in slopes.items())
+        )
+        payload.update(profiling=rows, profiling_slopes=slopes)
     if not args.skip_e2e:
         e2e = end_to_end(args.e2e_blocks, args.e2e_steps)
         print(
