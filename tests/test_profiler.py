@@ -29,7 +29,6 @@ from offload._plan.profiler import (
     AFTER_NAME,
     BEFORE_NAME,
     EXTRAPOLATION_LIMIT,
-    MAX_NOISE_MARGIN,
     SEARCH_BUCKET,
     SECOND_SHAPE_SPREAD,
     Measured,
@@ -37,7 +36,7 @@ from offload._plan.profiler import (
     Profiler,
     Stage,
     _Family,
-    _Round,
+    _Trial,
 )
 
 MACHINE = MachineProfile(device_type="cpu", device_name="test machine", disk_write_gb_per_s=1.0, disk_read_gb_per_s=2.0)
@@ -437,13 +436,13 @@ def test_a_single_link_reading_is_plannable_only_within_its_noise(uncertainty):
 
 def test_the_noise_margin_is_capped():
     """Trial rounds whose own figures are far apart (a step something else ran beside) widen the
-    margin plans are taken as equal within only up to ``MAX_NOISE_MARGIN``."""
+    margin plans are taken as equal within only up to ``MAX_SPREAD``."""
     names = tuple(f"b{i}" for i in range(4))
     profiles = tuple(
         RegionProfile(name=name, saved_bytes=MB, forward_ms=1.0, recompute_ms=ratio)
         for name, ratio in zip(names, (0.05, 0.1, 5.0, 20.0), strict=True)
     )
     fam = _Family(names)
-    fam.rounds.append(_Round(("k",), profiles, 100.0))
-    assert fam.rounds[0].noise() > MAX_NOISE_MARGIN, "the premise: the round's own figures spread past the cap"
-    assert fam.noise() == MAX_NOISE_MARGIN
+    fam.rounds.append(_Trial(("k",), profiles, 100.0))
+    assert fam.rounds[0].noise() > MAX_SPREAD, "the premise: the round's own figures spread past the cap"
+    assert fam.noise() == MAX_SPREAD

@@ -67,6 +67,7 @@ __all__ = [
     "HELD_OUT_MARGIN",
     "MAX_POINTS",
     "TIME_BASES",
+    "TIME_FIELDS",
     "TIME_TOLERANCE",
     "FieldFit",
     "ProfileFit",
@@ -107,7 +108,9 @@ _BYTE_FIELDS = (
     "expensive_tensors",
 )
 _COUNT_FIELDS = ("num_tensors", "expensive_tensors")
-_TIME_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "selective_ms")
+TIME_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "selective_ms")
+"""The fields that are times: a trial round times them (the profiler gives the fit their median
+over the rounds)."""
 _FLOP_TIMES = ("forward_ms", "backward_ms", "recompute_ms")
 """Times fitted on the FLOPs once counted: those of the forward's matmuls and attention (backward
 is about twice them). Not ``selective_ms``: a selective re-run is the cheap ops, which the count
@@ -353,7 +356,7 @@ class _RegionFit:
         self.fields.update(
             {
                 f: FieldFit(TIME_TOLERANCE, TIME_BASES, cross_validate=True, flops=flops if f in _FLOP_TIMES else None)
-                for f in _TIME_FIELDS
+                for f in TIME_FIELDS
             }
         )
         self.ratios: dict[str, list[tuple[Shape, float]]] = {f: [] for f in _PRIMARY}

@@ -50,12 +50,21 @@ import torch
 from .._budget import replan_needed
 from .._cost import MachineProfile, RegionProfile, Saved, Scope
 from .cache import PlanCache
-from .fit import ProfileFit, Shape
+from .fit import TIME_FIELDS, ProfileFit, Shape
 from .link_readings import CALIBRATION_TRIES, PLAUSIBLE_LINK_SCALE, LinkReadings, Verdict
 from .noise import MAX_SPREAD, Readings
 from .pace import WINDOW as PACE_WINDOW
 from .pace import StepPace
-from .planner import Decision, Plan, build_plan, calibrate_link, check_inputs, link_usable, scale_link
+from .planner import (
+    BACKWARD_TO_FORWARD,
+    Decision,
+    Plan,
+    build_plan,
+    calibrate_link,
+    check_inputs,
+    link_usable,
+    scale_link,
+)
 from .policy import Policy, get_policy, make_plan
 
 __all__ = [
@@ -173,9 +182,6 @@ ONE_ROUND_NOISE = MAX_SPREAD / 2
 """What one trial round's figures may be off by, taken before a second round measures it: between
 a quiet machine's two steps (``STEP_TO_STEP_NOISE``) and a busy one's (``MAX_SPREAD``). Where a plan
 within it differs from the figures' own, the round is measured again."""
-MAX_NOISE_MARGIN = MAX_SPREAD
-"""The widest noise (a share of the step) plans are taken as equal within: readings spread wider
-than ``MAX_SPREAD`` are not built on elsewhere either (``noise``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,8 +226,6 @@ LIMITS = ProfilingLimits(
     pace_window=PACE_WINDOW,
 )
 """The profiling limits every engine works under (``offload.limits``)."""
-_TIME_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "selective_ms")
-"""The fields a trial round times: their median over the rounds is what the fit is given."""
 
 
 BEFORE_NAME = "(before the regions)"
@@ -299,17 +303,10 @@ class _Repr(str):
 
 
 @dataclasses.dataclass(frozen=True)
-class _RecomputeSpan:
-    """The latest "recompute" trial: what the "offload" trial that follows it calibrates against."""
-
-    shape: Shape
-    profiles: tuple[RegionProfile, ...]
-    span_ms: Optional[float]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Round:
-    """One trial round's "recompute" step at the family's deciding inputs (Note: [a plan that holds still])."""
+class _Trial:
+    """One "recompute" trial: its inputs, profiles and span. The family's latest is what the
+    "offload" trial that follows it calibrates against; those at the family's deciding inputs are
+    its trial rounds (Note: [a plan that holds still])."""
 
     key: tuple
     profiles: tuple[RegionProfile, ...]
@@ -348,14 +345,14 @@ class _Family:
         """A profiling step of this family has begun and not finished."""
         self.sizes: Optional[tuple[tuple, tuple[RegionProfile, ...]]] = None
         """The latest "measure" step's signature and sizes, while trials follow it."""
-        self.recompute_span: Optional[_RecomputeSpan] = None
+        self.latest_trial: Optional[_Trial] = None
         self.adopted = False
         """Whether the plan cache was read for this family."""
         self.cached: dict[str, ShapePlan] = {}
         """Final plans a previous run left (``plan_cache=``), by the repr of their signature."""
         self.searched: collections.OrderedDict[tuple[int, int], _Searched] = collections.OrderedDict()
         """Decisions searched for derived shapes, by bucket (``SEARCH_BUCKET``)."""
-        self.rounds: list[_Round] = []
+        self.rounds: list[_Trial] = []
         """The trial rounds at the family's first trial inputs (Note: [a plan that holds still])."""
         self.repeat_at: Optional[tuple] = None
         """The inputs whose next step, if it is the family's next step, runs another trial round."""
@@ -380,9 +377,10 @@ class _Family:
 
     def noise(self) -> float:
         """How noisy the trial rounds' figures are, as a share of a step (0 before any round; at
-        most ``MAX_NOISE_MARGIN``): the deviation of each round's recompute over forward per region
-        (one figure read twice in one step), of the rounds' spans, and at least what two steps
-        differ by on a quiet machine (See Note: [a plan that holds still])."""
+        most ``MAX_SPREAD``: readings spread wider are not built on elsewhere either): the
+        deviation of each round's recompute over forward per region (one figure read twice in one
+        step), of the rounds' spans, and at least what two steps differ by on a quiet machine (See
+        Note: [a plan that holds still])."""
         if not self.rounds:
             return 0.0
         # Between two steps: with one round unknown (a whole step run slower shows in none of its
@@ -393,7 +391,7 @@ class _Family:
         spans = [trial.span_ms for trial in self.rounds if trial.span_ms]
         if len(spans) >= 2:
             spreads.append(Readings(spans).deviation)
-        return min(max(spreads), MAX_NOISE_MARGIN)
+        return min(max(spreads), MAX_SPREAD)
 
     def round_profiles(self, key: tuple, profiles: tuple[RegionProfile, ...]) -> tuple[RegionProfile, ...]:
         """``profiles`` with each time the median over the trial rounds at ``key`` where more than one ran."""
@@ -401,7 +399,7 @@ class _Family:
         if len(rounds) < 2:
             return profiles
         return tuple(
-            dataclasses.replace(p, **{f: statistics.median(getattr(r[i], f) for r in rounds) for f in _TIME_FIELDS})
+            dataclasses.replace(p, **{f: statistics.median(getattr(r[i], f) for r in rounds) for f in TIME_FIELDS})
             for i, p in enumerate(profiles)
         )
 
@@ -410,7 +408,7 @@ class _Family:
         from a fit that has changed since, or before the profiling ended (See Note: [a
         provisional plan does not stand])."""
         self.sizes = None
-        self.recompute_span = None
+        self.latest_trial = None
         self.searched.clear()
         for key in [k for k, entry in self.plans.items() if entry.origin is Origin.DERIVED or entry.provisional]:
             del self.plans[key]
@@ -650,10 +648,10 @@ class Profiler:
                 profiles = tuple(
                     dataclasses.replace(p, **_sizes_of(s)) for s, p in zip(fam.sizes[1], profiles, strict=True)
                 )
-            fam.recompute_span = _RecomputeSpan(shape, profiles, measured.span_ms)
+            fam.latest_trial = _Trial(key, profiles, measured.span_ms)
             in_round = self._policy.compares_within_noise and (not fam.rounds or fam.repeating)
             if in_round:
-                fam.rounds.append(_Round(key, profiles, measured.span_ms))
+                fam.rounds.append(fam.latest_trial)
             timed = fam.round_profiles(key, profiles)
             fam.fit.add(shape, timed, times=True)
             entry = self._entry(fam, timed, fam.fit.other_ms(shape), Origin.MEASURED, "measured")
@@ -718,8 +716,8 @@ class Profiler:
             sizes = fam.sizes[1]
         else:
             sizes = fam.fit.derive(shape)[0]
-        trial = fam.recompute_span
-        if trial is not None and (trial.shape.n, trial.shape.s) == (shape.n, shape.s):
+        trial = fam.latest_trial
+        if trial is not None and _same_size(family_and_shape(trial.key)[1], shape):
             timed = trial.profiles
         else:
             derived = fam.fit.derive(shape)[0]
@@ -840,5 +838,9 @@ def _sizes_of(profile: RegionProfile) -> dict:
     }
 
 
+def _same_size(a: Shape, b: Shape) -> bool:
+    return (a.n, a.s) == (b.n, b.s)
+
+
 def _regions_ms(profiles: tuple[RegionProfile, ...]) -> float:
-    return sum(p.forward_ms + p.backward_or_estimate_ms(2.0) for p in profiles)
+    return sum(p.forward_ms + p.backward_or_estimate_ms(BACKWARD_TO_FORWARD) for p in profiles)
