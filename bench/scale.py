@@ -25,6 +25,8 @@ profiling  N blocks, identical (every one ``Linear(64, 64) + GELU``) or mixed (t
            Reports the profiling steps (their number must not grow with N), their total over a plain
            step, the largest over a plain step, and the slope of the profiling total against N
            (about 1 where each profiling step is linear in the regions; 2 would be N^2 in a step).
+families   ``--families-ab 100,1000``: the profiling rows with measurement families off and on, in
+           one process, interleaved (``families_ab``): what the families save, as ratios.
 
 Runs against any checkout (``PYTHONPATH=that/tree python bench/scale.py``): it uses only
 ``offload.engine`` and ``_plan.policy.make_plan``, which every version since the planner has.
@@ -34,6 +36,7 @@ A table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -198,6 +201,8 @@ def end_to_end(n: int, count: int) -> dict:
 
 PROFILE_STEP_CAP = 8
 """Engine steps at most per row of the profiling table (a profiling step that never ends shows as 8)."""
+PLANNED_STEPS = 3
+"""Steps under the plan after the profiling, their median reported (the plan's own cost)."""
 
 
 def mixed_blocks(n: int) -> torch.nn.Sequential:
@@ -217,10 +222,11 @@ def profiling_row(kind: str, n: int) -> dict:
     """The engine's profiling steps at ``n`` blocks of ``kind`` against a plain step."""
     model = blocks(n) if kind == "identical" else mixed_blocks(n)
     x = torch.randn(E2E_BATCH, E2E_WIDTH)
-    steps(model, x, 1)
+    steps(model, x, 2)
     plain_step = statistics.median(steps(model, x, 3))
     eng = offload.engine(budget_mb=E2E_BUDGET_MB, regions=list(model), model=model, policy="auto")
     profiling: list[float] = []
+    stages: list[str] = []
     largest = 0.0
     try:
         for _ in range(PROFILE_STEP_CAP):
@@ -229,6 +235,9 @@ def profiling_row(kind: str, n: int) -> dict:
             if eng.recent_stages[-1] is None:
                 break
             profiling.append(took)
+            stages.append(eng.recent_stages[-1])
+        planned = steps(model, x, PLANNED_STEPS, eng)
+        decisions = collections.Counter(d.value for d in eng.plan.decisions) if eng.plan is not None else {}
     finally:
         eng.close()
     return dict(
@@ -236,7 +245,12 @@ def profiling_row(kind: str, n: int) -> dict:
         n=n,
         plain_step_s=plain_step,
         profiling_steps=len(profiling),
+        stages=stages,
+        stage_s=[round(t, 3) for t in profiling],
+        recompute_trial_s=sum(t for t, stage in zip(profiling, stages, strict=True) if stage == "recompute"),
         profiling_s=sum(profiling),
+        planned_step_s=statistics.median(planned),
+        plan=" ".join(f"{k}:{v}" for k, v in sorted(decisions.items())),
         profiling_ratio=sum(profiling) / plain_step,
         largest_step_ratio=largest / plain_step,
         profiling_ms_per_region=sum(profiling) / n * 1e3,
@@ -264,6 +278,47 @@ def profiling(sizes: list[int], limit_s: float) -> tuple[list[dict], dict]:
     return rows, slopes
 
 
+def families_ab(sizes: list[int], pairs: int) -> list[dict]:
+    """Measurement families off and on in one process, interleaved (off, on, off, on, ...), on this
+    checkout: "off" gives every region call a family of its own (``family_of`` patched to a new
+    object per call), which is what the engine did before (every region's selective split measured).
+    Reports each side's median profiling total and "recompute" trial step, and their ratios."""
+    from offload._regions import regions as regions_module  # the switch under test: a private seam
+
+    family_of = regions_module.family_of
+    rows = []
+    for kind in ("identical", "mixed"):
+        for n in sizes:
+            runs: dict[str, list[dict]] = {"off": [], "on": []}
+            for _ in range(pairs):
+                for side in ("off", "on"):
+                    if side == "off":
+                        regions_module.family_of = lambda module, signature, compiled: object()  # type: ignore[assignment]
+                    try:
+                        runs[side].append(profiling_row(kind, n))
+                    finally:
+                        regions_module.family_of = family_of
+            row: dict = dict(kind=kind, n=n, pairs=pairs)
+            for side, got in runs.items():
+                row[f"{side}_profiling_s"] = statistics.median(r["profiling_s"] for r in got)
+                row[f"{side}_trial_s"] = statistics.median(r["recompute_trial_s"] for r in got)
+                row[f"{side}_stages"] = [r["stages"] for r in got]
+                row[f"{side}_planned_step_s"] = statistics.median(r["planned_step_s"] for r in got)
+                row[f"{side}_plans"] = [r["plan"] for r in got]
+            row["profiling_ratio"] = row["on_profiling_s"] / row["off_profiling_s"]
+            row["trial_ratio"] = row["on_trial_s"] / max(row["off_trial_s"], 1e-9)
+            rows.append(row)
+            print(
+                f"  families {kind} N={n}: profiling {row['off_profiling_s']:.2f} -> {row['on_profiling_s']:.2f} s "
+                f"(x{row['profiling_ratio']:.2f}), recompute trial {row['off_trial_s']:.2f} -> "
+                f"{row['on_trial_s']:.2f} s (x{row['trial_ratio']:.2f}); planned step "
+                f"{row['off_planned_step_s'] * 1e3:.0f} -> {row['on_planned_step_s'] * 1e3:.0f} ms; plans "
+                f"{row['off_plans']} -> {row['on_plans']}",
+                flush=True,
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
@@ -275,6 +330,10 @@ def main() -> None:
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--profile-sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--skip-profiling", action="store_true")
+    parser.add_argument(
+        "--families-ab", default="", help="sizes for an in-process A/B of measurement families off and on"
+    )
+    parser.add_argument("--families-pairs", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core each for the compute and the spill threads on a 2-vCPU VM
     env = environment(torch.device("cpu"))
@@ -316,6 +375,27 @@ def main() -> None:
             + ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in slopes.items())
         )
         payload.update(profiling=rows, profiling_slopes=slopes)
+    if args.families_ab:
+        ab = families_ab([int(s) for s in args.families_ab.split(",")], args.families_pairs)
+        print(
+            table(
+                ("kind", "N", "profiling off s", "on s", "on/off", "recompute trial off s", "on s", "on/off"),
+                [
+                    (
+                        r["kind"],
+                        r["n"],
+                        f"{r['off_profiling_s']:.2f}",
+                        f"{r['on_profiling_s']:.2f}",
+                        f"{r['profiling_ratio']:.2f}",
+                        f"{r['off_trial_s']:.2f}",
+                        f"{r['on_trial_s']:.2f}",
+                        f"{r['trial_ratio']:.2f}",
+                    )
+                    for r in ab
+                ],
+            )
+        )
+        payload.update(families_ab=ab)
     if not args.skip_e2e:
         e2e = end_to_end(args.e2e_blocks, args.e2e_steps)
         print(
