@@ -36,6 +36,7 @@ from offload._plan.profiler import (
     Profiler,
     Stage,
     _Family,
+    _regions_ms,
     _Trial,
 )
 
@@ -446,3 +447,12 @@ def test_the_noise_margin_is_capped():
     fam.rounds.append(_Trial(("k",), profiles, 100.0))
     assert fam.rounds[0].noise() > MAX_SPREAD, "the premise: the round's own figures spread past the cap"
     assert fam.noise() == MAX_SPREAD
+
+
+def test_regions_own_time_is_forward_plus_backward_or_its_estimate():
+    """The regions' time an "offload" trial at another shape scales its keep span by: each
+    region's forward plus its backward, ``BACKWARD_TO_FORWARD`` x the forward where none was measured."""
+    measured = RegionProfile(name="blocks.0", saved_bytes=1, forward_ms=1.0, backward_ms=3.0)
+    estimated = RegionProfile(name="blocks.1", saved_bytes=1, forward_ms=2.0)
+    assert _regions_ms((measured,)) == 4.0
+    assert _regions_ms((measured, estimated)) == 4.0 + 2.0 * 3
