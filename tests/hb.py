@@ -853,10 +853,13 @@ class EmulatedCudaLink(CudaLink):
         self.host = _EmulatedHost(self.emulated)
         self.d2h_count = self.h2d_count = 0
         self.d2h_batches = 0
-        """Copies out started by ``d2h_all`` (one submission each, of one or more tensors)."""
+        """Copies out started by ``d2h_all`` (one call each, of one or more tensors)."""
+        self.d2h_singles = 0
+        """Copies out started by ``d2h`` (one tensor each)."""
 
     def d2h(self, src_device, dst_host):
         self.d2h_count += 1
+        self.d2h_singles += 1
         self.emulated.device_memory(src_device, what="a saved tensor")
         self.emulated.host_memory(dst_host, what="a host slab")
         return super().d2h(src_device, dst_host)

@@ -441,3 +441,44 @@ def test_each_step_on_a_new_stream_waits_on_its_own_streams_only(streams, monkey
     assert stats.offloaded_bytes > 0, "the premise: copies went out"
     assert streams.races == [], streams.races[:3]
     assert waits[-1] <= waits[1], f"the d2h stream's waits grew step by step: {waits}"
+
+
+def test_two_engines_on_one_link_never_forget_each_others_streams(streams):
+    """One link serves two engines (one ``Seams(link=...)`` passed to both). Engine B saves a tensor
+    produced late on a side stream and keeps it hot across its two forwards; between them engine A
+    starts a step with nothing of its own hot. A must not make the link forget the side stream:
+    B's tensor is copied out later, under B, and that copy must still wait for its producer.
+    Guard: ``CudaLink.forget_producers`` forgets only where one store uses the link (``attach``)."""
+    side = streams.new_stream()
+    side.delay_s = 0.05  # the producer's write lands well after the engine moves on
+    x = torch.rand(SIZE) - 0.5  # within (-pi/2, pi/2)
+    link = EmulatedCudaLink(streams)
+    a, b = _engine(link, 2 * NBYTES / MB), _engine(link, 2 * NBYTES / MB)
+    with a:  # A's store exists (made at its first save) and ends the step with nothing hot
+        warm = torch.tanh(x.clone().requires_grad_(True) * 2)
+    warm.sum().backward()
+
+    def run(eng_b=None, eng_a=None) -> torch.Tensor:
+        xi = x.clone().requires_grad_(True)
+        with eng_b if eng_b is not None else contextlib.nullcontext():
+            with streams.using(side):
+                y = ProducedOn.apply(xi, streams)  # saved hot, under B
+        if eng_a is not None:
+            with eng_a:  # A's step starts: nothing of A's is hot
+                pass
+        with eng_b if eng_b is not None else contextlib.nullcontext():
+            z = torch.tanh(xi * 2)  # saves on the compute stream: B's budget evicts y now
+            w = torch.tanh(z * 3)
+            streams.compute.wait_stream(side)
+            loss = (y * w).sum()
+        loss.backward()
+        return xi.grad.clone()
+
+    want = run()
+    got = run(b, a)
+    stats = wait_clean(b)
+    a.close()
+    b.close()
+    assert stats.offloaded_bytes >= NBYTES, "y went out"
+    assert streams.races == [], streams.races[:3]
+    assert torch.equal(want, got), "the copy out read y before its producer had written it"

@@ -198,17 +198,19 @@ class HostArena:
         return Block(new.view(offset, size), new, offset, size)
 
     def acquire_all(self, sizes: list[int]) -> Optional[list[Block]]:
-        """One block for each of ``sizes``, side by side in one range of one slab (a batch's copies
-        out, written by one copy call), or None if no slab has such a range and none can be made.
-        Each block is released on its own (``release``), as one from ``acquire`` is."""
-        rounded = [round_up(max(n, 1)) for n in sizes]
-        whole = self.acquire(sum(rounded))
-        if whole is None:
-            return None
-        slab, offset, blocks = whole.slab, whole.offset, []
-        for size in rounded:
-            blocks.append(Block(slab.view(offset, size), slab, offset, size))
-            offset += size
+        """A block for each of ``sizes`` (a batch's copies out), each taken as ``acquire`` takes one
+        (first fit over the slabs, a new slab as for one block), or None, with nothing kept, if
+        any one cannot be had. Not one range for the batch: the copy call copies tensor by tensor
+        anyway, and a range the size of a batch would pin slabs of that size (beside the ones
+        already there) and, when its pinning failed, stop the arena growing for good."""
+        blocks: list[Block] = []
+        for nbytes in sizes:
+            block = self.acquire(nbytes)
+            if block is None:
+                for taken in blocks:
+                    self.release(taken)
+                return None
+            blocks.append(block)
         return blocks
 
     def _new_slab(self, size: int) -> Optional[_Slab]:

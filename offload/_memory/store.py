@@ -105,6 +105,12 @@ class Store:
         host_tier = self._tier.get(_HOST)
         self._host: Optional[HostTier] = host_tier if isinstance(host_tier, HostTier) else None
         self.link: Optional[Link] = None if self._host is None else self._host.link
+        self._attached = False
+        """This store told its link it uses it (``attach``), and has not said it stopped."""
+        attach = getattr(self.link, "attach", None)
+        if attach is not None:
+            attach()  # See CudaLink.forget_producers: a link two stores share forgets nothing
+            self._attached = True
         self._lock = threading.Lock()
         self._dead: collections.deque = collections.deque()  # (entry, unseen) released while locked
         self.residency = Residency()
@@ -269,21 +275,27 @@ class Store:
         self._wait_leaving(lambda: res.resident_bytes - budget)
 
     # Note: [moves in batches]
-    #     Eviction waits until hot (and loaded) bytes pass ``evict_at`` by ``Budget.batch_bytes``
-    #     (half the in-flight window), then moves everything over ``evict_at`` at once, oldest
-    #     first: into the host tier, one block side by side in one slab range for the whole batch
-    #     and one copy call (``Link.d2h_all``: on CUDA one fence, one submission, one event),
-    #     where per tensor it was one of each. Nothing more is moved than before (a batch ends at
-    #     ``evict_at``, where eviction always ended), and the budget holds as before: the batch
-    #     runs over ``evict_at``, never over the budget (the overshoot is inside the window kept
-    #     for copies in flight, and a pack still waits for copies out while what is resident is
-    #     over the budget). What it gives up: half the window for copies in flight, so under a
-    #     link slower than compute a pack waits a little sooner. A region plan in force has no
-    #     window (``evict_at`` is the budget), so there every eviction is one tensor, as are the
-    #     copies a region planned OFFLOAD starts at each save, and a batch the arena has no one
-    #     range for goes one by one (making room below as a single eviction does). Only where the
-    #     tier below is the host's: a CPU device spills straight to disk, one write a tensor, so
-    #     there a batch would save nothing and eviction starts at ``evict_at`` as before.
+    #     Eviction into the host tier waits until hot (and loaded) bytes pass ``evict_at`` by
+    #     ``Budget.batch_bytes`` (half the in-flight window), then moves everything over
+    #     ``evict_at`` at once, oldest first: a pinned block per tensor (``acquire_all``: each
+    #     taken as one would be) and one ``Link.d2h_all`` call. On CUDA that is one set of fences
+    #     and one event for the batch where each tensor had its own, and one Python call; the
+    #     copies themselves are still one ``cudaMemcpyAsync`` each (``torch._foreach_copy_``
+    #     across devices loops ``copy_`` in C++). No more is moved than before (a batch ends at
+    #     ``evict_at``, where eviction always ended). What it costs:
+    #     - half the window for copies in flight: what is hot may sit ``batch_bytes`` above
+    #       ``evict_at``, so what is resident passes the budget (which a pack waits on) when
+    #       tensors kept on the device or device copies still being freed pass half the window,
+    #       not the whole of it;
+    #     - a pack that has to wait for a copy out waits for the oldest batch's one event, so for
+    #       the whole batch, where it waited for one tensor (the time is ``evict_wait_ms``).
+    #     Where the room is 0 eviction starts at ``evict_at`` as before, and what is over then
+    #     (one tensor, or more after a large save) still goes as one batch: a region plan in
+    #     force (``evict_at`` is the budget) and budget 0 have no window. The copies a region
+    #     planned OFFLOAD starts at each save go one by one; so does a batch the arena cannot
+    #     give every block (making room below as a single eviction does). A CPU device spills
+    #     straight to disk, one write a tensor: there a batch would save nothing, so there is
+    #     no room either.
 
     def _wait_leaving(self, excess: Callable[[], int]) -> None:
         """Wait for copies out to land, in order (one stream, or polled so), while ``excess()``
@@ -549,6 +561,9 @@ class Store:
                 self._release(e)  # what a live handle still points at goes; its unpack raises
             if self.link is not None:
                 self.link.synchronize()
+                if self._attached:  # once, however often close() runs
+                    self._attached = False
+                    self.link.detach()  # type: ignore[attr-defined]  # attached: the link has both
             for tier in self.tiers:
                 tier.drain()
             if self._host is not None:

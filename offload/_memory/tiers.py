@@ -141,9 +141,10 @@ class HostTier(_Tier):
         return Copy(Tier.HOST, block, CopyState.FILLING, filled)
 
     def start_out_all(self, srcs: list[Copy], sizes: list[int]) -> Optional[list[Copy]]:
-        """``start_out`` for a batch: one block per source, side by side in one range, filled by one
-        copy call where the link has one (``d2h_all``: one fence, one submission, one event on
-        CUDA); None when the arena has no such range (the caller moves them one by one)."""
+        """``start_out`` for a batch: a block per source, all filled by one copy call where the
+        link has one (``d2h_all``: on CUDA one fence set and one event for the batch), or None,
+        with nothing taken, when the arena cannot give every block (the caller moves them one
+        by one, making room below as it goes)."""
         blocks = self.arena.acquire_all(sizes)
         if blocks is None:
             return None

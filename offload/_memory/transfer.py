@@ -30,8 +30,8 @@ Note: [fences before a copy]
       included. With one stream that is one fence per batch; a stream that did not produce this
       tensor only delays the copy, never corrupts it. The set is started over whenever no saved
       tensor is left to copy out (``forget_producers``, asked by the store as a step starts with
-      nothing hot): a program that runs each step on a new stream would otherwise have each copy
-      out wait on a fence of every stream it ever used.
+      nothing hot, and only where one store uses the link): a program that runs each step on a
+      new stream would otherwise have each copy out wait on a fence of every stream it ever used.
     - h2d: the destination block comes from the compute stream's pool, so the copy must follow every
       earlier use of the block there and the block's own allocation. A fence recorded on the compute
       stream after the destination was allocated covers both. Usually an allocation queues no work,
@@ -136,9 +136,10 @@ class Link(Protocol):
 
     def d2h(self, src_device: torch.Tensor, dst_host: torch.Tensor) -> Pending: ...
 
-    # Optional: ``d2h_all(srcs, dsts) -> Pending``, several copies out as one (one fence, one
-    # submission, one completion), which the host tier uses for a batch where a link has it; and
-    # ``forget_producers()``, which the store calls when no saved tensor is left to copy out.
+    # Optional: ``d2h_all(srcs, dsts) -> Pending``, several copies out behind one set of fences
+    # with one completion, which the host tier uses for a batch where a link has it; and
+    # ``attach()``, ``detach()`` and ``forget_producers()``: a store says it uses the link, stops,
+    # and has no saved tensor left to copy out.
 
     def h2d(self, src_host: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, Pending]: ...
 
@@ -426,6 +427,7 @@ class CudaLink:
         self._fences: list = []  # (stream, fence) recorded in this batch: See Note: [fences before a copy]
         self._batch_fences: list = []  # every fence recorded in this batch, given back at its end
         self._producers: list = []  # every stream current at a batch so far
+        self._stores = 0  # stores using this link now (``attach``): See ``forget_producers``
         self._stalls: collections.deque = collections.deque()  # (before, after) around waits that had to wait
         self._stall_ms = 0.0
 
@@ -441,10 +443,21 @@ class CudaLink:
         if current not in self._producers:  # identity first, then the stream's own ==
             self._producers.append(current)
 
+    def attach(self) -> None:
+        """A store uses this link (``Store`` calls it once, ``detach`` at close)."""
+        self._stores += 1
+
+    def detach(self) -> None:
+        self._stores -= 1
+
     def forget_producers(self) -> None:
-        """No saved tensor is left to copy out: the streams seen so far produced nothing a later
-        d2h reads; the next batch's current stream starts the list again. See Note: [fences before a copy]."""
-        self._producers = []
+        """The one store using this link has no saved tensor left to copy out: the streams seen so
+        far produced nothing a later d2h reads; the next batch's current stream starts the list
+        again. With two stores on one link (one ``Seams(link=...)`` given to two engines) the
+        other may still hold tensors from any of them: nothing is forgotten. See Note: [fences
+        before a copy]."""
+        if self._stores <= 1:
+            self._producers = []
 
     def _close_batch(self) -> None:
         try:
@@ -496,8 +509,11 @@ class CudaLink:
 
     def d2h_all(self, srcs_device: list[torch.Tensor], dsts_host: list[torch.Tensor]) -> _CopyEvent:
         """``d2h`` for a batch: each source into the front of its pinned block, after the same
-        fences, in one submission, with one event for them all (See Note: [moves in batches] in
-        ``store``). Every source is kept until that event, as ``d2h``'s one is."""
+        fences, from one Python call, with one event for them all (See Note: [moves in batches]
+        in ``store``). Across devices ``torch._foreach_copy_`` copies tensor by tensor in C++
+        (one ``cudaMemcpyAsync`` and one host-allocator event record each, as ``d2h`` makes):
+        what the batch saves is the Python, the fences and the events per tensor. Every source
+        is kept until the batch's event, as ``d2h``'s one is."""
         stream = self._enter(self._d2h, self._producers)
         with self.streams.using(stream):
             self.before_copy(stream)
