@@ -327,7 +327,7 @@ def _run_predict(args: argparse.Namespace) -> int:
     plot = write_plot(prediction, out / "pareto.png")
     print(f"\nwritten: {out / 'prediction.json'}" + (f", {plot}" if plot is not None else " (no matplotlib: no plot)"))
     keep_mb = prediction.points[0].peak_bytes / MB
-    print(f"predicted in {prediction.wall_s:.1f} s; activation peak without the engine {keep_mb:,.0f} MB")
+    print(f"predicted in {prediction.wall_s:.1f} s; activation peak without the engine {keep_mb:,.0f} MiB")
     return _EXIT_OK
 
 

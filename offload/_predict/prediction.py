@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from .._cost import MB, RegionProfile, spill_where
+from .._cost import RegionProfile, spill_where
 from .._plan.planner import Plan
 from .count import RegionCount
 from .machines import Machine
@@ -26,6 +26,10 @@ __all__ = ["EXCLUDES", "INCLUDES", "Prediction", "write_plot"]
 
 _GB = 1e9
 _MIB = 1 << 20
+"""Every memory figure of the printout is in MiB (2**20 bytes), every time in ms."""
+_POLICY_WIDTH = 19
+NOT_IN_BUDGET = "does not meet this budget"
+"""What a row says in place of its price where the policy's peak exceeds the row's budget."""
 
 INCLUDES = "the forward, the loss and the backward of one micro-batch on one device"
 """What a predicted step is."""
@@ -94,20 +98,25 @@ class Prediction:
         return self.parameter_bytes + self.state_bytes
 
     def table(self) -> str:
-        """The policy table: one row per policy and budget; "fits" is against the device's usable
-        memory, "in budget" against the row's budget."""
+        """The policy table: one row per policy and budget, memory in MiB and time in ms; "fits" is
+        against the device's usable memory, "in budget" against the row's budget. A policy that
+        takes no budget (``WITHOUT_ENGINE``, "recompute", "selective") and whose peak exceeds a row's
+        budget is not priced under it: the row says it does not meet this budget, with its peak."""
         header = (
-            f"{'policy':<11} {'budget':>8} {'budget MB':>11} {'peak MB':>11} {'held MB':>11} {'step ms':>11}  "
-            f"{'in budget':<9}  {'device MiB':>11}  {'fits':<4}  plan"
+            f"{'policy':<{_POLICY_WIDTH}} {'budget':>8} {'budget MiB':>11} {'peak MiB':>11} {'held MiB':>11} "
+            f"{'step ms':>11}  {'in budget':<9}  {'device MiB':>11}  {'fits':<4}  plan"
         )
         lines = [header, "-" * len(header)]
         for p in self.points:
             fraction = "-" if p.budget_fraction is None else f"{p.budget_fraction:.0%}"
-            budget = "-" if p.budget_bytes is None else f"{p.budget_bytes / MB:,.1f}"
+            budget = "-" if p.budget_bytes is None else f"{p.budget_bytes / _MIB:,.1f}"
+            head = f"{p.policy:<{_POLICY_WIDTH}} {fraction:>8} {budget:>11} {p.peak_bytes / _MIB:>11,.1f}"
+            if not p.fits:
+                lines.append(f"{head} {NOT_IN_BUDGET}")
+                continue
             lines.append(
-                f"{p.policy:<11} {fraction:>8} {budget:>11} {p.peak_bytes / MB:>11,.1f} {p.held_bytes / MB:>11,.1f} "
-                f"{p.step_ms:>11.2f}  {'yes' if p.fits else 'no':<9}  {p.device_bytes / _MIB:>11,.0f}  "
-                f"{'yes' if p.fits_device else 'NO':<4}  {p.decisions}"
+                f"{head} {p.held_bytes / _MIB:>11,.1f} {p.step_ms:>11.2f}  {'yes':<9}  "
+                f"{p.device_bytes / _MIB:>11,.0f}  {'yes' if p.fits_device else 'NO':<4}  {p.decisions}"
             )
         return "\n".join(lines)
 
@@ -189,10 +198,10 @@ class Prediction:
             f"{m.achieved_memory_gb_per_s():,.1f} GB/s memory, link {m.achieved_link_gb_per_s()[0]:,.2f} GB/s "
             f"({m.link}), all achieved{spill}",
             f"step: {self.forward_flops / 1e12:,.3f} TFLOP forward, {self.backward_flops / 1e12:,.3f} TFLOP backward; "
-            f"parameters {self.parameter_bytes / MB:,.1f} MB, "
-            f"gradients and optimizer state {self.state_bytes / MB:,.1f} MB"
+            f"parameters {self.parameter_bytes / _MIB:,.1f} MiB, "
+            f"gradients and optimizer state {self.state_bytes / _MIB:,.1f} MiB"
             + (
-                f"; held per GPU, sharded over {self.sharding.gpus}: {self.sharding.static_bytes / MB:,.1f} MB"
+                f"; held per GPU, sharded over {self.sharding.gpus}: {self.sharding.static_bytes / _MIB:,.1f} MiB"
                 if self.sharding.gpus > 1
                 else ""
             ),
@@ -207,8 +216,8 @@ class Prediction:
         if self.longest:
             lines += ["", f"longest sequence within {self.longest_memory_bytes / _MIB:,.0f} MiB of device memory:"]
             lines += [
-                f"  {x.policy:<11} {x.sequence:>9,}  (activations {x.peak_bytes / MB:,.0f} MB + "
-                f"working set {x.working_bytes / MB:,.0f} MB, step {x.step_ms:,.1f} ms)"
+                f"  {x.policy:<{_POLICY_WIDTH}} {x.sequence:>9,}  (activations {x.peak_bytes / _MIB:,.0f} MiB + "
+                f"working set {x.working_bytes / _MIB:,.0f} MiB, step {x.step_ms:,.1f} ms)"
                 for x in self.longest
             ]
         return "\n".join(lines)
@@ -253,15 +262,16 @@ def write_plot(prediction: Prediction, path: Union[str, Path]) -> Optional[Path]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in POLICIES:
         points = [p for p in prediction.points if p.policy == policy]
-        ax.scatter([p.peak_bytes / MB for p in points], [p.step_ms for p in points], label=policy)
+        ax.scatter([p.peak_bytes / _MIB for p in points], [p.step_ms for p in points], label=policy)
     ordered = sorted(prediction.points, key=lambda p: (p.peak_bytes, p.step_ms))
     front, best = [], math.inf
     for p in ordered:
         if p.step_ms < best:
             front.append(p)
             best = p.step_ms
-    ax.plot([p.peak_bytes / MB for p in front], [p.step_ms for p in front], "k--", linewidth=0.8, label="Pareto front")
-    ax.set_xlabel("predicted activation peak, MB")
+    front_mib = [p.peak_bytes / _MIB for p in front]
+    ax.plot(front_mib, [p.step_ms for p in front], "k--", linewidth=0.8, label="Pareto front")
+    ax.set_xlabel("predicted activation peak, MiB")
     ax.set_ylabel("predicted step, ms")
     ax.set_title(f"offload.predict on {prediction.machine.name}")
     ax.legend(fontsize=8)

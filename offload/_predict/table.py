@@ -210,21 +210,20 @@ def policy_points(
     ``memory``, what each needs of the device and whether it fits."""
     keep_peak = make_plan(profiles, link, None, "none", other_ms=other_ms).predicted_peak_bytes
     profiles = tuple(profiles)
-    points = []
+    ordered = sorted(set(fractions))  # smallest budget first
+    plans: dict[str, dict[float, Plan]] = {}
     for policy in POLICIES:
-        plans: dict[float, Plan] = {}
-        # Smallest budget first: See Note: [the best plan never gets cheaper as the budget falls].
-        for fraction in sorted(set(fractions)):
+        plans[policy] = {}
+        for fraction in ordered:
             budget = int(keep_peak * fraction)
             plan = plan_policy(profiles, link, policy, budget, other_ms)
             if policy == "auto":
-                for smaller in plans.values():
-                    priced = build_plan(profiles, _decisions_of(smaller, profiles), link, budget, "auto", other_ms)
-                    if priced.fits_budget and priced.predicted_step_ms < plan.predicted_step_ms:
-                        plan = priced
-            plans[fraction] = plan
+                plan = _best_auto(plan, plans, profiles, link, budget, other_ms, keep_peak, memory)
+            plans[policy][fraction] = plan
+    points = []
+    for policy in POLICIES:
         for fraction in fractions:
-            plan = plans[fraction]
+            plan = plans[policy][fraction]
             needed = 0 if memory is None else device_bytes(plan, profiles, keep_peak, memory)
             points.append(
                 PolicyPoint(
@@ -241,6 +240,43 @@ def policy_points(
                 )
             )
     return tuple(points)
+
+
+# Note: [auto never takes a plan over the device when one fits]
+#     The planner's search knows the budget, not the device: at a large budget its fastest plan can
+#     keep more than the device holds once the training state and the working set are added, while a
+#     plan of a smaller budget, or a fixed policy's, fits both. The table's "auto" prices each of those
+#     candidates at its own budget and takes the fastest that fits the budget and the device; only
+#     where none fits the device does it take the fastest that fits the budget.
+
+
+def _best_auto(
+    plan: Plan,
+    plans: dict[str, dict[float, Plan]],
+    profiles: tuple[RegionProfile, ...],
+    link: MachineProfile,
+    budget: int,
+    other_ms: float,
+    keep_peak: int,
+    memory: Optional[DeviceMemory],
+) -> Plan:
+    """ "auto" at ``budget``: the fastest of its own ``plan``, the plans it found at smaller budgets
+    and the engine's fixed policies' plans at any budget of the table, each priced at this
+    budget (See Note: [the best plan never gets cheaper as the budget falls]); one that fits the
+    device before any that does not (See Note: [auto never takes a plan over the device when one fits])."""
+    candidates = [plan]
+    for policy, by_fraction in plans.items():
+        if policy in WITHOUT_ENGINE:
+            continue
+        for other in by_fraction.values():
+            candidates.append(build_plan(profiles, _decisions_of(other, profiles), link, budget, "auto", other_ms))
+
+    def rank(candidate: Plan) -> tuple[bool, float]:
+        over = memory is not None and device_bytes(candidate, profiles, keep_peak, memory) > memory.usable_bytes
+        return over, candidate.predicted_step_ms
+
+    fitting = [c for c in candidates if c.fits_budget]
+    return min(fitting, key=rank) if fitting else plan
 
 
 def longest_sequences(
