@@ -156,6 +156,52 @@ def _budget_fractions(text: str) -> tuple[float, ...]:
     return tuple(fractions)
 
 
+_MACHINE_FLAGS: dict[str, tuple[str, str, str]] = {
+    "--peak-tflops": ("peak_flops", "TFLOP/s", "peak dense bf16 TFLOP/s"),
+    "--fp8-tflops": ("peak_fp8_flops", "TFLOP/s", "peak dense fp8 TFLOP/s (recorded; the step is priced in bf16)"),
+    "--hbm-gb-per-s": ("memory_gb_per_s", "GB/s", "peak device memory (HBM) bandwidth, GB/s"),
+    "--memory-gib": ("memory_bytes", "GiB", "device memory as the device reports it, GiB (nvidia-smi's MiB / 1024)"),
+    "--host-link-gb-per-s": ("link", "GB/s", "host link, GB/s each direction (both at once: twice that)"),
+    "--interconnect-gb-per-s": ("interconnect_gb_per_s", "GB/s", "GPU to GPU within a node, GB/s a direction"),
+    "--gpus-per-node": ("gpus_per_node", "GPUs", "GPUs a node's interconnect joins"),
+    "--internode-gb-per-s": ("internode_gb_per_s", "GB/s", "between nodes, per GPU, GB/s a direction"),
+}
+"""The machine flags of ``predict``: flag -> (``Machine`` field, unit, help). "link" sets the host
+link's three figures."""
+
+
+def _positive(flag: str, unit: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = _finite_number(text, 0, low_allowed=False)
+        if value is None:
+            raise argparse.ArgumentTypeError(f"must be a number of {unit} > 0, got {text!r}; e.g. {flag} 8")
+        return value
+
+    return parse
+
+
+def _machine_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``Machine.replace`` keywords the machine flags ask for, in the fields' units."""
+    changes: dict[str, Any] = {}
+    for flag, (field, _, _) in _MACHINE_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is None:
+            continue
+        if field == "link":
+            changes.update(link_out_gb_per_s=value, link_back_gb_per_s=value, link_both_gb_per_s=2 * value)
+        elif field in ("peak_flops", "peak_fp8_flops"):
+            changes[field] = value * 1e12
+        elif field == "memory_bytes":
+            changes[field] = int(value * (1 << 30))
+        elif field == "gpus_per_node":
+            if value != int(value):
+                raise ValueError(f"--gpus-per-node must be a whole number of GPUs, got {value:g}")
+            changes[field] = int(value)
+        else:
+            changes[field] = value
+    return changes
+
+
 def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", default="minigpt", choices=["minigpt"], help="built-in model (offload.models)")
@@ -221,6 +267,15 @@ def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(_DTYPES),
         help="with --sharded-over: the dtype gradients are reduce-scattered in (default: the gradients')",
     )
+    figures = parser.add_argument_group(
+        "machine figures",
+        "change the --machine's figures (a variant the table does not name: a power-capped or cloud part, a "
+        "cluster's own network); each is marked given in the printout (Machine.replace)",
+    )
+    for flag, (_, unit, help_text) in _MACHINE_FLAGS.items():
+        figures.add_argument(
+            flag, type=_positive(flag, unit), default=None, metavar=unit.upper().replace(" ", "_"), help=help_text
+        )
     parser.add_argument(
         "--assume",
         action="append",
@@ -287,10 +342,13 @@ def _run_predict(args: argparse.Namespace) -> int:
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
         machine: Any = probe("cpu") if args.machine == "probe" else args.machine
-        if args.assume:
+        changes = _machine_changes(args)
+        if args.assume or changes:
             if args.machine == "probe":
-                raise ValueError("--assume sets a named machine's assumptions; --machine probe measures them")
-            machine = get_machine(args.machine).with_assumptions(**_assumed(args.assume))
+                raise ValueError(
+                    "--assume and the machine figures change a named machine; --machine probe measures them"
+                )
+            machine = get_machine(args.machine).replace(**changes).with_assumptions(**_assumed(args.assume))
         state = OptimizerState(
             grad_dtype=None if args.grad_dtype is None else _DTYPES[args.grad_dtype],
             master_dtype=None if args.master_dtype == "none" else _DTYPES[args.master_dtype],

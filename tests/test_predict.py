@@ -24,7 +24,18 @@ def test_named_machines_carry_their_datasheet_figures():
     assert h100.memory_gb_per_s == 3350
     assert (h100.link_out_gb_per_s, h100.link_back_gb_per_s, h100.link_both_gb_per_s) == (64, 64, 128)
     assert offload.machine("a100-80gb-sxm").peak_flops == 312e12
-    assert set(offload.machines()) == {"a100-80gb-sxm", "h100-sxm", "h100-pcie", "h200", "gh200"}
+    assert set(offload.machines()) == {
+        "a100-80gb-sxm",
+        "a100-40gb-sxm",
+        "a100-80gb-pcie",
+        "h100-sxm",
+        "h100-pcie",
+        "h100-nvl",
+        "h200",
+        "gh200",
+        "l40s",
+        "mi300x",
+    }
     for machine in map(offload.machine, offload.machines()):
         assert "http" in machine.source  # every figure names where it comes from
         assert machine.memory_source
@@ -89,7 +100,7 @@ def test_bad_assumptions_name_the_value_and_the_choices():
         offload.machine("h100-sxm").with_assumptions(flops_fraction=1.5)
     with pytest.raises(ValueError, match="valid ones are: flops_fraction"):
         offload.machine("h100-sxm").with_assumptions(flop_fraction=0.5)
-    with pytest.raises(ValueError, match="named machines are: a100-80gb-sxm"):
+    with pytest.raises(ValueError, match="named machines are: a100-40gb-sxm, a100-80gb-pcie, a100-80gb-sxm"):
         offload.machine("h300")
 
 

@@ -6,6 +6,8 @@ byte counts taken from the prediction's own regions (the table must add them up 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -70,3 +72,83 @@ def test_auto_takes_a_plan_that_fits_the_device_where_one_does(small):
             assert auto.fits and auto.fits_device, (fraction, auto)
     auto_full_tight = next(p for p in tight.points if p.policy == "auto" and p.budget_fraction == 1.0)
     assert auto_full_tight.step_ms >= auto_full.step_ms  # it gave up speed for the device, not budget
+
+
+# -- item 1: machines of the user's own ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, tflops, fp8_tflops, hbm, memory_bytes, interconnect, datasheet",
+    [
+        ("a100-40gb-sxm", 312, None, 1555, 40960 * MIB, 300, "NVIDIA A100 Tensor Core GPU datasheet"),
+        ("a100-80gb-pcie", 312, None, 1935, 81920 * MIB, 32, "NVIDIA A100 Tensor Core GPU datasheet"),
+        ("h100-nvl", 835.5, 1670.5, 3900, 94 * 10**9, 64, "NVIDIA H100 Tensor Core GPU datasheet (H100 NVL"),
+        ("l40s", 362.05, 733, 864, 48 * 10**9, 32, "NVIDIA L40S GPU datasheet"),
+        ("mi300x", 1307.4, 2614.9, 5300, 192 * 10**9, 448, "AMD Instinct MI300X accelerator data sheet"),
+    ],
+)
+def test_the_common_variants_carry_their_datasheet_figures(
+    name, tflops, fp8_tflops, hbm, memory_bytes, interconnect, datasheet
+):
+    m = offload.machine(name)
+    assert m.peak_flops == pytest.approx(tflops * 1e12)
+    assert m.peak_fp8_flops == (None if fp8_tflops is None else pytest.approx(fp8_tflops * 1e12))
+    assert (m.memory_gb_per_s, m.memory_bytes, m.interconnect_gb_per_s) == (hbm, memory_bytes, interconnect)
+    assert m.source.startswith(datasheet) and m.memory_source and m.given == ()
+    assert "not calibrated" in m.assumptions.flops_source  # no published run of it was fitted
+
+
+def test_the_named_nodes_carry_their_network_with_its_source():
+    for name, per_gpu, adapter in (("a100-80gb-sxm", 25, "ConnectX-6"), ("h100-sxm", 50, "ConnectX-7")):
+        m = offload.machine(name)
+        assert (m.gpus_per_node, m.internode_gb_per_s) == (8, per_gpu)
+        assert adapter in m.internode and "DGX" in m.internode and "datasheet" in m.internode
+    assert offload.machine("gh200").gpus_per_node == 1 and offload.machine("l40s").internode_gb_per_s is None
+
+
+def test_replace_makes_a_variant_with_its_figures_marked_given():
+    h100 = offload.machine("h100-sxm")
+    capped = h100.replace(name="h100-capped", peak_flops=700e12, internode_gb_per_s=25, internode="4 x 400 Gb/s")
+    assert (capped.peak_flops, capped.internode_gb_per_s, capped.name) == (700e12, 25, "h100-capped")
+    assert capped.given == ("peak_flops", "internode_gb_per_s")  # names and descriptions are not figures
+    assert capped.figure_source("peak_flops") == "given" and capped.figure_source("memory_gb_per_s") == h100.source
+    assert capped.replace(peak_flops=600e12).given == ("peak_flops", "internode_gb_per_s")  # once each
+    assert capped.assumptions == h100.assumptions and h100.given == ()
+    with pytest.raises(ValueError, match=r"unknown fields \['peak_tflops'\]; valid ones are: name, .*peak_flops"):
+        h100.replace(peak_tflops=700)
+    with pytest.raises(ValueError, match="assumptions: machine.with_assumptions"):
+        h100.replace(assumptions=h100.assumptions)
+    for field, bad in (("peak_flops", -1.0), ("internode_gb_per_s", 0), ("peak_fp8_flops", True)):
+        with pytest.raises(ValueError, match=f"{field} must be a finite number > 0"):
+            h100.replace(**{field: bad})
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="gpus_per_node must be an int >= 1"):
+            h100.replace(gpus_per_node=bad)
+    model, tokens = _model(n_layer=2, seq=256)
+    text = str(offload.predict(model, tokens, tokens, machine=capped))
+    assert "700 TFLOP/s peak dense bf16 (given)" in text
+    assert "machine figures given, not from its source: peak_flops, internode_gb_per_s" in text
+    assert "4 x 400 Gb/s, 25 GB/s a GPU" in text
+
+
+def test_the_predict_command_takes_a_machines_figures(tmp_path, capsys):
+    from offload.__main__ import main
+
+    argv = ["predict", "--layers", "2", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "64"]
+    argv += ["--out", str(tmp_path), "--machine", "h100-sxm"]
+    flags = ["--peak-tflops", "500", "--fp8-tflops", "1000", "--hbm-gb-per-s", "2000", "--memory-gib", "94"]
+    flags += ["--host-link-gb-per-s", "20", "--interconnect-gb-per-s", "100", "--gpus-per-node", "4"]
+    flags += ["--internode-gb-per-s", "12.5"]
+    assert main(argv + flags) == 0
+    machine = json.loads((tmp_path / "prediction.json").read_text())["machine"]
+    assert (machine["peak_flops"], machine["peak_fp8_flops"], machine["memory_gb_per_s"]) == (500e12, 1000e12, 2000)
+    assert machine["memory_bytes"] == 94 << 30
+    assert (machine["link_out_gb_per_s"], machine["link_back_gb_per_s"], machine["link_both_gb_per_s"]) == (20, 20, 40)
+    assert (machine["interconnect_gb_per_s"], machine["gpus_per_node"], machine["internode_gb_per_s"]) == (100, 4, 12.5)
+    assert "peak_flops" in capsys.readouterr().out
+    assert main(argv + ["--peak-tflops", "0"]) == 2
+    assert "--peak-tflops: must be a number of TFLOP/s > 0, got '0'" in capsys.readouterr().err
+    assert main(argv + ["--gpus-per-node", "2.5"]) == 2
+    assert "--gpus-per-node must be a whole number" in capsys.readouterr().err
+    assert main(argv[:-2] + ["--machine", "probe", "--peak-tflops", "5"]) == 2
+    assert "--machine probe measures them" in capsys.readouterr().err

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 from .._cost import MachineProfile
 
@@ -39,6 +39,10 @@ _GB = 1e9
 _MIB = 1 << 20
 """Device memory counts MiB, as ``nvidia-smi`` and ``torch.cuda.get_device_properties`` report it."""
 _TFLOPS = 1e12
+_NOT_REPLACED = ("given", "assumptions", "compute_scale")
+"""Fields ``Machine.replace`` does not set: its own record, ``with_assumptions``' and a measurement's."""
+_DESCRIPTIONS = ("name", "source", "memory_source", "link", "interconnect", "internode", "device_type")
+"""Fields that say what a figure is rather than being one: never marked given."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,6 +192,20 @@ class Machine:
     probed machine)."""
     interconnect: str = ""
     """What the interconnect is: "NVLink 3 (12 links)"."""
+    peak_fp8_flops: Optional[float] = None
+    """Peak dense fp8 FLOP/s (without structured sparsity); None: no fp8 tensor cores, or not given.
+    Recorded and printed; a step is priced at ``peak_flops`` (bf16), as the fake step runs it."""
+    gpus_per_node: int = 1
+    """GPUs in one node joined by ``interconnect``: a sharded step over more crosses the network
+    between nodes (``internode_gb_per_s``)."""
+    internode_gb_per_s: Optional[float] = None
+    """Between nodes, per GPU, one direction, GB/s: the node's network adapters' line rate shared
+    out per GPU (8 x 400 Gb/s ConnectX-7 for 8 GPUs: 50). None: not known."""
+    internode: str = ""
+    """What the network between nodes is: "8 x ConnectX-7 400 Gb/s"."""
+    given: tuple[str, ...] = ()
+    """The fields set by ``replace`` (or ``python -m offload predict``'s machine flags) rather than
+    taken from ``source``: the printout marks them "given"."""
     compute_scale: float = 1.0
     """A measured machine: the factor its microbenchmarked FLOP/s and memory bandwidth were scaled
     by to price a timed reference step as long as it took (``this_cpu.calibrate_compute``);
@@ -253,11 +271,15 @@ class Machine:
                 raise ValueError(f"Machine {self.name!r}: {name} must be a finite number > 0, got {value!r}")
         if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
             raise ValueError(f"Machine {self.name!r}: memory_bytes must be an int > 0, got {self.memory_bytes!r}")
-        link = self.interconnect_gb_per_s
-        if link is not None and not (isinstance(link, (int, float)) and math.isfinite(link) and link > 0):
-            raise ValueError(
-                f"Machine {self.name!r}: interconnect_gb_per_s must be a finite number > 0 or None, got {link!r}"
-            )
+        for name in ("interconnect_gb_per_s", "internode_gb_per_s", "peak_fp8_flops"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            ):
+                raise ValueError(f"Machine {self.name!r}: {name} must be a finite number > 0 or None, got {value!r}")
+        gpus = self.gpus_per_node
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise ValueError(f"Machine {self.name!r}: gpus_per_node must be an int >= 1, got {gpus!r}")
 
     def achieved_flops(self) -> float:
         """FLOP/s a matmul achieves: peak x ``flops_fraction``."""
@@ -313,11 +335,34 @@ class Machine:
             )
         return dataclasses.replace(host, d2h_gb_per_s=out_gb_per_s, h2d_gb_per_s=back_gb_per_s)
 
-    def with_interconnect(self, gb_per_s: float, what: str) -> Machine:
+    def with_interconnect(self, gb_per_s: float, what: str, *, gpus_per_node: int = 8) -> Machine:
         """This machine with a GPU interconnect of ``gb_per_s`` GB/s a direction, described as
-        ``what``: for ``predict(sharded_over=N)`` on a machine whose figure is not known (a probed
-        one) or is another than the named one's."""
-        return dataclasses.replace(self, interconnect_gb_per_s=gb_per_s, interconnect=what)
+        ``what``, joining ``gpus_per_node`` GPUs (default 8, an HGX board's NVLink domain): for
+        ``predict(sharded_over=N)`` on a machine whose figure is not known (a probed one) or is
+        another than the named one's. Marked given, as ``replace`` marks what it sets."""
+        return self.replace(interconnect_gb_per_s=gb_per_s, interconnect=what, gpus_per_node=gpus_per_node)
+
+    def replace(self, **changes: Any) -> Machine:
+        """This machine with some of its figures replaced, each marked given in ``given`` and the
+        printout: a variant the table does not name (a power-capped H100, a cloud's own part, a
+        cluster's own network), e.g. ``offload.machine("h100-sxm").replace(name="h100-capped",
+        peak_flops=700e12, internode_gb_per_s=25, internode="4 x 400 Gb/s for 8 GPUs")``. Units as
+        the fields': FLOP/s, GB/s of 1e9 bytes, bytes. A ``ValueError`` names an unknown field and
+        lists the valid ones; every value is checked as a named machine's is. ``assumptions`` are
+        changed with ``with_assumptions``."""
+        names = [f.name for f in dataclasses.fields(Machine) if f.name not in _NOT_REPLACED]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise ValueError(
+                f"Machine.replace: unknown fields {unknown}; valid ones are: {', '.join(names)} "
+                "(assumptions: machine.with_assumptions(...))"
+            )
+        given = tuple(dict.fromkeys((*self.given, *(n for n in changes if n not in _DESCRIPTIONS))))
+        return dataclasses.replace(self, **changes, given=given)
+
+    def figure_source(self, name: str) -> str:
+        """Where the figure ``name`` comes from: "given" where ``replace`` set it, else ``source``."""
+        return "given" if name in self.given else self.source
 
     def with_assumptions(self, **changes: Optional[float | str]) -> Machine:
         """This machine with some assumptions replaced, e.g. ``flops_fraction=0.45`` (its
@@ -358,6 +403,38 @@ _GH200_SOURCE = (
     "sets one)"
 )
 
+_A100_VARIANTS_SOURCE = (
+    "NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM and A100 80GB PCIe columns): BF16 312 TFLOPS dense; "
+    "HBM2 1,555 GB/s (40GB SXM), HBM2e 1,935 GB/s (80GB PCIe); PCIe Gen4 x16 64 GB/s bidirectional; NVLink 600 GB/s "
+    "(SXM), an NVLink bridge for 2 GPUs 600 GB/s (PCIe); https://www.nvidia.com/content/dam/en-zz/Solutions/"
+    "Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
+)
+_H100_NVL_SOURCE = (
+    "NVIDIA H100 Tensor Core GPU datasheet (H100 NVL column): BF16 1,671 TFLOPS and FP8 3,341 TFLOPS with "
+    "sparsity, half that dense; HBM3 94 GB at 3.9 TB/s; PCIe Gen5 128 GB/s bidirectional; NVLink bridge 600 GB/s "
+    "(pairs of GPUs); https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
+)
+_L40S_SOURCE = (
+    "NVIDIA L40S GPU datasheet: BF16 362.05 TFLOPS dense (733 with sparsity), FP8 733 dense (1,466 with "
+    "sparsity); 48 GB GDDR6 at 864 GB/s; PCIe Gen4 x16 64 GB/s bidirectional; no NVLink; "
+    "https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413"
+)
+_MI300X_SOURCE = (
+    "AMD Instinct MI300X accelerator data sheet: peak BF16 1,307.4 TFLOPS dense (2,614.9 with sparsity), FP8 "
+    "2,614.9 dense; 192 GB HBM3 at 5.3 TB/s; PCIe Gen5 x16 128 GB/s; 7 AMD Infinity Fabric links of 128 GB/s "
+    "each (bidirectional), 896 GB/s in all, one to each of the other 7 GPUs of an 8-GPU platform; "
+    "https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/data-sheets/amd-instinct-mi300x-data-sheet.pdf"
+)
+_DGX_A100_NETWORK = (
+    "NVIDIA DGX A100 datasheet: 8 single-port Mellanox ConnectX-6 VPI 200 Gb/s HDR InfiniBand for compute, "
+    "one per GPU: 25 GB/s a GPU a direction; https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
+    "nvidia-dgx-a100-datasheet.pdf"
+)
+_DGX_H100_NETWORK = (
+    "NVIDIA DGX H100/H200 datasheet: 8 single-port NVIDIA ConnectX-7 VPI 400 Gb/s InfiniBand/Ethernet (4 OSFP "
+    "ports), one per GPU: 50 GB/s a GPU a direction; https://resources.nvidia.com/en-us-dgx-systems/ai-enterprise-dgx"
+)
+
 # Device memory as the device reports it (nvidia-smi's total, MiB).
 _H100_MEMORY = (
     "nvidia-smi: 81559MiB on an H100 80GB HBM3 (SXM), https://github.com/NVIDIA/nccl/issues/1264, and on "
@@ -369,6 +446,14 @@ _H100_PCIE_MEMORY = (
 )
 _A100_MEMORY = "nvidia-smi: 81920MiB on an A100 80GB, https://github.com/modal-labs/modal-client/pull/2797"
 _H200_MEMORY = "nvidia-smi: 143771MiB on an H200, https://github.com/NVIDIA/cuda-samples/issues/311"
+_DATASHEET_MEMORY = (
+    "no device report of its total found with an address here: the datasheet's {gb} GB taken as {gb}e9 bytes "
+    "(devices report more than their datasheet's decimal GB: an H100 80GB reports 81559 MiB)"
+)
+_A100_40GB_MEMORY = (
+    "nvidia-smi: 40960MiB on an A100 40GB, as the 80 GB reports 81920MiB: not found in a report with an address "
+    "here; half the 80 GB's figure, the datasheet's 40 GB of HBM2"
+)
 _GH200_MEMORY = (
     "no report of nvidia-smi's total found for the 96 GB GH200: the datasheet's 96 GB, 96e9 bytes (an H100 80GB "
     "reports more than its datasheet's 80e9)"
@@ -418,6 +503,13 @@ _HOPPER_UNCALIBRATED = (
     "the H100 SXM's figure, not calibrated on this machine: no published training run of it was found; its "
     "SMs are the H100's"
 )
+_AMPERE_UNCALIBRATED = (
+    "the A100 80GB SXM's figure, not calibrated on this machine: no published training run of it was found; "
+    "its SMs are the A100's"
+)
+_UNCALIBRATED = Assumptions(
+    flops_source="a round figure (0.6), not calibrated: no published training run of this GPU was fitted"
+)
 
 MACHINES: dict[str, Machine] = {
     m.name: m
@@ -434,9 +526,48 @@ MACHINES: dict[str, Machine] = {
             link="PCIe Gen4 x16",
             interconnect_gb_per_s=300,
             interconnect="NVLink 3 (600 GB/s both ways)",
+            gpus_per_node=8,
+            internode_gb_per_s=25,
+            internode=f"8 x ConnectX-6 200 Gb/s, one a GPU (the DGX A100's: {_DGX_A100_NETWORK})",
             source=_A100_SOURCE,
             memory_source=_A100_MEMORY,
             assumptions=_A100_EFFICIENCY,
+        ),
+        Machine(
+            name="a100-40gb-sxm",
+            device_type="cuda",
+            peak_flops=312 * _TFLOPS,
+            memory_gb_per_s=1555,
+            memory_bytes=40960 * _MIB,
+            link_out_gb_per_s=32,
+            link_back_gb_per_s=32,
+            link_both_gb_per_s=64,
+            link="PCIe Gen4 x16",
+            interconnect_gb_per_s=300,
+            interconnect="NVLink 3 (600 GB/s both ways)",
+            gpus_per_node=8,
+            internode_gb_per_s=25,
+            internode=f"8 x ConnectX-6 200 Gb/s, one a GPU (the DGX A100's: {_DGX_A100_NETWORK})",
+            source=_A100_VARIANTS_SOURCE,
+            memory_source=_A100_40GB_MEMORY,
+            assumptions=dataclasses.replace(_A100_EFFICIENCY, flops_source=_AMPERE_UNCALIBRATED),
+        ),
+        Machine(
+            name="a100-80gb-pcie",
+            device_type="cuda",
+            peak_flops=312 * _TFLOPS,
+            memory_gb_per_s=1935,
+            memory_bytes=81920 * _MIB,
+            link_out_gb_per_s=32,
+            link_back_gb_per_s=32,
+            link_both_gb_per_s=64,
+            link="PCIe Gen4 x16",
+            interconnect_gb_per_s=32,
+            interconnect="PCIe Gen4 x16 (its NVLink bridge joins pairs of GPUs only)",
+            gpus_per_node=8,
+            source=_A100_VARIANTS_SOURCE,
+            memory_source=_A100_MEMORY,
+            assumptions=dataclasses.replace(_A100_EFFICIENCY, flops_source=_AMPERE_UNCALIBRATED),
         ),
         Machine(
             name="h100-sxm",
@@ -450,6 +581,10 @@ MACHINES: dict[str, Machine] = {
             link="PCIe Gen5 x16",
             interconnect_gb_per_s=450,
             interconnect="NVLink 4 (900 GB/s both ways)",
+            peak_fp8_flops=1979 * _TFLOPS,
+            gpus_per_node=8,
+            internode_gb_per_s=50,
+            internode=f"8 x ConnectX-7 400 Gb/s, one a GPU (the DGX H100's: {_DGX_H100_NETWORK})",
             source=_H100_SOURCE,
             memory_source=_H100_MEMORY,
             assumptions=_H100_EFFICIENCY,
@@ -466,6 +601,8 @@ MACHINES: dict[str, Machine] = {
             link="PCIe Gen5 x16",
             interconnect_gb_per_s=64,
             interconnect="PCIe Gen5 x16 (its NVLink bridge joins pairs of GPUs only)",
+            peak_fp8_flops=1513 * _TFLOPS,
+            gpus_per_node=8,
             source=_H100_SOURCE,
             memory_source=_H100_PCIE_MEMORY,
             assumptions=dataclasses.replace(_H100_EFFICIENCY, flops_source=_HOPPER_UNCALIBRATED),
@@ -482,6 +619,10 @@ MACHINES: dict[str, Machine] = {
             link="PCIe Gen5 x16",
             interconnect_gb_per_s=450,
             interconnect="NVLink 4 (900 GB/s both ways)",
+            peak_fp8_flops=1979 * _TFLOPS,
+            gpus_per_node=8,
+            internode_gb_per_s=50,
+            internode=f"8 x ConnectX-7 400 Gb/s, one a GPU (the DGX H200's: {_DGX_H100_NETWORK})",
             source=_H200_SOURCE,
             memory_source=_H200_MEMORY,
             assumptions=dataclasses.replace(_H100_EFFICIENCY, flops_source=_HOPPER_UNCALIBRATED),
@@ -496,10 +637,65 @@ MACHINES: dict[str, Machine] = {
             link_back_gb_per_s=346,
             link_both_gb_per_s=600,  # not measured: twice the slower direction, as Machine.from_probe takes it
             link="NVLink-C2C",
+            peak_fp8_flops=1979 * _TFLOPS,
             source=_GH200_SOURCE,
             memory_source=_GH200_MEMORY,
             # the link figures are measured copies: no fraction of them is taken off
             assumptions=dataclasses.replace(_H100_EFFICIENCY, flops_source=_HOPPER_UNCALIBRATED, link_fraction=1.0),
+        ),
+        Machine(
+            name="h100-nvl",
+            device_type="cuda",
+            peak_flops=835.5 * _TFLOPS,
+            peak_fp8_flops=1670.5 * _TFLOPS,
+            memory_gb_per_s=3900,
+            memory_bytes=94 * 10**9,
+            link_out_gb_per_s=64,
+            link_back_gb_per_s=64,
+            link_both_gb_per_s=128,
+            link="PCIe Gen5 x16",
+            interconnect_gb_per_s=64,
+            interconnect="PCIe Gen5 x16 (its NVLink bridge joins pairs of GPUs only)",
+            gpus_per_node=8,
+            source=_H100_NVL_SOURCE,
+            memory_source=_DATASHEET_MEMORY.format(gb=94),
+            assumptions=dataclasses.replace(_H100_EFFICIENCY, flops_source=_HOPPER_UNCALIBRATED),
+        ),
+        Machine(
+            name="l40s",
+            device_type="cuda",
+            peak_flops=362.05 * _TFLOPS,
+            peak_fp8_flops=733 * _TFLOPS,
+            memory_gb_per_s=864,
+            memory_bytes=48 * 10**9,
+            link_out_gb_per_s=32,
+            link_back_gb_per_s=32,
+            link_both_gb_per_s=64,
+            link="PCIe Gen4 x16",
+            interconnect_gb_per_s=32,
+            interconnect="PCIe Gen4 x16 (no NVLink)",
+            gpus_per_node=8,
+            source=_L40S_SOURCE,
+            memory_source=_DATASHEET_MEMORY.format(gb=48),
+            assumptions=_UNCALIBRATED,
+        ),
+        Machine(
+            name="mi300x",
+            device_type="cuda",  # ROCm's torch calls it "cuda"
+            peak_flops=1307.4 * _TFLOPS,
+            peak_fp8_flops=2614.9 * _TFLOPS,
+            memory_gb_per_s=5300,
+            memory_bytes=192 * 10**9,
+            link_out_gb_per_s=64,
+            link_back_gb_per_s=64,
+            link_both_gb_per_s=128,
+            link="PCIe Gen5 x16",
+            interconnect_gb_per_s=448,
+            interconnect="Infinity Fabric, 7 links of 64 GB/s a direction, their sum (896 GB/s both ways)",
+            gpus_per_node=8,
+            source=_MI300X_SOURCE,
+            memory_source=_DATASHEET_MEMORY.format(gb=192),
+            assumptions=_UNCALIBRATED,
         ),
     )
 }

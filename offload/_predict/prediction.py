@@ -154,7 +154,10 @@ class Prediction:
         m, a = self.machine, self.machine.assumptions
         out_gb_per_s, back_gb_per_s, _ = m.achieved_link_gb_per_s()
         lines = [
-            f"compute: {a.flops_fraction:g} of {m.peak_flops / 1e12:,.0f} TFLOP/s peak dense ({a.flops_source})",
+            f"compute: {a.flops_fraction:g} of {m.peak_flops / 1e12:,.0f} TFLOP/s peak dense bf16"
+            + (" (given)" if "peak_flops" in m.given else "")
+            + f" ({a.flops_source})"
+            + ("" if m.peak_fp8_flops is None else f"; fp8 peak {m.peak_fp8_flops / 1e12:,.0f} TFLOP/s, not used"),
             "fused attention kernels: "
             + (
                 "as the matmuls"
@@ -169,6 +172,19 @@ class Prediction:
             f"{a.context_mib:,.0f} MiB of CUDA context and {a.allocator_fraction:.0%} held by the caching allocator: "
             f"{m.usable_memory_bytes() / _MIB:,.0f} MiB usable"
             + ("" if self.memory_bytes == m.usable_memory_bytes() else f"; {self.memory_bytes / _MIB:,.0f} MiB given"),
+            "GPU interconnect: "
+            + (
+                "not known"
+                if m.interconnect_gb_per_s is None
+                else f"{m.interconnect} at {m.interconnect_gb_per_s:,.0f} GB/s a direction, "
+                f"{m.gpus_per_node} GPUs a node"
+            )
+            + "; between nodes: "
+            + (
+                "not known"
+                if m.internode_gb_per_s is None
+                else f"{m.internode}, {m.internode_gb_per_s:,.0f} GB/s a GPU"
+            ),
             f"gradients and optimizer state: {self.state}",
             "sharding: " + (self.sharding.text or "none (the training state whole on one device; sharded_over=1)"),
             f"attention: {self.attention}",
@@ -181,6 +197,8 @@ class Prediction:
             f"largest transient: {self.transient_bytes / _MIB:,.0f} MiB (what the step's ops hold at once besides "
             "its saves: at an LM's loss, the logits and their gradient), in every row's device MiB",
         ]
+        if m.given:
+            lines.append(f"machine figures given, not from its source: {', '.join(m.given)}")
         if self.assumed:
             lines.append("branches on a boolean tensor taken as true: " + ", ".join(sorted(set(self.assumed))))
         return tuple(lines)
