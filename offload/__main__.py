@@ -258,8 +258,9 @@ def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="GPUS",
-        help="GPUs of one node the parameters, gradients and optimizer state are sharded over, as FSDP's full "
-        "sharding does: the device holds its shard and each step adds its exposed collectives (default: 1, none)",
+        help="GPUs the parameters, gradients and optimizer state are sharded over, as FSDP's full sharding does: "
+        "the device holds its shard and each step adds its exposed collectives, over the network between nodes "
+        "beyond the machine's GPUs a node (default: 1, none)",
     )
     parser.add_argument(
         "--reduce-dtype",

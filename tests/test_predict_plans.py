@@ -102,7 +102,8 @@ def test_the_named_nodes_carry_their_network_with_its_source():
     for name, per_gpu, adapter in (("a100-80gb-sxm", 25, "ConnectX-6"), ("h100-sxm", 50, "ConnectX-7")):
         m = offload.machine(name)
         assert (m.gpus_per_node, m.internode_gb_per_s) == (8, per_gpu)
-        assert adapter in m.internode and "DGX" in m.internode and "datasheet" in m.internode
+        assert adapter in m.internode and "DGX" in m.internode
+        assert "between nodes: NVIDIA DGX" in m.source and f"{adapter} VPI" in m.source
     assert offload.machine("gh200").gpus_per_node == 1 and offload.machine("l40s").internode_gb_per_s is None
 
 
@@ -152,3 +153,51 @@ def test_the_predict_command_takes_a_machines_figures(tmp_path, capsys):
     assert "--gpus-per-node must be a whole number" in capsys.readouterr().err
     assert main(argv[:-2] + ["--machine", "probe", "--peak-tflops", "5"]) == 2
     assert "--machine probe measures them" in capsys.readouterr().err
+
+
+# -- item 2: FSDP across nodes ------------------------------------------------------------------
+
+
+def _collective_case(gpus: int, machine) -> tuple:
+    model, tokens = _model(n_layer=2, seq=256)
+    whole = offload.predict(model, tokens, tokens, machine=machine, budgets=(1.0,))
+    sharded = offload.predict(model, tokens, tokens, machine=machine, budgets=(1.0,), sharded_over=gpus)
+    return whole, sharded
+
+
+@pytest.mark.parametrize("gpus", [16, 64, 128])
+def test_a_ring_across_nodes_runs_at_the_slower_link(gpus):
+    """Beyond a node's 8 GPUs the ring crosses the network (50 GB/s a GPU on an H100 node) as well as
+    NVLink (450): the collectives are priced at the network's 50 x 0.8, and the device holds 1/N."""
+    h100 = offload.machine("h100-sxm")
+    within, across = _collective_case(8, h100)[1], _collective_case(gpus, h100)[1]
+    s = across.sharding
+    assert s.collective_ms == pytest.approx(s.collective_bytes / (50 * 0.8 * 1e9) * 1e3)
+    assert within.sharding.collective_ms == pytest.approx(within.sharding.collective_bytes / (450 * 0.8 * 1e9) * 1e3)
+    assert s.collective_bytes == pytest.approx(within.sharding.collective_bytes * (gpus - 1) / gpus * 8 / 7, abs=2)
+    assert s.static_bytes < within.sharding.static_bytes  # 1/N of the state, not 1/8
+    assert "the slower of the links its ring crosses, 8 x ConnectX-7" in s.text and "(the other: NVLink 4" in s.text
+
+
+def test_a_network_faster_than_the_interconnect_leaves_the_interconnect_as_the_bound():
+    fast = offload.machine("h100-sxm").replace(internode_gb_per_s=1000, internode="imaginary")
+    s = _collective_case(16, fast)[1].sharding
+    assert s.collective_ms == pytest.approx(s.collective_bytes / (450 * 0.8 * 1e9) * 1e3)
+    assert "the slower of the links its ring crosses, NVLink 4" in s.text
+
+
+def test_the_node_size_decides_when_the_ring_leaves_the_node():
+    four = offload.machine("h100-sxm").replace(gpus_per_node=4)
+    s = _collective_case(8, four)[1].sharding
+    assert s.collective_ms == pytest.approx(s.collective_bytes / (50 * 0.8 * 1e9) * 1e3)
+    s = _collective_case(4, four)[1].sharding
+    assert s.collective_ms == pytest.approx(s.collective_bytes / (450 * 0.8 * 1e9) * 1e3)
+
+
+def test_across_nodes_without_a_network_figure_is_refused_naming_the_fix():
+    model, tokens = _model(n_layer=2, seq=256)
+    with pytest.raises(ValueError, match="no GPU interconnect figure between nodes .* --internode-gb-per-s"):
+        offload.predict(model, tokens, tokens, machine="l40s", sharded_over=16)
+    assert offload.predict(model, tokens, tokens, machine="l40s", sharded_over=8).sharding.gpus == 8
+    networked = offload.machine("l40s").replace(internode_gb_per_s=25, internode="given")
+    assert offload.predict(model, tokens, tokens, machine=networked, sharded_over=16).sharding.gpus == 16

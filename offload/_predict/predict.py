@@ -131,9 +131,10 @@ def predict(
     ``longest_in(seq) -> (args, kwargs)``: inputs at another sequence length; with it, the longest
     sequence fitting the device under each policy is searched. ``memory_bytes``: device memory the
     step may use (default: the machine's usable memory, ``Machine.usable_memory_bytes``).
-    ``sharded_over``: the GPUs of one node the parameters, gradients and optimizer state are sharded
-    over, as FSDP's full sharding does with a unit per region (``sharding``): the device holds its
-    shard, and every step adds the exposed part of the collectives over the machine's interconnect;
+    ``sharded_over``: the GPUs the parameters, gradients and optimizer state are sharded over, as
+    FSDP's full sharding does with a unit per region (``sharding``): the device holds its shard, and
+    every step adds the exposed part of the collectives, at the slower of the links their ring
+    crosses (the node's interconnect; beyond ``Machine.gpus_per_node`` GPUs, the network between nodes);
     1 (the default): one device holds them whole and no collective is priced. ``reduce_dtype``: the
     dtype the gradients are reduce-scattered in (FSDP's ``MixedPrecision.reduce_dtype``; default:
     the gradients'). With ``state_bytes_per_param`` the gradients are taken in the parameters'

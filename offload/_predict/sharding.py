@@ -1,7 +1,8 @@
 """What sharding the training state over GPUs, as FSDP's full sharding does, changes in a step.
 
 ``predict(sharded_over=N)``: the parameters, their gradients and the optimizer's state are split
-over ``N`` GPUs of one node, one FSDP unit per region and one root unit for the parameters outside
+over ``N`` GPUs, on one node or across several (``Machine.gpus_per_node``), one FSDP unit per
+region and one root unit for the parameters outside
 the regions (embeddings, head). Per micro-batch each GPU then
 
 - holds 1/N of the state, plus what is unsharded at the time: the root unit's parameters and
@@ -30,13 +31,10 @@ from typing import Any
 
 from .machines import Machine
 
-__all__ = ["MAX_GPUS", "NOT_SHARDED", "Sharding", "shard"]
+__all__ = ["NOT_SHARDED", "Sharding", "shard"]
 
 _MIB = 1 << 20
 _GB = 1e9
-MAX_GPUS = 8
-"""The GPUs of one node (an HGX board): sharding over more crosses the network between nodes,
-which is not priced."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,13 +62,47 @@ def _gpus(value: Any) -> int:
         gpus = operator.index(value)
     except TypeError:
         gpus = 0
-    if isinstance(value, bool) or not 1 <= gpus <= MAX_GPUS:
+    if isinstance(value, bool) or gpus < 1:
         raise ValueError(
-            f"sharded_over= takes the number of GPUs of one node the training state is sharded over, an int from 1 "
-            f"(not sharded) to {MAX_GPUS}, got {value!r}; across nodes (HSDP, or FSDP over the network) the "
-            f"collectives are not priced: predict one node's share with sharded_over={MAX_GPUS}"
+            f"sharded_over= takes the number of GPUs the training state is sharded over, an int >= 1 "
+            f"(1: not sharded), got {value!r}"
         )
     return gpus
+
+
+def _ring_gb_per_s(machine: Machine, gpus: int) -> tuple[float, str]:
+    """The achieved GB/s a direction of a ring over ``gpus`` GPUs of ``machine``, and what it runs
+    over: the node's interconnect, or where the ring leaves the node the slower of it and the
+    network between nodes (every GPU's share of the ring's traffic crosses both)."""
+    fraction = machine.assumptions.collective_fraction
+    crosses = gpus > machine.gpus_per_node
+    intra = machine.interconnect_gb_per_s if machine.gpus_per_node > 1 else None
+    if (intra is None and machine.gpus_per_node > 1) or (crosses and machine.internode_gb_per_s is None):
+        missing = "between nodes" if crosses else "within a node"
+        raise ValueError(
+            f"sharded_over={gpus}: machine {machine.name!r} has no GPU interconnect figure {missing} to price the "
+            f"collectives on ({machine.gpus_per_node} GPUs a node); pass a named GPU (offload.machines()), give this "
+            "one its figures with machine.with_interconnect(gb_per_s, 'what it is') or "
+            "machine.replace(internode_gb_per_s=..., internode='what it is') (--interconnect-gb-per-s, "
+            "--internode-gb-per-s), or pass sharded_over=1"
+        )
+    links = []
+    if intra is not None:
+        links.append((intra, f"{machine.interconnect} at {fraction:g} of {intra:,.0f} GB/s a direction"))
+    if crosses:
+        assert machine.internode_gb_per_s is not None  # refused above
+        links.append(
+            (
+                machine.internode_gb_per_s,
+                f"{machine.internode} between nodes of {machine.gpus_per_node} GPUs at {fraction:g} of "
+                f"{machine.internode_gb_per_s:,.0f} GB/s a GPU a direction",
+            )
+        )
+    slowest, what = min(links, key=lambda link: link[0])
+    if len(links) > 1:
+        other = next(text for gb_per_s, text in links if text != what)
+        what = f"the slower of the links its ring crosses, {what} (the other: {other})"
+    return slowest * fraction, what
 
 
 def shard(
@@ -91,13 +123,7 @@ def shard(
     whole = parameter_bytes + state_bytes
     if gpus == 1:
         return dataclasses.replace(NOT_SHARDED, static_bytes=whole)
-    bandwidth = machine.achieved_collective_gb_per_s()
-    if bandwidth is None:
-        raise ValueError(
-            f"sharded_over={gpus}: machine {machine.name!r} has no GPU interconnect figure to price the collectives "
-            "on; pass a named GPU (offload.machines()), give this one its figure with "
-            "machine.with_interconnect(gb_per_s, 'what it is'), or pass sharded_over=1"
-        )
+    bandwidth, over = _ring_gb_per_s(machine, gpus)
     per_gradient_byte = gradient_bytes / max(1, parameter_bytes)
     largest = max(region_parameter_bytes, default=0)
     root = max(0, parameter_bytes - sum(region_parameter_bytes))
@@ -112,17 +138,19 @@ def shard(
         collective_bytes=moved,
         collective_ms=collective_ms,
         exposed_ms=exposed_ms,
-        text=_describe(machine, gpus, unsharded, moved, collective_ms, exposed_ms),
+        text=_describe(machine, gpus, unsharded, moved, collective_ms, exposed_ms, over),
     )
 
 
-def _describe(machine: Machine, gpus: int, unsharded: int, moved: int, collective_ms: float, exposed_ms: float) -> str:
+def _describe(
+    machine: Machine, gpus: int, unsharded: int, moved: int, collective_ms: float, exposed_ms: float, over: str
+) -> str:
     a = machine.assumptions
     return (
         f"sharded over {gpus} GPUs (FSDP's full sharding, a unit per region and a root unit): 1/{gpus} of the "
         f"parameters, gradients and optimizer state held, plus {unsharded / _MIB:,.0f} MiB unsharded (the root's "
         f"parameters and gradients, two regions' parameters and gradients); each micro-batch all-gathers the "
         f"regions' parameters twice and the root's once and reduce-scatters the gradients, {moved / _GB:,.2f} GB a "
-        f"GPU over {machine.interconnect} at {a.collective_fraction:g} of {machine.interconnect_gb_per_s:,.0f} GB/s "
-        f"a direction: {collective_ms:,.1f} ms, {a.exposed_fraction:g} of it added to the step ({exposed_ms:,.1f} ms)"
+        f"GPU over {over}: {collective_ms:,.1f} ms, {a.exposed_fraction:g} of it added to the step "
+        f"({exposed_ms:,.1f} ms)"
     )
