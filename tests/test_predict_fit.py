@@ -108,7 +108,7 @@ def test_attention_and_the_machines_assumptions_are_set_by_name():
     ]
     assumed = predict(model, ids, ids, machine="h100-sxm", budgets=(1.0,), assume={"flops_fraction": 0.4})
     assert assumed.machine.achieved_flops() == 989e12 * 0.4
-    assert assumed.assumptions()[0] == "compute: 0.4 of 989 TFLOP/s peak dense (given (0.4))"
+    assert assumed.assumptions()[0].startswith("compute: 0.4 of 989 TFLOP/s peak dense bf16 (given (0.4))")
     with pytest.raises(ValueError, match="valid ones are: flops_fraction"):
         predict(model, ids, ids, machine="h100-sxm", assume={"flop_fraction": 0.4})
     with pytest.raises(ValueError, match="valid choices are 'fused', 'as-written'"):
@@ -152,7 +152,7 @@ def test_the_command_takes_attention_from_the_config_and_sets_every_assumption(t
     options += ["--assume", "flops_fraction=0.3", "--assume", "context_mib=1000"]
     assert main(common + ["--hf-config", _llama_config(tmp_path)] + options) == 0
     text = capsys.readouterr().out
-    assert "compute: 0.3 of 989 TFLOP/s peak dense (given (0.3))" in text
+    assert "compute: 0.3 of 989 TFLOP/s peak dense bf16 (given (0.3))" in text
     assert "1,000 MiB of CUDA context" in text
     assert "fp32 gradients, no master weights, 2 optimizer moment(s) bf16: 8 bytes per parameter" in text
     assert main(common + ["--assume", "flop_fraction=0.3"]) == 2
