@@ -4,7 +4,8 @@
     python -m offload predict [--model minigpt | --hf-config config.json] [--machine h100-sxm | probe]
                               [--seq 4096] [--batch 1] [--dtype bf16] [--budgets 100,50,25,10] [--longest]
                               [--attention auto|fused|as-written] [--grad-dtype D] [--master-dtype D|none]
-                              [--moment-dtype D] [--assume NAME=VALUE ...]
+                              [--moment-dtype D] [--assume NAME=VALUE ...] [--regions every:2]
+                              [--sharded-over N] [--peak-tflops T ...] [--selective-rule RULE]
 
 Each command is one entry in ``_COMMANDS``: a help line, a function that adds its arguments to
 its sub-parser, and a function that runs it and returns the exit code. Bad input exits with 2.
@@ -228,6 +229,13 @@ def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="auto", choices=POLICIES, help="the policy of that plan (default: auto)")
     parser.add_argument("--longest", action="store_true", help="search the longest sequence fitting device memory")
     parser.add_argument(
+        "--regions",
+        default="auto",
+        help="which of the model's blocks are regions (checkpointed by 'checkpoint', managed by the engine; the "
+        "others' saves kept): auto (default: all), every:K, every:K:S (from block S), first:N, last:N, or indices "
+        "such as 0,3,5",
+    )
+    parser.add_argument(
         "--memory-gb",
         type=_memory_gb,
         default=None,
@@ -370,6 +378,7 @@ def _run_predict(args: argparse.Namespace) -> int:
             state=state,
             longest_in=inputs_at if args.longest else None,
             memory_bytes=None if args.memory_gb is None else int(args.memory_gb * 1e9),
+            regions=args.regions,
             sharded_over=args.sharded_over,
             reduce_dtype=None if args.reduce_dtype is None else _DTYPES[args.reduce_dtype],
         )

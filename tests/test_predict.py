@@ -148,7 +148,7 @@ CPU = offload.Machine.from_probe(
     op_overhead_us=5.0,
 )
 """A made-up CPU: the figures below that depend on it are computed from these numbers alone."""
-TABLED = {"none", "checkpoint", "offload", "recompute", "selective", "auto"}
+TABLED = {"none", "checkpoint", "checkpoint-partial", "offload", "recompute", "selective", "auto"}
 """The policies every prediction tables (``docs/predict.md``)."""
 
 
@@ -242,7 +242,7 @@ def test_host_costs_are_charged_to_the_engines_policies_and_not_to_none_or_check
         assert block.profile().forward_dispatches == block.forward_dispatches
     step = {(p.policy, p.budget_fraction): p.step_ms for p in bare.points}
     step_charged = {(p.policy, p.budget_fraction): p.step_ms for p in charged.points}
-    for policy in ("none", "checkpoint"):
+    for policy in ("none", "checkpoint", "checkpoint-partial"):
         assert step_charged[policy, 1.0] == step[policy, 1.0]
     all_tensors = sum(c.num_tensors for c in charged.regions)
     assert step_charged["offload", 1.0] == pytest.approx(step["none", 1.0] + all_tensors * 20e-3)

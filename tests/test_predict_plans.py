@@ -201,3 +201,68 @@ def test_across_nodes_without_a_network_figure_is_refused_naming_the_fix():
     assert offload.predict(model, tokens, tokens, machine="l40s", sharded_over=8).sharding.gpus == 8
     networked = offload.machine("l40s").replace(internode_gb_per_s=25, internode="given")
     assert offload.predict(model, tokens, tokens, machine=networked, sharded_over=16).sharding.gpus == 16
+
+
+# -- item 3: partial checkpointing --------------------------------------------------------------
+
+
+def _rows(prediction) -> list[tuple]:
+    return [(p.policy, p.budget_fraction, p.peak_bytes, round(p.step_ms, 9), p.decisions) for p in prediction.points]
+
+
+@pytest.mark.parametrize(
+    "text, pick",
+    [
+        ("every:2", slice(0, None, 2)),
+        ("every:2:1", slice(1, None, 2)),
+        ("first:3", slice(0, 3)),
+        ("last:1", slice(3, 4)),
+    ],
+)
+def test_a_selection_of_regions_predicts_as_the_blocks_it_picks(small, text, pick):
+    """Oracle: the same blocks passed as modules, as Python could always pass them."""
+    model, tokens = small
+    by_text = offload.predict(model, tokens, tokens, machine="h100-sxm", regions=text)
+    by_modules = offload.predict(model, tokens, tokens, machine="h100-sxm", regions=list(model.blocks)[pick])
+    assert _rows(by_text) == _rows(by_modules)
+    assert [r.name for r in by_text.regions] == [r.name for r in by_modules.regions]
+
+
+def test_checkpointing_every_second_block_keeps_the_others(small):
+    model, tokens = small
+    every = offload.predict(model, tokens, tokens, machine="h100-sxm", regions="every:2")
+    whole = offload.predict(model, tokens, tokens, machine="h100-sxm")
+    point = {(p.policy, p.budget_fraction): p for p in every.points}
+    all_point = {(p.policy, p.budget_fraction): p for p in whole.points}
+    assert point[("checkpoint", 1.0)].decisions == "recompute x2"
+    none, half, full = all_point[("none", 1.0)], point[("checkpoint", 1.0)], all_point[("checkpoint", 1.0)]
+    assert full.peak_bytes < half.peak_bytes < none.peak_bytes
+    assert none.step_ms < half.step_ms < full.step_ms
+
+
+def test_checkpoint_partial_recomputes_only_what_the_budget_needs(small):
+    model, tokens = small
+    prediction = offload.predict(model, tokens, tokens, machine="h100-sxm", budgets=(1.0, 0.75, 0.5, 0.25))
+    point = {(p.policy, p.budget_fraction): p for p in prediction.points}
+    assert point[("checkpoint-partial", 1.0)].step_ms == point[("none", 1.0)].step_ms  # nothing re-run
+    assert point[("checkpoint-partial", 1.0)].decisions == point[("none", 1.0)].decisions
+    partial, full = point[("checkpoint-partial", 0.75)], point[("checkpoint", 0.75)]
+    assert partial.fits and partial.peak_bytes <= partial.budget_bytes
+    assert "keep" in partial.decisions and "recompute" in partial.decisions
+    assert point[("none", 1.0)].step_ms < partial.step_ms < full.step_ms
+    assert "checkpoint-partial" in prediction.table()
+
+
+def test_the_predict_command_takes_regions(tmp_path, capsys):
+    from offload.__main__ import main
+
+    argv = ["predict", "--layers", "4", "--width", "64", "--heads", "4", "--vocab", "256", "--seq", "64"]
+    argv += ["--out", str(tmp_path)]
+    assert main(argv + ["--regions", "every:2"]) == 0
+    regions = json.loads((tmp_path / "prediction.json").read_text())["regions"]
+    assert [r["name"] for r in regions if r["scope"] == "region"] == ["blocks.0", "blocks.2"]
+    capsys.readouterr()
+    assert main(argv + ["--regions", "every:0"]) == 2
+    assert "every:K, every:K:S, first:N, last:N" in capsys.readouterr().err
+    assert main(argv + ["--regions", "0,9"]) == 2
+    assert "past the model's 4 blocks" in capsys.readouterr().err

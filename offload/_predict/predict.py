@@ -34,11 +34,12 @@ import torch
 
 from .._config import DEFAULT_MIN_OFFLOAD_BYTES
 from .._cost import MB, MachineProfile, Scope
-from .._regions.regions import RegionsArg
+from .._regions.regions import RegionsArg, resolve_regions
 from .count import RegionCount
 from .fake_step import Attention, fake_step
 from .machines import Machine, get_machine
 from .prediction import EXCLUDES, Prediction, write_plot
+from .selection import Selection, is_selection
 from .sharding import shard
 from .table import (
     BUDGET_FRACTIONS,
@@ -86,6 +87,16 @@ def _machine(machine: Union[str, Machine, MachineProfile], dtype: torch.dtype) -
     )
 
 
+def _selected(model: torch.nn.Module, regions: RegionsArg) -> RegionsArg:
+    """``regions``, a selection string (``selection``) made into the blocks it picks of those
+    ``regions="auto"`` finds in ``model``."""
+    if not is_selection(regions):
+        return regions
+    selection = Selection.parse(str(regions))
+    blocks = [module for _, module in resolve_regions("auto", model).regions]
+    return [blocks[i] for i in selection.pick_from(len(blocks))]
+
+
 def _check_fractions(budgets: Sequence[float]) -> tuple[float, ...]:
     fractions = tuple(budgets)
     for f in fractions:
@@ -118,28 +129,26 @@ def predict(
     """Predict one training step of ``model(*example_args, **example_kwargs)`` on ``machine``.
 
     ``machine``: a name (``offload.machines()``), a ``Machine`` (e.g. a named one, ``offload.machine(name)``,
-    ``.with_assumptions(flops_fraction=0.5)``), or ``offload.probe()`` for this machine (its
-    compute is then measured: ``measure_machine``). ``budget_mb`` and ``policy`` choose
-    ``Prediction.plan``; ``budgets`` are the fractions of the peak without the engine at which
-    every policy in ``POLICIES`` is tabled. ``regions`` as for ``offload.engine`` (modules of
-    ``model`` are mapped onto its copy). ``attention``: ``"fused"`` (the default: SDPA counted as
-    the target's fused kernel, no sequence² scores) or ``"as-written"`` (what the model's code
-    saves on its own: a model running eager attention); ``attention_source`` says where that
-    choice came from, for the printout. ``state``: the dtypes of the gradients, master weights and
-    optimizer moments (default: bf16/fp16 training with fp32 master weights and Adam's moments in
-    fp32, ``OptimizerState``); ``state_bytes_per_param`` overrides it with one figure.
-    ``longest_in(seq) -> (args, kwargs)``: inputs at another sequence length; with it, the longest
-    sequence fitting the device under each policy is searched. ``memory_bytes``: device memory the
-    step may use (default: the machine's usable memory, ``Machine.usable_memory_bytes``).
-    ``sharded_over``: the GPUs the parameters, gradients and optimizer state are sharded over, as
-    FSDP's full sharding does with a unit per region (``sharding``): the device holds its shard, and
-    every step adds the exposed part of the collectives, at the slower of the links their ring
-    crosses (the node's interconnect; beyond ``Machine.gpus_per_node`` GPUs, the network between nodes);
-    1 (the default): one device holds them whole and no collective is priced. ``reduce_dtype``: the
-    dtype the gradients are reduce-scattered in (FSDP's ``MixedPrecision.reduce_dtype``; default:
-    the gradients'). With ``state_bytes_per_param`` the gradients are taken in the parameters'
-    dtype. Raises
-    ``OffloadError`` for an op that cannot run on meta tensors, naming it.
+    ``.with_assumptions(flops_fraction=0.5)``), or ``offload.probe()`` for this machine (its compute is then
+    measured: ``measure_machine``). ``budget_mb`` and ``policy`` choose ``Prediction.plan``; ``budgets`` are the
+    fractions of the peak without the engine at which every policy in ``POLICIES`` is tabled. ``regions`` as for
+    ``offload.engine`` (modules of ``model`` are mapped onto its copy), or a selection of the blocks "auto" finds:
+    ``"every:2"``, ``"first:4"``, ``"last:4"``, ``"0,3,5"`` (``selection``): the others' saves are kept.
+    ``attention``: ``"fused"`` (the default: SDPA counted as the target's fused kernel, no sequence² scores) or
+    ``"as-written"`` (what the model's code saves on its own: a model running eager attention); ``attention_source``
+    says where that choice came from, for the printout. ``state``: the dtypes of the gradients, master weights and
+    optimizer moments (default: bf16/fp16 training with fp32 master weights and Adam's moments in fp32,
+    ``OptimizerState``); ``state_bytes_per_param`` overrides it with one figure. ``longest_in(seq) -> (args,
+    kwargs)``: inputs at another sequence length; with it, the longest sequence fitting the device under each policy
+    is searched. ``memory_bytes``: device memory the step may use (default: the machine's usable memory,
+    ``Machine.usable_memory_bytes``). ``sharded_over``: the GPUs the parameters, gradients and optimizer state are
+    sharded over, as FSDP's full sharding does with a unit per region (``sharding``): the device holds its shard,
+    and every step adds the exposed part of the collectives, at the slower of the links their ring crosses (the
+    node's interconnect; beyond ``Machine.gpus_per_node`` GPUs, the network between nodes); 1 (the default): one
+    device holds them whole and no collective is priced. ``reduce_dtype``: the dtype the gradients are
+    reduce-scattered in (FSDP's ``MixedPrecision.reduce_dtype``; default: the gradients'). With
+    ``state_bytes_per_param`` the gradients are taken in the parameters' dtype. Raises ``OffloadError`` for an op
+    that cannot run on meta tensors, naming it.
 
     Examples:
         A model built on the meta device allocates no weights; the prediction says whether a step
@@ -166,6 +175,7 @@ def predict(
     if not isinstance(state, OptimizerState):
         raise TypeError(f"state= takes an offload._predict.predict.OptimizerState, got {state!r}")
     kwargs = dict(example_kwargs or {})
+    regions = _selected(model, regions)
     run = fake_step(model, example_args, kwargs, target, regions, attention, loss_fn, min_offload_bytes)
     num_parameters = sum(p.numel() for p in model.parameters())
     if state_bytes_per_param is None:

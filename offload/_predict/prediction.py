@@ -139,7 +139,7 @@ class Prediction:
             verdict = f"NO without the engine (needs {plain.device_bytes / _MIB:,.0f} MiB)"
         if not plain.fits_device and fitting:
             best = fitting[0]
-            at = "" if best.policy in WITHOUT_ENGINE else f" at {best.budget_fraction:.0%} of the peak"
+            at = "" if best.policy in ("none", "checkpoint") else f" at {best.budget_fraction:.0%} of the peak"
             verdict += (
                 f"; yes with {best.policy}{at} (needs {best.device_bytes / _MIB:,.0f} MiB, "
                 f"step {best.step_ms:,.1f} ms, "

@@ -54,10 +54,13 @@ __all__ = [
     "policy_points",
 ]
 
-POLICIES = ("none", "checkpoint", "offload", "recompute", "selective", "auto")
+POLICIES = ("none", "checkpoint", "checkpoint-partial", "offload", "recompute", "selective", "auto")
 """The policies a prediction compares. "checkpoint" is ``torch.utils.checkpoint`` on every region
 without the engine: its inputs kept, one more forward in backward, which is what "recompute"
 costs in this model too (the engine's recompute may stop early; the prediction does not count on it).
+"checkpoint-partial" is ``torch.utils.checkpoint`` on the fewest regions whose peak meets the budget,
+spread evenly (every k-th where that many is a k-th of them), the others kept: the public recipes'
+partial checkpointing, recomputing only as much as the budget needs (``partial_checkpoint``).
 "selective" is this engine's (``SELECTIVE_MEANS``), not Megatron-LM's selective recompute."""
 SELECTIVE_MEANS = (
     "selective re-runs each region's cheap ops in backward (norms, activations, elementwise and rotary ops; "
@@ -66,7 +69,7 @@ SELECTIVE_MEANS = (
 )
 """What the "selective" rows re-run, said under the table so that nobody compares them with
 Megatron-LM's figures (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2)."""
-WITHOUT_ENGINE = ("none", "checkpoint")
+WITHOUT_ENGINE = ("none", "checkpoint", "checkpoint-partial")
 """The policies of ``POLICIES`` that run without the engine, so are priced without its host costs
 (``MachineProfile.without_host_costs``): the model as it is, and ``torch.utils.checkpoint``."""
 BUDGET_FRACTIONS = (1.0, 0.5, 0.25, 0.1)
@@ -145,6 +148,8 @@ def plan_policy(
     engine_policy: Union[str, AutoPolicy] = "recompute" if policy == "checkpoint" else policy
     if policy in WITHOUT_ENGINE:
         link = link.without_host_costs()
+    if policy == "checkpoint-partial":
+        return partial_checkpoint(tuple(profiles), link, budget, other_ms)
     if policy == "auto":
         engine_policy = AutoPolicy(max_search_moves=0, stable_margin=0.0) if quick else _AUTO
     if engine_policy in ("none", "recompute", "selective"):
@@ -152,6 +157,32 @@ def plan_policy(
         fits = budget is None or plan.predicted_peak_bytes <= budget
         return dataclasses.replace(plan, policy=policy, budget_bytes=budget, fits_budget=fits)
     return dataclasses.replace(make_plan(profiles, link, budget, engine_policy, other_ms=other_ms), policy=policy)
+
+
+def spread(count: int, n: int) -> tuple[int, ...]:
+    """``n`` of ``count`` regions spread evenly, from the first: every k-th where ``n`` is ``count / k``."""
+    return tuple(sorted({i * count // n for i in range(n)}))
+
+
+def partial_checkpoint(
+    profiles: tuple[RegionProfile, ...], link: MachineProfile, budget: Optional[int], other_ms: float
+) -> Plan:
+    """torch.utils.checkpoint on the fewest regions (``spread`` evenly) whose predicted peak meets
+    ``budget``, the others kept: none where there is no budget or keeping all meets it, all where
+    nothing less does (the plan then does not fit when even that does not). Priced as ``link``
+    says (without the engine's host costs: ``WITHOUT_ENGINE``)."""
+    plan = make_plan(profiles, link, None, "none", other_ms=other_ms)
+    region_at = [i for i, p in enumerate(profiles) if p.scope is Scope.REGION]
+    if budget is not None and plan.predicted_peak_bytes > budget:
+        base = _decisions_of(make_plan(profiles, link, None, "recompute", other_ms=other_ms), profiles)
+        for n in range(1, len(region_at) + 1):
+            chosen = {region_at[i] for i in spread(len(region_at), n)}
+            decisions = tuple(d if i in chosen else Decision.KEEP for i, d in enumerate(base))
+            plan = build_plan(profiles, decisions, link, None, "checkpoint-partial", other_ms)
+            if plan.predicted_peak_bytes <= budget:
+                break
+    fits = budget is None or plan.predicted_peak_bytes <= budget
+    return dataclasses.replace(plan, policy="checkpoint-partial", budget_bytes=budget, fits_budget=fits)
 
 
 def held_bytes(plan: Plan, keep_peak_bytes: int) -> int:
