@@ -29,6 +29,7 @@ from ._errors import OffloadError
 from ._memory.probe import Figures, Source, probe, probe_report
 from ._predict.machines import Assumptions, get_machine, machine_names
 from ._predict.predict import POLICIES, Attention, OptimizerState, Prediction, predict, write_plot
+from ._predict.selective_rule import RULES, SelectiveRule, get_rule
 from ._predict.train_state import DTYPES
 from .models import GPTConfig, MiniGPT
 
@@ -285,6 +286,27 @@ def _add_predict_arguments(parser: argparse.ArgumentParser) -> None:
         figures.add_argument(
             flag, type=_positive(flag, unit), default=None, metavar=unit.upper().replace(" ", "_"), help=help_text
         )
+    rule = parser.add_argument_group("the selective policy's rule", "which ops the 'selective' rows save and re-run")
+    rule.add_argument(
+        "--selective-rule",
+        default="built-in",
+        choices=sorted(RULES),
+        help="built-in (default: every matmul, attention and convolution saved, the rest re-run) or torchtitan-op "
+        "(mm and attention saved, every second mm re-run)",
+    )
+    rule.add_argument(
+        "--selective-saves",
+        default=None,
+        metavar="OPS",
+        help="a rule of your own: the aten ops whose outputs are saved, e.g. mm,_scaled_dot_product_flash_attention",
+    )
+    rule.add_argument(
+        "--selective-every-matmul",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --selective-saves: every N-th matmul of a region re-run anyway (N >= 2; default 0: none)",
+    )
     parser.add_argument(
         "--assume",
         action="append",
@@ -379,6 +401,7 @@ def _run_predict(args: argparse.Namespace) -> int:
             longest_in=inputs_at if args.longest else None,
             memory_bytes=None if args.memory_gb is None else int(args.memory_gb * 1e9),
             regions=args.regions,
+            selective_rule=_rule(args),
             sharded_over=args.sharded_over,
             reduce_dtype=None if args.reduce_dtype is None else _DTYPES[args.reduce_dtype],
         )
@@ -397,6 +420,18 @@ def _run_predict(args: argparse.Namespace) -> int:
     keep_mb = prediction.points[0].peak_bytes / MB
     print(f"predicted in {prediction.wall_s:.1f} s; activation peak without the engine {keep_mb:,.0f} MiB")
     return _EXIT_OK
+
+
+def _rule(args: argparse.Namespace) -> SelectiveRule:
+    """The selective rule the flags ask for: a named one, or one of the user's own."""
+    if args.selective_saves is None:
+        if args.selective_every_matmul:
+            raise ValueError("--selective-every-matmul goes with --selective-saves (a rule of your own)")
+        return get_rule(args.selective_rule)
+    if args.selective_rule != "built-in":
+        raise ValueError("--selective-rule names a rule; --selective-saves makes one: pass one of them")
+    ops = frozenset(op.strip() for op in args.selective_saves.split(",") if op.strip())
+    return SelectiveRule(name="given", saved_ops=ops, every_nth_matmul_recomputed=args.selective_every_matmul)
 
 
 def _assumed(pairs: Sequence[str]) -> dict[str, Optional[float]]:

@@ -32,8 +32,9 @@ from torch.utils._pytree import tree_flatten
 from .._cost import RegionProfile, Scope
 from .._memory.hooks import Eligibility
 from .._plan.profiler import AFTER_NAME, BEFORE_NAME
-from .._regions.selective import MIN_SELECTIVE_MS, flop_formula, is_expensive
+from .._regions.selective import MIN_SELECTIVE_MS, flop_formula
 from .machines import Machine
+from .selective_rule import BUILT_IN, SelectiveRule, is_matmul
 from .transient import LiveBytes
 
 __all__ = ["FUSED_ATTENTION", "RegionCount", "StepCounter", "is_alias"]
@@ -177,8 +178,12 @@ class _Packed:
 class StepCounter:
     """The counts of one fake step: per slot (0: before, 1..n: the regions, n+1: after)."""
 
-    def __init__(self, names: Sequence[str], machine: Machine, eligible: Eligibility) -> None:
+    def __init__(
+        self, names: Sequence[str], machine: Machine, eligible: Eligibility, rule: SelectiveRule = BUILT_IN
+    ) -> None:
         self.machine = machine
+        self.rule = rule
+        self.matmuls = 0  # the running region's forward matmuls so far
         self.eligible = eligible
         self.counts = [RegionCount(BEFORE_NAME, Scope.BEFORE)]
         self.counts += [RegionCount(name) for name in names]
@@ -215,6 +220,7 @@ class StepCounter:
         count.input_dims = tuple(tensors[0].shape) if tensors else ()
         self.inputs = {a.untyped_storage()._cdata for a in tensors}
         self.expensive, self.reached, self.dropped = [], 0, {}
+        self.matmuls = 0
         self.where = _Where(_Phase.FORWARD, index, inside=True)
 
     def region_ends(self, index: int) -> None:
@@ -279,7 +285,8 @@ class StepCounter:
             count.forward_ms += ms
             count.forward_ops += 1
             if self.where.inside:
-                if is_expensive(func):
+                self.matmuls += is_matmul(func)
+                if self.rule.saves(func, self.matmuls if is_matmul(func) else 0):
                     self.expensive.append([t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
                 else:
                     count.cheap_ms += ms

@@ -46,6 +46,7 @@ from .._memory.hooks import Eligibility
 from .._regions.regions import RegionsArg, resolve_regions
 from .count import RegionCount, StepCounter
 from .machines import Machine
+from .selective_rule import BUILT_IN, SelectiveRule
 
 __all__ = ["Attention", "StepRun", "fake_step"]
 
@@ -261,9 +262,11 @@ def fake_step(
     attention: Attention,
     loss_fn: Optional[Callable[[Any], torch.Tensor]],
     min_offload_bytes: int,
+    rule: SelectiveRule = BUILT_IN,
 ) -> StepRun:
     """One step of a meta copy of ``model`` on meta copies of ``args`` and ``kwargs``, counted per
-    region of ``regions`` (modules of ``model`` are mapped onto the copy's of the same names)."""
+    region of ``regions`` (modules of ``model`` are mapped onto the copy's of the same names), a
+    selective run's saves split by ``rule``."""
     fake = _meta_copy(model)
     fake.train(model.training)
     listed = isinstance(regions, (torch.nn.ModuleList, torch.nn.Sequential)) or not (
@@ -282,7 +285,7 @@ def fake_step(
     found = resolve_regions(regions, fake)
     eligible = Eligibility(torch.device("meta"), min_offload_bytes)
     eligible.skip_modules([fake])
-    step = StepCounter([name for name, _ in found.regions], machine, eligible)
+    step = StepCounter([name for name, _ in found.regions], machine, eligible, rule)
     handles = []
     for index, (_, module) in enumerate(found.regions):
         handles.append(

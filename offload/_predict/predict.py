@@ -40,10 +40,12 @@ from .fake_step import Attention, fake_step
 from .machines import Machine, get_machine
 from .prediction import EXCLUDES, Prediction, write_plot
 from .selection import Selection, is_selection
+from .selective_rule import BUILT_IN, SelectiveRule, get_rule
 from .sharding import shard
 from .table import (
     BUDGET_FRACTIONS,
     POLICIES,
+    SELECTIVE_MEANS,
     WITHOUT_ENGINE,
     DeviceMemory,
     Longest,
@@ -125,6 +127,7 @@ def predict(
     assume: Optional[Mapping[str, float]] = None,
     sharded_over: int = 1,
     reduce_dtype: Optional[torch.dtype] = None,
+    selective_rule: Union[SelectiveRule, str] = BUILT_IN,
 ) -> Prediction:
     """Predict one training step of ``model(*example_args, **example_kwargs)`` on ``machine``.
 
@@ -147,7 +150,9 @@ def predict(
     node's interconnect; beyond ``Machine.gpus_per_node`` GPUs, the network between nodes); 1 (the default): one
     device holds them whole and no collective is priced. ``reduce_dtype``: the dtype the gradients are
     reduce-scattered in (FSDP's ``MixedPrecision.reduce_dtype``; default: the gradients'). With
-    ``state_bytes_per_param`` the gradients are taken in the parameters' dtype. Raises ``OffloadError`` for an op
+    ``state_bytes_per_param`` the gradients are taken in the parameters' dtype. ``selective_rule``: which ops
+    the "selective" rows save and re-run (``selective_rule.SelectiveRule``, or a named one: "built-in", the
+    default and this engine's; "torchtitan-op"). Raises ``OffloadError`` for an op
     that cannot run on meta tensors, naming it.
 
     Examples:
@@ -176,7 +181,10 @@ def predict(
         raise TypeError(f"state= takes an offload._predict.predict.OptimizerState, got {state!r}")
     kwargs = dict(example_kwargs or {})
     regions = _selected(model, regions)
-    run = fake_step(model, example_args, kwargs, target, regions, attention, loss_fn, min_offload_bytes)
+    rule = get_rule(selective_rule) if isinstance(selective_rule, str) else selective_rule
+    if not isinstance(rule, SelectiveRule):
+        raise TypeError(f"selective_rule= takes a SelectiveRule or a rule's name, got {selective_rule!r}")
+    run = fake_step(model, example_args, kwargs, target, regions, attention, loss_fn, min_offload_bytes, rule)
     num_parameters = sum(p.numel() for p in model.parameters())
     if state_bytes_per_param is None:
         per_param = state.bytes_per_parameter(dtype)
@@ -220,6 +228,7 @@ def predict(
             min_offload_bytes,
             memory - sharding.static_bytes,
             extra_ms=sharding.exposed_ms,
+            rule=rule,
         )
     attention_text = {
         Attention.FUSED: "fused: SDPA counted as the target's flash kernel (q, k, v, output and log-sum-exp saved; "
@@ -246,4 +255,5 @@ def predict(
         state=state_text,
         sharding=sharding,
         attention=attention_text + (f" ({attention_source})" if attention_source else ""),
+        selective=SELECTIVE_MEANS if rule is BUILT_IN else f"selective re-runs by the rule {rule.describe()}",
     )

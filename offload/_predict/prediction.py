@@ -79,6 +79,9 @@ class Prediction:
     """What the step holds per parameter besides it (``OptimizerState.describe``)."""
     attention: str = ""
     """How attention was counted, and why (the argument, or the model's config)."""
+    selective: str = SELECTIVE_MEANS
+    """What the "selective" rows re-run: the built-in rule (``SELECTIVE_MEANS``) or the one given
+    (``predict(selective_rule=...)``, ``selective_rule``)."""
     sharding: Sharding = NOT_SHARDED
     """What sharding the training state over GPUs holds and costs (``predict(sharded_over=N)``);
     its exposed collectives are in every point's step."""
@@ -227,7 +230,7 @@ class Prediction:
             self.table(),
             "",
             f"step: {self.includes}; not modelled, so not in it: {'; '.join(EXCLUDES)}",
-            SELECTIVE_MEANS,
+            self.selective,
             "assumed:",
             *(f"  {line}" for line in self.assumptions()),
         ]
@@ -260,7 +263,7 @@ class Prediction:
             "step_includes": self.includes,
             "sharding": dataclasses.asdict(self.sharding),
             "step_excludes": list(EXCLUDES),
-            "selective": SELECTIVE_MEANS,
+            "selective": self.selective,
             "assumptions": list(self.assumptions()),
             "assumed": list(self.assumed),
             "wall_s": self.wall_s,

@@ -38,6 +38,7 @@ from .._plan.policy import AutoPolicy, make_plan
 from .._regions.regions import RegionsArg
 from .fake_step import Attention, fake_step
 from .machines import Machine
+from .selective_rule import BUILT_IN, SelectiveRule
 
 __all__ = [
     "BUDGET_FRACTIONS",
@@ -322,6 +323,7 @@ def longest_sequences(
     free_bytes: int,
     *,
     extra_ms: float = 0.0,
+    rule: SelectiveRule = BUILT_IN,
 ) -> tuple[Longest, ...]:
     """Per policy, the longest sequence whose predicted activation peak plus working set fits
     ``free_bytes`` (usable device memory less parameters, gradients and optimizer state), searched
@@ -334,7 +336,7 @@ def longest_sequences(
     transient_per_token = 0.0  # the largest transient grows with the tokens (the loss's logits)
     for divisor in _FIT_LENGTHS:
         args, kwargs = inputs_at(max(2, base_seq // divisor))
-        run = fake_step(model, args, kwargs, machine, regions, attention, loss_fn, min_offload_bytes)
+        run = fake_step(model, args, kwargs, machine, regions, attention, loss_fn, min_offload_bytes, rule)
         dims = next((c.input_dims for c in run.counts if c.scope is Scope.REGION and len(c.input_dims) >= 3), ())
         if not dims:
             raise ValueError(
