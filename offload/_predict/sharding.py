@@ -2,8 +2,8 @@
 
 ``predict(sharded_over=N)``: the parameters, their gradients and the optimizer's state are split
 over ``N`` GPUs, on one node or across several (``Machine.gpus_per_node``), one FSDP unit per
-region and one root unit for the parameters outside
-the regions (embeddings, head). Per micro-batch each GPU then
+region and one root unit for the parameters outside the regions (embeddings, head). Per
+micro-batch each GPU then
 
 - holds 1/N of the state, plus what is unsharded at the time: the root unit's parameters and
   gradients (FSDP keeps the root gathered from its forward to its backward), the running region's
@@ -12,7 +12,12 @@ the regions (embeddings, head). Per micro-batch each GPU then
   region stands for each);
 - all-gathers each region's parameters for its forward and again for its backward, the root's once,
   and reduce-scatters every gradient, in the reduce dtype (FSDP's ``reduce_dtype``: the gradients'
-  unless given): each moves (N - 1) / N of its full size over the interconnect (a ring's share);
+  unless given): each moves (N - 1) / N of its full size (a ring's share) at the slower of the links
+  its ring crosses: the node's interconnect, and where N exceeds a node's GPUs the network between
+  nodes, each at ``collective_fraction`` of its figure. Across nodes NCCL runs a ring per network
+  adapter, each leaving a node through its own adapter (Note: [a ring per adapter]), so the
+  network's figure is the node's adapters together, ``Machine.internode_gb_per_s`` x
+  ``gpus_per_node``;
 - adds ``Assumptions.exposed_fraction`` of that collective time to its step. That fraction is fitted
   on published runs, not derived: it stands for what the overlap with compute fails to hide
   (the first all-gather, the last reduce-scatter, the SMs and memory bandwidth the collectives
@@ -70,6 +75,15 @@ def _gpus(value: Any) -> int:
     return gpus
 
 
+# Note: [a ring per adapter]
+#     A ring over N GPUs of several nodes visits a node's GPUs over its interconnect, then leaves for
+#     the next node over one network adapter. NCCL runs as many rings as a node has adapters (one per
+#     GPU on a DGX), each with 1/gpus_per_node of the data and its own exit GPU, so each adapter carries
+#     one ring's share: a GPU's (N - 1) / N of the data, divided by gpus_per_node. Per GPU, the
+#     network then runs like a link of internode_gb_per_s x gpus_per_node, beside the interconnect
+#     each GPU still uses for the rings' other hops; the collective runs at the slower of the two.
+
+
 def _ring_gb_per_s(machine: Machine, gpus: int) -> tuple[float, str]:
     """The achieved GB/s a direction of a ring over ``gpus`` GPUs of ``machine``, and what it runs
     over: the node's interconnect, or where the ring leaves the node the slower of it and the
@@ -91,11 +105,12 @@ def _ring_gb_per_s(machine: Machine, gpus: int) -> tuple[float, str]:
         links.append((intra, f"{machine.interconnect} at {fraction:g} of {intra:,.0f} GB/s a direction"))
     if crosses:
         assert machine.internode_gb_per_s is not None  # refused above
+        adapters = machine.internode_gb_per_s * machine.gpus_per_node  # See Note: [a ring per adapter]
         links.append(
             (
-                machine.internode_gb_per_s,
-                f"{machine.internode} between nodes of {machine.gpus_per_node} GPUs at {fraction:g} of "
-                f"{machine.internode_gb_per_s:,.0f} GB/s a GPU a direction",
+                adapters,
+                f"{machine.internode} between nodes of {machine.gpus_per_node} GPUs, a ring per adapter, at "
+                f"{fraction:g} of {machine.gpus_per_node} x {machine.internode_gb_per_s:,.0f} GB/s a direction",
             )
         )
     slowest, what = min(links, key=lambda link: link[0])
