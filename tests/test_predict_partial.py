@@ -37,14 +37,17 @@ def test_a_selection_picks_the_blocks_it_names(text, count, chosen):
     assert Selection.parse(text).pick_from(count) == chosen
 
 
-@pytest.mark.parametrize("text", ["every:0", "every:2:-1", "every:", "first:0", "last:-1", "a,b", "1,1", "-1", ""])
+@pytest.mark.parametrize(
+    "text",
+    ["every:0", "every:2:-1", "every:", "every:2:1:5", "first:0", "first:3:1", "last:-1", "a,b", "1,1", "-1", ""],
+)
 def test_a_bad_selection_names_the_forms_it_may_take(text):
     with pytest.raises(ValueError, match="every:K, every:K:S, first:N, last:N or a list of indices"):
         Selection.parse(text)
 
 
 def test_a_selection_that_chooses_nothing_or_past_the_end_is_refused():
-    with pytest.raises(ValueError, match=r"indices \[8\] are past the model's 8 blocks"):
+    with pytest.raises(ValueError, match=r"indices \[8\] are past the model's 8 blocks \(0\.\.7\)"):
         Selection.parse("0,8").pick_from(8)
     with pytest.raises(ValueError, match="chose none of the model's 2 blocks"):
         Selection.parse("every:2:5").pick_from(2)
@@ -90,3 +93,9 @@ def test_partial_checkpoint_without_a_budget_keeps_all_and_past_all_does_not_fit
     assert partial_checkpoint(profiles, link, 800 * MB, 0.0).decisions.count(Decision.KEEP) == 8
     short = partial_checkpoint(profiles, link, 79 * MB, 0.0)
     assert short.decisions.count(Decision.RECOMPUTE) == 8 and not short.fits_budget
+
+
+def test_partial_checkpoint_reaches_every_region_of_an_odd_count():
+    profiles, link = _profiles(5), MachineProfile(device_type="cpu", device_name="numbers")
+    plan = partial_checkpoint(profiles, link, 50 * MB, 0.0)
+    assert plan.decisions.count(Decision.RECOMPUTE) == 5 and plan.fits_budget

@@ -91,11 +91,21 @@ def test_the_common_variants_carry_their_datasheet_figures(
     name, tflops, fp8_tflops, hbm, memory_bytes, interconnect, datasheet
 ):
     m = offload.machine(name)
+    link = {"a100-40gb-sxm": 32, "a100-80gb-pcie": 32, "h100-nvl": 64, "l40s": 32, "mi300x": 64}[name]  # PCIe 4/5
+    assert (m.link_out_gb_per_s, m.link_back_gb_per_s, m.link_both_gb_per_s) == (link, link, 2 * link)
     assert m.peak_flops == pytest.approx(tflops * 1e12)
     assert m.peak_fp8_flops == (None if fp8_tflops is None else pytest.approx(fp8_tflops * 1e12))
     assert (m.memory_gb_per_s, m.memory_bytes, m.interconnect_gb_per_s) == (hbm, memory_bytes, interconnect)
     assert m.source.startswith(datasheet) and m.memory_source and m.given == ()
     assert "not calibrated" in m.assumptions.flops_source  # no published run of it was fitted
+
+
+def test_the_hopper_machines_carry_their_dense_fp8_peak():
+    """The datasheets give fp8 with sparsity; the dense figure is half of it."""
+    fp8 = {"h100-sxm": 1979, "h100-pcie": 1513, "h200": 1979, "gh200": 1979, "a100-80gb-sxm": None}
+    for name, tflops in fp8.items():
+        peak = offload.machine(name).peak_fp8_flops
+        assert peak == (None if tflops is None else tflops * 1e12), name
 
 
 def test_the_named_nodes_carry_their_network_with_its_source():
@@ -122,6 +132,7 @@ def test_replace_makes_a_variant_with_its_figures_marked_given():
     for field, bad in (("peak_flops", -1.0), ("internode_gb_per_s", 0), ("peak_fp8_flops", True)):
         with pytest.raises(ValueError, match=f"{field} must be a finite number > 0"):
             h100.replace(**{field: bad})
+    assert h100.replace(internode_gb_per_s=0.5, peak_fp8_flops=0.5).internode_gb_per_s == 0.5  # > 0 is enough
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="gpus_per_node must be an int >= 1"):
             h100.replace(gpus_per_node=bad)
@@ -200,6 +211,9 @@ def test_across_nodes_without_a_network_figure_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match="no GPU interconnect figure between nodes .* --internode-gb-per-s"):
         offload.predict(model, tokens, tokens, machine="l40s", sharded_over=16)
     assert offload.predict(model, tokens, tokens, machine="l40s", sharded_over=8).sharding.gpus == 8
+    single = offload.machine("gh200").replace(internode_gb_per_s=50, internode="given")  # 1 GPU a node, no NVLink
+    s = offload.predict(model, tokens, tokens, machine=single, sharded_over=4).sharding
+    assert s.collective_ms == pytest.approx(s.collective_bytes / (50 * 0.8 * 1e9) * 1e3)
     networked = offload.machine("l40s").replace(internode_gb_per_s=25, internode="given")
     assert offload.predict(model, tokens, tokens, machine=networked, sharded_over=16).sharding.gpus == 16
 
