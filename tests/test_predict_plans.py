@@ -114,7 +114,9 @@ def test_the_named_nodes_carry_their_network_with_its_source():
         assert (m.gpus_per_node, m.internode_gb_per_s) == (8, per_gpu)
         assert adapter in m.internode and "DGX" in m.internode
         assert "between nodes: NVIDIA DGX" in m.source and f"{adapter} VPI" in m.source
-    assert offload.machine("gh200").gpus_per_node == 1 and offload.machine("l40s").internode_gb_per_s is None
+    per_node = {name: offload.machine(name).gpus_per_node for name in offload.machines()}
+    assert per_node == {name: 1 if name == "gh200" else 8 for name in offload.machines()}  # a GH200 node: one
+    assert offload.machine("l40s").internode_gb_per_s is None
 
 
 def test_replace_makes_a_variant_with_its_figures_marked_given():
