@@ -283,3 +283,15 @@ def test_the_predict_command_takes_regions(tmp_path, capsys):
     assert "every:K, every:K:S, first:N, last:N" in capsys.readouterr().err
     assert main(argv + ["--regions", "0,9"]) == 2
     assert "past the model's 4 blocks" in capsys.readouterr().err
+
+
+def test_the_fit_summary_names_the_budget_a_partial_checkpoint_needs(small):
+    """Where the step does not fit without the engine, the first line names the fastest fitting row;
+    checkpoint-partial's re-runs depend on its budget, so the line says which (checkpoint's do not)."""
+    model, tokens = small
+    fractions = (1.0, 0.75, 0.5, 0.25)
+    roomy = offload.predict(model, tokens, tokens, machine="h100-sxm", budgets=fractions)
+    memory = roomy.points[0].device_bytes - 1  # "none" no longer fits
+    tight = offload.predict(model, tokens, tokens, machine="h100-sxm", budgets=fractions, memory_bytes=memory)
+    assert "NO without the engine" in tight.fit_summary()
+    assert "yes with checkpoint-partial at 75% of the peak" in tight.fit_summary()

@@ -103,3 +103,11 @@ def test_the_predict_command_takes_a_rule(tmp_path, capsys):
     assert "goes with --selective-saves" in capsys.readouterr().err
     assert main(argv + ["--selective-rule", "torchtitan-op", "--selective-saves", "mm"]) == 2
     assert "pass one of them" in capsys.readouterr().err
+
+
+def test_a_rule_of_ones_own_runs_an_out_overload_as_a_re_run_op():
+    """As the built-in rule does (``_regions.selective.is_expensive``): an ``out=`` overload writes
+    into a tensor the caller made, so it is re-run, never stashed."""
+    rule = SelectiveRule(name="mm", saved_ops=frozenset({"mm"}))
+    assert rule.saves(torch.ops.aten.mm.default, 1) and not rule.saves(torch.ops.aten.mm.out, 1)
+    assert not rule.saves(torch.ops.aten.addmm.default, 0)
