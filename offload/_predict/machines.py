@@ -12,7 +12,10 @@ reports (``memory_source``); the compute efficiency of each GPU and the exposed 
 collectives were calibrated on published training runs (``Assumptions.flops_source`` names them;
 ``bench/results/predict-published.md`` holds the runs and the check); fused attention's fraction
 is FlashAttention-2's published one (``attention_source``); the other fractions and costs are
-assumptions, named as such and overridable (``with_assumptions``), never measured here.
+assumptions, named as such and overridable (``with_assumptions``), never measured here. A variant
+the table does not name is a named machine with some figures replaced (``replace``: a power-capped or
+96 GB part, a cloud's own, a cluster's network between nodes), each replaced figure listed in
+``given`` and marked so in the printout; ``python -m offload predict``'s machine flags do the same.
 
     Machine ──achieved_flops(), achieved_memory_gb_per_s()──▶ roofline per op (``count``)
             ├─usable_memory_bytes()──▶ "does it fit on this device"
