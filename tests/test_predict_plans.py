@@ -295,3 +295,24 @@ def test_the_fit_summary_names_the_budget_a_partial_checkpoint_needs(small):
     tight = offload.predict(model, tokens, tokens, machine="h100-sxm", budgets=fractions, memory_bytes=memory)
     assert "NO without the engine" in tight.fit_summary()
     assert "yes with checkpoint-partial at 75% of the peak" in tight.fit_summary()
+
+
+def test_the_printed_figures_are_the_points_in_mib_and_tflops(small):
+    """Oracle: the prediction's own numbers, printed in the table's units (MiB of 2**20 bytes)."""
+    model, tokens = small
+    p = offload.predict(model, tokens, tokens, machine="h100-sxm", sharded_over=8)
+    row = next(line for line in p.table().splitlines() if line.startswith("none ") and " 100% " in line).split()
+    point = p.points[0]
+    assert (point.policy, point.budget_fraction) == ("none", 1.0)
+    budget, peak, held, step, device = (float(row[i].replace(",", "")) for i in (2, 3, 4, 5, 7))
+    assert budget == pytest.approx(point.budget_bytes / MIB, abs=0.051)
+    assert peak == pytest.approx(point.peak_bytes / MIB, abs=0.051)
+    assert held == pytest.approx(point.held_bytes / MIB, abs=0.051)
+    assert step == pytest.approx(point.step_ms, abs=0.0051)
+    assert device == pytest.approx(point.device_bytes / MIB, abs=0.51)
+    text = str(p)
+    assert "compute: 0.59 of 989 TFLOP/s peak dense bf16" in text and "fp8 peak 1,979 TFLOP/s, not used" in text
+    assert f"parameters {p.parameter_bytes / MIB:,.1f} MiB" in text
+    assert f"held per GPU, sharded over 8: {p.sharding.static_bytes / MIB:,.1f} MiB" in text
+    a100 = str(offload.predict(model, tokens, tokens, machine="a100-80gb-sxm", budgets=(1.0,)))
+    assert "fp8 peak" not in a100  # the A100 has no fp8
