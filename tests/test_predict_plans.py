@@ -109,7 +109,8 @@ def test_the_hopper_machines_carry_their_dense_fp8_peak():
 
 
 def test_the_named_nodes_carry_their_network_with_its_source():
-    for name, per_gpu, adapter in (("a100-80gb-sxm", 25, "ConnectX-6"), ("h100-sxm", 50, "ConnectX-7")):
+    nodes = (("a100-80gb-sxm", 25, "ConnectX-6"), ("a100-40gb-sxm", 25, "ConnectX-6"), ("h100-sxm", 50, "ConnectX-7"))
+    for name, per_gpu, adapter in (*nodes, ("h200", 50, "ConnectX-7")):
         m = offload.machine(name)
         assert (m.gpus_per_node, m.internode_gb_per_s) == (8, per_gpu)
         assert adapter in m.internode and "DGX" in m.internode
@@ -117,6 +118,9 @@ def test_the_named_nodes_carry_their_network_with_its_source():
     per_node = {name: offload.machine(name).gpus_per_node for name in offload.machines()}
     assert per_node == {name: 1 if name == "gh200" else 8 for name in offload.machines()}  # a GH200 node: one
     assert offload.machine("l40s").internode_gb_per_s is None
+    linked = offload.machine("gh200").with_interconnect(450, "NVLink 4")  # an HGX board's 8 unless told
+    assert (linked.gpus_per_node, linked.given) == (8, ("interconnect_gb_per_s", "gpus_per_node"))
+    assert offload.machine("gh200").with_interconnect(450, "NVLink 4", gpus_per_node=4).gpus_per_node == 4
 
 
 def test_replace_makes_a_variant_with_its_figures_marked_given():
