@@ -399,7 +399,7 @@ def _run_predict(args: argparse.Namespace) -> int:
             attention_source=why,
             state=state,
             longest_in=inputs_at if args.longest else None,
-            memory_bytes=None if args.memory_gb is None else int(args.memory_gb * 1e9),
+            memory_mb=None if args.memory_gb is None else args.memory_gb * 1e9 / 2**20,
             regions=args.regions,
             selective_rule=_rule(args),
             sharded_over=args.sharded_over,

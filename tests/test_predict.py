@@ -333,7 +333,7 @@ def test_a_data_dependent_read_is_an_error_naming_it_and_a_bool_branch_is_assume
                 x = x * 2
             return x.sum()
 
-    p = predict(Branches(), torch.randn(4, 8), machine=CPU, min_offload_bytes=0)
+    p = predict(Branches(), torch.randn(4, 8), machine=CPU, min_offload_mb=0)
     assert len(p.assumed) == 1 and "test_predict.py" in p.assumed[0]
 
 
@@ -344,7 +344,7 @@ def test_longest_sequence_grows_as_a_policy_keeps_less():
         ids = torch.zeros(2, seq, dtype=torch.long)
         return (ids, ids), {}
 
-    p = predict(model, x, y, machine=CPU, regions=model.blocks, longest_in=inputs_at, memory_bytes=64 << 20)
+    p = predict(model, x, y, machine=CPU, regions=model.blocks, longest_in=inputs_at, memory_mb=64)
     longest = {x.policy: x.sequence for x in p.longest}
     assert 0 < longest["none"] < longest["recompute"]
     assert longest["checkpoint"] == longest["recompute"]
@@ -608,7 +608,7 @@ def test_the_longest_sequence_of_a_sharded_step_carries_its_collectives():
         ids = torch.zeros(2, seq, dtype=torch.long)
         return (ids, ids), {}
 
-    common = dict(machine="h100-sxm", regions=model.blocks, longest_in=inputs_at, memory_bytes=1 << 60)
+    common = dict(machine="h100-sxm", regions=model.blocks, longest_in=inputs_at, memory_mb=2**40)
     whole, sharded = predict(model, x, y, **common), predict(model, x, y, **common, sharded_over=8)
     for one, many in zip(whole.longest, sharded.longest, strict=True):
         assert one.sequence == many.sequence  # both at the search's cap: memory is no limit here

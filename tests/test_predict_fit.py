@@ -41,7 +41,7 @@ def test_fits_is_against_the_device_and_said_first():
     checkpoint = next(p for p in roomy.points if p.policy == "checkpoint")
     assert checkpoint.device_bytes < keep.device_bytes
     tight = (keep.device_bytes + checkpoint.device_bytes) // 2  # room for the checkpointed step only
-    p = predict(model, ids, ids, machine="h100-sxm", regions=model.blocks, memory_bytes=tight)
+    p = predict(model, ids, ids, machine="h100-sxm", regions=model.blocks, memory_mb=tight / 2**20)
     rows = {(q.policy, q.budget_fraction): q for q in p.points}
     assert rows["none", 1.0].fits and not rows["none", 1.0].fits_device
     assert rows["checkpoint", 1.0].fits_device

@@ -60,7 +60,7 @@ def test_auto_takes_a_plan_that_fits_the_device_where_one_does(small):
     smaller = min(p.device_bytes for p in fitting)
     assert smaller < auto_full.device_bytes
     memory = (smaller + auto_full.device_bytes) // 2  # the keep-all plan no longer fits; another does
-    tight = offload.predict(model, tokens, tokens, machine="h100-sxm", memory_bytes=memory)
+    tight = offload.predict(model, tokens, tokens, machine="h100-sxm", memory_mb=memory / 2**20)
     for fraction in (1.0, 0.5, 0.25, 0.1):
         auto = next(p for p in tight.points if p.policy == "auto" and p.budget_fraction == fraction)
         others = [
@@ -296,7 +296,7 @@ def test_the_fit_summary_names_the_budget_a_partial_checkpoint_needs(small):
     fractions = (1.0, 0.75, 0.5, 0.25)
     roomy = offload.predict(model, tokens, tokens, machine="h100-sxm", budgets=fractions)
     memory = roomy.points[0].device_bytes - 1  # "none" no longer fits
-    tight = offload.predict(model, tokens, tokens, machine="h100-sxm", budgets=fractions, memory_bytes=memory)
+    tight = offload.predict(model, tokens, tokens, machine="h100-sxm", budgets=fractions, memory_mb=memory / 2**20)
     assert "NO without the engine" in tight.fit_summary()
     assert "yes with checkpoint-partial at 75% of the peak" in tight.fit_summary()
 
@@ -320,3 +320,25 @@ def test_the_printed_figures_are_the_points_in_mib_and_tflops(small):
     assert f"held per GPU, sharded over 8: {p.sharding.static_bytes / MIB:,.1f} MiB" in text
     a100 = str(offload.predict(model, tokens, tokens, machine="a100-80gb-sxm", budgets=(1.0,)))
     assert "fp8 peak" not in a100  # the A100 has no fp8
+
+
+def test_predict_sizes_are_mib_and_the_byte_keywords_warn():
+    """``memory_mb`` and ``min_offload_mb`` (MiB, every size's unit); ``memory_bytes`` and
+    ``min_offload_bytes`` still work for a release, each with a ``DeprecationWarning`` naming the MiB
+    keyword and pointing at the caller, and give the same prediction; both memory keywords at once
+    are refused."""
+    from offload.models import GPTConfig, MiniGPT
+
+    with torch.device("meta"):
+        model = MiniGPT(GPTConfig(n_layer=2, n_embd=128, n_head=4, seq_len=64))
+    tokens = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    want = offload.predict(model, tokens, tokens, machine="h100-sxm", memory_mb=512, min_offload_mb=0)
+    with pytest.warns(DeprecationWarning, match="memory_mb") as caught:
+        got = offload.predict(model, tokens, tokens, machine="h100-sxm", memory_bytes=512 * 2**20, min_offload_mb=0)
+    assert caught[0].filename == __file__
+    assert got.memory_bytes == want.memory_bytes == 512 * 2**20
+    with pytest.warns(DeprecationWarning, match="min_offload_mb"):
+        old = offload.predict(model, tokens, tokens, machine="h100-sxm", memory_mb=512, min_offload_bytes=0)
+    assert [p.peak_bytes for p in old.points] == [p.peak_bytes for p in want.points]
+    with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
+        offload.predict(model, tokens, tokens, machine="h100-sxm", memory_mb=512, memory_bytes=1)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -99,6 +100,14 @@ def _selected(model: torch.nn.Module, regions: RegionsArg) -> RegionsArg:
     return [blocks[i] for i in selection.pick_from(len(blocks))]
 
 
+def _deprecated_bytes(old: str, new: str) -> None:
+    warnings.warn(
+        f"offload.predict({old}=...) is deprecated: pass {new}= (MiB, the unit of every size offload takes)",
+        DeprecationWarning,
+        stacklevel=3,  # the user's call: _deprecated_bytes <- predict <- the caller
+    )
+
+
 def _check_fractions(budgets: Sequence[float]) -> tuple[float, ...]:
     fractions = tuple(budgets)
     for f in fractions:
@@ -121,13 +130,15 @@ def predict(
     state: OptimizerState = MIXED_PRECISION,
     state_bytes_per_param: Optional[float] = None,
     longest_in: Optional[Callable[[int], tuple[tuple, dict]]] = None,
-    memory_bytes: Optional[int] = None,
-    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    memory_mb: Optional[float] = None,
+    min_offload_mb: float = DEFAULT_MIN_OFFLOAD_BYTES / MB,
     attention_source: str = "",
     assume: Optional[Mapping[str, float]] = None,
     sharded_over: int = 1,
     reduce_dtype: Optional[torch.dtype] = None,
     selective_rule: Union[SelectiveRule, str] = BUILT_IN,
+    memory_bytes: Optional[int] = None,
+    min_offload_bytes: Optional[int] = None,
 ) -> Prediction:
     """Predict one training step of ``model(*example_args, **example_kwargs)`` on ``machine``.
 
@@ -143,8 +154,10 @@ def predict(
     optimizer moments (default: bf16/fp16 training with fp32 master weights and Adam's moments in fp32,
     ``OptimizerState``); ``state_bytes_per_param`` overrides it with one figure. ``longest_in(seq) -> (args,
     kwargs)``: inputs at another sequence length; with it, the longest sequence fitting the device under each policy
-    is searched. ``memory_bytes``: device memory the step may use (default: the machine's usable memory,
-    ``Machine.usable_memory_bytes``). ``sharded_over``: the GPUs the parameters, gradients and optimizer state are
+    is searched. ``memory_mb``: device memory the step may use, MiB (default: the machine's usable memory,
+    ``Machine.usable_memory_bytes``). ``min_offload_mb``: as ``offload.engine``'s. ``memory_bytes`` and
+    ``min_offload_bytes``: the same in bytes, deprecated (a ``DeprecationWarning``; MiB is every size's
+    unit). ``sharded_over``: the GPUs the parameters, gradients and optimizer state are
     sharded over, as FSDP's full sharding does with a unit per region (``sharding``): the device holds its shard,
     and every step adds the exposed part of the collectives, at the slower of the links their ring crosses (the
     node's interconnect; beyond ``Machine.gpus_per_node`` GPUs, the network between nodes); 1 (the default): one
@@ -169,6 +182,15 @@ def predict(
         (True, True)
     """
     start = time.perf_counter()
+    if memory_bytes is not None:
+        _deprecated_bytes("memory_bytes", "memory_mb")
+        if memory_mb is not None:
+            raise ValueError("predict() takes memory_mb= or the deprecated memory_bytes=, not both")
+        memory_mb = memory_bytes / MB
+    if min_offload_bytes is not None:
+        _deprecated_bytes("min_offload_bytes", "min_offload_mb")
+        min_offload_mb = min_offload_bytes / MB
+    min_offload = int(min_offload_mb * MB)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     target = _machine(machine, dtype)
     if assume:
@@ -184,7 +206,7 @@ def predict(
     rule = get_rule(selective_rule) if isinstance(selective_rule, str) else selective_rule
     if not isinstance(rule, SelectiveRule):
         raise TypeError(f"selective_rule= takes a SelectiveRule or a rule's name, got {selective_rule!r}")
-    run = fake_step(model, example_args, kwargs, target, regions, attention, loss_fn, min_offload_bytes, rule)
+    run = fake_step(model, example_args, kwargs, target, regions, attention, loss_fn, min_offload, rule)
     num_parameters = sum(p.numel() for p in model.parameters())
     if state_bytes_per_param is None:
         per_param = state.bytes_per_parameter(dtype)
@@ -212,7 +234,7 @@ def predict(
     budget = None if budget_mb is None else int(budget_mb * MB)
     outside_ms = other_ms + sharding.exposed_ms  # what every plan's step adds to its regions'
     plan = plan_policy(profiles, link, policy, budget, outside_ms)
-    memory = target.usable_memory_bytes() if memory_bytes is None else int(memory_bytes)
+    memory = target.usable_memory_bytes() if memory_mb is None else int(memory_mb * MB)
     device = DeviceMemory(static_bytes=sharding.static_bytes, transient_bytes=run.transient_bytes, usable_bytes=memory)
     longest: tuple[Longest, ...] = ()
     if longest_in is not None:
@@ -225,7 +247,7 @@ def predict(
             regions,
             attention,
             loss_fn,
-            min_offload_bytes,
+            min_offload,
             memory - sharding.static_bytes,
             extra_ms=sharding.exposed_ms,
             rule=rule,
