@@ -159,7 +159,7 @@ def test_batches_on_cuda_keep_gradients_exact():
     assert stats.peak_over_budget_bytes == 0
 
 
-@pytest.mark.parametrize("delay", [0, 1], ids=["landed-before-backward", "landing-in-backward"])
+@pytest.mark.parametrize("delay", [0, 1, 6], ids=["landed-before-backward", "landing-in-backward", "landing-late"])
 @pytest.mark.parametrize("fraction", [0.5, 0.25])
 def test_backward_misses_only_its_first_reload(fraction, delay, spill_dir):
     """A chain of tanh whose saves move at a fraction of the step's bytes, into a host tier whose
@@ -213,3 +213,32 @@ def test_the_copy_call_pairs_each_destination_with_its_source():
     dsts = [torch.zeros(n, dtype=torch.uint8) for n in (3, 7, 1)]
     CudaStreams(torch.device("cpu")).copy_all(dsts, srcs)
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+
+
+def test_on_the_cpu_a_large_save_evicts_several_each_its_own_write(spill_dir):
+    """A CPU device spills straight to disk, one write a tensor: there is no batch room, but a save
+    four times the others' size puts several older ones over the point where eviction starts at
+    once, and each goes as its own write (the disk tier has no batch call). Gradients exact."""
+    small = 64 * 64
+    x0 = torch.randn(64, 64)
+
+    def run(eng=None) -> torch.Tensor:
+        x = x0.clone().requires_grad_(True)
+        with eng if eng is not None else torch.enable_grad():
+            h = x
+            for _ in range(4):
+                h = torch.tanh(h * 1.01)  # 16 KiB saves
+            big = torch.tanh(h.repeat(4, 4) * 1.01)  # one 256 KiB save: the older ones go together
+            h = big[:64, :64] * 2
+            for _ in range(2):
+                h = torch.tanh(h * 1.01)
+        h.sum().backward()
+        return x.grad
+
+    want = run()
+    eng = offload.engine(8 * small * 4 / MB, device="cpu", min_offload_mb=0, spill_dir=spill_dir)
+    got = run(eng)
+    stats = eng.stats
+    eng.close()
+    assert torch.equal(got, want)
+    assert stats.spilled_bytes >= 3 * small * 4, "several older saves went to disk"

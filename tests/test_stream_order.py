@@ -411,12 +411,14 @@ def test_each_step_on_a_new_stream_waits_on_its_own_streams_only(streams, monkey
     that may have produced a tensor still to go out, so once nothing is left hot between steps the
     streams of earlier steps drop out. Without that, the waits of the d2h stream grew with every
     step (one more fence per batch each step). Gradients exact at every step.
-    Guard: ``Store.step_started`` asking ``CudaLink.forget_producers`` when nothing is hot."""
+    The link served another engine before, closed by then: only a store still using the link
+    counts. Guard: ``Store.step_started`` asking ``CudaLink.forget_producers`` when nothing is hot,
+    and ``Store.close`` detaching from the link."""
     waits: list[int] = []
     real_wait = hb.EmulatedStream.wait_event
 
     def counting_wait(self, event):
-        if self.name.startswith("side") and self is not current_step_stream[0]:
+        if waits and self.name.startswith("side") and self is not current_step_stream[0]:
             waits[-1] += 1
         return real_wait(self, event)
 
@@ -425,6 +427,9 @@ def test_each_step_on_a_new_stream_waits_on_its_own_streams_only(streams, monkey
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.Tanh())])
     link = EmulatedCudaLink(streams)
+    earlier = _engine(link, 2 * 64 * 64 * 4 / MB)  # an engine on this link before, closed: it lets go
+    _grads(model, torch.randn(64, 64), earlier)
+    earlier.close()
     eng = _engine(link, 2 * 64 * 64 * 4 / MB)
     for step in range(6):
         x = torch.randn(64, 64)
