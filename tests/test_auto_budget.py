@@ -415,40 +415,44 @@ def test_a_leaving_tensor_backward_uses_as_the_budget_falls_is_not_over_it():
     assert stats.peak_over_budget_bytes == 0
 
 
+def _moved_under_falling_free_memory() -> tuple:
+    """Twelve 256 KiB tanh saves under ``budget_mb="auto"`` whose free memory the saves take, so
+    most move (into a host tier over ``DeferredLink``); then free memory is plentiful again. Returns
+    (the engine, the free-memory cell, the saved outputs, the last output, x, the gradient without
+    the engine)."""
+    free = {"bytes": 2 * MB}
+    reading = FreeMemory(read=lambda: free["bytes"], reread_bytes=0)  # reads no engine state: the link locks
+    eng = offload.engine(
+        "auto",
+        reserve_mb=1,
+        min_offload_mb=0,
+        device="cpu",
+        seams=offload.Seams(memory=reading, link=DeferredLink(delay=1)),
+    )
+    x = torch.randn(256, 256, requires_grad=True)
+    h = x
+    for _ in range(12):
+        h = torch.tanh(h * 1.01)
+    want = torch.autograd.grad(h.sum(), x)[0]
+    hs: list[torch.Tensor] = []
+    with eng:
+        h = x
+        for _ in range(12):
+            h = torch.tanh(h * 1.01)  # 256 KiB saved each
+            hs.append(h)
+            free["bytes"] = max(0, free["bytes"] - 256 * 1024)  # the saves take free memory
+    assert eng.stats.offloaded_bytes >= 2 * MB, "the premise: most saves moved"
+    free["bytes"] = PLENTY  # backward starts with the device free: the moved saves are read back ahead
+    return eng, free, hs, h, x, want
+
+
 def test_loads_read_ahead_go_back_when_the_budget_falls_in_backward():
     """Backward starts with free memory plentiful, so the store reads the moved saves back ahead
     of their users; partway through, someone else takes the device. The loads no user has read yet
     must go back (the ones needed last first) so the engine holds no more than the budget now in
     force; they are read again when their turn comes. Gradients exact. (With the give-back
     removed, the loads stay and the peak over the budget is most of them: shown once, by hand.)"""
-    free = {"bytes": 2 * MB}
-    eng = offload.engine(
-        "auto",
-        reserve_mb=1,
-        memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0),  # reads no engine state: the link locks
-        min_offload_mb=0,
-        device="cpu",
-        link=DeferredLink(delay=1),
-    )
-    x = torch.randn(256, 256, requires_grad=True)
-
-    def forward(taken: list) -> torch.Tensor:
-        h = x
-        for _ in range(12):
-            h = torch.tanh(h * 1.01)  # 256 KiB saved each
-            taken.append(h)
-        return h
-
-    want = torch.autograd.grad(forward([]).sum(), x)[0]
-    hs: list[torch.Tensor] = []
-    with eng:
-        h = x
-        for _ in range(12):
-            h = torch.tanh(h * 1.01)
-            hs.append(h)
-            free["bytes"] = max(0, free["bytes"] - 256 * 1024)  # the saves take free memory
-    assert eng.stats.offloaded_bytes >= 2 * MB, "the premise: most saves moved"
-    free["bytes"] = PLENTY  # backward starts with the device free: the moved saves are read back ahead
+    eng, free, hs, h, x, want = _moved_under_falling_free_memory()
 
     def someone_takes_the_device(grad: torch.Tensor) -> None:
         free["bytes"] = 0
@@ -467,27 +471,7 @@ def test_loads_given_back_are_read_ahead_again_when_room_returns():
     the prefetch must read them ahead again, not leave each to a miss at its unpack. The prefetch
     walks past loads it has started (See Note: [the prefetch walk] in ``offload._memory.store``);
     a load given back must send it back over them. Gradients exact."""
-    free = {"bytes": 2 * MB}
-    eng = offload.engine(
-        "auto",
-        reserve_mb=1,
-        min_offload_mb=0,
-        device="cpu",
-        seams=offload.Seams(memory=FreeMemory(read=lambda: free["bytes"], reread_bytes=0), link=DeferredLink(delay=1)),
-    )
-    x = torch.randn(256, 256, requires_grad=True)
-    h = x
-    for _ in range(12):
-        h = torch.tanh(h * 1.01)
-    want = torch.autograd.grad(h.sum(), x)[0]
-    hs: list[torch.Tensor] = []
-    with eng:
-        h = x
-        for _ in range(12):
-            h = torch.tanh(h * 1.01)
-            hs.append(h)
-            free["bytes"] = max(0, free["bytes"] - 256 * 1024)
-    free["bytes"] = PLENTY
+    eng, free, hs, h, x, want = _moved_under_falling_free_memory()
 
     def someone_takes_the_device(grad: torch.Tensor) -> None:
         free["bytes"] = 0
